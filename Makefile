@@ -1,0 +1,28 @@
+# The two commands a new user runs. Both set up a local virtual environment first.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+NPROC   ?= 2
+
+.PHONY: install demo test bench clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/deepshard --num_gpus $(NPROC) examples/train_gpt.py --deepspeed_config examples/ds_config.json
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

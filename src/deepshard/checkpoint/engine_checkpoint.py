@@ -1,0 +1,155 @@
+"""Saving and loading an engine: orchestrates ranks, staging, the manifest and the ``latest`` file.
+
+Layout of ``save_dir/<tag>/``: the strategy's files (``model.safetensors``, ``optimizer.safetensors`` +
+``optimizer.json`` for stage 0), ``engine.json`` + ``engine.safetensors`` (counters, loss scaler, LR
+scheduler, client_state), ``rng_rank<r>.safetensors`` per rank, and ``manifest.json`` (size and sha256 of
+every file). Everything is written into ``save_dir/.tmp-<tag>`` first and renamed into place by rank 0
+after all ranks finished, so a crash mid-save leaves the previous checkpoint whole. Loading never
+unpickles.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint.state import flatten_state, unflatten_state
+from deepshard.utils.logging import logger
+
+if TYPE_CHECKING:
+    from deepshard.engine import DeepShardEngine
+
+ENGINE_JSON = "engine.json"
+ENGINE_TENSORS = "engine.safetensors"
+FORMAT_VERSION = 1
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def _rng_state(device_kind: str) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device_kind == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str | None,
+                           client_state: dict[str, Any], save_latest: bool,
+                           exclude_frozen_parameters: bool) -> bool:
+    tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    comm, rank = engine.comm, engine.comm.rank
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        staging = ckpt_io.staging_dir(save_dir, tag)
+    comm.barrier()
+    staging = _staging_path(save_dir, tag)
+    files = list(engine.strategy.save(staging, rank))  # type: ignore[union-attr]
+    ckpt_io.save_tensors(staging / _rng_file(rank), _rng_state(engine.accelerator.kind))
+    files.append(_rng_file(rank))
+    if rank == 0:
+        files += _save_engine_state(engine, staging, client_state, tag)
+    all_files = _gather_file_lists(engine, files)
+    comm.barrier()
+    if rank == 0:
+        ckpt_io.write_manifest(staging, sorted(set(all_files)))
+        ckpt_io.commit_staging(staging, save_dir / tag)
+        if save_latest:
+            ckpt_io.write_latest(save_dir, tag)
+        logger.info("saved checkpoint %s", save_dir / tag)
+    comm.barrier()
+    return True
+
+
+def _staging_path(save_dir: Path, tag: str) -> Path:
+    """Where every rank writes before rank 0 publishes (``checkpoint.io.staging_dir`` creates it)."""
+    return save_dir / f".tmp-{tag}"
+
+
+def _gather_file_lists(engine: "DeepShardEngine", files: list[str]) -> list[str]:
+    import torch.distributed as dist
+
+    if engine.comm.size == 1:
+        return files
+    gathered: list[Any] = [None] * engine.comm.size
+    dist.all_gather_object(gathered, files, group=engine.comm.group)
+    return [f for part in gathered for f in part]
+
+
+def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state: dict[str, Any],
+                       tag: str) -> list[str]:
+    state = {
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "client_state": client_state,
+    }
+    tensors, skeleton = flatten_state(state)
+    meta = {
+        "format": "deepshard-engine", "version": FORMAT_VERSION, "tag": tag,
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
+        "param_dtype": str(engine.precision.param_dtype),
+        "state": skeleton,
+    }
+    ckpt_io.save_tensors(directory / ENGINE_TENSORS, tensors)
+    ckpt_io.save_json(directory / ENGINE_JSON, meta)
+    return [ENGINE_TENSORS, ENGINE_JSON]
+
+
+def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str | None, strict: bool,
+                           load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                           load_module_only: bool) -> tuple[str | None, dict | None]:
+    if tag is None:
+        tag = ckpt_io.read_latest(load_dir)
+        if tag is None:
+            logger.warning("no 'latest' file in %s: nothing loaded; pass tag=... to load a specific "
+                           "checkpoint", load_dir)
+            return None, None
+    path = load_dir / str(tag)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
+                                f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
+    ckpt_io.verify_manifest(path)
+    meta = ckpt_io.load_json(path / ENGINE_JSON)
+    engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
+    state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    if load_module_only:
+        return str(path), state.get("client_state", {})
+    engine.global_steps = int(meta["global_steps"])
+    engine.global_samples = int(meta["global_samples"])
+    engine.micro_steps = int(meta["micro_steps"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["scheduler"])
+    rng_path = path / _rng_file(engine.comm.rank)
+    if rng_path.exists() and int(meta.get("dp_world_size", -1)) == engine.dp_world_size:
+        rng = ckpt_io.load_tensors(rng_path)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and engine.accelerator.kind == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    engine.comm.barrier()
+    return str(path), state.get("client_state", {})
+
+
+def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
+                     exclude_frozen_parameters: bool) -> bool:
+    if engine.comm.rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v.detach().cpu() for k, v in engine.module.state_dict().items()
+                 if not (exclude_frozen_parameters and k in frozen)}
+        target = save_dir / filename
+        if filename.endswith(".safetensors"):
+            ckpt_io.save_tensors(target, state)
+        else:
+            tmp = target.with_name(target.name + ".tmp")
+            torch.save({k: v.clone() for k, v in state.items()}, tmp)
+            tmp.replace(target)
+        logger.info("saved 16-bit model weights to %s", target)
+    engine.comm.barrier()
+    return True

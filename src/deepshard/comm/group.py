@@ -1,0 +1,121 @@
+"""A communication group: one torch.distributed process group plus the counters for its collectives.
+
+Every collective the library issues goes through a ``CommGroup`` so that bytes are counted (the comms
+logger) and a world of size 1 needs no process group at all. Groups are objects passed to whoever needs
+them: there is no module-level process-group state, so several engines can live in one process.
+
+gloo has no reduce-scatter; ``reduce_scatter_tensor`` falls back to an all-reduce plus a slice there and
+counts what the collective actually moved.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from deepshard.comm.logger import CommsLogger
+
+Work = Optional[dist.Work]
+
+
+class _DoneWork:
+    """Stands in for an async handle when nothing was sent (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class CommGroup:
+    """Collectives over ``group`` (None = the default world group), counted by ``logger``."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, logger: Optional[CommsLogger] = None) -> None:
+        self.group = group
+        self.logger = logger if logger is not None else CommsLogger()
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
+        else:
+            self.rank, self.size, self.backend = 0, 1, "none"
+
+    # ----------------------------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM):
+        """Sum ``tensor`` in place over the group."""
+        if self.size == 1:
+            return _DoneWork() if async_op else None
+        self.logger.record("all_reduce", tensor.numel(), tensor.element_size(), 2.0)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Concatenate each rank's equally-sized ``shard`` into ``output`` (rank order)."""
+        if self.size == 1:
+            output.copy_(shard.reshape(output.shape))
+            return _DoneWork() if async_op else None
+        self.logger.record("all_gather", output.numel(), output.element_size())
+        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """Sum ``full`` over ranks and leave this rank's equal slice in ``output``."""
+        if self.size == 1:
+            output.copy_(full.reshape(output.shape))
+            return _DoneWork() if async_op else None
+        if self.backend == "gloo":
+            # gloo implements no reduce-scatter: all-reduce a copy, keep our slice (synchronous).
+            self.logger.record("reduce_scatter(all_reduce)", full.numel(), full.element_size(), 2.0)
+            tmp = full.clone()
+            dist.all_reduce(tmp, group=self.group)
+            n = output.numel()
+            output.copy_(tmp.view(-1)[self.rank * n:(self.rank + 1) * n].view_as(output))
+            return _DoneWork() if async_op else None
+        self.logger.record("reduce_scatter", full.numel(), full.element_size())
+        return dist.reduce_scatter_tensor(output, full, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Broadcast from group rank ``src``."""
+        if self.size == 1:
+            return _DoneWork() if async_op else None
+        self.logger.record("broadcast", tensor.numel(), tensor.element_size())
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------------------------- helpers
+    def all_reduce_max_flag(self, flag: bool) -> bool:
+        """True when ``flag`` is true on any rank (used for fp16 overflow agreement)."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self._device())
+        self.logger.record("all_reduce(flag)", 1, 4, 2.0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item() > 0)
+
+    def all_reduce_sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a 0-d/1-element tensor over ranks; returns a new tensor."""
+        if self.size == 1:
+            return value
+        t = value.detach().clone().reshape(1)
+        self.logger.record("all_reduce(scalar)", 1, t.element_size(), 2.0)
+        dist.all_reduce(t, group=self.group)
+        return t.reshape(value.shape)
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Broadcast a small picklable Python object (only ever our own metadata, never loaded files)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast_object_list(box, src=global_src, group=self.group)
+        return box[0]
+
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

@@ -1,0 +1,343 @@
+"""The engine a training script holds: forward, backward, step, checkpoints.
+
+It owns the training-loop contract (micro-step counting, the accumulation boundary, fp16 loss scaling,
+clipping, scheduler stepping, logging, checkpoints) and delegates where model states live and how
+gradients are reduced to one strategy object per ZeRO stage (``deepshard.zero``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from deepshard.accelerator import Accelerator
+from deepshard.comm.group import CommGroup
+from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
+from deepshard.utils.logging import logger
+from deepshard.zero.strategy import ZeroStrategy
+
+
+class DeepShardEngine(torch.nn.Module):
+    """Returned by ``deepshard.initialize``; DeepSpeed's ``DeepSpeedEngine`` contract.
+
+    Unknown attributes fall through to the wrapped ``module``.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: Any, accelerator: Accelerator, comm: CommGroup,
+                 world_size: int, global_rank: int, local_rank: int) -> None:
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.accelerator = accelerator
+        self.comm = comm
+        self.comms_logger = comm.logger
+        self.world_size = world_size
+        self.global_rank = global_rank
+        self.local_rank = local_rank
+        self.dp_world_size = comm.size
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
+        self.strategy: ZeroStrategy | None = None
+        self.precision = PrecisionPolicy()
+        self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
+        self.monitor: Any = None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+        self._no_sync_depth = 0
+        self._boundary_override: bool | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    # ------------------------------------------------------------------------------ attributes
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise AttributeError(f"'{type(self).__name__}' object (and its module "
+                                 f"{type(module).__name__}) has no attribute '{name}'") from None
+
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the accumulation steps (micro batch stays)."""
+        micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
+        if train_batch_size <= 0 or train_batch_size % (micro * dp) != 0:
+            raise ValueError(f"train_batch_size ({train_batch_size}) must be a positive multiple of "
+                             f"train_micro_batch_size_per_gpu ({micro}) * data-parallel size ({dp}) = {micro * dp}")
+        self._config.gradient_accumulation_steps = train_batch_size // (micro * dp)
+        self._config.train_batch_size = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch; the accumulation steps stay, so the global batch changes."""
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro batch size ({micro_batch_size}) must be > 0")
+        self._config.train_micro_batch_size_per_gpu = micro_batch_size
+        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return bool(self._config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self._config.bf16.enabled)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", (g.get("momentum"),))[0] if "betas" in g else g.get("momentum")
+                for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    # ---------------------------------------------------------------------- accumulation boundary
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self._config.managed_gradient_accumulation:
+            return True
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary (Accelerate does this); pass the value for every micro-step."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the gradient reduction (local accumulation only)."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
+                               "gradients are partitioned as they are produced; use gradient_accumulation_steps")
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # ------------------------------------------------------------------------------- training
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        inputs = self.precision.cast_inputs(inputs)
+        kwargs = self.precision.cast_inputs(kwargs)
+        out = self.module(*inputs, **kwargs)
+        self._timers["forward"] += time.perf_counter() - start
+        return out
+
+    def _prepare_backward(self) -> None:
+        reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
+        self._strategy().begin_backward(reduce)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
+        self._check_loss(loss)
+        self._last_loss = loss.detach()
+        if self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        self._prepare_backward()
+        return loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); gradients are
+        reduced across data-parallel ranks at the accumulation boundary. Returns the scaled loss."""
+        start = time.perf_counter()
+        self._check_loss(loss)
+        self._last_loss = loss.detach()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
+        self._prepare_backward()
+        scaled.backward(retain_graph=retain_graph)
+        self._strategy().end_backward()
+        self._timers["backward"] += time.perf_counter() - start
+        return loss
+
+    @staticmethod
+    def _check_loss(loss: torch.Tensor) -> None:
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}; reduce it first "
+                             "(e.g. loss.mean())")
+        if not loss.requires_grad:
+            raise ValueError("the loss passed to engine.backward does not require grad: was it computed "
+                             "under torch.no_grad(), or are all parameters frozen?")
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Apply the update at the accumulation boundary (clipping, fp16 overflow skip, LR schedule);
+        a no-op between boundaries except for counting the micro-step."""
+        if self._no_sync_depth > 0:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync() block "
+                               "for the micro-step that should synchronize and step")
+        start = time.perf_counter()
+        self._strategy().end_backward()
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self._timers["step"] += time.perf_counter() - start
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        strategy = self._strategy()
+        scale = self.loss_scaler.scale
+        norm = strategy.global_grad_norm(scale)
+        self._global_grad_norm = norm
+        if not math.isfinite(norm):
+            old = scale
+            self.loss_scaler.update(True)
+            self.skipped_steps += 1
+            logger.warning("rank %d: step %d skipped: gradient overflow (norm %s); loss scale %g -> %g "
+                           "(%d steps skipped so far)", self.global_rank, self.global_steps, norm, old,
+                           self.loss_scaler.scale, self.skipped_steps)
+        else:
+            multiplier = 1.0 / scale
+            clip = float(self._config.gradient_clipping or 0.0)
+            if clip > 0:
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    multiplier *= coef
+            strategy.step(multiplier)
+            self.loss_scaler.update(False)
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        strategy.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""
+        self._strategy().zero_grad()
+
+    def _strategy(self) -> ZeroStrategy:
+        if self.strategy is None:
+            raise RuntimeError("the engine has no strategy: build it with deepshard.initialize()")
+        return self.strategy
+
+    # ----------------------------------------------------------------------------- reporting
+    def _report_step(self) -> None:
+        loss = float(self._last_loss.float().item()) if self._last_loss is not None else float("nan")
+        if self.monitor is not None and self.monitor.enabled:
+            events = [("Train/Samples/train_loss", loss, self.global_samples),
+                      ("Train/Samples/lr", self.get_lr()[0] if self.get_lr() else 0.0, self.global_samples)]
+            if self.fp16_enabled():
+                events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
+            self.monitor.write_events(events)
+        every = self._config.steps_per_print
+        if every and self.global_steps % every == 0 and self.global_rank == 0:
+            lr = ", ".join(f"{x:.4g}" for x in self.get_lr())
+            logger.info("step=%d skipped=%d lr=[%s] loss=%.4f grad_norm=%.4g%s", self.global_steps,
+                        self.skipped_steps, lr, loss, self._global_grad_norm or 0.0,
+                        f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
+            if self._config.wall_clock_breakdown:
+                t = self._timers
+                logger.info("time (ms) over the last %d steps: forward %.1f | backward %.1f | step %.1f", every,
+                            t["forward"] * 1e3, t["backward"] * 1e3, t["step"] * 1e3)
+                self._timers = {k: 0.0 for k in t}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this process holds per category (parameters, gradients, master_weights,
+        optimizer_state, buffers, comm_buckets) and their total."""
+        report = dict(self._strategy().memory_report())
+        report["total"] = sum(report.values())
+        return report
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save a checkpoint under ``save_dir/tag`` (default tag ``global_step{N}``). Every rank must call
+        it. Atomic: a crash mid-save leaves the previous checkpoint whole."""
+        from deepshard.checkpoint.engine_checkpoint import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, Path(save_dir), tag, client_state or {}, save_latest,
+                                      exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None
+                        ) -> tuple[str | None, dict | None]:
+        """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``); returns ``(path, client_state)``,
+        or ``(None, None)`` when there is nothing to load."""
+        from deepshard.checkpoint.engine_checkpoint import load_engine_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("custom_load_fn is not supported; load the module state yourself "
+                                      "after load_checkpoint(..., load_module_only=True)")
+        return load_engine_checkpoint(self, Path(load_dir), tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the module's weights in its compute dtype (rank 0). ``*.safetensors`` names give a
+        safetensors file; other names a ``torch.save`` file (what Hugging Face expects of ``*.bin``)."""
+        from deepshard.checkpoint.engine_checkpoint import save_16bit_model
+
+        return save_16bit_model(self, Path(save_dir), save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> Any:
+        """A DataLoader giving this rank its share of each global batch."""
+        from deepshard.data import build_dataloader
+
+        if data_sampler is not None:
+            return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                               sampler=data_sampler, collate_fn=collate_fn)
+        return build_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
+                                self.comm.rank, self.dp_world_size, collate_fn,
+                                drop_last=self._config.dataloader_drop_last,
+                                pin_memory=pin_memory and self.accelerator.kind == "cuda",
+                                num_workers=num_local_io_workers or 0)
+
+    def destroy(self) -> None:
+        """Remove the strategy's hooks and close monitors; the engine is unusable afterwards."""
+        if self.strategy is not None and hasattr(self.strategy, "reducer"):
+            self.strategy.reducer.remove_hooks()
+        if self.monitor is not None:
+            self.monitor.close()

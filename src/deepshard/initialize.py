@@ -1,0 +1,167 @@
+"""``deepshard.initialize``: config -> process group -> engine with its strategy, optimizer, scheduler."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterable
+
+import torch
+
+from deepshard.accelerator import Accelerator, get_accelerator
+from deepshard.comm.group import CommGroup
+from deepshard.config import DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.distributed import init_distributed
+from deepshard.engine import DeepShardEngine
+from deepshard.precision import PrecisionPolicy
+from deepshard.utils.logging import logger
+from deepshard.zero.master import check_optimizer_params, trainable_params
+from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+
+
+def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
+               optimizer: OptimizerArg = None, model_parameters: Iterable[Any] | None = None,
+               training_data: torch.utils.data.Dataset | None = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable[..., Any] | None = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple[DeepShardEngine, Any, Any, Any]:
+    """Wrap ``model`` for distributed training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``optimizer`` (an instance, or a callable taking the parameters) wins over the config's
+    ``optimizer`` section; ``lr_scheduler`` (an instance, or a callable taking the optimizer) wins over
+    ``scheduler``. ``config`` is a dict, a JSON path or base64 JSON; or pass ``args.deepspeed_config``.
+    The dataloader is None unless ``training_data`` is given.
+    """
+    if model is None:
+        raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("mpu= / mesh_param= (model parallelism) are not supported yet; "
+                                  "deepshard currently trains with data parallelism only")
+    if config is not None and config_params is not None:
+        raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
+    source = resolve_config_source(args, config if config is not None else config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    import torch.distributed as dist
+
+    accelerator = get_accelerator()
+    comm = CommGroup(group=None)
+    cfg = load_config(source, dp_world_size=comm.size)
+    engine = _build_engine(model, cfg, accelerator, comm, dist.get_rank(), optimizer, model_parameters,
+                           lr_scheduler)
+    if training_data is not None:
+        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accelerator, comm: CommGroup,
+                  global_rank: int, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None,
+                  lr_scheduler: Any) -> DeepShardEngine:
+    import os
+
+    model.to(accelerator.device)
+    broadcast_module(model, comm)
+    engine = DeepShardEngine(model, cfg, accelerator, comm, world_size=comm.size, global_rank=global_rank,
+                             local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    engine.precision = precision_policy(cfg)
+    engine.optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
+    engine.strategy = build_strategy(model, engine.optimizer, cfg, comm, engine.precision, accelerator)
+    engine.lr_scheduler = build_lr_scheduler(cfg, engine.optimizer, lr_scheduler)
+    engine.monitor = build_monitor(cfg, global_rank)
+    comm.logger.enabled = bool(cfg.comms_logger.enabled)
+    comm.logger.verbose = bool(cfg.comms_logger.verbose)
+    comm.logger.reset()  # count training traffic only, not the initial broadcast
+    if global_rank == 0:
+        logger.info("deepshard engine: ZeRO stage %d, %d data-parallel process(es), %s on %s, micro batch %d x "
+                    "accumulation %d = global batch %d", cfg.zero_optimization.stage, comm.size,
+                    engine.precision.param_dtype, accelerator.device, cfg.train_micro_batch_size_per_gpu,
+                    cfg.gradient_accumulation_steps, cfg.train_batch_size)
+    return engine
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one flat broadcast per dtype)."""
+    if comm.size == 1:
+        return
+    tensors = list(module.parameters()) + list(module.buffers())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
+    param_dtype = cfg.model_dtype
+    comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
+    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype)
+
+
+def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,
+                           model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
+    """The user's optimizer wins over the config's; a callable receives the parameters."""
+    params = list(model_parameters) if model_parameters is not None else trainable_params(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            logger.info("the optimizer passed to initialize() is used; the config's optimizer section is ignored")
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    elif optimizer is not None:
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable returning one, "
+                        f"got {type(optimizer).__name__}")
+    elif cfg.optimizer is not None:
+        from deepshard.optim import build_optimizer
+
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
+    else:
+        return None
+    check_optimizer_params(model, opt)
+    return opt
+
+
+def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
+                   comm: CommGroup, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
+    stage = cfg.zero_optimization.stage
+    ctx = StrategyContext(comm=comm, precision=precision, zero_config=cfg.zero_optimization,
+                          device=accelerator.device,
+                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+                          prescale_gradients=bool(cfg.prescale_gradients),
+                          average_gradients=cfg.gradient_allreduce_op != "sum")
+    if stage == 0:
+        from deepshard.zero.stage0 import Stage0Strategy
+
+        return Stage0Strategy(model, optimizer, ctx)
+    raise NotImplementedError(
+        f"zero_optimization.stage {stage} is not implemented in this version of deepshard; "
+        "set \"zero_optimization\": {\"stage\": 0} (plain data parallelism) for now")
+
+
+def build_lr_scheduler(cfg: DeepShardConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ValueError(f"the config's scheduler ({cfg.scheduler.type}) needs an optimizer: add an "
+                         "\"optimizer\" section or pass optimizer=...")
+    from deepshard.optim import build_scheduler
+
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+
+
+def build_monitor(cfg: DeepShardConfig, rank: int) -> Any:
+    if not (cfg.tensorboard.enabled or cfg.csv_monitor.enabled or cfg.wandb.enabled):
+        return None
+    from deepshard.monitor import MonitorMaster
+
+    return MonitorMaster(cfg.tensorboard, cfg.csv_monitor, cfg.wandb, rank)

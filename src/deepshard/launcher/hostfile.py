@@ -1,0 +1,198 @@
+"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes.
+
+A hostfile lists one machine per line with the number of process slots (GPUs, or processes on a CPU
+machine) it offers::
+
+    # comment
+    worker-0 slots=4
+    worker-1 slots=4   # trailing comment
+
+A node spec, as DeepSpeed's ``--include`` / ``--exclude`` take it, is ``NODE[@NODE...]`` with
+``NODE = HOST[:SLOT[,SLOT...]]``, e.g. ``worker-0@worker-1:0,2``.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+HOSTFILE_FORM = "'<hostname> slots=<count>', e.g. 'worker-1 slots=4'"
+NODE_SPEC_FORM = "'HOST[:SLOT[,SLOT...]][@HOST[:SLOT...]...]', e.g. 'worker-0@worker-1:0,2'"
+
+_HOST_LINE = re.compile(r"^(\S+)\s+slots\s*=\s*(\d+)$")
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
+    """Parse hostfile ``text`` into ``{host: slots}`` in file order.
+
+    ``#`` starts a comment (whole line or trailing); blank lines are skipped. A malformed line, a
+    host listed twice, a host with zero slots, or a file with no hosts raises ``ValueError`` naming
+    ``source``, the line number and the line.
+    """
+    hosts: dict[str, int] = {}
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _HOST_LINE.match(line)
+        if match is None:
+            raise ValueError(
+                f"{source}:{lineno}: cannot parse {raw.strip()!r}; each line must read {HOSTFILE_FORM}")
+        host, slots = match.group(1), int(match.group(2))
+        if host in hosts:
+            raise ValueError(
+                f"{source}:{lineno}: host {host!r} is listed again ({raw.strip()!r}); it was first "
+                f"listed on line {first_line[host]}; list each host once with its total slots")
+        if slots < 1:
+            raise ValueError(
+                f"{source}:{lineno}: host {host!r} has slots={slots}; a host needs at least 1 slot "
+                "(remove the line to leave the host out)")
+        hosts[host] = slots
+        first_line[host] = lineno
+    if not hosts:
+        raise ValueError(f"{source} lists no hosts; add lines of the form {HOSTFILE_FORM}")
+    return hosts
+
+
+def read_hostfile(path: str) -> dict[str, int] | None:
+    """Read and parse the hostfile at ``path``; ``None`` when no such file exists."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return parse_hostfile(handle.read(), source=path)
+
+
+def _parse_slots(host: str, text: str, spec: str) -> list[int]:
+    slots: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            raise ValueError(
+                f"node spec {spec!r}: slot {item!r} of host {host!r} is not a non-negative integer; "
+                f"expected {NODE_SPEC_FORM}")
+        slots.append(int(item))
+    return slots
+
+
+def parse_node_spec(spec: str) -> dict[str, list[int] | None]:
+    """Parse ``worker-0@worker-1:0,2`` into ``{"worker-0": None, "worker-1": [0, 2]}``.
+
+    ``None`` means every slot of that host. A host named twice has its slot lists merged.
+    """
+    result: dict[str, list[int] | None] = {}
+    for part in spec.split("@"):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"node spec {spec!r} has an empty entry between '@'s; expected {NODE_SPEC_FORM}")
+        host, sep, slot_text = part.partition(":")
+        host = host.strip()
+        if not host:
+            raise ValueError(f"node spec {spec!r}: entry {part!r} has no host name; expected {NODE_SPEC_FORM}")
+        slots = _parse_slots(host, slot_text, spec) if sep else None
+        if host in result:
+            previous = result[host]
+            merged = None if previous is None or slots is None else sorted(set(previous) | set(slots))
+            result[host] = merged
+        else:
+            result[host] = sorted(set(slots)) if slots is not None else None
+    return result
+
+
+def _check_known(resources: dict[str, int], spec: dict[str, list[int] | None], flag: str) -> None:
+    for host, slots in spec.items():
+        if host not in resources:
+            raise ValueError(
+                f"{flag} names host {host!r}, which is not in the hostfile (hosts: "
+                f"{', '.join(resources) or 'none'}); fix the name or add '{host} slots=N' to the hostfile")
+        for slot in slots or []:
+            if slot >= resources[host]:
+                raise ValueError(
+                    f"{flag} names slot {slot} of host {host!r}, which has {resources[host]} slots "
+                    f"(0..{resources[host] - 1}); pick slots in that range")
+
+
+def _apply_include(resources: dict[str, int], include: str) -> dict[str, list[int]]:
+    spec = parse_node_spec(include)
+    _check_known(resources, spec, f"--include {include!r}")
+    active: dict[str, list[int]] = {}
+    for host, count in resources.items():
+        if host in spec:
+            chosen = spec[host]
+            active[host] = list(range(count)) if chosen is None else chosen
+    return active
+
+
+def _apply_exclude(resources: dict[str, int], exclude: str) -> dict[str, list[int]]:
+    spec = parse_node_spec(exclude)
+    _check_known(resources, spec, f"--exclude {exclude!r}")
+    active: dict[str, list[int]] = {}
+    for host, count in resources.items():
+        dropped = spec.get(host, [])
+        if dropped is None:
+            continue
+        kept = [slot for slot in range(count) if slot not in dropped]
+        if kept:
+            active[host] = kept
+    return active
+
+
+def _apply_counts(resources: dict[str, int], num_nodes: int, num_gpus: int) -> dict[str, list[int]]:
+    hosts = list(resources)
+    if num_nodes != -1:
+        if num_nodes < 1:
+            raise ValueError(f"--num_nodes {num_nodes} must be >= 1 (or -1 for every host)")
+        if num_nodes > len(hosts):
+            raise ValueError(
+                f"--num_nodes {num_nodes} asks for more hosts than the {len(hosts)} available "
+                f"({', '.join(hosts)}); lower --num_nodes or add hosts to the hostfile")
+        hosts = hosts[:num_nodes]
+    if num_gpus != -1 and num_gpus < 1:
+        raise ValueError(f"--num_gpus {num_gpus} must be >= 1 (or -1 for every slot)")
+    active: dict[str, list[int]] = {}
+    for host in hosts:
+        count = resources[host]
+        if num_gpus != -1 and num_gpus > count:
+            raise ValueError(
+                f"--num_gpus {num_gpus} asks for more slots than host {host!r} has ({count}); "
+                f"lower --num_gpus to at most {count} or raise that host's slots")
+        active[host] = list(range(count if num_gpus == -1 else num_gpus))
+    return active
+
+
+def resolve_resources(resources: dict[str, int], include: str = "", exclude: str = "",
+                      num_nodes: int = -1, num_gpus: int = -1) -> dict[str, list[int]]:
+    """Select the slots to launch on: ``{host: [slot, ...]}`` in hostfile order.
+
+    ``include`` keeps only the named hosts/slots; ``exclude`` removes them (a host with no slot left
+    disappears); ``num_nodes`` keeps the first N hosts and ``num_gpus`` slots ``[0, N)`` of each.
+    Include/exclude cannot be combined with each other or with the counts.
+    """
+    if include and exclude:
+        raise ValueError(f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; "
+                         "give only one of them")
+    if (include or exclude) and (num_nodes != -1 or num_gpus != -1):
+        raise ValueError(
+            "Cannot specify num_nodes/gpus with include/exclude: got "
+            f"--num_nodes {num_nodes} --num_gpus {num_gpus} with "
+            f"{'--include ' + repr(include) if include else '--exclude ' + repr(exclude)}; "
+            "either drop --num_nodes/--num_gpus or list the slots in the node spec, "
+            "e.g. --include 'worker-0:0,1@worker-1:0,1'")
+    if include:
+        active = _apply_include(resources, include)
+    elif exclude:
+        active = _apply_exclude(resources, exclude)
+    else:
+        active = _apply_counts(resources, num_nodes, num_gpus)
+    if not active:
+        raise ValueError(f"no slots left to launch on (hosts {dict(resources)}, include {include!r}, "
+                         f"exclude {exclude!r}); keep at least one slot")
+    return active
+
+
+def assign_ranks(active: dict[str, list[int]]) -> list[tuple[str, int, int, int]]:
+    """Number the selected slots: ``(host, local_rank, slot, global_rank)``, hosts in order, then slots."""
+    ranks: list[tuple[str, int, int, int]] = []
+    for host, slots in active.items():
+        for local_rank, slot in enumerate(slots):
+            ranks.append((host, local_rank, slot, len(ranks)))
+    return ranks

@@ -1,0 +1,177 @@
+"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions.
+
+The functions here only compute; :func:`run_local` hands the result to :mod:`.supervisor`, which
+starts the processes, forwards their output and stops every rank when one fails.
+
+Each rank gets the environment ``torch.distributed``'s ``env://`` rendezvous and DeepSpeed scripts
+expect: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``CROSS_RANK`` (the node index, 0 here) and ``CROSS_SIZE`` (the node count, 1), plus
+``CUDA_VISIBLE_DEVICES`` on CUDA and ``OMP_NUM_THREADS`` so N ranks do not oversubscribe the cores.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything needed to start one local rank."""
+
+    rank: int
+    local_rank: int
+    slot: int
+    cmd: list[str]
+    env: dict[str, str]
+    cores: tuple[int, ...] | None = field(default=None)
+    """CPU cores the process is pinned to (``--bind_cores_to_rank``), or ``None`` for no pinning."""
+
+
+def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int, *,
+                       module: bool = False, no_python: bool = False, no_local_rank: bool = False,
+                       python: str = sys.executable) -> list[str]:
+    """The argv of one rank: ``python -u script args`` (``-m module`` with ``module``, the bare
+    ``script`` with ``no_python``), then ``--local_rank=N`` unless ``no_local_rank``."""
+    if module and no_python:
+        raise ValueError("--module and --no_python cannot be combined: --module runs "
+                         "'python -m <module>', --no_python runs the program without python; pick one")
+    if no_python:
+        cmd = [user_script]
+    elif module:
+        cmd = [python, "-u", "-m", user_script]
+    else:
+        cmd = [python, "-u", user_script]
+    cmd.extend(user_args)
+    if not no_local_rank:
+        cmd.append(f"--local_rank={local_rank}")
+    return cmd
+
+
+def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
+                   local_world_size: int, master_addr: str, master_port: int,
+                   cross_rank: int = 0, cross_size: int = 1,
+                   cuda_visible_devices: str | None = None,
+                   omp_num_threads: int | None = None) -> dict[str, str]:
+    """A copy of ``base_env`` with the distributed variables of one rank set.
+
+    ``omp_num_threads`` is written as ``OMP_NUM_THREADS`` when not ``None`` (the caller decides
+    whether a user's own value wins); ``cuda_visible_devices`` likewise.
+    """
+    env = dict(base_env)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "CROSS_RANK": str(cross_rank),
+        "CROSS_SIZE": str(cross_size),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    if omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_num_threads)
+    return env
+
+
+def parse_core_list(text: str) -> list[int]:
+    """Parse ``--bind_core_list`` such as ``"0,3-5"`` into ``[0, 3, 4, 5]`` (order kept, no repeats)."""
+    cores: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        low, sep, high = item.partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise ValueError(f"--bind_core_list {text!r}: {item!r} is not a core number or range; "
+                             "expected e.g. '0,2-5'")
+        first, last = int(low), int(high) if sep else int(low)
+        if last < first:
+            raise ValueError(f"--bind_core_list {text!r}: range {item!r} runs backwards; write "
+                             f"'{last}-{first}'")
+        cores.extend(core for core in range(first, last + 1) if core not in cores)
+    return cores
+
+
+def split_cores(cores: Sequence[int], nprocs: int) -> list[tuple[int, ...]]:
+    """Give each of ``nprocs`` ranks an equal, disjoint block of ``cores`` (the remainder is unused)."""
+    per_rank = len(cores) // nprocs
+    if per_rank < 1:
+        raise ValueError(f"cannot bind {nprocs} ranks to {len(cores)} cores ({list(cores)}): each rank "
+                         "needs at least one core; launch fewer ranks or drop --bind_cores_to_rank")
+    return [tuple(cores[i * per_rank:(i + 1) * per_rank]) for i in range(nprocs)]
+
+
+def omp_threads(base_env: Mapping[str, str], num_cores: int, nprocs: int,
+                bound_cores: int | None) -> int | None:
+    """``OMP_NUM_THREADS`` for each rank: the bound core count when binding; otherwise
+    ``max(1, cores // nprocs)`` unless the user already set it (then ``None``: keep theirs)."""
+    if bound_cores is not None:
+        return bound_cores
+    if "OMP_NUM_THREADS" in base_env:
+        return None
+    return max(1, num_cores // max(nprocs, 1))
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """The inputs of a one-machine launch that do not vary per rank."""
+
+    user_script: str
+    user_args: list[str]
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    visible_devices: list[str] | None = None
+    """CUDA device ids by slot (slot i -> ``visible_devices[i]``); ``None`` on CPU."""
+    bind_cores: bool = False
+    core_list: list[int] | None = None
+    """Cores to share among the ranks when binding; ``None`` means every core this process may use."""
+
+
+def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str],
+                     available_cores: Sequence[int], python: str = sys.executable) -> list[RankSpec]:
+    """One :class:`RankSpec` per selected slot, ranks numbered in slot order."""
+    nprocs = len(slots)
+    cuda_ids = None
+    if launch.visible_devices is not None:
+        missing = [s for s in slots if s >= len(launch.visible_devices)]
+        if missing:
+            raise ValueError(f"slots {missing} are selected but only {len(launch.visible_devices)} CUDA "
+                             f"devices are visible ({','.join(launch.visible_devices)}); select slots "
+                             f"below {len(launch.visible_devices)}")
+        cuda_ids = ",".join(launch.visible_devices[s] for s in slots)
+    blocks: list[tuple[int, ...] | None] = [None] * nprocs
+    if launch.bind_cores:
+        pool = list(launch.core_list) if launch.core_list is not None else list(available_cores)
+        outside = [c for c in pool if c not in available_cores]
+        if outside:
+            raise ValueError(f"--bind_core_list names cores {outside} this process may not run on; "
+                             f"usable cores: {sorted(available_cores)}")
+        blocks = list(split_cores(pool, nprocs))
+    specs = []
+    for local_rank, slot in enumerate(slots):
+        cores = blocks[local_rank]
+        threads = omp_threads(base_env, len(available_cores), nprocs,
+                              len(cores) if cores is not None else None)
+        env = build_rank_env(base_env, rank=local_rank, local_rank=local_rank, world_size=nprocs,
+                             local_world_size=nprocs, master_addr=launch.master_addr,
+                             master_port=launch.master_port, cuda_visible_devices=cuda_ids,
+                             omp_num_threads=threads)
+        cmd = build_rank_command(launch.user_script, launch.user_args, local_rank, module=launch.module,
+                                 no_python=launch.no_python, no_local_rank=launch.no_local_rank,
+                                 python=python)
+        specs.append(RankSpec(local_rank, local_rank, slot, cmd, env, cores))
+    return specs
+
+
+def run_local(specs: Sequence[RankSpec], log_dir: str | None = None,
+              on_started: Callable[[list[int]], None] | None = None) -> int:
+    """Start and supervise ``specs``; the exit code of the job (see
+    :func:`deepshard.launcher.supervisor.run_ranks`)."""
+    from deepshard.launcher.supervisor import run_ranks
+
+    return run_ranks(specs, log_dir=log_dir, on_started=on_started)

@@ -1,0 +1,271 @@
+"""Run local ranks as child processes: forward their output, stop them all when one fails, reap all.
+
+How it works:
+
+* Each rank runs in its own session and process group (``start_new_session``), so a signal sent to
+  the group reaches the rank and anything it started (data-loader workers, helpers).
+* One reader thread per rank copies the rank's stdout+stderr (merged into one pipe) to the
+  launcher's stdout in raw chunks as they arrive, so ``\\r`` progress bars keep working; it keeps the
+  last :data:`TAIL_BYTES` for the failure report and, with a log directory, writes ``rank_<N>.log``.
+* One waiter thread per rank blocks in ``wait()`` and queues the rank's index when it exits, so the
+  launcher learns exit order exactly and the *first* failing rank is the one reported.
+* When a rank exits non-zero (or by a signal), every other rank's group gets SIGTERM, then SIGKILL
+  after :data:`GRACE_S` seconds; the report names the rank and prints the tail of its output.
+* SIGINT / SIGTERM sent to the launcher are forwarded to every rank the same way.
+* CPU binding: the launcher pins its own (main) thread to the rank's cores just around ``Popen``, so
+  the child inherits the mask; no ``preexec_fn`` runs in the forked child (unsafe with threads).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from deepshard.launcher.local import RankSpec
+from deepshard.utils.logging import logger
+
+TAIL_BYTES = 8192
+GRACE_S = 5.0
+_POLL_S = 0.1
+
+
+@dataclass
+class _Child:
+    spec: RankSpec
+    proc: subprocess.Popen
+    tail: bytearray = field(default_factory=bytearray)
+    reader: threading.Thread | None = None
+    waiter: threading.Thread | None = None
+    log_path: str | None = None
+
+
+class _Output:
+    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only."""
+
+    def __init__(self) -> None:
+        self._stream: BinaryIO | None = getattr(sys.stdout, "buffer", None)
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def write(self, chunk: bytes) -> None:
+        with self._lock:
+            if self._broken:
+                return
+            try:
+                if self._stream is not None:
+                    self._stream.write(chunk)
+                    self._stream.flush()
+                else:
+                    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                    sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                self._broken = True
+
+
+def _pump(stream: BinaryIO, child: _Child, out: _Output, log: BinaryIO | None) -> None:
+    """Reader thread: copy one rank's output until its pipe closes (``stream`` is unbuffered, so each
+    ``read`` returns what the rank has written so far, up to 64 KiB)."""
+    try:
+        while True:
+            try:
+                chunk = stream.read(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out.write(chunk)
+            if log is not None:
+                log.write(chunk)
+                log.flush()
+            child.tail.extend(chunk)
+            del child.tail[:-TAIL_BYTES]
+    finally:
+        stream.close()
+        if log is not None:
+            log.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_and_report(child: _Child, index: int, exits: queue.Queue) -> None:
+    """Waiter thread: reap the rank, end leftovers in its group, queue its index."""
+    child.proc.wait()
+    _signal_group(child.proc.pid, signal.SIGTERM)  # orphaned helpers of a rank that ended
+    exits.put(index)
+
+
+def _popen(spec: RankSpec) -> subprocess.Popen:
+    """Start one rank; with ``spec.cores`` the main thread is pinned around the fork."""
+    saved = os.sched_getaffinity(0) if spec.cores is not None else None
+    try:
+        if spec.cores is not None:
+            os.sched_setaffinity(0, spec.cores)
+        # stdout is read raw by the reader thread (bufsize=0: no Python buffer in between).
+        return subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                                start_new_session=True)
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+
+
+def _start(specs: Sequence[RankSpec], log_dir: str | None, out: _Output,
+           exits: queue.Queue) -> list[_Child]:
+    children: list[_Child] = []
+    try:
+        for index, spec in enumerate(specs):
+            log_path = os.path.join(log_dir, f"rank_{spec.rank}.log") if log_dir is not None else None
+            log = open(log_path, "wb") if log_path is not None else None
+            try:
+                child = _Child(spec, _popen(spec), log_path=log_path)
+            except OSError:
+                if log is not None:
+                    log.close()
+                raise
+            child.reader = threading.Thread(target=_pump, args=(child.proc.stdout, child, out, log),
+                                            name=f"deepshard-out-{spec.rank}", daemon=True)
+            child.waiter = threading.Thread(target=_wait_and_report, args=(child, index, exits),
+                                            name=f"deepshard-wait-{spec.rank}", daemon=True)
+            children.append(child)
+            child.reader.start()
+            child.waiter.start()
+    except OSError as exc:
+        _stop(children, list(range(len(children))), signal.SIGTERM)
+        rank = len(children)
+        raise RuntimeError(f"cannot start rank {rank}: {' '.join(specs[rank].cmd)}: {exc}") from exc
+    return children
+
+
+def _stop(children: Sequence[_Child], indices: Sequence[int], sig: int, grace_s: float = GRACE_S) -> None:
+    """Send ``sig`` to the groups of ``indices``; SIGKILL what is left after ``grace_s``; reap all."""
+    for i in indices:
+        _signal_group(children[i].proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for i in indices:
+        children[i].waiter.join(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+    for i in indices:
+        _signal_group(children[i].proc.pid, signal.SIGKILL)
+    for i in indices:
+        children[i].waiter.join(2.0)  # type: ignore[union-attr]
+
+
+def _join_readers(children: Sequence[_Child], timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.reader.join(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+def _report_failure(child: _Child, stopped: int) -> None:
+    spec, rc = child.spec, child.proc.returncode
+    noun = "rank" if stopped == 1 else "ranks"
+    lines = [f"deepshard: rank {spec.rank} (local rank {spec.local_rank}, pid {child.proc.pid}) exited "
+             f"with {_describe_exit(rc)}; stopped the other {stopped} {noun}"]
+    tail = bytes(child.tail).decode("utf-8", errors="replace").rstrip()
+    if tail:
+        lines.append(f"----- last output of rank {spec.rank} -----")
+        lines.append(tail)
+        lines.append(f"----- end of rank {spec.rank} output -----")
+    else:
+        lines.append(f"(rank {spec.rank} printed nothing)")
+    if child.log_path:
+        lines.append(f"full log of rank {spec.rank}: {child.log_path}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+class _SignalForwarder:
+    """Record SIGINT/SIGTERM sent to the launcher (main thread only) and restore handlers after."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> "_SignalForwarder":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder) -> int:
+    running = set(range(len(children)))
+    while running:
+        if signals.received:
+            sig = signals.received[0]
+            print(f"deepshard: received {signal.Signals(sig).name}; forwarding it to {len(running)} "
+                  f"running ranks", file=sys.stderr, flush=True)
+            _stop(children, sorted(running), sig)
+            return 128 + sig
+        try:
+            index = exits.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+        running.discard(index)
+        rc = children[index].proc.returncode
+        if rc != 0:
+            others = sorted(running)
+            _stop(children, others + [index], signal.SIGTERM)
+            _join_readers(children)
+            _report_failure(children[index], len(others))
+            return rc if rc > 0 else 1
+    _join_readers(children)
+    return 0
+
+
+def run_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
+              on_started: Callable[[list[int]], None] | None = None) -> int:
+    """Start one process per spec and supervise them; returns 0 when every rank exits 0, the failing
+    rank's exit code (1 if it died by a signal) when one fails, or 128+N on a forwarded signal N.
+
+    ``log_dir``: also write each rank's output to ``log_dir/rank_<N>.log``. ``on_started`` is called
+    with the child pids once all ranks started.
+    """
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+    exits: queue.Queue = queue.Queue()
+    out = _Output()
+    with _SignalForwarder() as signals:
+        try:
+            children = _start(specs, log_dir, out, exits)
+        except RuntimeError as exc:
+            print(f"deepshard: {exc}", file=sys.stderr, flush=True)
+            return 1
+        pids = [child.proc.pid for child in children]
+        logger.info("started %d ranks: %s", len(children),
+                    ", ".join(f"rank {c.spec.rank} pid {c.proc.pid}" for c in children))
+        if log_dir is not None:
+            logger.info("per-rank logs: %s", ", ".join(str(c.log_path) for c in children))
+        if on_started is not None:
+            on_started(pids)
+        try:
+            return _supervise(children, exits, signals)
+        except BaseException:
+            _stop(children, list(range(len(children))), signal.SIGKILL, grace_s=0.0)
+            raise

@@ -1,0 +1,184 @@
+"""Gradient buckets: parameters' ``.grad`` are views into flat buffers that are all-reduced as backward
+produces them, overlapped with the rest of backward.
+
+Buckets are fixed at construction (parameters in reverse registration order, which approximates the
+order backward produces them, split by dtype and ``reduce_bucket_size`` elements) and are launched
+strictly in index order: a bucket that becomes ready early waits for the buckets before it. Every rank
+therefore issues the same collectives in the same order whatever order its hooks fire in, which is what
+keeps gloo/NCCL from mismatching (the same rule DDP uses).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepshard.comm.group import CommGroup
+
+
+@dataclass
+class GradBucket:
+    """One flat gradient buffer and the parameters whose ``.grad`` are views into it."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    ready: set[int] = field(default_factory=set)
+    work: Any = None
+    comm_buffer: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.buffer.numel()
+
+
+def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list[list[torch.nn.Parameter]]:
+    """Group ``params`` (already in launch order) into buckets of at most ``bucket_elements`` elements
+    (a parameter larger than that gets a bucket of its own), never mixing dtypes."""
+    if bucket_elements <= 0:
+        raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
+    plans: list[list[torch.nn.Parameter]] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for p in params:
+        if current and (size + p.numel() > bucket_elements or p.dtype != current[0].dtype):
+            plans.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        plans.append(current)
+    return plans
+
+
+class BucketedAllReduce:
+    """Owns the gradient buffers of ``params`` and all-reduces them in buckets during backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, bucket_elements: int,
+                 comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
+                 average: bool = True) -> None:
+        self.comm = comm
+        self.comm_dtype = comm_dtype
+        self.predivide = predivide
+        self.average = average
+        self.buckets: list[GradBucket] = []
+        self._bucket_of: dict[int, tuple[int, int]] = {}
+        self._hooks: list[Any] = []
+        self.reduce_enabled = False
+        self._next_launch = 0
+        self._in_backward = False
+        for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements)):
+            self.buckets.append(self._make_bucket(index, plan))
+        for b in self.buckets:
+            for slot, p in enumerate(b.params):
+                self._bucket_of[id(p)] = (b.index, slot)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @staticmethod
+    def _make_bucket(index: int, params: list[torch.nn.Parameter]) -> GradBucket:
+        total = sum(p.numel() for p in params)
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for p in params:
+            view = buffer[offset:offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            views.append(view)
+            offset += p.numel()
+        return GradBucket(index=index, params=params, buffer=buffer, views=views)
+
+    # ------------------------------------------------------------------------------------ backward
+    def begin_backward(self, reduce: bool) -> None:
+        self.reduce_enabled = reduce
+        self._in_backward = True
+        self._next_launch = 0
+        for b in self.buckets:
+            b.ready.clear()
+        self._restore_views()
+
+    def _restore_views(self) -> None:
+        """Re-point ``.grad`` at the buffers if a user's ``zero_grad(set_to_none=True)`` dropped them."""
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        b_index, slot = self._bucket_of[id(p)]
+        bucket = self.buckets[b_index]
+        view = bucket.views[slot]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            # autograd made a fresh tensor (the user set .grad to None mid-accumulation)
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.reduce_enabled:
+            return
+        bucket.ready.add(slot)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        tensor = bucket.buffer
+        if self.comm_dtype is not None and self.comm_dtype != tensor.dtype:
+            bucket.comm_buffer = tensor.to(self.comm_dtype)
+            tensor = bucket.comm_buffer
+        if self.predivide != 1.0:
+            tensor.div_(self.predivide)
+        bucket.work = self.comm.all_reduce(tensor, async_op=True)
+
+    def end_backward(self) -> None:
+        """Launch the buckets not launched yet (parameters that got no gradient), in order, then wait
+        for all and apply the post-reduction scaling."""
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        if not self.reduce_enabled:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        post = (self.predivide / self.comm.size) if self.average else self.predivide
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if bucket.comm_buffer is not None:
+                bucket.buffer.copy_(bucket.comm_buffer)
+                bucket.comm_buffer = None
+            if post != 1.0:
+                bucket.buffer.mul_(post)
+        self.reduce_enabled = False
+
+    # ------------------------------------------------------------------------------------- helpers
+    def zero_(self) -> None:
+        for b in self.buckets:
+            b.buffer.zero_()
+        self._restore_views()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [v for b in self.buckets for v in b.views]
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for b in self.buckets for p in b.params]
+
+    def buffer_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,112 @@
+"""The interface every ZeRO stage implements.
+
+The engine owns the training-loop contract (micro-step counting, the accumulation boundary, loss
+scaling, clipping policy, scheduler stepping, logging, checkpoint orchestration). A strategy owns where
+model states live and how gradients are reduced: one object per ZeRO stage, chosen from the config.
+
+Life of an optimizer step, as the engine drives it::
+
+    strategy.begin_backward(reduce=boundary)   # before every loss.backward()
+    loss.backward()                             # hooks installed by the strategy reduce gradients
+    strategy.end_backward()                     # wait for in-flight reductions (idempotent)
+    ...at the boundary:
+    norm = strategy.global_grad_norm(loss_scale)  # inf/nan means overflow (same on every rank)
+    strategy.step(grad_multiplier)                 # unscale + clip, optimizer update, publish params
+    strategy.zero_grad()
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+import weakref
+
+import torch
+
+from deepshard.comm.group import CommGroup
+from deepshard.precision.policy import PrecisionPolicy
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy needs from the engine, passed explicitly (no global state)."""
+
+    comm: CommGroup
+    precision: PrecisionPolicy
+    zero_config: Any
+    device: torch.device
+    gradient_predivide_factor: float = 1.0
+    prescale_gradients: bool = False
+    average_gradients: bool = True
+
+
+# parameter -> weak reference to the strategy that owns it (weak on both sides: nothing is kept alive)
+PARAM_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+class ZeroStrategy(ABC):
+    """Base class: see the module docstring for the call order."""
+
+    stage: int = -1
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 ctx: StrategyContext) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.ctx = ctx
+        owner = weakref.ref(self)
+        for p in module.parameters():
+            # lets deepshard.utils.safe_get_full_* find the strategy from a bare parameter
+            PARAM_OWNERS[p] = owner
+
+    # ---------------------------------------------------------------------------------- backward
+    @abstractmethod
+    def begin_backward(self, reduce: bool) -> None:
+        """Called before each backward; ``reduce`` is False inside ``no_sync`` / before the boundary."""
+
+    @abstractmethod
+    def end_backward(self) -> None:
+        """Finish every gradient reduction started by this backward. Safe to call twice."""
+
+    # -------------------------------------------------------------------------------------- step
+    @abstractmethod
+    def global_grad_norm(self, loss_scale: float) -> float:
+        """The L2 norm of the full (unscaled, reduced) gradient over all ranks; inf/nan on overflow."""
+
+    @abstractmethod
+    def step(self, grad_multiplier: float) -> None:
+        """Multiply gradients by ``grad_multiplier`` (unscale x clip), run the optimizer, publish the new
+        parameters to the module."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients."""
+
+    # ------------------------------------------------------------------------------- checkpoints
+    @abstractmethod
+    def save(self, directory: Path, rank: int) -> list[str]:
+        """Write this rank's share of model and optimizer state into ``directory``; return file names."""
+
+    @abstractmethod
+    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
+        """Restore model (and optionally optimizer) state from a checkpoint directory written by any
+        stage and any process count."""
+
+    # ---------------------------------------------------------------------------------- accounting
+    @abstractmethod
+    def memory_report(self) -> dict[str, int]:
+        """Bytes per category held by this process: parameters, gradients, master_weights,
+        optimizer_state, buffers, comm_buckets."""
+
+    def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The full fp32 value of ``param`` (the master copy where one exists)."""
+        return param.detach().float().clone()
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The full reduced gradient of ``param`` (fp32), or None."""
+        return None if param.grad is None else param.grad.detach().float().clone()
+
+    def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+        """The full optimizer state ``key`` (e.g. ``exp_avg``) of ``param``."""
+        return None
