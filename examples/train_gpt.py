@@ -33,7 +33,10 @@ import deepshard  # noqa: E402
 from corpus import ByteWindowDataset, load_stdlib_corpus, train_val_split  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
-MEMORY_KEYS = ("parameters", "gradients", "master_weights", "optimizer_state", "buffers", "total")
+# Short column labels for the categories of engine.memory_report(); other keys are shown as named.
+MEMORY_LABELS = {"parameters": "params", "gradients": "grads", "master_weights": "master",
+                 "optimizer_state": "optim", "buffers": "buffers", "comm_buckets": "buckets",
+                 "total": "total", "peak_rss": "peak RSS"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,28 +169,29 @@ def train(engine: Any, loader: Iterable[Any], steps: int, log_every: int, rank: 
 
 
 def mib(n: int) -> str:
-    return f"{n / 2**20:8.1f}"
+    return f"{n / 2**20:10.1f}"
 
 
 def print_summary(stats: dict[str, Any], rows: list[dict[str, int]]) -> None:
     """Rank 0's closing report: the loss, throughput and per-process memory table."""
     losses = stats["losses"]
+    tail = losses[-10:]
     print("\n=== summary ===")
     print(f"model           {stats['params'] / 1e6:.2f}M parameters, {stats['world']} process(es), "
           f"global batch {stats['batch']} x {stats['block']} tokens")
     print(f"train loss      {losses[0]:.4f} -> {losses[-1]:.4f}  "
-          f"(mean of last 10 steps {sum(losses[-10:]) / len(losses[-10:]):.4f})")
+          f"(mean of the last {len(tail)} steps {sum(tail) / len(tail):.4f})")
     print(f"val loss        {stats['val_before']:.4f} -> {stats['val_after']:.4f}")
     print(f"throughput      {stats['tokens'] / stats['elapsed']:,.0f} tokens/s, "
           f"{stats['elapsed'] / len(losses) * 1000:.0f} ms/step, {stats['elapsed']:.1f} s total")
     if stats.get("comm_bytes") is not None:
         print(f"communication   {stats['comm_bytes'] / 2**20:.1f} MiB sent by rank 0's engine")
-    header = ["rank", *MEMORY_KEYS, "peak_rss"]
-    print("memory per process (MiB; 'total' = model states held by the engine):")
-    print("  " + " ".join(f"{h:>15}" for h in header))
+    keys = [k for k in rows[0] if k not in ("total", "peak_rss")] + ["total", "peak_rss"]
+    print("memory per process, MiB (model states held by the engine; 'total' is their sum; "
+          "and the peak resident set size):")
+    print("  " + "".join(f"{label:>10}" for label in ["rank", *(MEMORY_LABELS.get(k, k) for k in keys)]))
     for rank, row in enumerate(rows):
-        cells = [f"{rank:>15}"] + [f"{mib(row.get(k, 0)):>15}" for k in (*MEMORY_KEYS, "peak_rss")]
-        print("  " + " ".join(cells))
+        print("  " + f"{rank:>10}" + "".join(mib(row.get(k, 0)) for k in keys))
 
 
 def build_data(args: argparse.Namespace, block: int) -> tuple[ByteWindowDataset, ByteWindowDataset]:

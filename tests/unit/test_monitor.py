@@ -85,8 +85,10 @@ def test_bad_events_are_refused(tmp_path: Path) -> None:
         master.write_events([("loss", 1.0)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="value must be a number"):
         master.write_events([("loss", "high", 1)])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="job_name"):
-        CSVMonitor(str(tmp_path), "a/b")
+    for bad in ("", "../up", "/abs"):
+        with pytest.raises(ValueError, match="job_name"):
+            CSVMonitor(str(tmp_path), bad)
+    assert CSVMonitor(str(tmp_path), "exp/run1").log_dir == tmp_path / "exp" / "run1"
 
 
 def test_tensorboard_missing_package_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], 
     """Split ``obj`` into ``(tensors, skeleton)``; :func:`unflatten_state` is the exact inverse.
 
     ``tensors`` maps a unique path string (``prefix`` followed by Python-style subscripts, e.g.
-    ``optimizer['state'][0]['exp_avg']``) to each tensor; ``skeleton`` is JSON-serializable with each
+    ``optimizer['state'][0]['exp_avg']``; ``state`` when ``prefix`` is empty) to each tensor; ``skeleton`` is JSON-serializable with each
     tensor replaced by ``{"__tensor__": key}``. Use distinct prefixes for structures whose tensors
     share one safetensors file. Raises ``TypeError`` naming the path of any value that cannot be
     stored without pickle (functions, arbitrary objects, named tuples, sets, numpy arrays).

@@ -111,7 +111,8 @@ def drop_auto_values(data: dict[str, Any], section_path: str) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, str) and value == AUTO:
-            logger.debug("config key '%s' is 'auto'; using its default", key_path(section_path, key))
+            logger.debug("config key '%s' is 'auto'; ignored (its default, or a derived value, is used)",
+                         key_path(section_path, key))
             continue
         kept[key] = value
     return kept

@@ -54,7 +54,8 @@ def _tensor_parallel_on(value: Any) -> bool:
 _SECTION_RULES: dict[str, Callable[[Any], bool]] = {
     # throughput timers are on by default in DeepSpeed; not having them is no loss worth a warning
     "timers": lambda value: False,
-    "compile": lambda value: isinstance(value, dict) and bool(value.get("deepcompile") or value.get("enabled")),
+    "compile": lambda value: isinstance(value, dict) and bool(value.get("deepcompile")
+                                                              or value.get("enabled")),
     "tensor_parallel": _tensor_parallel_on,
     # these switch on by being present
     "sparse_attention": lambda value: bool(value),

@@ -80,8 +80,8 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind_cores_to_rank", action="store_true",
                         help="pin each rank to an equal share of the CPU cores; OMP_NUM_THREADS = share")
     parser.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. '0,2-5'")
-    parser.add_argument("--log_level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"], help="launcher log level")
+    parser.add_argument("--log_level", default=None, choices=["debug", "info", "warning", "error", "critical"],
+                        help="launcher log level (default: DEEPSHARD_LOG_LEVEL, else info)")
     parser.add_argument("-q", "--quiet", action="store_true", help="launcher logs warnings and errors only")
 
 
@@ -193,9 +193,6 @@ def _check_supported(args: argparse.Namespace) -> None:
         raise LaunchError("--elastic_training is not supported by deepshard; drop it")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be combined; pick one")
-    if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
-        raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
-                          "fix the path, or pass --module to run a module")
 
 
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
@@ -205,12 +202,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: 
     nothing is started or read from the system here)."""
     _check_supported(args)
     resources, include, exclude = _resources(args, hostfile, cuda_devices, names)
-    num_nodes = args.num_nodes if hostfile is not None else -1
-    num_gpus = args.num_gpus if (hostfile is not None or cuda_devices is not None) else -1
-    if include or exclude:  # let resolve_resources reject counts given together with a node spec
-        num_nodes, num_gpus = args.num_nodes, args.num_gpus
     try:
-        active = resolve_resources(resources, include, exclude, num_nodes, num_gpus)
+        active = resolve_resources(resources, include, exclude, args.num_nodes, args.num_gpus)
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
     host = _single_node(active, args, names)
@@ -239,8 +232,12 @@ def _write_pid_file(path: str, pids: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``deepshard`` console script; returns the exit status."""
     args = parse_args(argv)
-    logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
+    if args.quiet or args.log_level:
+        logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
     try:
+        if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
+            raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
+                              "fix the path, or pass --module to run a module")
         hostfile = read_hostfile(args.hostfile)
         if hostfile is None and args.hostfile != DEFAULT_HOSTFILE:
             logger.warning("hostfile %s not found; launching on this machine only", args.hostfile)

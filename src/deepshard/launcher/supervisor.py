@@ -5,7 +5,8 @@ How it works:
 * Each rank runs in its own session and process group (``start_new_session``), so a signal sent to
   the group reaches the rank and anything it started (data-loader workers, helpers).
 * One reader thread per rank copies the rank's stdout+stderr (merged into one pipe) to the
-  launcher's stdout in raw chunks as they arrive, so ``\\r`` progress bars keep working; it keeps the
+  launcher's stdout in raw chunks as they arrive (a partial line waits up to 50 ms for its end, so
+  ranks' lines are not spliced), so ``\\r`` progress bars keep working; it keeps the
   last :data:`TAIL_BYTES` for the failure report and, with a log directory, writes ``rank_<N>.log``.
 * One waiter thread per rank blocks in ``wait()`` and queues the rank's index when it exits, so the
   launcher learns exit order exactly and the *first* failing rank is the one reported.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from deepshard.utils.logging import logger
 TAIL_BYTES = 8192
 GRACE_S = 5.0
 _POLL_S = 0.1
+PARTIAL_LINE_S = 0.05
 
 
 @dataclass
@@ -69,24 +72,47 @@ class _Output:
                 self._broken = True
 
 
+def _split_complete(data: bytes) -> tuple[bytes, bytes]:
+    """Split ``data`` after its last line end (``\n`` or ``\r``): (complete part, partial rest)."""
+    cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+    return data[:cut], data[cut:]
+
+
 def _pump(stream: BinaryIO, child: _Child, out: _Output, log: BinaryIO | None) -> None:
-    """Reader thread: copy one rank's output until its pipe closes (``stream`` is unbuffered, so each
-    ``read`` returns what the rank has written so far, up to 64 KiB)."""
+    """Reader thread: copy one rank's output until its pipe closes.
+
+    ``stream`` is unbuffered, so each ``read`` returns what the rank wrote so far. Text up to the last
+    line end (``\n`` or tqdm's ``\r``) is forwarded at once; a trailing partial line waits at most
+    :data:`PARTIAL_LINE_S` for its end, so two ranks' lines do not get spliced mid-line (``print``
+    writes the text and the newline separately) while progress bars still update live.
+    """
+    pending = b""
     try:
         while True:
+            if pending and not select.select([stream], [], [], PARTIAL_LINE_S)[0]:
+                out.write(pending)
+                pending = b""
+                continue
             try:
                 chunk = stream.read(65536)
             except OSError:
                 break
             if not chunk:
                 break
-            out.write(chunk)
             if log is not None:
                 log.write(chunk)
                 log.flush()
             child.tail.extend(chunk)
             del child.tail[:-TAIL_BYTES]
+            complete, pending = _split_complete(pending + chunk)
+            if complete:
+                out.write(complete)
+            if len(pending) > TAIL_BYTES:
+                out.write(pending)
+                pending = b""
     finally:
+        if pending:
+            out.write(pending)
         stream.close()
         if log is not None:
             log.close()

@@ -44,9 +44,10 @@ def log_dir(output_path: str | Path, job_name: str) -> Path:
     As in DeepSpeed, the default ``output_path`` ``""`` means the current working directory, so the
     files land in ``./<job_name>/`` (``./DeepSpeedJobName/`` by default). ``~`` is expanded.
     """
-    if not job_name or "/" in job_name or "\\" in job_name or job_name in (".", ".."):
-        raise ValueError(f"monitor job_name {job_name!r} must be a non-empty directory name without "
-                         f"path separators, e.g. {DEFAULT_JOB_NAME!r}; put parent directories in "
+    parts = Path(job_name).parts if isinstance(job_name, str) else ()
+    if not parts or Path(job_name).is_absolute() or ".." in parts:
+        raise ValueError(f"monitor job_name {job_name!r} must be a non-empty relative directory name "
+                         f"without '..', e.g. {DEFAULT_JOB_NAME!r}; put parent directories in "
                          "output_path")
     return Path(output_path or ".").expanduser() / job_name
 

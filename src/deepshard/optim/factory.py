@@ -198,8 +198,8 @@ def _torch_optimizer_class(type_name: str) -> type[torch.optim.Optimizer]:
     if type_name.lower() in by_lower:
         return by_lower[type_name.lower()]
     valid = ["Adam", "AdamW", "Lamb", "Lion"] + sorted(set(classes) - {"Adam", "AdamW"})
-    raise ValueError(f"unknown optimizer type '{type_name}'{_did_you_mean(type_name, valid)}; "
-                     f"valid types: {', '.join(valid)} (case-insensitive), or pass your own "
+    raise ValueError(f"unknown optimizer type {_quote_with_hint(type_name, valid)}. "
+                     f"Valid types: {', '.join(valid)} (case-insensitive), or pass your own "
                      "optimizer as initialize(optimizer=...)")
 
 
@@ -213,29 +213,31 @@ def _torch_scheduler_class(type_name: str) -> type:
         and name not in ("LRScheduler", "_LRScheduler"))
     if type_name in torch_names:
         return getattr(module, type_name)
-    hint = _did_you_mean(type_name, VALID_LR_SCHEDULES + torch_names)
-    raise ValueError(f"unknown scheduler type '{type_name}'{hint}; DeepSpeed schedules "
+    named = _quote_with_hint(type_name, VALID_LR_SCHEDULES + torch_names)
+    raise ValueError(f"unknown scheduler type {named}. DeepSpeed schedules "
                      f"(VALID_LR_SCHEDULES): {', '.join(VALID_LR_SCHEDULES)}; or a "
                      f"torch.optim.lr_scheduler class: {', '.join(torch_names)} "
                      "(names are case-sensitive)")
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
-    """'; did you mean 'X'?' for a case-insensitive exact or close match, else ''."""
+    """"did you mean 'X'?" for a case-insensitive exact or close match, else ""."""
     for candidate in candidates:
         if candidate.lower() == name.lower():
-            return f"; did you mean '{candidate}'?"
+            return f"did you mean '{candidate}'?"
     by_lower = {c.lower(): c for c in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)
+    if not close:  # a prefix match catches 'lr_rate' -> 'lr', which difflib scores too low
+        close = [c for c in by_lower if len(c) >= 2 and name.lower().startswith(c)][:3]
     if not close:
         return ""
-    return "; did you mean " + " or ".join(f"'{by_lower[c]}'" for c in close) + "?"
+    return "did you mean " + " or ".join(f"'{by_lower[c]}'" for c in close) + "?"
 
 
 def _quote_with_hint(name: str, candidates: list[str]) -> str:
     """``'name'`` followed by ``(did you mean 'x'?)`` when a candidate is close."""
     hint = _did_you_mean(name, candidates)
-    return f"'{name}' ({hint[2:]})" if hint else f"'{name}'"
+    return f"'{name}' ({hint})" if hint else f"'{name}'"
 
 
 def _check_params(cls: type, label: str, params: dict[str, Any], skip: tuple[str, ...],

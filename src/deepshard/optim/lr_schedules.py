@@ -208,6 +208,13 @@ class LRRangeTest(_BatchSchedule):
         self.staircase = bool(lr_range_test_staircase)
         self._apply()
 
+    def step(self, batch_iteration: int | None = None) -> None:
+        """Advance to ``batch_iteration`` (default: the next one) and write its values.
+
+        The keyword is ``batch_iteration`` here, as in DeepSpeed's LRRangeTest.
+        """
+        super().step(batch_iteration)
+
     def _interval(self) -> float:
         """Iterations done, in units of ``step_size`` (whole units for the staircase)."""
         interval = (self.last_batch_iteration + 1) / self.step_size
@@ -359,7 +366,7 @@ class OneCycle(_BatchSchedule):
         decay_lr_rate: post-cycle lr decay rate (0: hold ``cycle_min_lr``).
         cycle_first_step_size: iterations of the rising half.
         cycle_second_step_size: iterations of the falling half (None: same as the first).
-        cycle_first_stair_count: stairs in the rising half (0: continuous).
+        cycle_first_stair_count: stairs in the rising half (0 or less: continuous).
         cycle_second_stair_count: stairs in the falling half (None: same as the first).
         decay_step_size: iterations per decay interval after the cycle (0: no decay).
         cycle_momentum: cycle the momentum inversely to the lr.
@@ -391,6 +398,13 @@ class OneCycle(_BatchSchedule):
         self.cycle_momentum = self.momentum_key is not None
         self._apply()
 
+    def step(self, batch_iteration: int | None = None) -> None:
+        """Advance to ``batch_iteration`` (default: the next one) and write its values.
+
+        The keyword is ``batch_iteration`` here, as in DeepSpeed's OneCycle.
+        """
+        super().step(batch_iteration)
+
     def _init_shape(self, first: int, second: int | None, first_stairs: int,
                     second_stairs: int | None, decay_step_size: int) -> None:
         """Validate and store the cycle's half lengths, stair counts and decay interval."""
@@ -399,11 +413,9 @@ class OneCycle(_BatchSchedule):
         for name, value in (("cycle_first_step_size", first), ("cycle_second_step_size", second)):
             if value <= 0:
                 raise ValueError(f"OneCycle: {name} must be > 0, got {value!r}")
-        for name, value in (("cycle_first_stair_count", first_stairs),
-                            ("cycle_second_stair_count", second_stairs),
-                            ("decay_step_size", decay_step_size)):
-            if value < 0:
-                raise ValueError(f"OneCycle: {name} must be >= 0 (0 disables it), got {value!r}")
+        if decay_step_size < 0:
+            raise ValueError(f"OneCycle: decay_step_size must be >= 0 (0 disables the post-cycle "
+                             f"decay), got {decay_step_size!r}")
         self.first_step_size = float(first)
         self.second_step_size = float(second)
         self.total_size = self.first_step_size + self.second_step_size

@@ -170,7 +170,16 @@ class BucketedAllReduce:
         self._restore_views()
 
     def grads(self) -> list[torch.Tensor]:
+        """The gradient views in bucket order."""
         return [v for b in self.buckets for v in b.views]
+
+    def grads_of(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The gradient views of ``params``, in the order given."""
+        out = []
+        for p in params:
+            b_index, slot = self._bucket_of[id(p)]
+            out.append(self.buckets[b_index].views[slot])
+        return out
 
     def params(self) -> list[torch.nn.Parameter]:
         return [p for b in self.buckets for p in b.params]

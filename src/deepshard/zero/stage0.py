@@ -68,7 +68,7 @@ class Stage0Strategy(ZeroStrategy):
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
                                "or add an \"optimizer\" section to the config")
         if self.masters is not None:
-            self.masters.set_grads(self.reducer.grads(), grad_multiplier)
+            self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
             self.optimizer.step()
             self.masters.clear_grads()
             self.masters.publish()

@@ -7,6 +7,7 @@ import time
 rank = int(os.environ["RANK"])
 if rank == 1:
     time.sleep(1.0)
+    print(f"rank 1 failing at {time.time():.3f}", flush=True)
     raise RuntimeError("boom from rank 1: deliberate failure")
 helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 print(f"rank 0 pid={os.getpid()} helper_pid={helper.pid}", flush=True)

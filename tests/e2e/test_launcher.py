@@ -1,0 +1,158 @@
+"""The ``deepshard`` launcher with real processes: 2 ranks on gloo, per-rank logs, --module,
+--no_local_rank, a failing rank stopping the job, signal forwarding, and init_distributed alone."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+                   "SLURM_NTASKS", "DEEPSHARD_ACCELERATOR")
+
+
+def _deepshard() -> list[str]:
+    exe = Path(sys.executable).with_name("deepshard")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("deepshard")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "deepshard.launcher.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
+    env["DEEPSHARD_ACCELERATOR"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def _launch(args: list[str], timeout: float = 30, **env: str) -> subprocess.CompletedProcess:
+    cmd = [*_deepshard(), "--master_port", str(_free_port()), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_two_ranks_allreduce_with_local_rank_and_user_args() -> None:
+    result = _launch(["--num_gpus", "2", str(SCRIPTS / "allreduce.py"), "--deepspeed", "--flag=x"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        line = re.search(rf"rank {rank} ok local_rank=(\S+) env_local_rank=(\S+) world=(\d) omp=(\S+) "
+                         rf"extra=(\[[^\]]*\])", result.stdout)
+        assert line is not None, result.stdout
+        assert line.groups() == (str(rank), str(rank), "2", "1", "['--deepspeed', '--flag=x']")
+
+
+def test_module_and_no_local_rank() -> None:
+    pythonpath = os.pathsep.join(p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH")) if p)
+    result = _launch(["--num_gpus", "2", "--module", "--no_local_rank", "allreduce"], PYTHONPATH=pythonpath)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 ok local_rank=None env_local_rank=0 world=2" in result.stdout
+    assert "rank 1 ok local_rank=None env_local_rank=1 world=2" in result.stdout
+
+
+def test_each_rank_log(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    result = _launch(["--num_gpus", "2", "--enable_each_rank_log", str(log_dir),
+                      str(SCRIPTS / "allreduce.py")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        path = log_dir / f"rank_{rank}.log"
+        assert str(path) in result.stderr
+        text = path.read_text()
+        assert f"rank {rank} ok local_rank={rank}" in text
+        assert f"rank {1 - rank} ok" not in text
+
+
+def test_failing_rank_stops_the_job_and_reports_its_traceback() -> None:
+    result = _launch(["--num_gpus", "2", str(SCRIPTS / "fail_rank1.py")], timeout=40)
+    ended = time.time()
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed_at = re.search(r"rank 1 failing at ([\d.]+)", result.stdout)
+    assert failed_at is not None, result.stdout
+    # rank 0 sleeps 60 s: the launcher must stop it soon after rank 1 fails (SIGTERM, <= 5 s grace).
+    assert ended - float(failed_at.group(1)) < 10, "launcher took too long to stop a failed job"
+    report = re.search(r"deepshard: rank 1 \(local rank 1, pid (\d+)\) exited with code 1; "
+                       r"stopped the other 1 rank", result.stderr)
+    assert report is not None, result.stderr
+    tail = result.stderr[report.end():]
+    assert "Traceback (most recent call last)" in tail
+    assert "RuntimeError: boom from rank 1: deliberate failure" in tail
+    started = re.search(r"rank 0 pid=(\d+) helper_pid=(\d+)", result.stdout)
+    assert started is not None, result.stdout
+    pids = [int(report.group(1)), int(started.group(1)), int(started.group(2))]
+    deadline = time.monotonic() + 3
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in pids if not _gone(pid)] == []
+
+
+def test_sigterm_to_launcher_is_forwarded() -> None:
+    cmd = [*_deepshard(), "--master_port", str(_free_port()), "--num_gpus", "2",
+           str(SCRIPTS / "sleep_forever.py")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 2:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, "launcher exited before both ranks started"
+            found = re.search(r"pid=(\d+) sleeping", line)
+            if found:
+                pids.append(int(found.group(1)))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM" in err
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_bad_selection_exits_2_with_message(tmp_path: Path, capsys) -> None:
+    """Errors found before any process starts: run in-process through the console script's main()."""
+    from deepshard.launcher.cli import main
+
+    hostfile = tmp_path / "hostfile"
+    script = str(SCRIPTS / "allreduce.py")
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    assert main(["-H", str(hostfile), script]) == 2
+    err = capsys.readouterr().err
+    assert "multi-node launch" in err and "not implemented" in err
+    hostfile.write_text("worker-0 slots=2\nworker-0 slots=2\n")
+    assert main(["-H", str(hostfile), script]) == 2
+    assert f"{hostfile}:2" in capsys.readouterr().err
+    assert main(["--num_gpus", "2", "no_such_script.py"]) == 2
+    assert "no_such_script.py" in capsys.readouterr().err
+
+
+def test_init_distributed_without_launcher_is_world_of_one() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPTS / "world_of_one.py")], cwd=ROOT, env=_clean_env(),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world_size=1 rank=0 backend=gloo sum=5.0" in result.stdout

@@ -1,0 +1,140 @@
+"""The demo's pieces in plain PyTorch (no process group): the byte-level GPT, the stdlib corpus, and
+the script's batch-size fitting."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from corpus import ByteWindowDataset, load_stdlib_corpus, stdlib_source_files, train_val_split  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+def expected_param_count(cfg: GPTConfig) -> int:
+    """Hand count: embeddings + per block (2 LayerNorms, qkv, proj, fc, proj) + final LayerNorm;
+    the LM head is tied to the token embedding, so it adds nothing."""
+    d = cfg.d_model
+    block = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + 2 * d
+
+
+@pytest.fixture(scope="module")
+def corpus() -> torch.Tensor:
+    return load_stdlib_corpus(max_bytes=300_000)
+
+
+def test_param_count_is_a_few_million_and_matches_hand_count() -> None:
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    n = model.num_parameters()
+    assert n == expected_param_count(cfg) == 3_257_856
+    assert 1_000_000 < n < 10_000_000
+    assert model.head.weight is model.tok_emb.weight
+
+
+def test_init_is_deterministic_given_the_seed() -> None:
+    torch.manual_seed(7)
+    a = GPT(GPTConfig(n_layer=1))
+    torch.manual_seed(7)
+    b = GPT(GPTConfig(n_layer=1))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_loss_at_init_is_about_ln_256(corpus: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    ds = ByteWindowDataset(corpus, 128)
+    x, y = (torch.stack(t) for t in zip(*(ds[i] for i in range(0, 400, 50))))
+    loss = model(x, y).item()
+    assert abs(loss - math.log(256)) < 0.3, loss
+    logits = model(x)
+    assert logits.shape == (8, 128, 256)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).item()
+    assert loss == pytest.approx(ref, rel=1e-6)
+
+
+def test_attention_is_causal() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, block_size=16)).eval()
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 256
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_a_few_adamw_steps_reduce_the_loss_on_one_batch(corpus: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, d_model=128, n_head=4, block_size=64))
+    ds = ByteWindowDataset(corpus, 64)
+    x, y = (torch.stack(t) for t in zip(*(ds[i] for i in range(4))))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_corpus_is_deterministic_nonempty_and_starts_with_the_first_file(corpus: torch.Tensor) -> None:
+    again = load_stdlib_corpus(max_bytes=300_000)
+    assert corpus.dtype == torch.uint8 and corpus.dim() == 1
+    assert corpus.numel() == 300_000
+    assert torch.equal(corpus, again)
+    files = stdlib_source_files()
+    assert files == sorted(files)
+    assert not any("site-packages" in f.parts for f in files)
+    first = files[0].read_bytes()[:1000]
+    assert bytes(corpus[:len(first)].tolist()) == first
+
+
+def test_windows_are_shifted_by_one_at_fixed_offsets() -> None:
+    data = torch.arange(100, dtype=torch.uint8)
+    ds = ByteWindowDataset(data, block_size=8, stride=5)
+    assert len(ds) == (100 - 8 - 1) // 5 + 1 == 19
+    for i in (0, 7, len(ds) - 1):
+        x, y = ds[i]
+        assert x.dtype == torch.long and x.shape == y.shape == (8,)
+        assert torch.equal(x, torch.arange(5 * i, 5 * i + 8))
+        assert torch.equal(y, x + 1)
+    last_x, last_y = ds[len(ds) - 1]
+    assert int(last_y[-1]) <= 99
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    with pytest.raises(ValueError, match="block_size"):
+        ByteWindowDataset(data[:8], block_size=8)
+
+
+def test_train_val_split_keeps_every_byte_in_order() -> None:
+    data = torch.arange(200, dtype=torch.uint8)
+    train, val = train_val_split(data, val_fraction=0.1)
+    assert train.numel() == 180 and val.numel() == 20
+    assert torch.equal(torch.cat([train, val]), data)
+
+
+def test_batch_config_is_refit_for_another_process_count() -> None:
+    from train_gpt import fit_batch_to_world
+
+    config = json.loads((EXAMPLES / "ds_config.json").read_text())
+    assert config["train_batch_size"] == (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2)
+    assert fit_batch_to_world(config, 2) is None
+    one = fit_batch_to_world(config, 1)
+    assert one is not None and "gradient_accumulation_steps" not in one
+    assert one["train_batch_size"] == 32 and one["train_micro_batch_size_per_gpu"] == 8
+    assert "gradient_accumulation_steps" in config  # the original is not modified
+    with pytest.raises(ValueError, match="multiple"):
+        fit_batch_to_world(config, 3)

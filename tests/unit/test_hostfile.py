@@ -1,0 +1,337 @@
+"""Launcher and init_distributed logic without processes: hostfiles, node specs, rank assignment, the
+command line, per-rank commands and environments, and the distributed environment resolution."""
+from __future__ import annotations
+
+import datetime
+import sys
+
+import pytest
+
+from deepshard.distributed import DistEnv, _first_host, default_timeout, resolve_dist_env
+from deepshard.launcher.cli import LaunchError, parse_args, plan_launch
+from deepshard.launcher.hostfile import (
+    assign_ranks,
+    parse_hostfile,
+    parse_node_spec,
+    read_hostfile,
+    resolve_resources,
+)
+from deepshard.launcher.local import (
+    build_rank_command,
+    build_rank_env,
+    omp_threads,
+    parse_core_list,
+    split_cores,
+)
+
+NAMES = {"localhost", "127.0.0.1", "thishost"}
+
+# ----------------------------------------------------------------------------------------- hostfile
+
+
+def test_parse_hostfile_keeps_order_comments_and_blank_lines() -> None:
+    text = "# cluster\n\nworker-1 slots=4\nworker-0 slots=2   # trailing comment\n   \n#worker-9 slots=8\n"
+    hosts = parse_hostfile(text)
+    assert hosts == {"worker-1": 4, "worker-0": 2}
+    assert list(hosts) == ["worker-1", "worker-0"]
+
+
+def test_parse_hostfile_duplicate_host_names_both_lines() -> None:
+    with pytest.raises(ValueError) as err:
+        parse_hostfile("a slots=1\nb slots=2\n\na slots=3\n", source="hf")
+    message = str(err.value)
+    assert "hf:4" in message and "'a'" in message and "line 1" in message and "a slots=3" in message
+
+
+@pytest.mark.parametrize("line", ["worker-1 4", "worker-1 slots=four", "worker-1 slots=4 extra", "slots=4"])
+def test_parse_hostfile_bad_line_names_line_number_and_form(line: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_hostfile(f"ok slots=1\n# c\n{line}\n", source="myhosts")
+    message = str(err.value)
+    assert message.startswith("myhosts:3:") and repr(line) in message and "slots=<count>" in message
+
+
+def test_parse_hostfile_rejects_zero_slots_and_empty_file() -> None:
+    with pytest.raises(ValueError, match="slots=0"):
+        parse_hostfile("a slots=0\n")
+    with pytest.raises(ValueError, match="lists no hosts"):
+        parse_hostfile("# nothing here\n\n")
+
+
+def test_read_hostfile_missing_and_present(tmp_path) -> None:
+    assert read_hostfile(str(tmp_path / "nope")) is None
+    path = tmp_path / "hostfile"
+    path.write_text("n1 slots=2\nn2 slots=1\n")
+    assert read_hostfile(str(path)) == {"n1": 2, "n2": 1}
+    path.write_text("n1 slots=2\nn1 slots=1\n")
+    with pytest.raises(ValueError, match=f"{path}:2"):
+        read_hostfile(str(path))
+
+
+# ---------------------------------------------------------------------------------------- node spec
+
+
+def test_parse_node_spec() -> None:
+    assert parse_node_spec("worker-0@worker-1:0,2") == {"worker-0": None, "worker-1": [0, 2]}
+    assert parse_node_spec("a:3,1@a:2") == {"a": [1, 2, 3]}
+    assert parse_node_spec("a:1@a") == {"a": None}
+    for bad in ["a@@b", "a:x", ":1", "a:1,", ""]:
+        with pytest.raises(ValueError):
+            parse_node_spec(bad)
+
+
+RES = {"w0": 4, "w1": 4, "w2": 2}
+
+
+def test_include_selects_hosts_and_slots_in_hostfile_order() -> None:
+    assert resolve_resources(RES, include="w1:0,2@w0") == {"w0": [0, 1, 2, 3], "w1": [0, 2]}
+
+
+def test_include_unknown_host_or_slot_is_named() -> None:
+    with pytest.raises(ValueError, match="'w7'.*not in the hostfile"):
+        resolve_resources(RES, include="w7")
+    with pytest.raises(ValueError, match="slot 2 of host 'w2', which has 2 slots"):
+        resolve_resources(RES, include="w2:2")
+
+
+def test_exclude_removes_slots_and_empty_hosts() -> None:
+    assert resolve_resources(RES, exclude="w0:1@w2:0,1") == {"w0": [0, 2, 3], "w1": [0, 1, 2, 3]}
+    assert resolve_resources(RES, exclude="w1") == {"w0": [0, 1, 2, 3], "w2": [0, 1]}
+    with pytest.raises(ValueError, match="no slots left"):
+        resolve_resources({"a": 1}, exclude="a:0")
+
+
+def test_include_exclude_conflicts() -> None:
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        resolve_resources(RES, include="w0", exclude="w1")
+    with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude") as err:
+        resolve_resources(RES, include="w0", num_gpus=2)
+    assert "drop --num_nodes/--num_gpus" in str(err.value)
+    with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude"):
+        resolve_resources(RES, exclude="w0", num_nodes=1)
+
+
+def test_num_nodes_and_num_gpus() -> None:
+    assert resolve_resources(RES, num_nodes=2) == {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+    assert resolve_resources(RES, num_gpus=2) == {"w0": [0, 1], "w1": [0, 1], "w2": [0, 1]}
+    assert resolve_resources(RES, num_nodes=1, num_gpus=3) == {"w0": [0, 1, 2]}
+    with pytest.raises(ValueError, match="--num_gpus 3 .* host 'w2' has \\(2\\)"):
+        resolve_resources(RES, num_gpus=3)
+    with pytest.raises(ValueError, match="--num_nodes 4 .* 3 available"):
+        resolve_resources(RES, num_nodes=4)
+
+
+def test_assign_ranks_hostfile_order_then_slots() -> None:
+    ranks = assign_ranks({"w1": [1, 3], "w0": [0]})
+    assert ranks == [("w1", 0, 1, 0), ("w1", 1, 3, 1), ("w0", 0, 0, 2)]
+
+
+# ------------------------------------------------------------------------------------- command line
+
+
+def test_user_script_and_args_are_left_untouched() -> None:
+    args = parse_args(["--num_gpus", "2", "train.py", "--deepspeed", "--deepspeed_config", "c.json",
+                       "--num_gpus", "7", "-q"])
+    assert args.num_gpus == 2 and args.user_script == "train.py" and not args.quiet
+    assert args.user_args == ["--deepspeed", "--deepspeed_config", "c.json", "--num_gpus", "7", "-q"]
+
+
+def test_flag_defaults_and_aliases() -> None:
+    args = parse_args(["--num_accelerators", "3", "-i", "localhost:0", "--master_port", "1234",
+                       "--launcher", "slurm", "--no_ssh", "--node_rank", "1", "x.py"])
+    assert (args.num_gpus, args.include, args.master_port, args.launcher, args.no_ssh, args.node_rank) == \
+        (3, "localhost:0", 1234, "slurm", True, 1)
+    defaults = parse_args(["x.py"])
+    assert (defaults.hostfile, defaults.master_port, defaults.master_addr, defaults.num_nodes,
+            defaults.num_gpus, defaults.user_args) == ("/job/hostfile", 29500, "", -1, -1, [])
+
+
+def test_build_rank_command_variants() -> None:
+    assert build_rank_command("t.py", ["--a", "1"], 3, python="py") == ["py", "-u", "t.py", "--a", "1",
+                                                                         "--local_rank=3"]
+    assert build_rank_command("pkg.train", [], 0, module=True, python="py") == \
+        ["py", "-u", "-m", "pkg.train", "--local_rank=0"]
+    assert build_rank_command("./run.sh", ["x"], 1, no_python=True, no_local_rank=True) == ["./run.sh", "x"]
+    with pytest.raises(ValueError, match="--module and --no_python"):
+        build_rank_command("m", [], 0, module=True, no_python=True)
+
+
+def test_build_rank_env() -> None:
+    env = build_rank_env({"KEEP": "1", "RANK": "9"}, rank=1, local_rank=1, world_size=2, local_world_size=2,
+                         master_addr="127.0.0.1", master_port=4242, cuda_visible_devices="0,2",
+                         omp_num_threads=3)
+    assert env["KEEP"] == "1"
+    expected = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242", "CROSS_RANK": "0", "CROSS_SIZE": "1",
+                "CUDA_VISIBLE_DEVICES": "0,2", "OMP_NUM_THREADS": "3"}
+    assert {k: env[k] for k in expected} == expected
+
+
+def test_core_list_split_and_omp_threads() -> None:
+    assert parse_core_list("0,3-5,4") == [0, 3, 4, 5]
+    for bad in ["a", "3-1", "1-"]:
+        with pytest.raises(ValueError):
+            parse_core_list(bad)
+    assert split_cores([0, 1, 2, 3, 4], 2) == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match="cannot bind 3 ranks to 2 cores"):
+        split_cores([0, 1], 3)
+    assert omp_threads({}, 2, 2, None) == 1
+    assert omp_threads({}, 2, 4, None) == 1
+    assert omp_threads({}, 16, 4, None) == 4
+    assert omp_threads({"OMP_NUM_THREADS": "7"}, 16, 4, None) is None
+    assert omp_threads({"OMP_NUM_THREADS": "7"}, 16, 4, 2) == 2
+
+
+def _plan(argv: list[str], hostfile: dict[str, int] | None = None, cuda: list[str] | None = None,
+          cores: list[int] | None = None, environ: dict[str, str] | None = None):
+    return plan_launch(parse_args(argv), environ or {}, hostfile, cuda, cores or [0, 1], NAMES)
+
+
+def test_plan_cpu_default_is_one_process_and_num_gpus_sets_count() -> None:
+    (only,) = _plan(["t.py"])
+    assert only.cmd == [sys.executable, "-u", "t.py", "--local_rank=0"]
+    assert only.env["WORLD_SIZE"] == "1" and "CUDA_VISIBLE_DEVICES" not in only.env
+    specs = _plan(["--num_gpus", "3", "--master_port", "3333", "t.py", "--lr", "1"], cores=[0, 1, 2, 3, 4, 5])
+    assert [(s.rank, s.local_rank, s.slot) for s in specs] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
+    assert specs[2].cmd[-3:] == ["--lr", "1", "--local_rank=2"]
+    assert {s.env["MASTER_PORT"] for s in specs} == {"3333"} and specs[0].env["MASTER_ADDR"] == "127.0.0.1"
+    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2", "2"]
+    assert all(s.cores is None for s in specs)
+
+
+def test_plan_cpu_include_localhost_slots_and_aliases() -> None:
+    specs = _plan(["--include", "localhost:0,1", "t.py"])
+    assert [s.slot for s in specs] == [0, 1] and specs[1].env["WORLD_SIZE"] == "2"
+    assert [s.slot for s in _plan(["--include", "thishost:1,3", "t.py"])] == [1, 3]
+    with pytest.raises(LaunchError, match="Cannot specify num_nodes/gpus"):
+        _plan(["--include", "localhost:0", "--num_gpus", "2", "t.py"])
+
+
+def test_plan_cuda_maps_slots_to_visible_devices() -> None:
+    specs = _plan(["--include", "localhost:1,3", "t.py"], cuda=["4", "5", "6", "7"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["5,7", "5,7"]
+    assert [s.env["LOCAL_RANK"] for s in specs] == ["0", "1"]
+    assert len(_plan(["t.py"], cuda=["0", "1"])) == 2
+    with pytest.raises(LaunchError, match="--num_gpus 3 .* has \\(2\\)"):
+        _plan(["--num_gpus", "3", "t.py"], cuda=["0", "1"])
+
+
+def test_plan_user_omp_threads_and_core_binding() -> None:
+    specs = _plan(["--num_gpus", "2", "t.py"], cores=[0, 1, 2, 3], environ={"OMP_NUM_THREADS": "5"})
+    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["5", "5"]
+    bound = _plan(["--num_gpus", "2", "--bind_cores_to_rank", "t.py"], cores=[0, 1, 2, 3, 4])
+    assert [s.cores for s in bound] == [(0, 1), (2, 3)] and bound[0].env["OMP_NUM_THREADS"] == "2"
+    listed = _plan(["--num_gpus", "2", "--bind_cores_to_rank", "--bind_core_list", "1,3", "t.py"],
+                   cores=[0, 1, 2, 3])
+    assert [s.cores for s in listed] == [(1,), (3,)]
+    with pytest.raises(LaunchError, match="cores \\[9\\]"):
+        _plan(["--num_gpus", "1", "--bind_cores_to_rank", "--bind_core_list", "9", "t.py"])
+
+
+def test_plan_hostfile_multi_node_is_a_clear_error() -> None:
+    with pytest.raises(LaunchError, match="2 node\\(s\\) \\(w0, w1\\).*multi-node launch.*not implemented"):
+        _plan(["t.py"], hostfile={"w0": 2, "w1": 2})
+    specs = _plan(["--num_nodes", "1", "t.py"], hostfile={"w0": 2, "w1": 2})
+    assert len(specs) == 2
+    assert [s.slot for s in _plan(["-i", "w1:1", "t.py"], hostfile={"w0": 2, "w1": 2})] == [1]
+    specs = _plan(["t.py"], hostfile={"localhost": 3})
+    assert len(specs) == 3
+    with pytest.raises(LaunchError, match="--force_multi"):
+        _plan(["--force_multi", "t.py"], hostfile={"localhost": 3})
+    with pytest.raises(LaunchError, match="needs a hostfile"):
+        _plan(["--num_nodes", "2", "t.py"])
+
+
+def test_plan_module_no_local_rank_and_unsupported_flags() -> None:
+    (spec,) = _plan(["--module", "--no_local_rank", "pkg.train", "--x"])
+    assert spec.cmd == [sys.executable, "-u", "-m", "pkg.train", "--x"]
+    with pytest.raises(LaunchError, match="--autotuning"):
+        _plan(["--autotuning", "tune", "t.py"])
+    with pytest.raises(LaunchError, match="--module and --no_python"):
+        _plan(["--module", "--no_python", "t.py"])
+
+
+# ------------------------------------------------------------------------------ init_distributed env
+
+
+def test_resolve_no_env_is_world_of_one() -> None:
+    assert resolve_dist_env({}) == DistEnv(0, 1, 0, None, 29500, "none")
+    assert resolve_dist_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+                            auto_mpi_discovery=False).source == "none"
+
+
+def test_resolve_launcher_and_torchrun_env() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234", "OMPI_COMM_WORLD_RANK": "0"}
+    assert resolve_dist_env(env) == DistEnv(3, 4, 1, "10.0.0.5", 1234, "env")
+    minimal = resolve_dist_env({"RANK": "1", "WORLD_SIZE": "2"}, distributed_port=5555)
+    assert minimal == DistEnv(1, 2, 1, "127.0.0.1", 5555, "env")
+
+
+def test_resolve_explicit_args_win() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "h"}
+    assert resolve_dist_env(env, rank=1, world_size=2) == DistEnv(1, 2, 3, "h", 29500, "args")
+    assert resolve_dist_env({}, rank=1, world_size=3) == DistEnv(1, 3, 1, "127.0.0.1", 29500, "args")
+    with pytest.raises(ValueError, match="rank 2 is out of range for world size 2"):
+        resolve_dist_env({}, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="pass both"):
+        resolve_dist_env({}, rank=1)
+
+
+def test_resolve_openmpi_and_mpich() -> None:
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "node0"}
+    assert resolve_dist_env(ompi) == DistEnv(5, 8, 1, "node0", 29500, "openmpi")
+    single = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+              "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert resolve_dist_env(single).master_addr == "127.0.0.1"
+    with pytest.raises(ValueError, match="world size 8 .* MASTER_ADDR is not set"):
+        resolve_dist_env({k: v for k, v in ompi.items() if k != "MASTER_ADDR"})
+    mpich = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"}
+    assert resolve_dist_env(mpich) == DistEnv(2, 3, 2, "127.0.0.1", 29500, "mpich")
+
+
+def test_resolve_slurm() -> None:
+    slurm = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_LAUNCH_NODE_IPADDR": "10.1.1.1"}
+    assert resolve_dist_env(slurm) == DistEnv(6, 8, 2, "gpu007", 29500, "slurm")
+    no_list = {k: v for k, v in slurm.items() if k != "SLURM_JOB_NODELIST"}
+    assert resolve_dist_env(no_list).master_addr == "10.1.1.1"
+    bare = {k: v for k, v in no_list.items() if k != "SLURM_LAUNCH_NODE_IPADDR"}
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        resolve_dist_env(bare)
+    assert resolve_dist_env({**bare, "MASTER_ADDR": "m"}).master_addr == "m"
+    one_node = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NNODES": "1"}
+    assert resolve_dist_env(one_node) == DistEnv(1, 2, 1, "127.0.0.1", 29500, "slurm")
+
+
+def test_first_host_of_nodelist() -> None:
+    assert _first_host("node1,node2") == "node1"
+    assert _first_host("gpu[03-05,9],cpu1") == "gpu03"
+    assert _first_host("n[1-2]-ib") == "n1-ib"
+    assert _first_host("rack[1-2]-n[1-4]") is None
+
+
+def test_default_timeout() -> None:
+    assert default_timeout({}) == datetime.timedelta(minutes=10)
+    assert default_timeout({"DEEPSPEED_TIMEOUT": "30"}) == datetime.timedelta(minutes=30)
+    assert default_timeout({"DEEPSPEED_TIMEOUT": "30", "DEEPSHARD_TIMEOUT": "2.5"}) == \
+        datetime.timedelta(minutes=2.5)
+    with pytest.raises(ValueError, match="DEEPSHARD_TIMEOUT='soon'"):
+        default_timeout({"DEEPSHARD_TIMEOUT": "soon"})
+
+
+def test_output_forwarding_splits_after_last_line_end() -> None:
+    from deepshard.launcher.supervisor import _split_complete
+
+    assert _split_complete(b"a\nb") == (b"a\n", b"b")
+    assert _split_complete(b"\r 50%|##  |\r 60%") == (b"\r 50%|##  |\r", b" 60%")
+    assert _split_complete(b"partial") == (b"", b"partial")
+
+
+def test_plan_rejects_non_positive_counts() -> None:
+    with pytest.raises(LaunchError, match="--num_gpus 0 must be >= 1"):
+        _plan(["--num_gpus", "0", "t.py"])
+    with pytest.raises(LaunchError, match="--num_nodes 0 must be >= 1"):
+        _plan(["--num_nodes", "0", "t.py"])
+    assert len(_plan(["--num_nodes", "1", "--num_gpus", "2", "t.py"])) == 2
