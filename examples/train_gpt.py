@@ -199,15 +199,8 @@ def build_data(args: argparse.Namespace, block: int) -> tuple[ByteWindowDataset,
     return ByteWindowDataset(train_bytes, block), ByteWindowDataset(val_bytes, block)
 
 
-def set_threads() -> None:
-    """Share the CPU cores between the processes on this machine (2 processes on 2 cores: 1 each)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    set_threads()
     deepshard.init_distributed()
     config = load_config(args.deepspeed_config)
     fitted = fit_batch_to_world(config, world_size())
