@@ -5,17 +5,47 @@ Keeps DeepSpeed's public contract, so ``import deepshard as deepspeed`` runs a D
     engine, optimizer, dataloader, lr_scheduler = deepshard.initialize(args=args, model=model,
                                                                        model_parameters=model.parameters())
     loss = engine(batch); engine.backward(loss); engine.step()
+
+Names are imported lazily so that light entry points (the ``deepshard`` launcher) do not pay for
+importing torch.
 """
-from deepshard.config import DeepShardConfig, add_config_arguments, load_config
-from deepshard.distributed import init_distributed
-from deepshard.engine import DeepShardEngine
-from deepshard.initialize import initialize
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 version = __version__
 
-# DeepSpeed's class name, for isinstance checks in user code.
-DeepSpeedEngine = DeepShardEngine
+_LAZY = {
+    "initialize": ("deepshard.bootstrap", "initialize"),
+    "init_distributed": ("deepshard.distributed", "init_distributed"),
+    "add_config_arguments": ("deepshard.config", "add_config_arguments"),
+    "add_tuning_arguments": ("deepshard.runtime.lr_schedules", "add_tuning_arguments"),
+    "load_config": ("deepshard.config", "load_config"),
+    "DeepShardConfig": ("deepshard.config", "DeepShardConfig"),
+    "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
+    "DeepSpeedEngine": ("deepshard.engine", "DeepShardEngine"),  # DeepSpeed's class name
+    "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
+}
+_SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
+               "launcher", "accelerator", "data", "profiling"}
 
-__all__ = ["DeepShardConfig", "DeepShardEngine", "DeepSpeedEngine", "__version__", "add_config_arguments",
-           "init_distributed", "initialize", "load_config"]
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"deepshard.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'deepshard' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)

@@ -1,23 +1,33 @@
 """User-facing helpers with DeepSpeed's names (``deepspeed.utils``)."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
-from deepshard.data import RepeatingLoader
 from deepshard.utils.logging import logger
+
+if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
+    import torch
 
 __all__ = ["RepeatingLoader", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state"]
 
 
-def _strategy_of(param: torch.nn.Parameter):  # noqa: ANN202 - returns a ZeroStrategy or None
+def __getattr__(name: str) -> Any:
+    if name == "RepeatingLoader":
+        from deepshard.data import RepeatingLoader
+
+        return RepeatingLoader
+    raise AttributeError(f"module 'deepshard.utils' has no attribute '{name}'")
+
+
+def _strategy_of(param: "torch.nn.Parameter"):  # noqa: ANN202 - returns a ZeroStrategy or None
     from deepshard.zero.strategy import PARAM_OWNERS
 
     ref = PARAM_OWNERS.get(param)
     return ref() if ref is not None else None
 
 
-def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
+def safe_get_full_fp32_param(param: "torch.nn.Parameter") -> "torch.Tensor | None":
     """The full fp32 value of ``param`` (its master copy when training in 16 bits), on every rank."""
     strategy = _strategy_of(param)
     if strategy is None:
@@ -25,7 +35,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     return strategy.full_fp32_param(param)
 
 
-def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+def safe_get_full_grad(param: "torch.nn.Parameter") -> "torch.Tensor | None":
     """The full reduced gradient of ``param`` (fp32) between backward and step, on every rank."""
     strategy = _strategy_of(param)
     if strategy is None:
@@ -33,7 +43,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return strategy.full_grad(param)
 
 
-def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
+def safe_get_full_optimizer_state(param: "torch.nn.Parameter", optim_state_key: str) -> "torch.Tensor | None":
     """The full optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``, on every rank."""
     strategy = _strategy_of(param)
     return None if strategy is None else strategy.full_optimizer_state(param, optim_state_key)

@@ -1,4 +1,5 @@
-"""``deepshard.initialize``: config -> process group -> engine with its strategy, optimizer, scheduler."""
+"""``deepshard.initialize`` (defined here, exported by the package): config -> process group -> engine with
+its strategy, optimizer and scheduler."""
 from __future__ import annotations
 
 import argparse
