@@ -11,7 +11,6 @@ $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
