@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import resource
@@ -27,6 +28,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepshard  # noqa: E402
@@ -160,7 +162,7 @@ def train(engine: Any, loader: Iterable[Any], steps: int, log_every: int, rank: 
             step_loss += loss.item() / gas
         losses.append(mean_over_ranks(step_loss))
         lr = engine.get_lr()[0]
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", refresh=False)
         bar.update(1)
         if rank == 0 and (step % log_every == 0 or step == 1 or step == steps):
             bar.write(f"step {step:4d}/{steps}  loss {losses[-1]:.4f}  lr {lr:.3e}")
@@ -221,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
 
     val_before = validation_loss(engine, val_set, args.val_batches, micro)
     start = time.perf_counter()
-    losses = train(engine, loader, steps, args.log_every, rank)
+    # the engine's own log lines (steps_per_print) go through tqdm.write, above the progress bar
+    with logging_redirect_tqdm(loggers=[logging.getLogger("deepshard")]):
+        losses = train(engine, loader, steps, args.log_every, rank)
     elapsed = time.perf_counter() - start
     val_after = validation_loss(engine, val_set, args.val_batches, micro)
 

@@ -1,0 +1,137 @@
+"""The engine's contract beyond the oracle: accounting, no_sync, boundary override, the public API,
+checkpoint damage, several engines per process, gradient pre-division and communication dtype."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_world
+from tests.dist.models import make_batches, make_model, rel_err
+from tests.dist.scenarios_engine import (accounting, api_surface, no_sync_and_boundary,
+                                         predivide_and_comm_dtype, two_engines_interleaved)
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def acct() -> dict[str, Any]:
+    return run_world(accounting, WORLD)[0]
+
+
+def test_memory_report_fp32_adam_is_16_psi(acct: dict[str, Any]) -> None:
+    r = acct["fp32"]
+    psi, total, report = r["psi_trainable"], r["psi_total"], r["report"]
+    assert report["parameters"] == 4 * total  # frozen parameters are held too
+    assert report["gradients"] == 4 * psi  # gradient buffers: trainable parameters only
+    assert report["master_weights"] == 0
+    assert report["optimizer_state"] == 8 * psi  # Adam: exp_avg + exp_avg_sq, fp32
+    assert report["buffers"] == r["buffer_bytes"]
+    model_states = report["gradients"] + report["optimizer_state"] + 4 * psi
+    assert model_states == 16 * psi  # PRODUCT.md: DDP, fp32 Adam
+    assert report["total"] == sum(v for k, v in report.items() if k != "total")
+
+
+def test_memory_report_bf16_adam_is_16_psi(acct: dict[str, Any]) -> None:
+    r = acct["bf16"]
+    psi, report = r["psi_trainable"], r["report"]
+    assert report["gradients"] == 2 * psi
+    assert report["master_weights"] == 4 * psi
+    assert report["optimizer_state"] == 8 * psi
+    assert report["gradients"] + report["master_weights"] + report["optimizer_state"] + 2 * psi == 16 * psi
+
+
+def test_comms_volume_is_two_psi_per_step(acct: dict[str, Any]) -> None:
+    for dtype, elsize in (("fp32", 4), ("bf16", 2)):
+        r = acct[dtype]
+        psi = r["psi_trainable"]
+        assert r["comms"]["all_reduce"]["elements"] == psi  # one reduction per step despite 2 micro-steps
+        assert r["comms"]["all_reduce"]["bytes"] == psi * elsize
+        assert r["volume"] == 2 * psi
+
+
+def test_frozen_parameters_get_no_grad_and_no_optimizer_state(acct: dict[str, Any]) -> None:
+    for dtype in ("fp32", "bf16"):
+        assert acct[dtype]["frozen_in_state"] is False
+        assert acct[dtype]["frozen_grad"] == [None, None]
+
+
+def _sum_loss_reference(batches: list, world: int) -> dict[str, torch.Tensor]:
+    """Single process: loss = mean over the first half of the batch + mean over the second half."""
+    model = make_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    half = 2 * world
+    for x, y in batches:
+        (model(x[:half], y[:half]) + model(x[half:], y[half:])).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_no_sync_accumulates_locally_then_reduces_once() -> None:
+    out = run_world(no_sync_and_boundary, WORLD)[0]
+    ref = _sum_loss_reference(make_batches(2, 4 * WORLD, seed=9), WORLD)
+    for name, value in ref.items():
+        assert rel_err(out["no_sync"][name], value) <= 1e-6, name
+        assert rel_err(out["boundary"][name], value) <= 1e-6, name
+    assert out["calls_inside_first_no_sync"] == [0, 0]
+    assert "no_sync" in out["step_in_no_sync"]
+    assert out["applied"] == [False, True, False, True]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: Any) -> dict[str, Any]:
+    return run_world(api_surface, WORLD, str(tmp_path_factory.mktemp("api")))[0]
+
+
+def test_user_optimizer_and_callable_win_over_config(api: dict[str, Any]) -> None:
+    from tests.dist.models import reference_run
+
+    assert api["user_opt_is_used"] and api["loader_sched_none"]
+    assert api["callable_opt_type"] == "SGD"
+    ref_losses, ref_w = reference_run(make_batches(3, 2 * WORLD, seed=3), clip=0.0, sgd=True)
+    for name, value in ref_w.items():
+        assert rel_err(api["user_opt_weights"][name], value) <= 1e-6
+        assert rel_err(api["callable_opt_weights"][name], value) <= 1e-6
+
+
+def test_accessors_and_attribute_fallthrough(api: dict[str, Any]) -> None:
+    assert api["getattr"] is True
+    assert api["accessors"] == (2 * WORLD, 2, 1, 0, WORLD, True, 3, 3 * 2 * WORLD, 3, "cpu")
+
+
+def test_dataloader_splits_samples_across_ranks(api: dict[str, Any]) -> None:
+    assert api["loader_disjoint_cover"] is True
+
+
+def test_load_from_empty_dir_returns_none(api: dict[str, Any]) -> None:
+    assert api["empty_load"] == (None, None)
+
+
+def test_save_16bit_and_load_module_only(api: dict[str, Any]) -> None:
+    assert api["16bit_exact"] is True and api["16bit_dtype"] == "torch.bfloat16"
+    weights_equal, steps = api["module_only"]
+    assert weights_equal is True and steps == 0
+
+
+def test_damaged_checkpoints_give_clear_errors(api: dict[str, Any]) -> None:
+    assert "model.safetensors" in api["corrupt"]
+    assert "optimizer.safetensors" in api["truncated"]
+
+
+def test_two_engines_in_one_process_do_not_interfere() -> None:
+    out = run_world(two_engines_interleaved, WORLD)[0]
+    assert out == {"a": True, "b": True}
+
+
+def test_predivide_prescale_and_comm_dtype_match_reference() -> None:
+    from tests.dist.models import reference_run
+
+    out = run_world(predivide_and_comm_dtype, WORLD)[0]
+    ref_losses, ref_w = reference_run(make_batches(4, 4 * WORLD, seed=11), clip=0.0, sgd=True)
+    for name, tol in (("predivide", 1e-6), ("prescale", 1e-6), ("comm_fp16", 2e-3)):
+        losses, weights = out[name]
+        assert losses == pytest.approx(ref_losses, rel=tol)
+        for key, value in ref_w.items():
+            assert rel_err(weights[key], value) <= tol, (name, key)
