@@ -187,7 +187,7 @@ def print_summary(stats: dict[str, Any], rows: list[dict[str, int]]) -> None:
     print(f"throughput      {stats['tokens'] / stats['elapsed']:,.0f} tokens/s, "
           f"{stats['elapsed'] / len(losses) * 1000:.0f} ms/step, {stats['elapsed']:.1f} s total")
     if stats.get("comm_bytes") is not None:
-        print(f"communication   {stats['comm_bytes'] / 2**20:.1f} MiB sent by rank 0's engine")
+        print(f"communication   {stats['comm_bytes'] / 2**20:.1f} MiB handed to collectives by rank 0's engine")
     keys = [k for k in rows[0] if k not in ("total", "peak_rss")] + ["total", "peak_rss"]
     print("memory per process, MiB (model states held by the engine; 'total' is their sum; "
           "and the peak resident set size):")

@@ -140,9 +140,13 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         from deepshard.zero.stage0 import Stage0Strategy
 
         return Stage0Strategy(model, optimizer, ctx)
+    if stage in (1, 2):
+        from deepshard.zero.stage12 import Stage12Strategy
+
+        return Stage12Strategy(model, optimizer, ctx, stage)
     raise NotImplementedError(
         f"zero_optimization.stage {stage} is not implemented in this version of deepshard; "
-        "set \"zero_optimization\": {\"stage\": 0} (plain data parallelism) for now")
+        "use stage 2 (sharded optimizer state and gradients) or 1 for now")
 
 
 def build_lr_scheduler(cfg: DeepShardConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:

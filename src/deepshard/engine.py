@@ -339,5 +339,6 @@ class DeepShardEngine(torch.nn.Module):
         """Remove the strategy's hooks and close monitors; the engine is unusable afterwards."""
         if self.strategy is not None and hasattr(self.strategy, "reducer"):
             self.strategy.reducer.remove_hooks()
+        self.strategy = None
         if self.monitor is not None:
             self.monitor.close()

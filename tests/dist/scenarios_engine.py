@@ -132,7 +132,7 @@ def api_surface(rank: int, world: int, tmp: str) -> dict[str, Any]:
                           fresh.global_steps)
     dist.barrier()
     if rank == 0:
-        victim = Path(tmp) / "t1" / "model.safetensors"
+        victim = Path(tmp) / "t1" / "zero_rank0.safetensors"
         data_bytes = bytearray(victim.read_bytes())
         data_bytes[-5] ^= 0xFF
         victim.write_bytes(bytes(data_bytes))
@@ -144,7 +144,7 @@ def api_surface(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out["corrupt"] = str(e)
     dist.barrier()
     if rank == 0:
-        victim = Path(tmp) / "t1" / "optimizer.safetensors"
+        victim = Path(tmp) / "t1" / "module_extra.safetensors"
         victim.write_bytes(victim.read_bytes()[:100])
     dist.barrier()
     try:

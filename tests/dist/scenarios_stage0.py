@@ -13,13 +13,13 @@ from tests.dist.models import make_batches, make_model, micro_slice, optimizer_c
 
 
 def train(rank: int, world: int, micro: int, gas: int, steps: int, *, dtype: str = "fp32", clip: float = 0.5,
-          extra: dict[str, Any] | None = None, batches: Any = None, engine_out: list | None = None
-          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+          extra: dict[str, Any] | None = None, batches: Any = None, engine_out: list | None = None,
+          stage: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train TinyNet with deepshard; returns per-step global-mean losses and fp32 final weights."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
         "optimizer": optimizer_config(), "gradient_clipping": clip,
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 500},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -60,19 +60,19 @@ def full_weights(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def oracle_world(rank: int, world: int) -> dict[str, Any]:
-    """Every accumulation split of a global batch of 8, fp32/bf16/fp16."""
+def oracle_world(rank: int, world: int, stage: int = 0) -> dict[str, Any]:
+    """Every accumulation split of a global batch of 8, fp32/bf16/fp16, for one ZeRO stage."""
     results: dict[str, Any] = {}
     for micro in (1, 2, 4):
         gas = 8 // (micro * world)
         if gas >= 1 and micro * gas * world == 8:
-            results[f"fp32_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5)
-            results[f"sgd_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, clip=0.0,
+            results[f"fp32_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, stage=stage)
+            results[f"sgd_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, clip=0.5, stage=stage,
                                                     extra={"optimizer": sgd_config()})
     micro, gas = 8 // (2 * world) if world <= 4 else 1, 2
-    results["bf16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="bf16")
-    results["fp16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="fp16")
-    results["sched"] = train(rank, world, max(micro, 1), gas, steps=5, extra={
+    results["bf16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="bf16", stage=stage)
+    results["fp16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="fp16", stage=stage)
+    results["sched"] = train(rank, world, max(micro, 1), gas, steps=5, stage=stage, extra={
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                      "warmup_num_steps": 3, "warmup_type": "linear"}}})
     # identical parameters on every rank

@@ -116,8 +116,8 @@ def test_save_16bit_and_load_module_only(api: dict[str, Any]) -> None:
 
 
 def test_damaged_checkpoints_give_clear_errors(api: dict[str, Any]) -> None:
-    assert "model.safetensors" in api["corrupt"]
-    assert "optimizer.safetensors" in api["truncated"]
+    assert "zero_rank0.safetensors" in api["corrupt"]
+    assert "module_extra.safetensors" in api["truncated"]
 
 
 def test_two_engines_in_one_process_do_not_interfere() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -110,8 +113,7 @@ def test_windows_are_shifted_by_one_at_fixed_offsets() -> None:
         assert x.dtype == torch.long and x.shape == y.shape == (8,)
         assert torch.equal(x, torch.arange(5 * i, 5 * i + 8))
         assert torch.equal(y, x + 1)
-    last_x, last_y = ds[len(ds) - 1]
-    assert int(last_y[-1]) <= 99
+    assert int(ds[len(ds) - 1][1][-1]) <= 99  # the last window's target stays inside the data
     with pytest.raises(IndexError):
         ds[len(ds)]
     with pytest.raises(ValueError, match="block_size"):
@@ -138,3 +140,57 @@ def test_batch_config_is_refit_for_another_process_count() -> None:
     assert "gradient_accumulation_steps" in config  # the original is not modified
     with pytest.raises(ValueError, match="multiple"):
         fit_batch_to_world(config, 3)
+
+
+# ------------------------------------------------------------------ the scripts, run as a user would
+
+def _run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env.update({"DEEPSHARD_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_readme_example_is_the_quickstart_files() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = re.findall(r"```(\w+)\n(.*?)```", readme, re.S)
+    python = [body for lang, body in blocks if lang == "python"]
+    configs = [body for lang, body in blocks if lang == "json"]
+    assert python[0] == (EXAMPLES / "quickstart.py").read_text()
+    assert configs[0] == (EXAMPLES / "quickstart_config.json").read_text()
+
+
+def test_quickstart_trains_and_checkpoints_on_one_process(tmp_path: Path) -> None:
+    done = _run_script([str(EXAMPLES / "quickstart.py"), "--deepspeed", "--deepspeed_config",
+                        str(EXAMPLES / "quickstart_config.json")], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [float(m) for m in re.findall(r"loss ([0-9.]+)", done.stdout)]
+    assert len(losses) == 5 and losses[-1] < losses[0] / 4, done.stdout
+    # 100 micro-steps / 2 accumulation steps = 50 optimizer steps
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step50"
+    assert (tmp_path / "checkpoints" / "global_step50" / "manifest.json").is_file()
+
+
+def test_train_gpt_runs_a_few_steps_and_prints_the_summary(tmp_path: Path) -> None:
+    done = _run_script([str(EXAMPLES / "train_gpt.py"), "--deepspeed_config", str(EXAMPLES / "ds_config.json"),
+                        "--steps", "4", "--max_bytes", "200000", "--val_batches", "2"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "=== summary ===" in out and "1 process(es), global batch 32 x 128 tokens" in out, out
+    first, last = (float(v) for v in re.search(r"train loss\s+([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert abs(first - math.log(256)) < 0.5 and last < first, out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rank"])
+    labels = lines[header].replace("peak RSS", "peak_rss").split()
+    mib = dict(zip(labels, (float(v) for v in lines[header + 1].split())))
+    n = 3_257_856
+    assert mib["rank"] == 0
+    # bf16 + AdamW under ZeRO stage 0: 2 + 2 + 4 + 8 bytes per parameter (the ZeRO paper's 16 psi)
+    assert mib["params"] == pytest.approx(2 * n / 2**20, abs=0.1)
+    assert mib["grads"] == pytest.approx(2 * n / 2**20, abs=0.1)
+    assert mib["master"] == pytest.approx(4 * n / 2**20, abs=0.1)
+    assert mib["optim"] == pytest.approx(8 * n / 2**20, abs=0.1)
+    parts = [v for k, v in mib.items() if k not in ("rank", "total", "peak_rss")]
+    assert mib["total"] == pytest.approx(sum(parts), abs=0.1 * len(parts))
+    assert mib["peak_rss"] > mib["total"]

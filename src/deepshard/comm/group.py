@@ -4,8 +4,8 @@ Every collective the library issues goes through a ``CommGroup`` so that bytes a
 logger) and a world of size 1 needs no process group at all. Groups are objects passed to whoever needs
 them: there is no module-level process-group state, so several engines can live in one process.
 
-gloo has no reduce-scatter; ``reduce_scatter_tensor`` falls back to an all-reduce plus a slice there and
-counts what the collective actually moved.
+Volumes are recorded by the ZeRO paper's accounting (``CommsLogger``): an all-reduce moves 2x its
+tensor, an all-gather or reduce-scatter 1x the full (unsharded) tensor.
 """
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ import torch.distributed as dist
 from deepshard.comm.logger import CommsLogger
 
 Work = Optional[dist.Work]
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _DoneWork:
@@ -57,23 +61,15 @@ class CommGroup:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
         self.logger.record("all_gather", output.numel(), output.element_size())
-        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        return _all_gather(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Sum ``full`` over ranks and leave this rank's equal slice in ``output``."""
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        if self.backend == "gloo":
-            # gloo implements no reduce-scatter: all-reduce a copy, keep our slice (synchronous).
-            self.logger.record("reduce_scatter(all_reduce)", full.numel(), full.element_size(), 2.0)
-            tmp = full.clone()
-            dist.all_reduce(tmp, group=self.group)
-            n = output.numel()
-            output.copy_(tmp.view(-1)[self.rank * n:(self.rank + 1) * n].view_as(output))
-            return _DoneWork() if async_op else None
         self.logger.record("reduce_scatter", full.numel(), full.element_size())
-        return dist.reduce_scatter_tensor(output, full, group=self.group, async_op=async_op)
+        return _reduce_scatter(output, full, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import torch
 
-from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint.named_optim import export_optimizer_state, import_optimizer_state
+from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
+                                            restore_param_groups, save_rank_fragments, slice_state)
+from deepshard.checkpoint.module_state import (load_module_from_full, module_extra_state, module_shapes,
+                                               param_aliases)
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
-
-MODEL_FILE = "model.safetensors"
-OPTIM_TENSORS_FILE = "optimizer.safetensors"
-OPTIM_META_FILE = "optimizer.json"
 
 
 class Stage0Strategy(ZeroStrategy):
@@ -93,34 +91,38 @@ class Stage0Strategy(ZeroStrategy):
 
     def save(self, directory: Path, rank: int) -> list[str]:
         if rank != 0:
-            return []
-        tensors: dict[str, torch.Tensor] = {}
-        master_by_id = {id(p): self._master_or_param(p) for p in self.params}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            src = master_by_id.get(id(value), value)
-            tensors[name] = src.detach()
-        ckpt_io.save_tensors(directory / MODEL_FILE, tensors)
-        files = [MODEL_FILE]
+            return []  # every rank holds the same states: rank 0 writes them whole
+        records = []
+        for p in self.params:
+            target = self._master_or_param(p)
+            state = self.optimizer.state.get(target, {}) if self.optimizer is not None else {}
+            records.append(FragmentRecord(self.names[id(p)], 0, p.numel(), target.detach().float(), dict(state)))
+        groups = None
         if self.optimizer is not None:
-            name_of = {id(self._master_or_param(p)): self.names[id(p)] for p in self.params}
-            opt_tensors, meta = export_optimizer_state(self.optimizer, name_of)
-            ckpt_io.save_tensors(directory / OPTIM_TENSORS_FILE, opt_tensors)
-            ckpt_io.save_json(directory / OPTIM_META_FILE, meta)
-            files += [OPTIM_TENSORS_FILE, OPTIM_META_FILE]
-        return files
+            groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
+                                                          for p in self.params})
+        return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
+                                   param_aliases(self.module), module_extra_state(self.module),
+                                   {"zero_stage": 0, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        saved = ckpt_io.load_tensors(directory / MODEL_FILE)
-        load_module_state(self.module, saved, strict, self._master_or_param)
+        full = load_full_state(directory, with_optimizer=load_optimizer_states)
+        load_module_from_full(self.module, full, strict)
+        for p in self.params:
+            name = self.names[id(p)]
+            if name in full.params and self.masters is not None:
+                m = self.masters.master_of(p)
+                if m is not None:
+                    m.copy_(full.params[name])
         if load_optimizer_states and self.optimizer is not None:
-            if not (directory / OPTIM_META_FILE).exists():
-                raise FileNotFoundError(
-                    f"{directory} holds no optimizer state ({OPTIM_META_FILE} is missing); load with "
-                    "load_optimizer_states=False to restore the weights only")
-            by_name = {self.names[id(p)]: self._master_or_param(p) for p in self.params}
-            import_optimizer_state(self.optimizer, by_name, ckpt_io.load_tensors(directory / OPTIM_TENSORS_FILE),
-                                   ckpt_io.load_json(directory / OPTIM_META_FILE))
+            restore_param_groups(self.optimizer, full.param_groups)
+            self.optimizer.state.clear()
+            for p in self.params:
+                name = self.names[id(p)]
+                if name in full.optim:
+                    target = self._master_or_param(p)
+                    self.optimizer.state[target] = slice_state(full, name, 0, p.numel(), target)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:
@@ -141,28 +143,6 @@ class Stage0Strategy(ZeroStrategy):
             return None
         value = self.optimizer.state.get(self._master_or_param(param), {}).get(key)
         return None if value is None else value.detach().clone()
-
-
-def load_module_state(module: torch.nn.Module, saved: dict[str, torch.Tensor], strict: bool,
-                      target_of: object) -> None:
-    """Copy ``saved`` (a full state dict) into the module, and into fp32 masters where they exist."""
-    own = module.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
-    if strict and (missing or unexpected):
-        raise KeyError(f"checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
-                       f"{unexpected[:10]}; load with load_module_strict=False to load the matching part")
-    for name, value in own.items():
-        if name not in saved:
-            continue
-        src = saved[name]
-        if tuple(src.shape) != tuple(value.shape):
-            raise ValueError(f"checkpoint tensor '{name}' has shape {tuple(src.shape)} but the model's is "
-                             f"{tuple(value.shape)}; the checkpoint was saved from a different model")
-        target = target_of(value) if isinstance(value, torch.nn.Parameter) else value
-        target.data.copy_(src)
-        if target is not value:
-            value.data.copy_(src)
 
 
 def tensor_bytes(tensors: object) -> int:

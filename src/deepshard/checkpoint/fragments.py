@@ -1,0 +1,202 @@
+"""The checkpoint format shared by every ZeRO stage: parameter *fragments* keyed by name and offset.
+
+Each rank writes ``zero_rank<r>.safetensors`` + ``zero_rank<r>.json`` holding the fp32 values and the
+optimizer state of the fragments it owns (stage 0: rank 0 owns every parameter whole; stages 1-2: each
+rank its partition). Rank 0 also writes ``module_extra.safetensors``: buffers and frozen parameters.
+Loading reassembles full tensors per parameter name from all ranks' files (``load_full_state``), and a
+strategy then takes the slices it owns, so a checkpoint written by any stage on any number of processes
+loads into any stage on any number of processes directly, with no conversion step.
+
+Tensor keys: ``param/<name>@<start>`` (fp32 values), ``optim/<name>/<key>@<start>`` (an elementwise
+state slice), ``optim/<name>/<key>@scalar`` (a 0-d state such as Adam's ``step``) and
+``optim/<name>/<key>@whole`` (a non-elementwise state of a parameter owned whole).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepshard.checkpoint import io as ckpt_io
+
+MODULE_EXTRA = "module_extra.safetensors"
+_RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    return f"zero_rank{rank}.safetensors", f"zero_rank{rank}.json"
+
+
+@dataclass
+class FragmentRecord:
+    """One fragment to save: ``value`` is the 1-D fp32 slice; ``state`` its optimizer state."""
+
+    name: str
+    start: int
+    numel: int
+    value: torch.Tensor
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FullState:
+    """A checkpoint reassembled per parameter name."""
+
+    params: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, Any]]
+    optim_kinds: dict[str, dict[str, str]]
+    param_groups: list[dict[str, Any]] | None
+    module_extra: dict[str, torch.Tensor]
+    aliases: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    meta: dict[str, Any]
+
+
+def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord],
+                        shapes: dict[str, tuple[int, ...]], param_groups: list[dict[str, Any]] | None,
+                        aliases: dict[str, str], module_extra: dict[str, torch.Tensor] | None,
+                        meta: dict[str, Any]) -> list[str]:
+    """Write this rank's fragments; returns the file names written."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        tensors[f"param/{rec.name}@{rec.start}"] = rec.value.detach().reshape(-1)
+        whole = rec.start == 0 and rec.numel == _numel(shapes[rec.name])
+        for key, value in rec.state.items():
+            if not torch.is_tensor(value):
+                scalars.setdefault(f"{rec.name}@{rec.start}", {})[key] = value
+            elif value.dim() == 0:
+                tensors[f"optim/{rec.name}/{key}@scalar"] = value.detach()
+            elif value.numel() == rec.numel:
+                tensors[f"optim/{rec.name}/{key}@{rec.start}"] = value.detach().reshape(-1)
+            elif whole:
+                tensors[f"optim/{rec.name}/{key}@whole"] = value.detach()
+            else:
+                raise ValueError(
+                    f"optimizer state '{key}' of parameter '{rec.name}' has shape {tuple(value.shape)}, which is "
+                    f"not elementwise (the fragment has {rec.numel} elements); optimizers with factored or "
+                    "per-layer state cannot be partitioned by ZeRO stages 1-3: use stage 0")
+    tensor_file, json_file = rank_files(rank)
+    ckpt_io.save_tensors(directory / tensor_file, tensors)
+    info = {"rank": rank, "fragments": [[r.name, r.start, r.numel] for r in records], "scalars": scalars,
+            "shapes": {k: list(v) for k, v in shapes.items()}, "aliases": aliases, "meta": meta}
+    if param_groups is not None:
+        info["param_groups"] = param_groups
+    ckpt_io.save_json(directory / json_file, info)
+    files = [tensor_file, json_file]
+    if module_extra is not None:
+        ckpt_io.save_tensors(directory / MODULE_EXTRA, module_extra)
+        files.append(MODULE_EXTRA)
+    return files
+
+
+def _numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def load_full_state(directory: Path, with_optimizer: bool = True) -> FullState:
+    """Reassemble full fp32 parameters (and optimizer state) from every rank's fragment files."""
+    json_files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_JSON.match(p.name)))
+    if not json_files:
+        raise ckpt_io.CheckpointError(
+            f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
+            "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, Any]] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    groups, aliases, meta = None, {}, {}
+    for rank, path in json_files:
+        info = ckpt_io.load_json(path)
+        shapes.update({k: tuple(v) for k, v in info["shapes"].items()})
+        aliases.update(info.get("aliases", {}))
+        meta = info.get("meta", meta) if rank == 0 else meta
+        groups = info.get("param_groups", groups)
+        tensors = ckpt_io.load_tensors(directory / rank_files(rank)[0])
+        for name, start, numel in info["fragments"]:
+            full = params.setdefault(name, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
+            full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
+            for key, value in info["scalars"].get(f"{name}@{start}", {}).items():
+                optim.setdefault(name, {})[key] = value
+                kinds.setdefault(name, {})[key] = "python"
+        if with_optimizer:
+            _collect_optimizer_tensors(tensors, shapes, optim, kinds)
+    params = {k: v.view(shapes[k]) for k, v in params.items()}
+    extra_path = directory / MODULE_EXTRA
+    module_extra = ckpt_io.load_tensors(extra_path) if extra_path.exists() else {}
+    return FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
+
+
+def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                               optim: dict[str, dict[str, Any]], kinds: dict[str, dict[str, str]]) -> None:
+    for flat_key, value in tensors.items():
+        if not flat_key.startswith("optim/"):
+            continue
+        body, where = flat_key[len("optim/"):].rsplit("@", 1)
+        name, key = body.rsplit("/", 1)
+        state = optim.setdefault(name, {})
+        if where == "scalar":
+            state[key] = value.clone()
+            kinds.setdefault(name, {})[key] = "scalar"
+        elif where == "whole":
+            state[key] = value.clone()
+            kinds.setdefault(name, {})[key] = "whole"
+        else:
+            start = int(where)
+            full = state.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=value.dtype))
+            full[start:start + value.numel()] = value
+            kinds.setdefault(name, {})[key] = "elementwise"
+
+
+def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.Tensor) -> dict[str, Any]:
+    """The optimizer state of fragment ``[start, start+numel)`` of ``name``, cast like ``like``."""
+    out: dict[str, Any] = {}
+    for key, value in full.optim.get(name, {}).items():
+        kind = full.optim_kinds[name][key]
+        if kind == "elementwise":
+            piece = value.reshape(-1)[start:start + numel]
+            if numel == _numel(full.shapes[name]) and like.dim() > 1:
+                piece = piece.view(like.shape)
+            out[key] = piece.to(device=like.device, dtype=like.dtype if piece.is_floating_point() else piece.dtype
+                                ).clone()
+        elif kind == "whole":
+            if numel != _numel(full.shapes[name]):
+                raise ValueError(f"optimizer state '{key}' of '{name}' is not elementwise and cannot be split "
+                                 "across processes; load it with ZeRO stage 0")
+            out[key] = value.to(like.device).clone()
+        else:
+            out[key] = value.clone() if torch.is_tensor(value) else value
+    return out
+
+
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]] | None) -> None:
+    """Restore hyperparameters group by group (lr, betas, weight_decay, ...)."""
+    if saved is None:
+        return
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} param groups but this optimizer has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
+            "load_optimizer_states=False to restore the weights only")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        tuples = set(saved_group.get("__tuples__", []))
+        for key, value in saved_group.items():
+            if key in ("params", "__tuples__"):
+                continue
+            group[key] = tuple(value) if key in tuples else value
+
+
+def export_param_groups(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        g["params"] = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+        g["__tuples__"] = [k for k, v in group.items() if isinstance(v, tuple)]
+        groups.append(g)
+    return groups

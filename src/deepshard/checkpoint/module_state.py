@@ -1,0 +1,56 @@
+"""Module-level pieces of a checkpoint: names, shapes, tied-weight aliases, buffers and frozen weights."""
+from __future__ import annotations
+
+import torch
+
+from deepshard.checkpoint.fragments import FullState
+
+
+def trainable_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+
+
+def module_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the trainable parameters by canonical name (``ds_shape`` when sharded by stage 3)."""
+    return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters() if p.requires_grad}
+
+
+def param_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """state_dict names that refer to an already-named parameter (tied weights) -> the canonical name."""
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if canonical[id(p)] != name:
+            aliases[name] = canonical[id(p)]
+    return aliases
+
+
+def module_extra_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Everything in the state dict that is not a trainable parameter: buffers and frozen parameters."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in trainable}
+
+
+@torch.no_grad()
+def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool) -> None:
+    """Copy full fp32 values into the module's (whole, unsharded) parameters, buffers and frozen weights."""
+    own = module.state_dict(keep_vars=True)
+    missing, unexpected = [], []
+    for key, value in own.items():
+        source_name = full.aliases.get(key, key)
+        if source_name in full.params:
+            src = full.params[source_name]
+        elif key in full.module_extra:
+            src = full.module_extra[key]
+        else:
+            missing.append(key)
+            continue
+        if tuple(src.shape) != tuple(value.shape):
+            raise ValueError(f"checkpoint tensor '{key}' has shape {tuple(src.shape)} but the model's is "
+                             f"{tuple(value.shape)}; the checkpoint was saved from a different model")
+        value.data.copy_(src)
+    known = set(own) | set(full.aliases)
+    unexpected = [k for k in list(full.params) + list(full.module_extra) if k not in known]
+    if strict and (missing or unexpected):
+        raise KeyError(f"checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
+                       f"{unexpected[:10]}; load with load_module_strict=False to load the matching part")

@@ -1,0 +1,114 @@
+"""The flat, bucketed, sharded layout of the trainable parameters used by ZeRO stages 1 and 2.
+
+Parameters (in reverse registration order, roughly the order backward produces their gradients) are
+packed into buckets of about ``reduce_bucket_size`` elements. Each bucket is zero-padded to a multiple of
+the data-parallel size N and split into N equal chunks: rank r owns chunk r of *every* bucket. A bucket's
+gradient is then reduced with one reduce-scatter that leaves each rank exactly its chunk, and its
+parameters are rebuilt with one all-gather of the chunks, with no uneven splits and no transient
+full-size buffer (the same idea as FSDP's per-group flat sharding).
+
+A rank's *shard* is its chunks of all buckets, laid end to end (``shard_numel`` elements). The part of
+one parameter that falls in one rank's chunk is a *fragment*: the unit the optimizer updates and the
+checkpoint stores (by parameter name and element offset, so any process count can load it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    start: int       # offset of the bucket in the padded flat space
+    numel: int       # elements of parameters in the bucket
+    padded: int      # numel rounded up to a multiple of the world size
+    world: int
+
+    @property
+    def chunk(self) -> int:
+        return self.padded // self.world
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        """[begin, end) of rank's chunk in the flat space."""
+        begin = self.start + rank * self.chunk
+        return begin, begin + self.chunk
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat space."""
+
+    name: str
+    param_index: int
+    bucket: int
+    flat_start: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part ``[start, start + numel)`` of parameter ``name`` (flattened) that this rank owns."""
+
+    name: str
+    slot: int          # index into FlatLayout.slots
+    start: int         # element offset inside the parameter
+    numel: int
+    flat_start: int    # offset in the flat space
+    shard_start: int   # offset in this rank's shard
+
+
+class FlatLayout:
+    """Buckets, slots and this rank's fragments for ``params`` (given in launch order)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], bucket_elements: int,
+                 world: int, rank: int) -> None:
+        if bucket_elements <= 0:
+            raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
+        self.world, self.rank = world, rank
+        self.buckets: list[Bucket] = []
+        self.slots: list[Slot] = []
+        start, members, size = 0, [], 0  # type: ignore[var-annotated]
+        for i, p in enumerate(params):
+            if members and size + p.numel() > bucket_elements:
+                start = self._close_bucket(start, members, params, names)
+                members, size = [], 0
+            members.append(i)
+            size += p.numel()
+        if members:
+            self._close_bucket(start, members, params, names)
+        self.total = sum(b.padded for b in self.buckets)
+        self.shard_numel = sum(b.chunk for b in self.buckets)
+        self.fragments = self._fragments()
+
+    def _close_bucket(self, start: int, members: list[int], params: list[torch.nn.Parameter],
+                      names: list[str]) -> int:
+        numel = sum(params[j].numel() for j in members)
+        padded = -(-numel // self.world) * self.world
+        bucket = Bucket(len(self.buckets), start, numel, padded, self.world)
+        offset = start
+        for j in members:
+            self.slots.append(Slot(names[j], j, bucket.index, offset, params[j].numel(), tuple(params[j].shape)))
+            offset += params[j].numel()
+        self.buckets.append(bucket)
+        return start + padded
+
+    def shard_offset(self, bucket: Bucket) -> int:
+        return sum(b.chunk for b in self.buckets[:bucket.index])
+
+    def _fragments(self) -> list[Fragment]:
+        out = []
+        for s_index, slot in enumerate(self.slots):
+            bucket = self.buckets[slot.bucket]
+            lo, hi = bucket.owned(self.rank)
+            begin, end = max(lo, slot.flat_start), min(hi, slot.flat_start + slot.numel)
+            if begin < end:
+                out.append(Fragment(slot.name, s_index, begin - slot.flat_start, end - begin, begin,
+                                    self.shard_offset(bucket) + (begin - lo)))
+        return out
+
+    def owned_ranges(self) -> list[tuple[int, int, int]]:
+        """(flat_begin, flat_end, shard_begin) of each owned chunk."""
+        return [(*b.owned(self.rank), self.shard_offset(b)) for b in self.buckets]
