@@ -56,34 +56,30 @@ def train_steps(engine: Any, steps: int, seed: int) -> None:
         engine.step()
 
 
-def full_fp32(engine: Any, param: torch.nn.Parameter) -> torch.Tensor:
-    """What ``deepshard.utils.safe_get_full_fp32_param(param)`` returns: the owning strategy's
-    ``full_fp32_param``. Called on the strategy directly because the public helper's lookup
-    (``zero.strategy.PARAM_OWNERS``, a ``weakref.WeakKeyDictionary``) raises "Boolean value of Tensor
-    with more than one value is ambiguous" for any parameter with more than one element;
-    ``test_zero_to_fp32.py::test_public_fp32_helper_agrees`` (strict xfail) flags when it is fixed,
-    and then this body becomes ``return safe_get_full_fp32_param(param)``."""
-    return engine.strategy.full_fp32_param(param)
-
-
 def reported_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """What the running engine says the checkpoint must hold: fp32 masters, the 16-bit module values,
     buffers and frozen parameters."""
+    from deepshard.utils import safe_get_full_fp32_param
+
     module = engine.module
     params = dict(module.named_parameters())
     return {
-        "fp32": {n: full_fp32(engine, p) for n, p in params.items() if p.requires_grad},
+        "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad},
         "module": {n: p.detach().clone() for n, p in params.items()},
         "frozen": {n: p.detach().clone() for n, p in params.items() if not p.requires_grad},
         "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
     }
 
 
-def consolidate_world(rank: int, world: int, save_dir: str, stage: int) -> dict[str, Any]:
-    """Train 2 steps on per-rank data, save a checkpoint, report the state the checkpoint must hold."""
-    engine = make_engine(stage)
-    train_steps(engine, 2, seed=rank)
-    engine.save_checkpoint(save_dir)
-    out = reported_state(engine)
-    out["dp_world_size"] = engine.dp_world_size
+def consolidate_world(rank: int, world: int, save_root: str, stages: tuple[int, ...]) -> dict[int, Any]:
+    """Per ZeRO stage: train 2 steps on per-rank data, save to ``save_root/stage<N>``, report the state
+    the checkpoint must hold (one world for all stages: spawning one costs more than the training)."""
+    out: dict[int, Any] = {}
+    for stage in stages:
+        engine = make_engine(stage)
+        train_steps(engine, 2, seed=rank)
+        engine.save_checkpoint(f"{save_root}/stage{stage}")
+        out[stage] = reported_state(engine)
+        out[stage]["dp_world_size"] = engine.dp_world_size
+        out[stage]["zero_stage"] = engine.zero_optimization_stage()
     return out

@@ -47,7 +47,7 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
         staging = ckpt_io.staging_dir(save_dir, tag)
     comm.barrier()
     staging = _staging_path(save_dir, tag)
-    files = list(engine.strategy.save(staging, rank))  # type: ignore[union-attr]
+    files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
     ckpt_io.save_tensors(staging / _rng_file(rank), _rng_state(engine.accelerator.kind))
     files.append(_rng_file(rank))
     if rank == 0:
@@ -121,7 +121,8 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
         return str(path), state.get("client_state", {})
     engine.global_steps = int(meta["global_steps"])
     engine.global_samples = int(meta["global_samples"])
-    engine.micro_steps = int(meta["micro_steps"])
+    # realign the micro-step counter with *this* run's accumulation steps (they may differ from the saver's)
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:

@@ -25,10 +25,18 @@ def param_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def module_extra_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Everything in the state dict that is not a trainable parameter: buffers and frozen parameters."""
+def frozen_param_names(module: torch.nn.Module) -> list[str]:
+    """state_dict names of the frozen (``requires_grad=False``) parameters."""
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+
+def module_extra_state(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """Everything in the state dict that is not a trainable parameter: buffers and frozen parameters
+    (the latter left out with ``exclude_frozen``)."""
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
-    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in trainable}
+    frozen = set(frozen_param_names(module)) if exclude_frozen else set()
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()
+            if id(v) not in trainable and k not in frozen}
 
 
 @torch.no_grad()

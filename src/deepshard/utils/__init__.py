@@ -21,10 +21,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _strategy_of(param: "torch.nn.Parameter"):  # noqa: ANN202 - returns a ZeroStrategy or None
-    from deepshard.zero.strategy import PARAM_OWNERS
+    from deepshard.zero.strategy import owner_of
 
-    ref = PARAM_OWNERS.get(param)
-    return ref() if ref is not None else None
+    return owner_of(param)
 
 
 def safe_get_full_fp32_param(param: "torch.nn.Parameter") -> "torch.Tensor | None":

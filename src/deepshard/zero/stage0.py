@@ -13,8 +13,8 @@ import torch
 
 from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
                                             restore_param_groups, save_rank_fragments, slice_state)
-from deepshard.checkpoint.module_state import (load_module_from_full, module_extra_state, module_shapes,
-                                               param_aliases)
+from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
+                                               module_shapes, param_aliases)
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
@@ -89,7 +89,7 @@ class Stage0Strategy(ZeroStrategy):
                 return m
         return p
 
-    def save(self, directory: Path, rank: int) -> list[str]:
+    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
         if rank != 0:
             return []  # every rank holds the same states: rank 0 writes them whole
         records = []
@@ -102,8 +102,9 @@ class Stage0Strategy(ZeroStrategy):
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
                                                           for p in self.params})
         return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), module_extra_state(self.module),
-                                   {"zero_stage": 0, "dp_world_size": self.ctx.comm.size})
+                                   param_aliases(self.module), module_extra_state(self.module, exclude_frozen),
+                                   {"zero_stage": 0, "dp_world_size": self.ctx.comm.size,
+                                    "frozen_params": frozen_param_names(self.module)})
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:

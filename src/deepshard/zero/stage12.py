@@ -16,8 +16,8 @@ import torch
 
 from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
                                             restore_param_groups, save_rank_fragments, slice_state)
-from deepshard.checkpoint.module_state import (load_module_from_full, module_extra_state, module_shapes,
-                                               param_aliases)
+from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
+                                               module_shapes, param_aliases)
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.partition import FlatLayout
@@ -154,7 +154,7 @@ class Stage12Strategy(ZeroStrategy):
     def _fragment_value(self, i: int) -> torch.Tensor:
         return self.frag_params[i].detach()
 
-    def save(self, directory: Path, rank: int) -> list[str]:
+    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
         records = []
         for i, f in enumerate(self.fragments):
             fp = self.frag_params[i]
@@ -165,8 +165,9 @@ class Stage12Strategy(ZeroStrategy):
             name_of = {id(self.frag_params[i]): f.name for i, f in enumerate(self.fragments)}
             groups = export_param_groups(self.optimizer, name_of)
         return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), module_extra_state(self.module) if rank == 0 else None,
-                                   {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})
+                                   param_aliases(self.module), module_extra_state(self.module, exclude_frozen) if rank == 0 else None,
+                                   {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size,
+                                    "frozen_params": frozen_param_names(self.module)})
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:

@@ -41,8 +41,17 @@ class StrategyContext:
     average_gradients: bool = True
 
 
-# parameter -> weak reference to the strategy that owns it (weak on both sides: nothing is kept alive)
-PARAM_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref]" = weakref.WeakKeyDictionary()
+# id(parameter) -> (weak ref to the parameter, weak ref to the strategy owning it); weak on both sides so
+# nothing is kept alive (tensors cannot be WeakKeyDictionary keys: their == is elementwise)
+PARAM_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
+    """The strategy that manages ``param``, if any."""
+    entry = PARAM_OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 class ZeroStrategy(ABC):
@@ -58,7 +67,7 @@ class ZeroStrategy(ABC):
         owner = weakref.ref(self)
         for p in module.parameters():
             # lets deepshard.utils.safe_get_full_* find the strategy from a bare parameter
-            PARAM_OWNERS[p] = owner
+            PARAM_OWNERS[id(p)] = (weakref.ref(p), owner)
 
     # ---------------------------------------------------------------------------------- backward
     @abstractmethod
@@ -85,8 +94,9 @@ class ZeroStrategy(ABC):
 
     # ------------------------------------------------------------------------------- checkpoints
     @abstractmethod
-    def save(self, directory: Path, rank: int) -> list[str]:
-        """Write this rank's share of model and optimizer state into ``directory``; return file names."""
+    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
+        """Write this rank's share of model and optimizer state into ``directory``; return file names.
+        ``exclude_frozen`` leaves out parameters with ``requires_grad=False``."""
 
     @abstractmethod
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:

@@ -1,0 +1,104 @@
+"""ZeRO stages 1 and 2: memory and traffic against the ZeRO formulas, the safe_get_full_* helpers, and
+checkpoints saved on 2 processes resumed on 1, 2, 3 and 4 processes under any stage 0-2."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_world
+from tests.dist.models import make_batches, make_model, micro_slice, reference_run, rel_err
+from tests.dist.scenarios_zero12 import GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def acct() -> dict[Any, Any]:
+    return run_world(accounting, WORLD)[0]
+
+
+# model-state bytes per process (PRODUCT.md), Psi trainable parameters, N processes
+FORMULAS = {
+    (1, "fp32"): lambda psi, n: 8 * psi + 8 * psi / n,
+    (2, "fp32"): lambda psi, n: 4 * psi + 12 * psi / n,
+    (1, "bf16"): lambda psi, n: 4 * psi + 12 * psi / n,
+    (2, "bf16"): lambda psi, n: 2 * psi + 14 * psi / n,
+}
+
+
+@pytest.mark.parametrize("key", list(FORMULAS), ids=lambda k: f"stage{k[0]}-{k[1]}")
+def test_model_state_bytes_match_zero_formula(acct: dict[Any, Any], key: tuple[int, str]) -> None:
+    r = acct[key]
+    report, psi = r["report"], r["psi"]
+    elsize = 4 if key[1] == "fp32" else 2
+    trainable_param_bytes = report["parameters"] - elsize * r["frozen"]
+    model_states = trainable_param_bytes + report["gradients"] + report["master_weights"] + report["optimizer_state"]
+    expected = FORMULAS[key](psi, WORLD)
+    assert abs(model_states - expected) <= 0.05 * expected, (model_states, expected, report)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_comms_volume_is_two_psi_per_step(acct: dict[Any, Any], stage: int) -> None:
+    r = acct[(stage, "fp32")]
+    psi = r["psi"]
+    moved = r["comms"]["reduce_scatter"]["volume_elements"] + r["comms"]["all_gather"]["volume_elements"]
+    assert abs(moved - 2 * psi) <= 0.02 * 2 * psi, (moved, 2 * psi, r["comms"])
+    assert "all_reduce" not in r["comms"]  # no full-gradient all-reduce: only the grad-norm scalar
+    assert r["comms"]["all_reduce(scalar)"]["elements"] == 1
+
+
+def _reference_state_after(steps: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    batches = make_batches(steps + 1, 2 * WORLD, seed=seed)
+    for x, y in batches[:steps]:
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    xs = [micro_slice(batches[steps], 2, 0, r, WORLD) for r in range(WORLD)]
+    x = torch.cat([a for a, _ in xs])
+    y = torch.cat([b for _, b in xs])
+    model(x, y).backward()
+    return model, opt
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_safe_get_full_helpers_match_reference(stage: int) -> None:
+    outs = run_world(safe_getters, WORLD, stage)
+    model, opt = _reference_state_after(2, seed=21)
+    for out in outs:  # every rank gets the full tensors
+        for name, p in model.named_parameters():
+            assert rel_err(out["fp32"][name], p.detach()) < 1e-5, name
+            if p.requires_grad:
+                assert rel_err(out["grad"][name], p.grad) < 1e-5, name
+                assert rel_err(out["exp_avg"][name], opt.state[p]["exp_avg"]) < 1e-5, name
+    for name in outs[0]["fp32"]:
+        assert torch.equal(outs[0]["fp32"][name], outs[1]["fp32"][name])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: Any) -> dict[Any, Any]:
+    out = {}
+    for stage in (0, 2):
+        tmp = tmp_path_factory.mktemp(f"save_stage{stage}")
+        losses = run_world(save_world, WORLD, stage, "fp32", str(tmp))[0]
+        out[stage] = (tmp, losses)
+    return out
+
+
+@pytest.mark.parametrize("saved_stage,world,stage", [(2, 1, 0), (2, 3, 1), (2, 4, 2), (0, 4, 2), (0, 3, 2),
+                                                      (2, 2, 2)])
+def test_resume_on_another_process_count_and_stage(saved: dict[Any, Any], saved_stage: int, world: int,
+                                                   stage: int) -> None:
+    tmp, first_losses = saved[saved_stage]
+    out = run_world(resume_world, world, stage, "fp32", str(tmp))[0]
+    ref_losses, ref_w = reference_run(make_batches(6, GLOBAL_BATCH, seed=31), clip=0.5)
+    assert first_losses == pytest.approx(ref_losses[:3], rel=1e-6)
+    assert out["losses"] == pytest.approx(ref_losses[3:], rel=1e-6)
+    for name, value in ref_w.items():
+        assert rel_err(out["weights"][name], value) <= 1e-6, name
+    assert out["client"] == {"saved_by": WORLD} and out["steps"] == 6
