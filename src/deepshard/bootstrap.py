@@ -131,6 +131,7 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
 def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
                    comm: CommGroup, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
     stage = cfg.zero_optimization.stage
+    check_offload(cfg, accelerator)
     ctx = StrategyContext(comm=comm, precision=precision, zero_config=cfg.zero_optimization,
                           device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
@@ -147,6 +148,24 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     raise NotImplementedError(
         f"zero_optimization.stage {stage} is not implemented in this version of deepshard; "
         "use stage 2 (sharded optimizer state and gradients) or 1 for now")
+
+
+def check_offload(cfg: DeepShardConfig, accelerator: Accelerator) -> None:
+    """Offload moves states off the accelerator. On a CPU-only run the states already live in host memory,
+    so ``device: cpu`` is a no-op (said once); disk (nvme) offload is not implemented yet."""
+    zero = cfg.zero_optimization
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key, None)
+        device = str(getattr(section, "device", "none") or "none").lower() if section is not None else "none"
+        if device in ("none", ""):
+            continue
+        if device == "cpu" and accelerator.kind == "cpu":
+            logger.info("zero_optimization.%s.device=cpu: training already runs on the CPU, so model states "
+                        "are in host memory; nothing to offload", key)
+            continue
+        raise NotImplementedError(
+            f"zero_optimization.{key}.device={device!r} is not implemented in this version of deepshard; "
+            f"remove the {key} section (or set device to \"none\")")
 
 
 def build_lr_scheduler(cfg: DeepShardConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:

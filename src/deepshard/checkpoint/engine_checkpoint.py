@@ -59,9 +59,33 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
         ckpt_io.commit_staging(staging, save_dir / tag)
         if save_latest:
             ckpt_io.write_latest(save_dir, tag)
+        _write_zero_to_fp32_script(save_dir)
         logger.info("saved checkpoint %s", save_dir / tag)
     comm.barrier()
     return True
+
+
+_ZERO_TO_FP32_SCRIPT = '''#!/usr/bin/env python
+"""Consolidate this directory's ZeRO checkpoint into one fp32 state dict (written by deepshard).
+
+    python zero_to_fp32.py . OUTPUT_DIR [--safe_serialization] [-t TAG]
+"""
+import sys
+
+from deepshard.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _write_zero_to_fp32_script(save_dir: Path) -> None:
+    """DeepSpeed leaves a ``zero_to_fp32.py`` beside its checkpoints; so do we (a two-line launcher)."""
+    target = save_dir / "zero_to_fp32.py"
+    if not target.exists():
+        tmp = target.with_name(".zero_to_fp32.py.tmp")
+        tmp.write_text(_ZERO_TO_FP32_SCRIPT)
+        tmp.replace(target)
 
 
 def _staging_path(save_dir: Path, tag: str) -> Path:
