@@ -25,7 +25,7 @@ from deepshard.utils.logging import logger
 from deepshard.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                           get_fp32_state_dict_from_zero_checkpoint,
                                           load_state_dict_from_zero_checkpoint, main)
-from tests.dist.scenarios_zero_to_fp32 import TiedNet, make_engine, reported_state, train_steps
+from tests.multiproc.scenarios_zero_to_fp32 import TiedNet, make_engine, reported_state, train_steps
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -64,39 +64,53 @@ class FlatLayout:
     """Buckets, slots and this rank's fragments for ``params`` (given in launch order)."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], bucket_elements: int,
-                 world: int, rank: int) -> None:
+                 world: int, rank: int, groups: list[list[int]] | None = None,
+                 shapes: list[tuple[int, ...]] | None = None) -> None:
+        """``groups`` (lists of indices into ``params``) fixes the buckets explicitly (ZeRO-3 gathers one
+        module's parameters together); otherwise parameters are packed up to ``bucket_elements``.
+        ``shapes`` overrides the parameters' own shapes (ZeRO-3 parameters are empty while sharded)."""
         if bucket_elements <= 0:
             raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
         self.world, self.rank = world, rank
+        self.shapes = shapes if shapes is not None else [tuple(p.shape) for p in params]
+        self.numels = [_numel(s) for s in self.shapes]
         self.buckets: list[Bucket] = []
         self.slots: list[Slot] = []
-        start, members, size = 0, [], 0  # type: ignore[var-annotated]
-        for i, p in enumerate(params):
-            if members and size + p.numel() > bucket_elements:
-                start = self._close_bucket(start, members, params, names)
-                members, size = [], 0
-            members.append(i)
-            size += p.numel()
-        if members:
-            self._close_bucket(start, members, params, names)
+        if groups is None:
+            groups, members, size = [], [], 0
+            for i in range(len(params)):
+                if members and size + self.numels[i] > bucket_elements:
+                    groups.append(members)
+                    members, size = [], 0
+                members.append(i)
+                size += self.numels[i]
+            if members:
+                groups.append(members)
+        start = 0
+        for members in groups:
+            start = self._close_bucket(start, members, names)
         self.total = sum(b.padded for b in self.buckets)
         self.shard_numel = sum(b.chunk for b in self.buckets)
+        self._shard_offsets = []
+        off = 0
+        for b in self.buckets:
+            self._shard_offsets.append(off)
+            off += b.chunk
         self.fragments = self._fragments()
 
-    def _close_bucket(self, start: int, members: list[int], params: list[torch.nn.Parameter],
-                      names: list[str]) -> int:
-        numel = sum(params[j].numel() for j in members)
-        padded = -(-numel // self.world) * self.world
+    def _close_bucket(self, start: int, members: list[int], names: list[str]) -> int:
+        numel = sum(self.numels[j] for j in members)
+        padded = max(-(-numel // self.world) * self.world, self.world)
         bucket = Bucket(len(self.buckets), start, numel, padded, self.world)
         offset = start
         for j in members:
-            self.slots.append(Slot(names[j], j, bucket.index, offset, params[j].numel(), tuple(params[j].shape)))
-            offset += params[j].numel()
+            self.slots.append(Slot(names[j], j, bucket.index, offset, self.numels[j], tuple(self.shapes[j])))
+            offset += self.numels[j]
         self.buckets.append(bucket)
         return start + padded
 
     def shard_offset(self, bucket: Bucket) -> int:
-        return sum(b.chunk for b in self.buckets[:bucket.index])
+        return self._shard_offsets[bucket.index]
 
     def _fragments(self) -> list[Fragment]:
         out = []
@@ -112,3 +126,10 @@ class FlatLayout:
     def owned_ranges(self) -> list[tuple[int, int, int]]:
         """(flat_begin, flat_end, shard_begin) of each owned chunk."""
         return [(*b.owned(self.rank), self.shard_offset(b)) for b in self.buckets]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

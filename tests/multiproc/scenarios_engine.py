@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import deepshard
 from deepshard.checkpoint.io import CheckpointError
-from tests.dist.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
-from tests.dist.scenarios_stage0 import full_weights, run_steps
+from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
+from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
 
 def _config(micro: int = 2, gas: int = 1, **extra: Any) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_world
-from tests.dist.models import make_batches, reference_run, rel_err
-from tests.dist.scenarios_stage0 import checkpoint_world, oracle_world, overflow_world
+from tests.multiproc.harness import run_world
+from tests.multiproc.models import make_batches, reference_run, rel_err
+from tests.multiproc.scenarios_stage0 import checkpoint_world, oracle_world, overflow_world
 
 FP32_RTOL = 1e-6
 BF16_LOSS_RTOL, BF16_PARAM_RTOL = 3e-2, 3e-2

@@ -8,8 +8,8 @@ import torch
 
 import deepshard
 from deepshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
-from tests.dist.models import make_batches, make_model, micro_slice, optimizer_config
-from tests.dist.scenarios_stage0 import full_weights, run_steps
+from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
+from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 processes
 

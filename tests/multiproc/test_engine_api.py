@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_world
-from tests.dist.models import make_batches, make_model, rel_err
-from tests.dist.scenarios_engine import (accounting, api_surface, no_sync_and_boundary,
+from tests.multiproc.harness import run_world
+from tests.multiproc.models import make_batches, make_model, rel_err
+from tests.multiproc.scenarios_engine import (accounting, api_surface, no_sync_and_boundary,
                                          predivide_and_comm_dtype, two_engines_interleaved)
 
 WORLD = 2
@@ -86,7 +86,7 @@ def api(tmp_path_factory: Any) -> dict[str, Any]:
 
 
 def test_user_optimizer_and_callable_win_over_config(api: dict[str, Any]) -> None:
-    from tests.dist.models import reference_run
+    from tests.multiproc.models import reference_run
 
     assert api["user_opt_is_used"] and api["loader_sched_none"]
     assert api["callable_opt_type"] == "SGD"
@@ -126,7 +126,7 @@ def test_two_engines_in_one_process_do_not_interfere() -> None:
 
 
 def test_predivide_prescale_and_comm_dtype_match_reference() -> None:
-    from tests.dist.models import reference_run
+    from tests.multiproc.models import reference_run
 
     out = run_world(predivide_and_comm_dtype, WORLD)[0]
     ref_losses, ref_w = reference_run(make_batches(4, 4 * WORLD, seed=11), clip=0.0, sgd=True)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import deepshard
-from tests.dist.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
+from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
 
 
 def train(rank: int, world: int, micro: int, gas: int, steps: int, *, dtype: str = "fp32", clip: float = 0.5,

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_world
-from tests.dist.models import make_batches, make_model, micro_slice, reference_run, rel_err
-from tests.dist.scenarios_zero12 import GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world
+from tests.multiproc.harness import run_world
+from tests.multiproc.models import make_batches, make_model, micro_slice, reference_run, rel_err
+from tests.multiproc.scenarios_zero12 import GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world
 
 WORLD = 2
 

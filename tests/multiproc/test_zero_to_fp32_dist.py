@@ -12,8 +12,8 @@ import torch
 from deepshard.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                           get_fp32_state_dict_from_zero_checkpoint,
                                           load_state_dict_from_zero_checkpoint)
-from tests.dist.harness import run_world
-from tests.dist.scenarios_zero_to_fp32 import TiedNet, consolidate_world
+from tests.multiproc.harness import run_world
+from tests.multiproc.scenarios_zero_to_fp32 import TiedNet, consolidate_world
 
 STAGES = (0, 1, 2)
 WORLD = 2

@@ -1,0 +1,201 @@
+"""The physical limits and the arithmetic of the report, as pure functions (no process group).
+
+Model-state bytes per process with Adam (Ψ parameters, N data-parallel processes; the ZeRO paper,
+Rajbhandari et al. 2020, and PRODUCT.md):
+
+========  ==============  ===============
+stage     fp32            bf16 mixed
+========  ==============  ===============
+0 (DDP)   16Ψ             16Ψ
+1         8Ψ + 8Ψ/N       4Ψ + 12Ψ/N
+2         4Ψ + 12Ψ/N      2Ψ + 14Ψ/N
+3         16Ψ/N           16Ψ/N
+========  ==============  ===============
+
+Communication per process and step, by the paper's accounting (an all-reduce counts 2x its tensor):
+stages 0-2 move 2Ψ elements, stage 3 moves 3Ψ (all-gather in forward, again in backward,
+reduce-scatter of the gradients). A single process communicates nothing.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+# bytes per parameter: (replicated part, sharded part divided by N)
+_STATE_BYTES: dict[str, dict[int, tuple[int, int]]] = {
+    "fp32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},
+    "bf16": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)},
+}
+MODEL_STATE_KEYS = ("parameters", "gradients", "master_weights", "optimizer_state")
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+
+
+def model_state_formula(stage: int, psi: int, nprocs: int, dtype: str) -> float:
+    """Model-state bytes per process (parameters, gradients, master weights, Adam moments)."""
+    if dtype not in _STATE_BYTES or stage not in _STATE_BYTES[dtype]:
+        raise ValueError(f"no ZeRO formula for stage {stage} / dtype {dtype!r}; stages 0-3, dtypes fp32, bf16")
+    replicated, sharded = _STATE_BYTES[dtype][stage]
+    return replicated * psi + sharded * psi / nprocs
+
+
+def analytic_volume_elements(stage: int, psi: int, nprocs: int) -> int:
+    """Elements each process moves per step: 2Ψ for stages 0-2, 3Ψ for stage 3, 0 alone."""
+    if nprocs <= 1:
+        return 0
+    return (3 if stage == 3 else 2) * psi
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """value / reference, or None where either is missing or the reference is zero."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return value / reference
+
+
+def model_state_bytes(report: dict[str, int] | None) -> int | None:
+    """The model-state part of a ``memory_report()``: parameters + gradients + master weights + optimizer."""
+    if not report:
+        return None
+    return sum(int(report.get(key, 0)) for key in MODEL_STATE_KEYS)
+
+
+# ------------------------------------------------------------------------------------- aggregation
+def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, samples_per_step: int,
+                   family: str, stage: int) -> dict[str, Any]:
+    """One table row from the per-rank results of one case."""
+    row: dict[str, Any] = {k: case[k] for k in ("engine", "workload", "dtype", "nprocs", "warmup", "steps")}
+    row.update(family=family, stage=stage, psi=psi, status="ok", reason="")
+    bad = [r for r in ranks if r.get("status") != "ok"]
+    if bad:
+        worst = next((r for r in bad if r.get("status") == "error"), bad[0])
+        row.update(status=worst.get("status", "error"), reason=str(worst.get("reason", "")))
+        return row
+    warmup = int(case["warmup"])
+    slowest = [max(r["step_times"][i] for r in ranks) for i in range(warmup, len(ranks[0]["step_times"]))]
+    step_time = statistics.median(slowest)
+    losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))]
+    measured = max(1, len(slowest))
+    ops = ranks[0]["comm_ops"]
+    volume_elements = sum(s["volume_elements"] for s in ops.values()) / measured
+    state = model_state_bytes(ranks[0].get("model_state"))
+    row.update(
+        step_time=step_time, step_times=slowest, throughput=samples_per_step / step_time, losses=losses,
+        final_loss=losses[-1], peak_rss=max(r["peak_rss"] for r in ranks),
+        peak_rss_per_rank=[r["peak_rss"] for r in ranks], rss_base=max(r["rss_base"] for r in ranks),
+        peak_method=ranks[0].get("peak_method", ""), live_tensor_bytes=max(r["live_tensor_bytes"] for r in ranks),
+        model_state=state, memory_report=ranks[0].get("model_state"),
+        comm_bytes=sum(s["volume_bytes"] for s in ops.values()) / measured, comm_volume_elements=volume_elements,
+        comm_ops={op: {k: v / measured for k, v in s.items()} for op, s in ops.items()},
+        formula_state=model_state_formula(stage, psi, int(case["nprocs"]), case["dtype"]),
+        analytic_volume=analytic_volume_elements(stage, psi, int(case["nprocs"])))
+    row["state_vs_formula"] = ratio(state if state is not None else None, row["formula_state"])
+    row["live_vs_formula"] = ratio(row["live_tensor_bytes"], row["formula_state"])
+    row["volume_vs_analytic"] = ratio(volume_elements, row["analytic_volume"])
+    return row
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Ratios to DDP and to the best alternative (fastest non-deepshard engine of the same ZeRO stage;
+    FSDP2 counts as stage 3), within each (workload, dtype, nprocs) group; and the loss agreement."""
+    for group in _groups(rows).values():
+        ok = [r for r in group if r["status"] == "ok"]
+        ddp = next((r for r in ok if r["engine"] == "ddp"), None)
+        for r in ok:
+            r["vs_ddp"] = ratio(r["step_time"], ddp["step_time"]) if ddp else None
+            r["mem_vs_ddp"] = ratio(r["peak_rss"], ddp["peak_rss"]) if ddp else None
+            alts = [a for a in ok if a["family"] != "deepshard" and a["stage"] == r["stage"]]
+            if r["family"] == "deepshard" and alts:
+                best = min(alts, key=lambda a: a["step_time"])
+                r["best_alternative"], r["vs_best_alternative"] = best["engine"], r["step_time"] / best["step_time"]
+        check_losses(ok)
+
+
+def check_losses(rows: list[dict[str, Any]]) -> None:
+    """Every engine's final loss must match the reference (DDP, else the first row) within the dtype's
+    relative tolerance; sets ``loss_rel_diff`` and ``loss_ok`` on each row."""
+    if not rows:
+        return
+    reference = next((r for r in rows if r["engine"] == "ddp"), rows[0])
+    for r in rows:
+        diff = abs(r["final_loss"] - reference["final_loss"]) / max(abs(reference["final_loss"]), 1e-12)
+        r["loss_reference"] = reference["engine"]
+        r["loss_rel_diff"] = diff
+        r["loss_ok"] = diff <= LOSS_RTOL.get(r["dtype"], 1e-4)
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["workload"], r["dtype"], r["nprocs"]), []).append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- targets
+@dataclass(frozen=True)
+class Target:
+    """One target of issue 6, evaluated on one row: ``value`` against ``limit`` (``kind`` "max" or "band")."""
+
+    name: str
+    where: str
+    value: float | None
+    limit: float
+    kind: str = "max"
+
+    @property
+    def verdict(self) -> str:
+        if self.value is None:
+            return "n/a"
+        ok = self.value <= self.limit if self.kind == "max" else abs(self.value - 1.0) <= self.limit
+        return "met" if ok else "MISSED"
+
+    def describe(self) -> str:
+        shown = "-" if self.value is None else f"{self.value:.3f}"
+        bound = f"<= {self.limit:.2f}" if self.kind == "max" else f"1 +/- {self.limit:.2f}"
+        return f"{self.name} [{self.where}]: {shown} (target {bound}) {self.verdict}"
+
+
+def evaluate_targets(rows: list[dict[str, Any]]) -> list[Target]:
+    """The issue's targets for every deepshard row that ran."""
+    out: list[Target] = []
+    for (workload, dtype, nprocs), group in _groups(rows).items():
+        ok = {r["engine"]: r for r in group if r["status"] == "ok"}
+        for r in (r for r in group if r["status"] == "ok" and r["family"] == "deepshard"):
+            where = f"{r['engine']} {workload} {dtype} N={nprocs}"
+            if r["stage"] <= 2:
+                out.append(Target("step time / DDP", where, r.get("vs_ddp"), 1.10))
+            else:
+                fsdp2, ds3, ddp = ok.get("fsdp2"), ok.get("deepspeed-z3"), ok.get("ddp")
+                out.append(Target("step time / FSDP2", where, ratio(r["step_time"], fsdp2 and fsdp2["step_time"]), 1.0))
+                out.append(Target("step time / DeepSpeed z3", where, ratio(r["step_time"], ds3 and ds3["step_time"]), 0.5))
+                out.append(Target("peak memory / DDP", where, ratio(r["peak_rss"], ddp and ddp["peak_rss"]), 0.60))
+            out.append(Target("model-state bytes / formula", where, r.get("state_vs_formula"), 0.05, "band"))
+            if r["analytic_volume"]:
+                out.append(Target("volume per step / analytic", where, r.get("volume_vs_analytic"), 0.02, "band"))
+    return out
+
+
+def _measured_state(r: dict[str, Any]) -> float | None:
+    if r["status"] != "ok":
+        return None
+    return r["model_state"] if r.get("model_state") is not None else r["live_tensor_bytes"]
+
+
+def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Model-state bytes per process against the process count: measured (deepshard's memory_report;
+    live tensor bytes for the others), the formula, and the ratio to the 1-process figure (ideal 1/N)."""
+    out: list[dict[str, Any]] = []
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_engine.setdefault(r["engine"], []).append(r)
+    for engine, group in by_engine.items():
+        group.sort(key=lambda r: r["nprocs"])
+        one = next((r for r in group if r["nprocs"] == 1), None)
+        base = _measured_state(one) if one is not None else None
+        for r in group:
+            measured = _measured_state(r)
+            out.append({"engine": engine, "nprocs": r["nprocs"], "status": r["status"], "measured": measured,
+                        "source": "memory_report" if r.get("model_state") is not None else "live tensors",
+                        "formula": model_state_formula(r["stage"], r["psi"], r["nprocs"], r["dtype"]),
+                        "vs_one_process": ratio(measured, base), "ideal": 1.0 / r["nprocs"]})
+    return out

@@ -1,0 +1,139 @@
+"""deepshard against torch DDP, torch FSDP2 and DeepSpeed on the same workload, one engine at a time.
+
+    python benchmarks/bench.py                 # the full run (make bench): ~100M MLP and a small GPT,
+                                               # fp32 and bf16, 2 processes, then stage-3 scaling
+    python benchmarks/bench.py --quick         # small models, a minute or two
+    python benchmarks/bench.py --workload gpt --dtype bf16 --engines ddp deepshard-z0 --nprocs 4
+
+Every engine runs in fresh processes (gloo, spawned here), on the same seed, data, global batch,
+optimizer (AdamW, fixed lr, no clipping) and number of steps. Prints a table, writes
+``<out>/bench.json``, ``<out>/bench.png`` and ``<out>/bench.md``; ``--update-docs`` also rewrites the
+figures in docs/benchmarks.md. Exit status 1 when an engine crashed or the engines disagree on the
+loss (a bug report, not a result). See docs/benchmarks.md for what each column means.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import analysis, report  # noqa: E402
+from benchmarks.engines import ENGINES  # noqa: E402
+from benchmarks.spawn import REPO_ROOT, run_case  # noqa: E402
+from benchmarks.workloads import WORKLOADS, describe, make_workload  # noqa: E402
+
+SCALING_ENGINES = ("deepshard-z3", "fsdp2")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small models (~4M MLP, ~1M GPT): a minute or two")
+    p.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to run (default 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; --quick 4)")
+    p.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4, 8],
+                   help="process counts of the stage-3 memory scaling runs (none: skip)")
+    p.add_argument("--scaling-workload", choices=list(WORKLOADS), default="gpt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine run before it is killed")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the figures in docs/benchmarks.md (chart: benchmarks/figures/bench.png)")
+    args = p.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    args.steps = args.steps if args.steps is not None else (4 if args.quick else 5)
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+    return args
+
+
+def _one(engine: str, workload: str, dtype: str, nprocs: int, warmup: int, steps: int,
+         args: argparse.Namespace) -> dict[str, Any]:
+    spec, w = ENGINES[engine], make_workload(workload, quick=args.quick)
+    case = {"engine": engine, "workload": workload, "dtype": dtype, "nprocs": nprocs, "warmup": warmup,
+            "steps": steps, "seed": args.seed, "lr": args.lr, "quick": args.quick}
+    if spec.family == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        ranks = [{"status": "not installed", "reason": "pip install -e \".[bench]\" (or pip install deepspeed)"}]
+    else:
+        ranks = run_case(case, timeout=args.timeout)
+    return analysis.summarize_case(case, ranks, w.parameter_count(), w.samples_per_step(), spec.family, spec.stage)
+
+
+def _progress(i: int, total: int, row: dict[str, Any], seconds: float) -> None:
+    what = f"{row['engine']} {row['workload']} {row['dtype']} N={row['nprocs']}"
+    result = f"{row['step_time'] * 1e3:,.0f} ms/step, loss {row['final_loss']:.5f}" if row["status"] == "ok" \
+        else f"{row['status']}" + (f": {row['reason'].strip().splitlines()[-1]}" if row["status"] == "error" else "")
+    print(f"[{i}/{total}] {what:<40} {result}  ({seconds:.0f} s)", flush=True)
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Every case, one after another; then the comparisons, targets and scaling."""
+    cases = [(e, w, d, n, args.warmup, args.steps) for w in args.workload for d in args.dtype
+             for n in args.nprocs for e in args.engines]
+    scaling = [(e, args.scaling_workload, "fp32", n, 0, 1) for e in SCALING_ENGINES for n in args.scaling]
+    rows, scale_rows = [], []
+    total = len(cases) + len(scaling)
+    for i, c in enumerate(cases + scaling, 1):
+        start = time.perf_counter()
+        row = _one(*c, args)
+        _progress(i, total, row, time.perf_counter() - start)
+        (rows if i <= len(cases) else scale_rows).append(row)
+    analysis.add_comparisons(rows)
+    targets = analysis.evaluate_targets(rows)
+    workloads = {w: describe(make_workload(w, quick=args.quick)) for w in set(args.workload) | {args.scaling_workload}}
+    return {"machine": report.machine_info(), "command": "python benchmarks/bench.py " + shlex.join(sys.argv[1:]),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "workloads": workloads,
+            "rows": rows, "scaling_runs": scale_rows, "scaling": analysis.scaling_rows(scale_rows),
+            "targets": [t.describe() for t in targets],
+            "targets_detail": [{**vars(t), "verdict": t.verdict} for t in targets], "notes": _notes(rows)}
+
+
+def _notes(rows: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    bad = [r for r in rows if r["status"] == "ok" and not r.get("loss_ok", True)]
+    if bad:
+        notes.append("LOSS MISMATCH (a bug report, not a result): " + ", ".join(
+            f"{r['engine']} {r['workload']} {r['dtype']}: {r['final_loss']:.6f} vs {r['loss_reference']} "
+            f"(rel. diff {r['loss_rel_diff']:.2e})" for r in bad))
+    crashed = [r for r in rows if r["status"] == "error"]
+    if crashed:
+        notes.append("crashed: " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']}" for r in crashed))
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    run = run_all(args)
+    run["wall_seconds"] = round(time.perf_counter() - started, 1)
+    print(report.format_table(run))
+    args.out.mkdir(parents=True, exist_ok=True)
+    chart = report.write_chart(args.out / "bench.png", run)
+    report.write_json(args.out / "bench.json", run)
+    (args.out / "bench.md").write_text(report.render_markdown(run, chart))
+    print(f"\nwrote {args.out / 'bench.json'}, {args.out / 'bench.md'}"
+          + (f", {chart}" if chart else " (no chart: pip install matplotlib)") + f" in {run['wall_seconds']:.0f} s")
+    if args.update_docs:
+        figure = REPO_ROOT / "benchmarks" / "figures" / "bench.png"
+        has_chart = report.write_chart(figure, run) is not None
+        report.update_docs(REPO_ROOT / "docs" / "benchmarks.md",
+                           report.render_markdown(run, "../benchmarks/figures/bench.png" if has_chart else None))
+        print("updated docs/benchmarks.md")
+    failed = any(r["status"] == "error" or not r.get("loss_ok", True) for r in run["rows"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
