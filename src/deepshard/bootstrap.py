@@ -145,9 +145,9 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         from deepshard.zero.stage12 import Stage12Strategy
 
         return Stage12Strategy(model, optimizer, ctx, stage)
-    raise NotImplementedError(
-        f"zero_optimization.stage {stage} is not implemented in this version of deepshard; "
-        "use stage 2 (sharded optimizer state and gradients) or 1 for now")
+    from deepshard.zero.stage3.strategy import Stage3Strategy
+
+    return Stage3Strategy(model, optimizer, ctx)
 
 
 def check_offload(cfg: DeepShardConfig, accelerator: Accelerator) -> None:

@@ -337,7 +337,9 @@ class DeepShardEngine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Remove the strategy's hooks and close monitors; the engine is unusable afterwards."""
-        if self.strategy is not None and hasattr(self.strategy, "reducer"):
+        if self.strategy is not None and hasattr(self.strategy, "remove_hooks"):
+            self.strategy.remove_hooks()
+        elif self.strategy is not None and hasattr(self.strategy, "reducer"):
             self.strategy.reducer.remove_hooks()
         self.strategy = None
         if self.monitor is not None:

@@ -21,6 +21,9 @@ def train(rank: int, world: int, micro: int, gas: int, steps: int, *, dtype: str
         "optimizer": optimizer_config(), "gradient_clipping": clip,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
     }
+    if stage == 3:  # shard everything but the 7-element root group; prefetch one small group ahead
+        config["zero_optimization"].update({"stage3_param_persistence_threshold": 10,
+                                            "stage3_prefetch_bucket_size": 300})
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "fp16":

@@ -1,4 +1,4 @@
-"""ZeRO stages 0, 1 and 2 against single-process PyTorch: the oracle.
+"""ZeRO stages 0-3 against single-process PyTorch: the oracle.
 
 fp32 must match to 1e-6 relative (losses per step, every final parameter); bf16 and fp16 (fp32 master
 weights) within the stated tolerances of the fp32 reference.
@@ -20,7 +20,7 @@ BF16_LOSS_RTOL, BF16_PARAM_RTOL = 3e-2, 3e-2
 FP16_LOSS_RTOL, FP16_PARAM_RTOL = 5e-3, 5e-3
 
 
-@pytest.fixture(scope="module", params=[(0, 2), (0, 4), (1, 2), (1, 4), (2, 2), (2, 4)],
+@pytest.fixture(scope="module", params=[(0, 2), (0, 4), (1, 2), (1, 4), (2, 2), (2, 4), (3, 2), (3, 4)],
                 ids=lambda sw: f"stage{sw[0]}-world{sw[1]}")
 def oracle(request: Any) -> tuple[int, dict[str, Any]]:
     stage, world = request.param

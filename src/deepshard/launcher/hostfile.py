@@ -12,6 +12,9 @@ A node spec, as DeepSpeed's ``--include`` / ``--exclude`` take it, is ``NODE[@NO
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import os
 import re
 
@@ -196,3 +199,22 @@ def assign_ranks(active: dict[str, list[int]]) -> list[tuple[str, int, int, int]
         for local_rank, slot in enumerate(slots):
             ranks.append((host, local_rank, slot, len(ranks)))
     return ranks
+
+
+def encode_world_info(active: dict[str, list[int]]) -> str:
+    """The selection as one shell-safe token (base64 of JSON), passed to every node's agent."""
+    payload = json.dumps([[host, list(slots)] for host, slots in active.items()], separators=(",", ":"))
+    return base64.urlsafe_b64encode(payload.encode("utf-8")).decode("ascii")
+
+
+def decode_world_info(token: str) -> dict[str, list[int]]:
+    """Inverse of :func:`encode_world_info`; a corrupt token raises ``ValueError``."""
+    try:
+        items = json.loads(base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8"))
+        world = {str(host): [int(slot) for slot in slots] for host, slots in items}
+    except (binascii.Error, UnicodeError, ValueError, TypeError) as exc:
+        raise ValueError(f"--world_info {token[:40]!r}... is not a world description written by the "
+                         f"deepshard launcher ({exc}); start node agents through deepshard") from None
+    if not world or any(not slots for slots in world.values()):
+        raise ValueError(f"--world_info describes no ranks ({world}); start node agents through deepshard")
+    return world

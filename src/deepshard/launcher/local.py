@@ -26,6 +26,11 @@ class RankSpec:
     env: dict[str, str]
     cores: tuple[int, ...] | None = field(default=None)
     """CPU cores the process is pinned to (``--bind_cores_to_rank``), or ``None`` for no pinning."""
+    label: str | None = field(default=None)
+    """How reports name the process (default ``rank N``), e.g. ``node 1 (ssh worker-1)``."""
+    stdin_pipe: bool = field(default=False)
+    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
+    launcher dies); otherwise stdin is ``/dev/null``."""
 
 
 def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int, *,
@@ -132,10 +137,26 @@ class LocalLaunch:
     """Cores to share among the ranks when binding; ``None`` means every core this process may use."""
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this machine's ranks sit in a multi-node world (the default: a one-node world)."""
+
+    rank_offset: int = 0
+    """Global rank of this node's local rank 0 (the slots of the nodes before it)."""
+    world_size: int | None = None
+    """Ranks in the whole job; ``None`` means this node's ranks only."""
+    node_rank: int = 0
+    num_nodes: int = 1
+
+
 def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str],
-                     available_cores: Sequence[int], python: str = sys.executable) -> list[RankSpec]:
-    """One :class:`RankSpec` per selected slot, ranks numbered in slot order."""
+                     available_cores: Sequence[int], python: str = sys.executable,
+                     place: NodePlace = NodePlace()) -> list[RankSpec]:
+    """One :class:`RankSpec` per selected slot of this machine, local ranks in slot order; global
+    ranks start at ``place.rank_offset`` (``CROSS_RANK`` / ``CROSS_SIZE`` are the node's index and
+    the node count)."""
     nprocs = len(slots)
+    world_size = place.world_size if place.world_size is not None else nprocs
     cuda_ids = None
     if launch.visible_devices is not None:
         missing = [s for s in slots if s >= len(launch.visible_devices)]
@@ -157,14 +178,16 @@ def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mappin
         cores = blocks[local_rank]
         threads = omp_threads(base_env, len(available_cores), nprocs,
                               len(cores) if cores is not None else None)
-        env = build_rank_env(base_env, rank=local_rank, local_rank=local_rank, world_size=nprocs,
+        rank = place.rank_offset + local_rank
+        env = build_rank_env(base_env, rank=rank, local_rank=local_rank, world_size=world_size,
                              local_world_size=nprocs, master_addr=launch.master_addr,
-                             master_port=launch.master_port, cuda_visible_devices=cuda_ids,
+                             master_port=launch.master_port, cross_rank=place.node_rank,
+                             cross_size=place.num_nodes, cuda_visible_devices=cuda_ids,
                              omp_num_threads=threads)
         cmd = build_rank_command(launch.user_script, launch.user_args, local_rank, module=launch.module,
                                  no_python=launch.no_python, no_local_rank=launch.no_local_rank,
                                  python=python)
-        specs.append(RankSpec(local_rank, local_rank, slot, cmd, env, cores))
+        specs.append(RankSpec(rank, local_rank, slot, cmd, env, cores))
     return specs
 
 

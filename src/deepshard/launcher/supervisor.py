@@ -15,6 +15,12 @@ How it works:
 * SIGINT / SIGTERM sent to the launcher are forwarded to every rank the same way.
 * CPU binding: the launcher pins its own (main) thread to the rank's cores just around ``Popen``, so
   the child inherits the mask; no ``preexec_fn`` runs in the forked child (unsafe with threads).
+* Multi-node hooks (:func:`supervise_ranks`): ``watch`` is polled every :data:`_POLL_S` seconds and
+  stops every rank when it returns a reason (another node failed); ``on_failure`` is called with the
+  failed rank *before* the others are stopped, so a node agent can tell the other nodes at once;
+  ``settle_s`` lets the others end on their own first (ssh clients whose remote agents stop
+  themselves, printing their reports); a spec with ``stdin_pipe`` gets a stdin pipe that the
+  launcher holds open, so the remote side sees end-of-file when the launcher goes away.
 """
 from __future__ import annotations
 
@@ -47,6 +53,41 @@ class _Child:
     reader: threading.Thread | None = None
     waiter: threading.Thread | None = None
     log_path: str | None = None
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank (or runner process) of a group that exited non-zero."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    returncode: int
+    """``Popen.returncode``: the exit code, or ``-N`` for death by signal N."""
+    tail: str
+    """The last :data:`TAIL_BYTES` of its output."""
+    log_path: str | None = None
+    label: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The code a launcher exits with for this failure (1 when the rank died by a signal)."""
+        return self.returncode if self.returncode > 0 else 1
+
+    def describe_exit(self) -> str:
+        """``code 3`` or ``signal SIGKILL``."""
+        return describe_exit(self.returncode)
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """How a supervised group ended: every rank succeeded (``exit_code`` 0), one failed (``failure``),
+    the launcher got a signal (``signal``), or ``watch`` asked to stop (``stopped_by``)."""
+
+    exit_code: int
+    failure: RankFailure | None = None
+    signal: int | None = None
+    stopped_by: str | None = None
 
 
 class _Output:
@@ -139,7 +180,8 @@ def _popen(spec: RankSpec) -> subprocess.Popen:
         if spec.cores is not None:
             os.sched_setaffinity(0, spec.cores)
         # stdout is read raw by the reader thread (bufsize=0: no Python buffer in between).
-        return subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.DEVNULL,
+        stdin = subprocess.PIPE if spec.stdin_pipe else subprocess.DEVNULL
+        return subprocess.Popen(spec.cmd, env=spec.env, stdin=stdin,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                                 start_new_session=True)
     finally:
@@ -174,9 +216,18 @@ def _start(specs: Sequence[RankSpec], log_dir: str | None, out: _Output,
     return children
 
 
+def _close_stdin(child: _Child) -> None:
+    if child.proc.stdin is not None and not child.proc.stdin.closed:
+        try:
+            child.proc.stdin.close()
+        except OSError:
+            pass
+
+
 def _stop(children: Sequence[_Child], indices: Sequence[int], sig: int, grace_s: float = GRACE_S) -> None:
     """Send ``sig`` to the groups of ``indices``; SIGKILL what is left after ``grace_s``; reap all."""
     for i in indices:
+        _close_stdin(children[i])
         _signal_group(children[i].proc.pid, sig)
     deadline = time.monotonic() + grace_s
     for i in indices:
@@ -193,7 +244,8 @@ def _join_readers(children: Sequence[_Child], timeout_s: float = 2.0) -> None:
         child.reader.join(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
 
 
-def _describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
+    """``Popen.returncode`` in words: ``code 3``, or ``signal SIGKILL`` for a negative code."""
     if returncode < 0:
         try:
             return f"signal {signal.Signals(-returncode).name}"
@@ -202,21 +254,26 @@ def _describe_exit(returncode: int) -> str:
     return f"code {returncode}"
 
 
-def _report_failure(child: _Child, stopped: int) -> None:
-    spec, rc = child.spec, child.proc.returncode
-    noun = "rank" if stopped == 1 else "ranks"
-    lines = [f"deepshard: rank {spec.rank} (local rank {spec.local_rank}, pid {child.proc.pid}) exited "
-             f"with {_describe_exit(rc)}; stopped the other {stopped} {noun}"]
-    tail = bytes(child.tail).decode("utf-8", errors="replace").rstrip()
-    if tail:
-        lines.append(f"----- last output of rank {spec.rank} -----")
-        lines.append(tail)
-        lines.append(f"----- end of rank {spec.rank} output -----")
+def _failure_of(child: _Child) -> RankFailure:
+    spec = child.spec
+    return RankFailure(spec.rank, spec.local_rank, child.proc.pid, child.proc.returncode,  # type: ignore[arg-type]
+                       bytes(child.tail).decode("utf-8", errors="replace").rstrip(), child.log_path,
+                       spec.label)
+
+
+def format_failure(failure: RankFailure, stopped: int, noun: str = "rank") -> str:
+    """The failure report: who failed, how, and the end of its output."""
+    who = failure.label or f"rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    short = failure.label or f"rank {failure.rank}"
+    plural = noun if stopped == 1 else noun + "s"
+    lines = [f"deepshard: {who} exited with {failure.describe_exit()}; stopped the other {stopped} {plural}"]
+    if failure.tail:
+        lines += [f"----- last output of {short} -----", failure.tail, f"----- end of {short} output -----"]
     else:
-        lines.append(f"(rank {spec.rank} printed nothing)")
-    if child.log_path:
-        lines.append(f"full log of rank {spec.rank}: {child.log_path}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
+        lines.append(f"({short} printed nothing)")
+    if failure.log_path:
+        lines.append(f"full log of {short}: {failure.log_path}")
+    return "\n".join(lines)
 
 
 class _SignalForwarder:
@@ -240,29 +297,107 @@ class _SignalForwarder:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder) -> int:
+def _wait_settle(exits: queue.Queue, running: set[int], settle_s: float) -> None:
+    """Let the still-running children end on their own for up to ``settle_s`` seconds."""
+    deadline = time.monotonic() + settle_s
+    while running and time.monotonic() < deadline:
+        try:
+            running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
+        except queue.Empty:
+            continue
+
+
+@dataclass
+class _Hooks:
+    watch: Callable[[], str | None] | None = None
+    on_failure: Callable[[RankFailure], None] | None = None
+    report: bool = True
+    settle_s: float = 0.0
+    noun: str = "rank"
+
+
+def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Queue,
+          hooks: _Hooks) -> GroupResult:
+    """A child failed: tell ``on_failure`` (with its output so far), stop the rest, report."""
+    children[index].reader.join(1.0)  # type: ignore[union-attr]  # its last words, if its pipe closed
+    failure = _failure_of(children[index])
+    if hooks.on_failure is not None:
+        hooks.on_failure(failure)
+    others = sorted(running)
+    if hooks.settle_s > 0:
+        _wait_settle(exits, running, hooks.settle_s)
+    _stop(children, sorted(running) + [index], signal.SIGTERM)
+    _join_readers(children)
+    failure = _failure_of(children[index])
+    if hooks.report:
+        print(format_failure(failure, len(others), hooks.noun), file=sys.stderr, flush=True)
+    return GroupResult(failure.exit_code, failure=failure)
+
+
+def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder,
+               hooks: _Hooks) -> GroupResult:
     running = set(range(len(children)))
     while running:
         if signals.received:
             sig = signals.received[0]
             print(f"deepshard: received {signal.Signals(sig).name}; forwarding it to {len(running)} "
-                  f"running ranks", file=sys.stderr, flush=True)
+                  f"running {hooks.noun}s", file=sys.stderr, flush=True)
             _stop(children, sorted(running), sig)
-            return 128 + sig
+            _join_readers(children)
+            return GroupResult(128 + sig, signal=sig)
+        if hooks.watch is not None:
+            reason = hooks.watch()
+            if reason is not None:
+                _stop(children, sorted(running), signal.SIGTERM)
+                _join_readers(children)
+                return GroupResult(1, stopped_by=reason)
         try:
             index = exits.get(timeout=_POLL_S)
         except queue.Empty:
             continue
         running.discard(index)
-        rc = children[index].proc.returncode
-        if rc != 0:
-            others = sorted(running)
-            _stop(children, others + [index], signal.SIGTERM)
-            _join_readers(children)
-            _report_failure(children[index], len(others))
-            return rc if rc > 0 else 1
+        if children[index].proc.returncode != 0:
+            return _fail(children, index, running, exits, hooks)
     _join_readers(children)
-    return 0
+    return GroupResult(0)
+
+
+def supervise_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
+                    on_started: Callable[[list[int]], None] | None = None,
+                    watch: Callable[[], str | None] | None = None,
+                    on_failure: Callable[[RankFailure], None] | None = None,
+                    report: bool = True, settle_s: float = 0.0, noun: str = "rank") -> GroupResult:
+    """Start one process per spec and supervise them until all succeed, one fails, the launcher gets
+    SIGINT/SIGTERM (forwarded), or ``watch()`` returns a reason to stop; every process is reaped.
+
+    ``log_dir``: also write each process's output to ``log_dir/rank_<N>.log``. ``on_started`` gets
+    the child pids once all started. ``on_failure`` gets the first failure before the others are
+    stopped; ``settle_s`` gives the others that long to end on their own first. ``report`` prints
+    the failure report (see :func:`format_failure`); ``noun`` names the children in messages.
+    """
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+    exits: queue.Queue = queue.Queue()
+    out = _Output()
+    hooks = _Hooks(watch, on_failure, report, settle_s, noun)
+    with _SignalForwarder() as signals:
+        try:
+            children = _start(specs, log_dir, out, exits)
+        except RuntimeError as exc:
+            print(f"deepshard: {exc}", file=sys.stderr, flush=True)
+            return GroupResult(1)
+        logger.info("started %d %ss: %s", len(children), noun,
+                    ", ".join(f"{c.spec.label or 'rank ' + str(c.spec.rank)} pid {c.proc.pid}"
+                              for c in children))
+        if log_dir is not None:
+            logger.info("per-rank logs: %s", ", ".join(str(c.log_path) for c in children))
+        if on_started is not None:
+            on_started([child.proc.pid for child in children])
+        try:
+            return _supervise(children, exits, signals, hooks)
+        except BaseException:
+            _stop(children, list(range(len(children))), signal.SIGKILL, grace_s=0.0)
+            raise
 
 
 def run_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
@@ -273,25 +408,4 @@ def run_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
     ``log_dir``: also write each rank's output to ``log_dir/rank_<N>.log``. ``on_started`` is called
     with the child pids once all ranks started.
     """
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
-    exits: queue.Queue = queue.Queue()
-    out = _Output()
-    with _SignalForwarder() as signals:
-        try:
-            children = _start(specs, log_dir, out, exits)
-        except RuntimeError as exc:
-            print(f"deepshard: {exc}", file=sys.stderr, flush=True)
-            return 1
-        pids = [child.proc.pid for child in children]
-        logger.info("started %d ranks: %s", len(children),
-                    ", ".join(f"rank {c.spec.rank} pid {c.proc.pid}" for c in children))
-        if log_dir is not None:
-            logger.info("per-rank logs: %s", ", ".join(str(c.log_path) for c in children))
-        if on_started is not None:
-            on_started(pids)
-        try:
-            return _supervise(children, exits, signals)
-        except BaseException:
-            _stop(children, list(range(len(children))), signal.SIGKILL, grace_s=0.0)
-            raise
+    return supervise_ranks(specs, log_dir=log_dir, on_started=on_started).exit_code

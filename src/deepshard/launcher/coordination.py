@@ -1,0 +1,268 @@
+"""The node agents' coordination channel: a ``torch.distributed.TCPStore`` hosted by node 0's agent.
+
+Every node agent of a multi-node job (see :mod:`deepshard.launcher.node`) talks to one store that
+node 0's agent serves on ``master_port + 1`` (the training processes' own rendezvous stays on
+``master_port``). Keys, all small:
+
+* ``config``: node 0's description of the job (world, restarts); every agent compares its own with
+  it, so nodes started with different command lines stop with a clear error instead of hanging;
+* ``round<k>/joined/<node>``: node ``node`` is ready to start attempt ``k`` (a barrier per attempt);
+* ``round<k>/failure``: the first failure of attempt ``k`` as JSON (first writer wins, via
+  ``compare_set``): which rank on which host died, how, and the end of its output;
+* ``round<k>/finished``: a counter of nodes whose ranks all exited 0 in attempt ``k``;
+* ``abort``: a failure that ends the job without restart (a signal, a lost node, a launcher gone);
+* ``heartbeat/<node>``: a counter each non-zero node's agent increments every second; node 0 declares
+  a node lost when its counter stops moving for ``heartbeat_timeout_s`` and publishes an abort;
+* ``exited/<node>``: an agent is leaving, so node 0 may close the store.
+
+A non-zero node that cannot reach the store (node 0 died or is unreachable) gets a
+:class:`ChannelLost` from any call and stops its ranks. torch's c10d rendezvous is built on the same
+store; deepshard uses the store directly because it also needs the failure report and the abort
+broadcast, which the rendezvous does not carry.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0
+STORE_OP_TIMEOUT_S = 10.0
+COORDINATION_PORT_OFFSET = 1
+
+
+class ChannelLost(RuntimeError):
+    """The coordination store cannot be reached (node 0's agent died or the network is down)."""
+
+
+class JobConfigMismatch(RuntimeError):
+    """This node's command line describes another job than node 0's."""
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """Why a job attempt ended: a rank died (``kind='rank'``), a node stopped answering (``lost``),
+    or someone stopped the job (``abort``: a signal, the launcher going away)."""
+
+    kind: str
+    node: int
+    host: str
+    who: str
+    """e.g. ``rank 3 (local rank 1, pid 4242)`` or ``the node agent``."""
+    what: str
+    """e.g. ``exited with code 3`` or ``received SIGINT``."""
+    exit_code: int
+    rank: int | None = None
+    tail: str = ""
+    restartable: bool = True
+
+    def to_json(self) -> str:
+        """Serialized form stored under the failure and abort keys."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "JobFailure":
+        """Inverse of :meth:`to_json`."""
+        data: dict[str, Any] = json.loads(text)
+        return cls(**data)
+
+    def headline(self) -> str:
+        """``rank 3 (local rank 1, pid 4242) on host worker-1 (node 1) exited with code 3``."""
+        return f"{self.who} on host {self.host} (node {self.node}) {self.what}"
+
+
+def coordination_port(master_port: int) -> int:
+    """The port node 0's agent serves the coordination store on."""
+    return master_port + COORDINATION_PORT_OFFSET
+
+
+def _key(round_: int, name: str) -> str:
+    return f"round{round_}/{name}"
+
+
+class JobChannel:
+    """One agent's view of the coordination store (``store`` is any c10d ``Store``; tests pass a
+    ``HashStore``). ``clock`` is injectable so heartbeat timing can be tested without sleeping."""
+
+    def __init__(self, store: Any, node_rank: int, num_nodes: int, hosts: Sequence[str],
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.node_rank = node_rank
+        self.num_nodes = num_nodes
+        self.hosts = list(hosts)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    # ------------------------------------------------------------------------------------ plumbing
+
+    def _call(self, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except RuntimeError as exc:  # torch.distributed.DistError and friends derive from it
+            raise ChannelLost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+
+    def _has(self, key: str) -> bool:
+        return bool(self._call(lambda: self.store.check([key])))
+
+    def _get(self, key: str) -> bytes:
+        return self._call(lambda: self.store.get(key))
+
+    def _add(self, key: str, amount: int) -> int:
+        return int(self._call(lambda: self.store.add(key, amount)))
+
+    # -------------------------------------------------------------------------------- job protocol
+
+    def check_config(self, config: str) -> None:
+        """Node 0 publishes ``config``; every other node checks that its own is the same."""
+        if self.node_rank == 0:
+            self._call(lambda: self.store.set("config", config))
+            return
+        theirs = self._get("config").decode("utf-8")
+        if theirs != config:
+            raise JobConfigMismatch(
+                f"node {self.node_rank}'s launch does not match node 0's: node 0 runs {theirs}, this node "
+                f"{config}; run the same deepshard command (same hostfile, selection, --max_restarts, "
+                "script and arguments) on every node, only --node_rank differs")
+
+    def join(self, round_: int, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Barrier before attempt ``round_``: wait until every node joined; ``TimeoutError`` names the
+        missing nodes."""
+        self._call(lambda: self.store.set(_key(round_, f"joined/{self.node_rank}"), "1"))
+        deadline = self._clock() + timeout_s
+        while True:
+            missing = [n for n in range(self.num_nodes) if not self._has(_key(round_, f"joined/{n}"))]
+            if not missing:
+                return
+            abort = self.abort()
+            if abort is not None:
+                raise ChannelLost(f"job aborted while waiting for the nodes: {abort.headline()}")
+            if self._clock() >= deadline:
+                names = ", ".join(f"node {n} ({self.hosts[n]})" for n in missing)
+                raise TimeoutError(
+                    f"attempt {round_}: {names} did not join within {timeout_s:.0f} s; start the same "
+                    "command there (with its --node_rank), check that it can reach "
+                    "master_addr:master_port+1, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)")
+            time.sleep(poll_s)
+
+    def publish_failure(self, round_: int, failure: JobFailure) -> JobFailure:
+        """Record ``failure`` for attempt ``round_`` unless another node was first; returns the
+        failure that stands (the first one)."""
+        winner = self._call(lambda: self.store.compare_set(_key(round_, "failure"), "", failure.to_json()))
+        return JobFailure.from_json(winner)
+
+    def failure(self, round_: int) -> JobFailure | None:
+        """The failure of attempt ``round_``, if any node published one."""
+        key = _key(round_, "failure")
+        return JobFailure.from_json(self._get(key)) if self._has(key) else None
+
+    def publish_abort(self, failure: JobFailure) -> JobFailure:
+        """End the whole job, no restart; returns the abort that stands (the first one)."""
+        winner = self._call(lambda: self.store.compare_set("abort", "", failure.to_json()))
+        return JobFailure.from_json(winner)
+
+    def abort(self) -> JobFailure | None:
+        """The abort, if any node published one."""
+        return JobFailure.from_json(self._get("abort")) if self._has("abort") else None
+
+    def mark_finished(self, round_: int) -> None:
+        """This node's ranks all exited 0 in attempt ``round_``."""
+        self._add(_key(round_, "finished"), 1)
+
+    def all_finished(self, round_: int) -> bool:
+        """Every node's ranks exited 0 in attempt ``round_``."""
+        return self._add(_key(round_, "finished"), 0) >= self.num_nodes
+
+    # ---------------------------------------------------------------------------------- liveness
+
+    def beat(self) -> None:
+        """One heartbeat of this node (called every :data:`HEARTBEAT_INTERVAL_S` by a thread)."""
+        self._add(f"heartbeat/{self.node_rank}", 1)
+
+    def lost_nodes(self) -> list[int]:
+        """Nodes (other than 0) whose heartbeat has not moved for ``heartbeat_timeout_s``, as seen by
+        this agent (node 0 checks the others; no clocks are compared across machines)."""
+        now, lost = self._clock(), []
+        for node in range(1, self.num_nodes):
+            if node == self.node_rank:
+                continue
+            count = self._add(f"heartbeat/{node}", 0)
+            seen = self._seen.get(node)
+            if seen is None or seen[0] != count:
+                self._seen[node] = (count, now)
+            elif now - seen[1] > self.heartbeat_timeout_s:
+                lost.append(node)
+        return lost
+
+    def mark_exited(self) -> None:
+        """This agent is leaving (node 0 waits for these before closing the store)."""
+        self._call(lambda: self.store.set(f"exited/{self.node_rank}", "1"))
+
+    def wait_exited(self, timeout_s: float, skip: Sequence[int] = (), poll_s: float = 0.05) -> list[int]:
+        """Node 0: wait until every other node (but ``skip``) marked itself exited; returns those that
+        did not within ``timeout_s``."""
+        deadline = self._clock() + timeout_s
+        while True:
+            waiting = [n for n in range(1, self.num_nodes) if n not in skip and not self._has(f"exited/{n}")]
+            if not waiting or self._clock() >= deadline:
+                return waiting
+            time.sleep(poll_s)
+
+
+def open_store(master_addr: str, port: int, is_host: bool, connect_timeout_s: float,
+               op_timeout_s: float = STORE_OP_TIMEOUT_S) -> Any:
+    """Node 0 serves the store on ``port`` (all interfaces); the others connect to
+    ``master_addr:port``, retrying until ``connect_timeout_s``."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(master_addr, port, is_master=is_host, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=connect_timeout_s))
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if is_host:
+            raise ChannelLost(f"node 0 cannot serve the coordination store on port {port} ({first}); the "
+                              f"port must be free: pick another --master_port (deepshard uses it and "
+                              f"port+1)") from exc
+        raise ChannelLost(f"cannot reach node 0's coordination store at {master_addr}:{port} within "
+                          f"{connect_timeout_s:.0f} s ({first}); start node 0 with the same command, check "
+                          "--master_addr / --master_port, and that port+1 is open between the nodes") from exc
+    store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
+    return store
+
+
+class Heartbeat:
+    """A daemon thread calling ``channel.beat()`` every ``interval_s`` on its own store connection;
+    ``lost`` holds the error when the store stops answering."""
+
+    def __init__(self, channel: JobChannel, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self._channel = channel
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.lost: str | None = None
+        self._thread = threading.Thread(target=self._run, name="deepshard-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        """Start beating (returns ``self``)."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._channel.beat()
+            except ChannelLost as exc:
+                if not self._stop.is_set():
+                    self.lost = str(exc)
+                return
+            self._stop.wait(self._interval_s)
+
+    def stop(self) -> None:
+        """Stop beating (does not wait for a store call in flight)."""
+        self._stop.set()

@@ -1,0 +1,79 @@
+"""Command-line options of the ``deepshard`` launcher and of its per-node agent (DeepSpeed's flags).
+
+Shared by :mod:`deepshard.launcher.cli` (what users type) and :mod:`deepshard.launcher.node` (what
+the launcher runs on each machine), so a process flag means the same thing in both.
+"""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_HOSTFILE = "/job/hostfile"
+DEFAULT_MASTER_PORT = 29500
+PID_FILE_DIR = "/tmp"
+
+LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
+"""``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed."""
+
+
+def add_resource_args(parser: argparse.ArgumentParser) -> None:
+    """Hostfile and selection flags, rendezvous address."""
+    parser.add_argument("-H", "--hostfile", default=DEFAULT_HOSTFILE,
+                        help="hostfile of '<host> slots=<n>' lines; missing means this machine only")
+    parser.add_argument("-i", "--include", default="", help="NODE_SPEC[@NODE_SPEC...], e.g. 'worker-0@worker-1:0,2'")
+    parser.add_argument("-e", "--exclude", default="", help="NODE_SPEC[@NODE_SPEC...] to leave out")
+    parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    parser.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
+                        help="slots [0, N) per node; on a CPU machine, the number of processes")
+    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
+                        help="rendezvous port; multi-node agents also use port+1 to coordinate")
+    parser.add_argument("--master_addr", default="",
+                        help="rendezvous address (default: 127.0.0.1 on one machine, else the first host)")
+    parser.add_argument("--node_rank", type=int, default=-1,
+                        help="this machine's index in the selected hosts (with --no_ssh)")
+
+
+def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
+    """How remote processes start, and restarts."""
+    parser.add_argument("--launcher", default="pdsh", choices=LAUNCHERS,
+                        help="multi-node runner: pdsh (ssh when pdsh is missing), ssh, openmpi, mpich, "
+                             "impi, mvapich, slurm")
+    parser.add_argument("--launcher_args", default="",
+                        help="extra arguments for the runner (pdsh, ssh, mpirun or srun), one quoted string")
+    parser.add_argument("--no_ssh", action="store_true",
+                        help="multi-node without ssh: run the same command on every node with --node_rank")
+    parser.add_argument("--no_ssh_check", action="store_true", help="skip the ssh reachability check")
+    parser.add_argument("--force_multi", action="store_true", help="use the multi-node path even for one node")
+    parser.add_argument("--ssh_port", type=int, default=None, help="ssh port for the ssh/pdsh runners")
+    parser.add_argument("--venv_script", default=None, help="script sourced on each node before launch")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="restart every rank up to N times after a failure (the script resumes from "
+                             "its checkpoint; DEEPSHARD_RESTART_COUNT tells it which attempt it is)")
+    parser.add_argument("--autotuning", default="", choices=["", "tune", "run"], help="not supported")
+    parser.add_argument("--elastic_training", action="store_true", help="not supported (see --max_restarts)")
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="not supported")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="not supported")
+
+
+def add_process_args(parser: argparse.ArgumentParser) -> None:
+    """How each rank runs on its machine."""
+    parser.add_argument("--module", action="store_true", help="run user_script as 'python -m <module>'")
+    parser.add_argument("--no_python", action="store_true", help="run user_script directly, not via python")
+    parser.add_argument("--no_local_rank", action="store_true", help="do not append --local_rank=N")
+    parser.add_argument("--save_pid", action="store_true",
+                        help=f"write {PID_FILE_DIR}/<launcher pid>.deepshard: the launcher pid, then the "
+                             "rank pids, one per line; removed when the launcher exits")
+    parser.add_argument("--enable_each_rank_log", default=None, metavar="DIR",
+                        help="also write each rank's output to DIR/rank_<N>.log (on the rank's machine)")
+    parser.add_argument("--bind_cores_to_rank", action="store_true",
+                        help="pin each rank to an equal share of its machine's CPU cores; "
+                             "OMP_NUM_THREADS = share")
+    parser.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. '0,2-5'")
+    parser.add_argument("--log_level", default=None, choices=["debug", "info", "warning", "error", "critical"],
+                        help="launcher log level (default: DEEPSHARD_LOG_LEVEL, else info)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="launcher logs warnings and errors only")
+
+
+def add_script_args(parser: argparse.ArgumentParser) -> None:
+    """The user's script and everything after it."""
+    parser.add_argument("user_script", help="the training script (a module name with --module)")
+    parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")

@@ -1,0 +1,137 @@
+"""One ZeRO-3 parameter group: the parameters one module owns directly, communicated together.
+
+A group is a small state machine (as in PyTorch FSDP2's ``FSDPParamGroup``)::
+
+    SHARDED --unshard()--> GATHERING --wait_for_unshard()--> GATHERED --reshard()--> SHARDED
+
+While SHARDED each parameter's ``.data`` is an empty placeholder (``ds_shape`` holds the real shape, as
+in DeepSpeed) and the group keeps only this rank's chunk of its flat, padded values (``shard``: a view
+into the strategy's flat shard). ``unshard`` re-allocates the group's full buffer and all-gathers the
+chunks into it with one collective; the parameters then become views of that buffer. ``reshard`` frees
+the buffer's storage (``untyped_storage().resize_(0)``), which also frees it for any view autograd saved
+during forward; backward gathers it again into the same storage before those views are read.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import torch
+
+from deepshard.comm.group import CommGroup
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class ShardedGroup:
+    """``params`` (with full ``shapes``) whose flat values, padded to a multiple of the world size, are
+    split in equal chunks across ranks; ``shard`` is this rank's chunk."""
+
+    def __init__(self, index: int, module_name: str, params: list[torch.nn.Parameter],
+                 shapes: list[tuple[int, ...]], shard: torch.Tensor, comm: CommGroup,
+                 waiter: Callable[[Any, str], None] | None = None) -> None:
+        self.index, self.module_name = index, module_name
+        self.params, self.shapes = params, shapes
+        self.numels = [int(torch.Size(s).numel()) for s in shapes]
+        self.numel = sum(self.numels)
+        self.comm = comm
+        self.chunk = shard.numel()
+        self.padded = self.chunk * comm.size
+        self.shard = shard
+        self.dtype, self.device = shard.dtype, shard.device
+        self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.state = GroupState.SHARDED
+        self.persistent = False
+        self.users = 0
+        self._work: Any = None
+        self._waiter = waiter
+        self.requires_grad = any(p.requires_grad for p in params)
+        for p, shape in zip(params, shapes):
+            p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
+            p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
+            p.data = _placeholder(self.dtype, self.device)
+
+    # ------------------------------------------------------------------------------ transitions
+    def unshard(self, async_op: bool = True) -> None:
+        """Start gathering the full values (no-op when gathered or on the way)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self._full_bytes)
+        self._work = self.comm.all_gather_into_tensor(self.full, self.shard, async_op=True)
+        self.state = GroupState.GATHERING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gather and point every parameter at its slice of the full buffer."""
+        if self.state is GroupState.SHARDED:
+            self.unshard(async_op=True)
+        if self.state is GroupState.GATHERING:
+            if self._waiter is not None:
+                self._waiter(self._work, f"all_gather of parameter group {self.index} ({self.module_name})")
+            else:
+                self._work.wait()
+            self._work = None
+            offset = 0
+            for p, shape, n in zip(self.params, self.shapes, self.numels):
+                p.data = self.full[offset:offset + n].view(shape)
+                offset += n
+            self.state = GroupState.GATHERED
+
+    def reshard(self, force: bool = False) -> None:
+        """Drop the full values (kept for persistent groups unless ``force``)."""
+        if self.persistent and not force:
+            return
+        if self.state is GroupState.GATHERING:
+            self.wait_for_unshard()
+        if self.state is GroupState.GATHERED:
+            for p in self.params:
+                p.data = _placeholder(self.dtype, self.device)
+            self.full.untyped_storage().resize_(0)
+            self.state = GroupState.SHARDED
+
+    def refresh(self) -> None:
+        """Re-gather after the shard changed (an optimizer step) if the full values are held."""
+        if self.state is not GroupState.SHARDED:
+            self.reshard(force=True)
+            self.unshard(async_op=False)
+
+    # ---------------------------------------------------------------------------------- helpers
+    @torch.no_grad()
+    def write_full(self, values: list[torch.Tensor]) -> None:
+        """Set this rank's chunk from full per-parameter values (used by loading and GatheredParameters)."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        offset = 0
+        for v, n in zip(values, self.numels):
+            flat[offset:offset + n] = v.reshape(-1).to(self.dtype)
+            offset += n
+        r = self.comm.rank
+        self.shard.copy_(flat[r * self.chunk:(r + 1) * self.chunk])
+        if self.state is GroupState.GATHERED:
+            self.full.copy_(flat)
+
+    def live_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor: what a sharded parameter's ``.data`` is (shape ``[0]``, like DeepSpeed)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def shard_of(values: list[torch.Tensor], world: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's chunk of the padded concatenation of ``values``."""
+    numel = sum(v.numel() for v in values)
+    chunk = max(-(-numel // world), 1)
+    flat = torch.zeros(chunk * world, dtype=dtype, device=values[0].device if values else "cpu")
+    offset = 0
+    for v in values:
+        flat[offset:offset + v.numel()] = v.detach().reshape(-1).to(dtype)
+        offset += v.numel()
+    return flat[rank * chunk:(rank + 1) * chunk].clone()

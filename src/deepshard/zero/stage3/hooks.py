@@ -1,0 +1,101 @@
+"""The hooks that drive ZeRO-3: gather a module's parameter groups before its forward and again before
+its backward, release them after, and prefetch the next groups while the current one computes.
+
+The prefetch order is the order groups were first gathered in the first forward pass. Every rank runs
+the same modules in the same order, so every rank records the same order and issues the same
+collectives; a rank that diverges is caught by the watchdog instead of hanging silently.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from deepshard.zero.stage3.group import GroupState, ShardedGroup
+
+
+class Stage3Hooks:
+    """Forward/backward hooks over ``groups_of`` (module -> the parameter groups it needs)."""
+
+    def __init__(self, module: torch.nn.Module, groups_of: dict[int, list[ShardedGroup]],
+                 prefetch_elements: int) -> None:
+        self.groups_of = groups_of
+        self.prefetch_elements = max(int(prefetch_elements), 0)
+        self.order: list[ShardedGroup] = []
+        self._position: dict[int, int] = {}
+        self.recording = True
+        self.handles: list[Any] = []
+        for m in module.modules():
+            groups = groups_of.get(id(m))
+            if groups:
+                self.handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
+                self.handles.append(m.register_forward_hook(functools.partial(self._post_forward, groups)))
+
+    # ----------------------------------------------------------------------------------- forward
+    def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
+        for g in groups:
+            g.users += 1
+            g.unshard()
+        for g in groups:
+            g.wait_for_unshard()
+        if self.recording:
+            for g in groups:
+                if g.index not in self._position:
+                    self._position[g.index] = len(self.order)
+                    self.order.append(g)
+        else:
+            self._prefetch(groups, step=1)
+
+    def _post_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            hook = functools.partial(self._pre_backward, groups)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+        for g in groups:
+            g.users -= 1
+            if g.users == 0:
+                g.reshard()
+
+    # ---------------------------------------------------------------------------------- backward
+    def _pre_backward(self, groups: list[ShardedGroup], grad: torch.Tensor) -> None:
+        for g in groups:
+            g.unshard()
+        for g in groups:
+            g.wait_for_unshard()
+        self._prefetch(groups, step=-1)
+
+    def _prefetch(self, groups: list[ShardedGroup], step: int) -> None:
+        """Start gathering the groups that come next (forward: step=1, backward: step=-1)."""
+        if not self.prefetch_elements or not self.order:
+            return
+        positions = [self._position[g.index] for g in groups if g.index in self._position]
+        if not positions:
+            return
+        pos = (max(positions) if step > 0 else min(positions)) + step
+        budget = self.prefetch_elements
+        while 0 <= pos < len(self.order) and budget > 0:
+            g = self.order[pos]
+            if g.state is GroupState.SHARDED:
+                g.unshard()
+            budget -= g.numel
+            pos += step
+
+    def stop_recording(self) -> None:
+        self.recording = False
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []

@@ -1,0 +1,166 @@
+"""``deepshard.zero.Init``: construct a model already partitioned, so no process ever holds all of it.
+
+Inside the context, when a module's (outermost) ``__init__`` returns, each of its direct parameters is
+broadcast from rank 0 (so every rank starts identical), cut into N equal chunks, and only this rank's
+chunk is kept (``param.ds_tensor``); ``param.data`` becomes an empty placeholder and ``param.ds_shape``
+keeps the real shape, as in DeepSpeed. Peak memory during construction is the shard plus the largest
+module's own parameters. ``deepshard.initialize`` with ZeRO stage 3 adopts these shards.
+
+``Module.apply`` is wrapped inside the context so initialization functions run on gathered parameters
+(DeepSpeed's ``override_module_apply``). Code that changes parameters of already-built submodules in any
+other way must do so inside ``GatheredParameters(params, modifier_rank=0)``.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+
+from deepshard.comm.group import CommGroup
+
+_LOCAL = threading.local()
+
+
+def full_value(p: torch.nn.Parameter, comm: CommGroup) -> torch.Tensor:
+    """The full value of ``p``: its data, or gathered from its zero.Init shard (a collective then)."""
+    shard = getattr(p, "ds_tensor", None)
+    if shard is None:
+        return p.detach()
+    out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into_tensor(out, shard)
+    return out[:p.ds_numel].view(p.ds_shape)  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype | None) -> None:
+    """Keep only this rank's chunk of ``p`` (after making rank 0's value everyone's)."""
+    if hasattr(p, "ds_tensor") or hasattr(p, "ds_shape"):
+        return
+    value = p.detach()
+    if dtype is not None:
+        value = value.to(dtype)
+    comm.broadcast(value, src=0)
+    n = value.numel()
+    chunk = max(-(-n // comm.size), 1)
+    flat = torch.zeros(chunk * comm.size, dtype=value.dtype, device=value.device)
+    flat[:n] = value.reshape(-1)
+    p.ds_tensor = flat[comm.rank * chunk:(comm.rank + 1) * chunk].clone()  # type: ignore[attr-defined]
+    p.ds_shape = value.shape  # type: ignore[attr-defined]
+    p.ds_numel = n  # type: ignore[attr-defined]
+    p.data = torch.empty(0, dtype=value.dtype, device=value.device)
+
+
+class _InitGather:
+    """Gather zero.Init-partitioned parameters of one module in place, and re-partition on exit."""
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, modifier_rank: int | None) -> None:
+        self.params = [p for p in params if hasattr(p, "ds_tensor")]
+        self.comm, self.modifier_rank = comm, modifier_rank
+
+    def __enter__(self) -> None:
+        for p in self.params:
+            p.data = full_value(p, self.comm).clone()
+
+    @torch.no_grad()
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.params:
+            value = p.data
+            if self.modifier_rank is not None:
+                self.comm.broadcast(value, src=self.modifier_rank)
+            chunk = p.ds_tensor.numel()  # type: ignore[attr-defined]
+            flat = torch.zeros(chunk * self.comm.size, dtype=value.dtype, device=value.device)
+            flat[:value.numel()] = value.reshape(-1)
+            p.ds_tensor.copy_(flat[self.comm.rank * chunk:(self.comm.rank + 1) * chunk])  # type: ignore[attr-defined]
+            p.data = torch.empty(0, dtype=value.dtype, device=value.device)
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    out: set[type] = set()
+    stack = [cls]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                stack.append(sub)
+    return out
+
+
+class Init:
+    """Context manager: modules built inside are partitioned as they are built (ZeRO stage 3)."""
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, **unsupported: Any) -> None:
+        self.enabled = enabled
+        self.dtype = dtype
+        self.group = data_parallel_group
+        if remote_device not in (None, "cpu", "none"):
+            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}) (NVMe) is not implemented yet")
+        self._patched: dict[type, Callable[..., Any]] = {}
+        self._orig_apply: Callable[..., Any] | None = None
+        self.comm: CommGroup | None = None
+        if module is not None and enabled:  # DeepSpeed also accepts an already-built module
+            self._setup()
+            for m in module.modules():
+                self._partition(m)
+
+    def _setup(self) -> None:
+        from deepshard.distributed import init_distributed
+
+        init_distributed(verbose=False)
+        self.comm = CommGroup(self.group)
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            partition_param(p, self.comm, self.dtype)  # type: ignore[arg-type]
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self._setup()
+        depth: dict[int, int] = {}
+
+        def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(init)
+            def wrapped(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+                key = id(module)
+                depth[key] = depth.get(key, 0) + 1
+                try:
+                    init(module, *args, **kwargs)
+                finally:
+                    depth[key] -= 1
+                if depth[key] == 0:
+                    del depth[key]
+                    self._partition(module)
+            return wrapped
+
+        for cls in _all_subclasses(torch.nn.Module) | {torch.nn.Module}:
+            if "__init__" in cls.__dict__:
+                self._patched[cls] = cls.__dict__["__init__"]
+                cls.__init__ = wrap(cls.__dict__["__init__"])  # type: ignore[misc]
+        self._orig_apply = torch.nn.Module.apply
+        comm, orig_apply = self.comm, self._orig_apply
+
+        def apply(module: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -> torch.nn.Module:
+            for child in module.children():
+                apply(child, fn)
+            with _InitGather(list(module.parameters(recurse=False)), comm, modifier_rank=0):  # type: ignore[arg-type]
+                fn(module)
+            return module
+
+        torch.nn.Module.apply = apply  # type: ignore[method-assign]
+        del orig_apply
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for cls, init in self._patched.items():
+            cls.__init__ = init  # type: ignore[misc]
+        self._patched.clear()
+        if self._orig_apply is not None:
+            torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
+            self._orig_apply = None
