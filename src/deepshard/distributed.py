@@ -12,6 +12,12 @@ Where the rank, world size, local rank and rendezvous address come from, first m
    port is opened.
 
 The resolution is the pure function :func:`resolve_dist_env`, testable without a process group.
+
+gloo and the network interface: gloo binds to the address this machine's hostname resolves to, and
+falls back to the loopback address when that is not a local address (containers, network
+namespaces), which breaks any job that spans machines. In exactly that case, when
+``GLOO_SOCKET_IFNAME`` is unset and the world spans machines, :func:`init_distributed` sets it to
+the interface of the route to ``MASTER_ADDR`` (:func:`gloo_interface_for`), and says so.
 Slurm's rendezvous host: ``MASTER_ADDR`` if set, else the first host of the step's / job's node list
 (where task 0 runs with Slurm's default block distribution), else ``SLURM_LAUNCH_NODE_IPADDR``. The
 node list is preferred over the launch node because ``srun`` started from a login node (inside
@@ -20,8 +26,10 @@ node list is preferred over the launch node because ``srun`` started from a logi
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -197,6 +205,66 @@ def default_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
     return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
 
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def hostname_is_usable(hostname: str | None = None) -> bool:
+    """Whether ``hostname`` (default: this machine's) resolves to a non-loopback address this
+    machine can bind, which is what gloo needs to pick its interface by itself."""
+    try:
+        infos = socket.getaddrinfo(hostname or socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        if _is_loopback(sockaddr[0]):
+            continue
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def gloo_interface_for(master_addr: str) -> str | None:
+    """The name of the network interface this machine uses to reach ``master_addr`` (the source
+    address of that route, found with an unsent UDP ``connect``), or ``None`` when it is loopback or
+    cannot be found."""
+    import psutil
+
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((sockaddr[0], 9))  # UDP connect picks a route; no packet is sent
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    if _is_loopback(local):
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return name
+    return None
+
+
+def _choose_gloo_interface(env: DistEnv, backend: str) -> None:
+    if backend != "gloo" or env.world_size == 1 or env.master_addr is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    if _is_loopback(env.master_addr) or hostname_is_usable():
+        return
+    name = gloo_interface_for(env.master_addr)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log_rank0(f"gloo: hostname {socket.gethostname()!r} is not a local address, so gloo would use "
+                  f"loopback; using interface {name} (the route to MASTER_ADDR {env.master_addr}); set "
+                  "GLOO_SOCKET_IFNAME to choose another", env.rank)
+
+
 def _export(env: DistEnv) -> None:
     """Write the resolved values where ``torch.distributed``'s ``env://`` and user code look."""
     os.environ["RANK"] = str(env.rank)
@@ -245,6 +313,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         where = "in-process store"
     else:
+        if init_method is None or init_method == "env://":
+            _choose_gloo_interface(env, backend)
         dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
                                 world_size=env.world_size, timeout=timeout)
         where = init_method or f"{env.master_addr}:{env.master_port}"

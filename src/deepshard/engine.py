@@ -320,6 +320,13 @@ class DeepShardEngine(torch.nn.Module):
 
     save_fp16_model = save_16bit_model
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The full state dict in the compute dtype, on rank 0 (Accelerate's ``get_state_dict`` calls
+        this); every rank must call it under ZeRO-3."""
+        from deepshard.checkpoint.engine_checkpoint import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
                      num_local_io_workers: int | None = None) -> Any:

@@ -91,3 +91,59 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / max(||b||, tiny): a relative error that is meaningful for whole tensors."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+VOCAB, CTX = 32, 8
+
+
+class TinyTransformer(nn.Module):
+    """The awkward cases for ZeRO-3: a tied embedding/head (one parameter, two modules), a block called
+    twice per forward, a frozen layer, a buffer, LayerNorms and attention."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(CTX, d) * 0.02)
+        self.block = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("temperature", torch.tensor(0.9))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) + self.pos[: idx.shape[1]]
+        h = self.block(h)
+        h = self.block(h)  # the same module twice
+        h = h + torch.tanh(self.frozen(h))
+        logits = self.head(self.norm(h)) / self.temperature
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_transformer(seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer()
+
+
+def make_token_batches(steps: int, global_batch: int, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (global_batch, CTX), generator=g),
+             torch.randint(0, VOCAB, (global_batch, CTX), generator=g)) for _ in range(steps)]
+
+
+def reference_transformer(batches: list, clip: float, lr: float = 0.1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """SGD with momentum: Adam would turn the attention key bias's exactly-zero gradient (its round-off)
+    into full-size steps, making a 1e-6 comparison meaningless for that one tensor."""
+    model = make_transformer()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -56,7 +56,7 @@ def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world
 def full_weights(engine: Any) -> dict[str, torch.Tensor]:
     """The fp32 weights (masters where kept) by state-dict name."""
     out = {}
-    params = dict(engine.module.named_parameters())
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
     for name, value in engine.module.state_dict().items():
         p = params.get(name)
         out[name] = engine.strategy.full_fp32_param(p) if p is not None else value.float().clone()

@@ -161,13 +161,28 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     return str(path), state.get("client_state", {})
 
 
+def consolidated_16bit_state_dict(engine: "DeepShardEngine", exclude_frozen_parameters: bool = False
+                                  ) -> dict[str, torch.Tensor]:
+    """The full module state dict in its compute dtype on rank 0 ({} on other ranks under ZeRO-3, where
+    building it is a collective every rank must join)."""
+    strategy = engine.strategy
+    if hasattr(strategy, "consolidated_state_dict"):
+        return strategy.consolidated_state_dict(engine.comm.rank, exclude_frozen_parameters)  # type: ignore[union-attr]
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()
+            if not (exclude_frozen_parameters and k in frozen)}
+
+
 def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
                      exclude_frozen_parameters: bool) -> bool:
+    if engine.zero_optimization_stage() == 3 and not engine.zero_gather_16bit_weights_on_model_save():
+        logger.warning("save_16bit_model under ZeRO-3 needs \"stage3_gather_16bit_weights_on_model_save\": true "
+                       "in zero_optimization (gathering the full model costs memory); nothing was saved. "
+                       "Alternatively consolidate a checkpoint with deepshard.utils.zero_to_fp32")
+        return False
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     if engine.comm.rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-        state = {k: v.detach().cpu() for k, v in engine.module.state_dict().items()
-                 if not (exclude_frozen_parameters and k in frozen)}
         target = save_dir / filename
         if filename.endswith(".safetensors"):
             ckpt_io.save_tensors(target, state)

@@ -10,9 +10,34 @@ expect: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+
+def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
+    """The CUDA device ids visible on this machine, in slot order, or ``None`` on a CPU machine.
+
+    torch is imported only when a GPU driver is present (or ``DEEPSHARD_ACCELERATOR=cuda``), so the
+    launcher starts fast on CPU machines.
+    """
+    forced = environ.get("DEEPSHARD_ACCELERATOR") or environ.get("DS_ACCELERATOR")
+    if forced == "cpu":
+        return None
+    if forced != "cuda" and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
+        return None
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        if forced == "cuda":
+            raise ValueError("DEEPSHARD_ACCELERATOR=cuda but torch sees no CUDA device; "
+                             "unset it to run on CPU")
+        return None
+    count = torch.cuda.device_count()
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [item.strip() for item in visible.split(",") if item.strip()]
+    return ids[:count] if ids else [str(i) for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -51,6 +76,22 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
     if not no_local_rank:
         cmd.append(f"--local_rank={local_rank}")
     return cmd
+
+
+_DEATH_SHIM = ("import ctypes, os, signal, sys\n"
+               "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+               "if os.getppid() != int(sys.argv[1]):\n"
+               "    os._exit(1)  # the agent died before the guard was set\n"
+               "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def die_with_parent(cmd: Sequence[str], parent_pid: int, python: str = sys.executable) -> list[str]:
+    """Wrap ``cmd`` so the process gets SIGKILL if its parent (a node agent, pid ``parent_pid``) dies,
+    even by SIGKILL: a tiny python shim sets Linux's ``PR_SET_PDEATHSIG`` and execs ``cmd`` (same
+    pid). Not Linux: ``cmd`` unchanged."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [python, "-c", _DEATH_SHIM, str(parent_pid), *cmd]
 
 
 def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,

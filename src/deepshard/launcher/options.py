@@ -11,6 +11,10 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 PID_FILE_DIR = "/tmp"
 
+class LaunchError(ValueError):
+    """A command line or resource selection that cannot be launched; the message says why and how to fix."""
+
+
 LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 """``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed."""
 

@@ -30,13 +30,15 @@ def node_agent_argv(world_token: str, node_rank: int | str, master_addr: str, ma
                     user_script: str, user_args: Sequence[str], *, max_restarts: int = 0,
                     process_flags: Sequence[str] = (), exit_on_stdin_close: bool = False,
                     python: str = sys.executable) -> list[str]:
-    """The argv of one node's agent (``node_rank`` may be pdsh's ``%n``)."""
+    """The argv of one node's agent started by ssh / pdsh (``node_rank`` may be pdsh's ``%n``); only
+    node 0 prints failure reports, since every node's output reaches the launcher's terminal."""
     argv = [python, "-u", "-m", NODE_MODULE, "--world_info", world_token, f"--node_rank={node_rank}",
             "--master_addr", master_addr, "--master_port", str(master_port)]
     if max_restarts:
         argv += ["--max_restarts", str(max_restarts)]
     if exit_on_stdin_close:
         argv.append("--exit_on_stdin_close")
+    argv.append("--report_on_node0")
     return argv + list(process_flags) + [user_script, *user_args]
 
 

@@ -127,12 +127,20 @@ class Stage3Strategy(Stage12Strategy):
         return groups
 
     def _groups_by_module(self, module: torch.nn.Module) -> dict[int, list[ShardedGroup]]:
+        """The groups each module's forward needs: its own parameters and registered external ones; a
+        *leaf* module (see ``is_z3_leaf``) needs its whole subtree and its descendants get no hooks."""
         group_of = {id(p): g for g in self.groups + self.frozen_groups for p in g.params}
         out: dict[int, list[ShardedGroup]] = {}
+        inside_leaf: set[int] = set()
         for m in module.modules():
+            if id(m) in inside_leaf:
+                continue
+            leaf = is_z3_leaf(m)
+            params = list(m.parameters(recurse=leaf)) + list(m.__dict__.get("_deepshard_external_params", []))
+            if leaf:
+                inside_leaf.update(id(d) for d in m.modules() if d is not m)
             needed: list[ShardedGroup] = []
-            external = m.__dict__.get("_deepshard_external_params", [])
-            for p in list(m.parameters(recurse=False)) + list(external):
+            for p in params:
                 g = group_of[id(p)]
                 if g not in needed:
                     needed.append(g)
@@ -306,6 +314,30 @@ class Stage3Strategy(Stage12Strategy):
         return self._assemble_shaped(param, [self.optimizer.state.get(fp, {}).get(key) for fp in self.frag_params])
 
     @torch.no_grad()
+    def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+        """The full 16-bit state dict, gathered group by group onto rank 0 (a collective; {} elsewhere)."""
+        by_param: dict[int, torch.Tensor] = {}
+        for g in self.groups + self.frozen_groups:
+            if exclude_frozen and not g.requires_grad:
+                continue
+            was = g.state
+            g.unshard(async_op=False)
+            if rank == 0:
+                for p in g.params:
+                    by_param[id(p)] = p.detach().cpu().clone()
+            if was is GroupState.SHARDED:
+                g.reshard()
+        if rank != 0:
+            return {}
+        out = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) in by_param:
+                out[name] = by_param[id(value)]
+            elif not isinstance(value, torch.nn.Parameter):
+                out[name] = value.detach().cpu().clone()
+        return out
+
+    @torch.no_grad()
     def after_external_update(self, group: ShardedGroup) -> None:
         """A group's shard was rewritten from outside (GatheredParameters): refresh its fp32 masters."""
         if self.master_shard is None or group not in self.groups:
@@ -323,6 +355,15 @@ class Stage3Strategy(Stage12Strategy):
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
         self.hooks.remove()
+
+
+# modules whose forward reads their children's parameters without calling the children
+DEFAULT_LEAF_CLASSES: tuple[type, ...] = (torch.nn.MultiheadAttention,)
+
+
+def is_z3_leaf(module: torch.nn.Module) -> bool:
+    """A leaf is gathered as one unit with its whole subtree (``set_z3_leaf_modules``)."""
+    return bool(getattr(module, "_z3_leaf", False)) or isinstance(module, DEFAULT_LEAF_CLASSES)
 
 
 def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

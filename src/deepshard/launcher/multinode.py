@@ -1,0 +1,161 @@
+"""Start a multi-node job from one machine: ssh / pdsh (a node agent per machine) or mpirun / srun.
+
+* ssh: one ``ssh HOST '... python -m deepshard.launcher.node --node_rank N ...'`` per node, each
+  supervised like a rank (output forwarded). Its stdin is a pipe the launcher keeps open: if the
+  launcher dies, the remote agent reads end-of-file and stops the job (no orphans). The agents
+  handle failures and restarts among themselves; when one node's agent fails, the launcher lets the
+  others end on their own (they are stopping too) so their reports reach the terminal.
+* pdsh: one ``pdsh -w h1,h2 '... --node_rank=%n ...'`` process.
+* openmpi / mpich / impi / mvapich / slurm: one ``mpirun`` / ``srun`` process that starts every rank;
+  ``--max_restarts`` re-runs it, with ``DEEPSHARD_RESTART_COUNT`` set to the attempt number.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from deepshard.launcher.hostfile import encode_world_info
+from deepshard.launcher.local import RankSpec, build_rank_command
+from deepshard.launcher.node import RESTART_COUNT_ENV
+from deepshard.launcher.options import LaunchError
+from deepshard.launcher.runners import (
+    hydra_command,
+    node_agent_argv,
+    openmpi_command,
+    pdsh_command,
+    pdsh_environment,
+    pdsh_node_rank_placeholder,
+    pdsh_remote_command,
+    remote_shell_command,
+    slurm_command,
+    ssh_check_command,
+    ssh_command,
+)
+from deepshard.launcher.supervisor import GroupResult, supervise_ranks
+from deepshard.utils.logging import logger
+
+MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
+SSH_SETTLE_S = 25.0
+"""How long the ssh launcher lets the other nodes' agents stop on their own after one failed."""
+
+
+def process_flags(args: argparse.Namespace) -> list[str]:
+    """The launcher flags that tell a node agent how to run each rank."""
+    flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet")
+             if getattr(args, name)]
+    for name in ("enable_each_rank_log", "bind_core_list", "log_level"):
+        value = getattr(args, name)
+        if value:
+            flags += [f"--{name}", str(value)]
+    return flags
+
+
+def _agent_argv(args: argparse.Namespace, world: dict[str, list[int]], node_rank: int | str,
+                master_addr: str, exit_on_stdin_close: bool, python: str) -> list[str]:
+    return node_agent_argv(encode_world_info(world), node_rank, master_addr, args.master_port,
+                           args.user_script, args.user_args, max_restarts=args.max_restarts,
+                           process_flags=process_flags(args), exit_on_stdin_close=exit_on_stdin_close,
+                           python=python)
+
+
+def plan_ssh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str,
+             exports: Mapping[str, str], environ: Mapping[str, str], cwd: str,
+             python: str = sys.executable) -> list[RankSpec]:
+    """One ssh process per node, each starting that node's agent (pure)."""
+    extra = shlex.split(args.launcher_args)
+    specs = []
+    for node_rank, host in enumerate(world):
+        argv = _agent_argv(args, world, node_rank, master_addr, True, python)
+        remote = remote_shell_command(argv, exports, cwd, args.venv_script)
+        cmd = ssh_command(host, remote, args.ssh_port, extra)
+        specs.append(RankSpec(node_rank, 0, 0, cmd, dict(environ), label=f"node {node_rank} (ssh {host})",
+                              stdin_pipe=True))
+    return specs
+
+
+def plan_pdsh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str,
+              exports: Mapping[str, str], environ: Mapping[str, str], cwd: str,
+              python: str = sys.executable) -> RankSpec:
+    """One pdsh process starting every node's agent (pure)."""
+    argv = _agent_argv(args, world, pdsh_node_rank_placeholder(), master_addr, False, python)
+    remote = pdsh_remote_command(argv, exports, cwd, args.venv_script)
+    cmd = pdsh_command(list(world), remote, shlex.split(args.launcher_args))
+    return RankSpec(0, 0, 0, cmd, pdsh_environment(environ, args.ssh_port), label=f"pdsh ({len(world)} nodes)")
+
+
+def plan_mpi(args: argparse.Namespace, launcher: str, world: dict[str, list[int]], master_addr: str,
+             exports: Mapping[str, str], environ: Mapping[str, str], restart_count: int = 0,
+             python: str = sys.executable) -> RankSpec:
+    """One mpirun / srun process starting every rank of attempt ``restart_count`` (pure). The
+    exported variables' values travel in the runner's environment."""
+    variables = dict(exports)
+    variables.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(args.master_port),
+                      RESTART_COUNT_ENV: str(restart_count)})
+    names = sorted(variables)
+    rank_argv = build_rank_command(args.user_script, args.user_args, 0, module=args.module,
+                                   no_python=args.no_python, no_local_rank=True, python=python)
+    extra = shlex.split(args.launcher_args)
+    try:
+        if launcher == "openmpi":
+            cmd = openmpi_command(world, rank_argv, names, extra)
+        elif launcher == "slurm":
+            cmd = slurm_command(world, rank_argv, extra)
+        else:
+            cmd = hydra_command(world, rank_argv, names, extra, launcher=launcher)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
+    ranks = sum(len(slots) for slots in world.values())
+    return RankSpec(0, 0, 0, cmd, {**environ, **variables},
+                    label=f"{cmd[0]} ({ranks} ranks on {len(world)} nodes)")
+
+
+def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
+              run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+    """Check every host answers ``ssh HOST true`` without a password (in parallel, 15 s at most);
+    ``LaunchError`` names the hosts that did not and what ssh said."""
+    def probe(host: str) -> str | None:
+        cmd = ssh_check_command(host, port, extra_args)
+        try:
+            done = run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{host}: {exc}"
+        return None if done.returncode == 0 else f"{host}: {done.stderr.strip() or 'exit ' + str(done.returncode)}"
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        problems = [p for p in pool.map(probe, hosts) if p]
+    if problems:
+        raise LaunchError("cannot ssh without a password to: " + "; ".join(problems) + ". Set up key-based "
+                          "ssh to every node (ssh-copy-id), pass ssh options with --launcher_args / "
+                          "--ssh_port, skip this check with --no_ssh_check, or run the same command on "
+                          "each node with --no_ssh --node_rank N")
+
+
+def run_agents(specs: list[RankSpec], on_started: Callable[[list[int]], None] | None) -> int:
+    """Supervise the ssh / pdsh processes; the node agents report failures themselves."""
+    noun = "node" if len(specs) > 1 else "runner"
+    result = supervise_ranks(specs, on_started=on_started, report=False, settle_s=SSH_SETTLE_S, noun=noun)
+    if result.failure is not None:
+        print(f"deepshard: the job failed with exit code {result.exit_code} ({result.failure.label} ended "
+              f"first, with {result.failure.describe_exit()}); node 0's report above names the rank "
+              "that failed", file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def run_with_restarts(spec_for_attempt: Callable[[int], Sequence[RankSpec]], max_restarts: int,
+                      log_dir: str | None = None,
+                      on_started: Callable[[list[int]], None] | None = None) -> int:
+    """Run attempt 0, 1, ... until one succeeds, ``max_restarts`` restarts are spent, or the launcher
+    is signalled (one machine, or one mpirun / srun process)."""
+    result = GroupResult(0)
+    for attempt in range(max_restarts + 1):
+        result = supervise_ranks(spec_for_attempt(attempt), log_dir=log_dir, on_started=on_started)
+        if result.exit_code == 0 or result.signal is not None:
+            return result.exit_code
+        if attempt < max_restarts:
+            logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)",
+                           attempt, result.exit_code, attempt + 1, max_restarts)
+    return result.exit_code

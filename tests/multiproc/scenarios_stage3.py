@@ -1,0 +1,167 @@
+"""What each rank runs for the ZeRO-3 tests."""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import deepshard
+from deepshard.utils import safe_get_full_fp32_param
+from tests.multiproc.models import make_batches, make_model, make_token_batches, make_transformer, micro_slice
+from tests.multiproc.scenarios_stage0 import full_weights, run_steps
+
+
+def z3_config(micro: int, gas: int, dtype: str = "fp32", **zero: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_prefetch_bucket_size": 2000, **zero},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def transformer_oracle(rank: int, world: int, stage: int) -> dict[str, Any]:
+    out = {}
+    for micro, gas in ((8 // world, 1), (max(4 // world, 1), 8 // (max(4 // world, 1) * world))):
+        cfg = z3_config(micro, gas)
+        cfg["zero_optimization"]["stage"] = stage
+        engine, *_ = deepshard.initialize(model=make_transformer(), config=cfg)
+        losses = run_steps(engine, make_token_batches(4, 8), micro, gas, rank, world)
+        out[f"m{micro}_g{gas}"] = (losses, full_weights(engine))
+        if stage == 3:
+            states = [g.state.value for g in engine.strategy.groups]
+            out["sharded_after_step"] = all(s == "sharded" for s in states)
+            out["placeholder_shape"] = tuple(engine.module.block.linear1.weight.shape)
+        # evaluation under no_grad gathers and releases too
+        x, y = make_token_batches(1, 8, seed=77)[0]
+        with torch.no_grad():
+            engine.eval()
+            out[f"eval_m{micro}"] = float(engine(x, y))
+            engine.train()
+    return out
+
+
+def accounting(rank: int, world: int) -> dict[str, Any]:
+    cfg = z3_config(8 // world, 1)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}  # the formula's optimizer: 8 bytes of state
+    engine, *_ = deepshard.initialize(model=make_model(), config=cfg)  # no module runs twice per step
+    batch = make_batches(2, 8)
+    run_steps(engine, batch[:1], 8 // world, 1, rank, world)
+    engine.comms_logger.reset()
+    run_steps(engine, batch[1:], 8 // world, 1, rank, world)
+    model = engine.module
+    psi = sum(p.ds_numel for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.ds_numel for p in model.parameters() if not p.requires_grad)
+    return {"report": engine.memory_report(), "psi": psi, "frozen": frozen,
+            "comms": engine.comms_logger.summary()}
+
+
+def gathered_parameters(rank: int, world: int) -> dict[str, Any]:
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(8 // world, 1))
+    w = engine.module.frozen.weight
+    out: dict[str, Any] = {"outside_shape": tuple(w.shape)}
+    with deepshard.zero.GatheredParameters(w, modifier_rank=0):
+        out["inside_shape"] = tuple(w.shape)
+        if rank == 0:
+            w.fill_(0.25)
+    out["after_modifier"] = float(safe_get_full_fp32_param(w).mean())
+    with deepshard.zero.GatheredParameters([w, engine.module.head.weight], modifier_rank=None):
+        w.fill_(-1.0)  # discarded: no modifier rank
+    out["after_none"] = float(safe_get_full_fp32_param(w).mean())
+    # a trainable parameter, in bf16 masters too
+    with deepshard.zero.GatheredParameters(engine.module.norm.weight, modifier_rank=1), torch.no_grad():
+        if rank == 1:
+            engine.module.norm.weight.fill_(3.0)
+    out["norm_after"] = safe_get_full_fp32_param(engine.module.norm.weight).tolist()
+    return out
+
+
+def save_models(rank: int, world: int, tmp: str, gather: bool) -> dict[str, Any]:
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(
+        8 // world, 1, "bf16", stage3_gather_16bit_weights_on_model_save=gather))
+    run_steps(engine, make_token_batches(2, 8), 8 // world, 1, rank, world)
+    ok = engine.save_16bit_model(tmp, "model.safetensors")
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
+    full = {n: safe_get_full_fp32_param(p).to(torch.bfloat16) for n, p in engine.module.named_parameters()}
+    return {"ok": ok, "consolidated": consolidated, "full": full}
+
+
+def _set_mmap_threshold() -> None:
+    """Make freed large blocks go back to the OS so the resident set tracks live tensors."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _current_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Wide(torch.nn.Module):
+    def __init__(self, layers: int = 16, width: int = 1024) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def init_memory(rank: int, world: int) -> dict[str, Any]:
+    _set_mmap_threshold()
+    torch.manual_seed(0)
+    full_bytes = 16 * 1024 * 1024 * 4
+    base = _current_rss()
+    _reset_peak()
+    with deepshard.zero.Init():
+        model = Wide()
+    peak = _peak_rss() - base
+    held = sum(p.ds_tensor.numel() * 4 for p in model.parameters())
+    torch.manual_seed(0)
+    reference = Wide()
+    engine, *_ = deepshard.initialize(model=model, config=z3_config(2, 1))
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        same = abs(float(engine(x)) - float(reference(x))) < 1e-6
+    return {"peak": peak, "full_bytes": full_bytes, "held": held, "same_output": same}
+
+
+def watchdog(rank: int, world: int) -> str:
+    os.environ["DEEPSHARD_WATCHDOG_TIMEOUT"] = "3"
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(8 // world, 1))
+    x, y = make_token_batches(1, 8)[0]
+    if rank == 1:  # rank 1 does something else entirely: rank 0's gather can never complete
+        import time
+
+        time.sleep(10)
+        return "rank 1 slept"
+    try:
+        engine(x[:4], y[:4])
+        return "no error"
+    except RuntimeError as e:
+        return str(e)

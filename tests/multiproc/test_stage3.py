@@ -1,0 +1,125 @@
+"""ZeRO stage 3: the awkward cases against single-process PyTorch, memory and traffic against the
+formulas, zero.Init's construction memory, GatheredParameters, 16-bit saving and the watchdog."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_world
+from tests.multiproc.models import make_token_batches, reference_transformer, rel_err
+from tests.multiproc.scenarios_stage3 import (accounting, gathered_parameters, init_memory, save_models,
+                                              transformer_oracle, watchdog)
+
+FP32_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module", params=[(3, 2), (3, 4), (2, 2), (0, 4)], ids=lambda sw: f"stage{sw[0]}-world{sw[1]}")
+def oracle(request: Any) -> tuple[int, int, dict[str, Any]]:
+    stage, world = request.param
+    return stage, world, run_world(transformer_oracle, world, stage)[0]
+
+
+def test_tied_repeated_frozen_transformer_matches_reference(oracle: tuple[int, int, dict[str, Any]]) -> None:
+    stage, world, out = oracle
+    ref_losses, ref_w = reference_transformer(make_token_batches(4, 8), clip=0.5)
+    splits = [k for k in out if k.startswith("m")]
+    assert len(splits) == 2
+    for key in splits:
+        losses, weights = out[key]
+        assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), key
+        for name, value in ref_w.items():
+            assert rel_err(weights[name], value) <= FP32_RTOL, (key, name)
+    assert weights["head.weight"].data_ptr() != 0 and torch.equal(weights["head.weight"], weights["embed.weight"])
+
+
+def test_eval_under_no_grad_matches_reference(oracle: tuple[int, int, dict[str, Any]]) -> None:
+    _, _, out = oracle
+    from tests.multiproc.models import make_transformer
+
+    ref_losses, ref_w = reference_transformer(make_token_batches(4, 8), clip=0.5)
+    model = make_transformer()
+    model.load_state_dict(ref_w)
+    x, y = make_token_batches(1, 8, seed=77)[0]
+    with torch.no_grad():
+        expected = float(model.eval()(x, y))
+    for key in [k for k in out if k.startswith("eval_")]:
+        assert out[key] == pytest.approx(expected, rel=1e-5)
+
+
+def test_parameters_are_released_between_steps(oracle: tuple[int, int, dict[str, Any]]) -> None:
+    stage, _, out = oracle
+    if stage != 3:
+        pytest.skip("only ZeRO-3 partitions parameters")
+    assert out["sharded_after_step"] is True
+    assert out["placeholder_shape"] == (0,)  # DeepSpeed's empty placeholder while sharded
+
+
+@pytest.fixture(scope="module")
+def acct() -> dict[str, Any]:
+    return run_world(accounting, 2)[0]
+
+
+def test_model_states_are_16_psi_over_n(acct: dict[str, Any]) -> None:
+    r, n = acct["report"], 2
+    psi = acct["psi"]
+    trainable_params = r["parameters"] - 4 * (-(-acct["frozen"] // n))  # minus the frozen shard (padded)
+    model_states = trainable_params + r["gradients"] + r["master_weights"] + r["optimizer_state"]
+    assert abs(model_states - 16 * psi / n) <= 0.05 * 16 * psi / n, (model_states, 16 * psi / n, r)
+    assert r["gathered_parameters"] == 0  # nothing stays gathered between steps (threshold 0)
+
+
+def test_comms_volume_is_three_psi_per_step(acct: dict[str, Any]) -> None:
+    psi, frozen, comms = acct["psi"], acct["frozen"], acct["comms"]
+    gathered = comms["all_gather"]["volume_elements"]
+    scattered = comms["reduce_scatter"]["volume_elements"]
+    # trainable parameters: gathered in forward and again in backward, gradients reduce-scattered once;
+    # the frozen layer is gathered in forward and backward too (it has no gradient to reduce)
+    assert abs(scattered - psi) <= 0.02 * psi, (scattered, psi)
+    assert abs(gathered - 2 * (psi + frozen)) <= 0.02 * 2 * (psi + frozen), (gathered, psi, frozen)
+    assert abs(gathered + scattered - 3 * psi - 2 * frozen) <= 0.02 * 3 * psi
+
+
+def test_gathered_parameters_with_modifier_rank() -> None:
+    for out in run_world(gathered_parameters, 2):
+        assert out["outside_shape"] == (0,) and out["inside_shape"] == (16, 16)
+        assert out["after_modifier"] == pytest.approx(0.25)
+        assert out["after_none"] == pytest.approx(0.25)  # the change without modifier_rank was discarded
+        assert out["norm_after"] == pytest.approx([3.0] * 16)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_save_16bit_model_gathers_the_full_model(tmp_path: Path, gather: bool) -> None:
+    outs = run_world(save_models, 2, str(tmp_path), gather)
+    rank0 = outs[0]
+    if not gather:
+        assert rank0["ok"] is False and not (tmp_path / "model.safetensors").exists()
+    else:
+        from safetensors.torch import load_file
+
+        assert rank0["ok"] is True
+        saved = load_file(str(tmp_path / "model.safetensors"))
+        for name, value in rank0["full"].items():
+            assert torch.equal(saved[name], value), name
+            assert tuple(saved[name].shape) != (0,)
+    assert set(rank0["consolidated"]) >= set(rank0["full"]) and outs[1]["consolidated"] == {}
+    for name, value in rank0["full"].items():
+        assert torch.equal(rank0["consolidated"][name], value), name
+
+
+def test_zero_init_never_materializes_the_full_model() -> None:
+    for out in run_world(init_memory, 2):
+        assert out["same_output"] is True
+        assert out["held"] == out["full_bytes"] // 2
+        # peak growth during construction: the shard plus about one layer, far from the full model
+        assert out["peak"] < 0.75 * out["full_bytes"], (out["peak"], out["full_bytes"])
+
+
+def test_watchdog_names_the_rank_that_did_not_arrive() -> None:
+    outs = run_world(watchdog, 2, timeout=60)
+    message = outs[0]
+    assert "did not complete within 3s" in message, message
+    assert "Rank(s) [1] did not arrive" in message, message
+    assert "all_gather of parameter group" in message
