@@ -50,7 +50,7 @@ def safe_getters(rank: int, world: int, stage: int) -> dict[str, Any]:
     run_steps(engine, batches[:2], 2, 1, rank, world)
     x, y = micro_slice(batches[2], 2, 0, rank, world)
     engine.backward(engine(x, y))
-    params = dict(engine.module.named_parameters())
+    params = dict(engine.module.named_parameters())  # (stage 3: read between backward and step)
     out = {"grad": {n: safe_get_full_grad(p) for n, p in params.items() if p.requires_grad},
            "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params.items()

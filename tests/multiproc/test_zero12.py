@@ -1,5 +1,5 @@
-"""ZeRO stages 1 and 2: memory and traffic against the ZeRO formulas, the safe_get_full_* helpers, and
-checkpoints saved on 2 processes resumed on 1, 2, 3 and 4 processes under any stage 0-2."""
+"""ZeRO stages 1 and 2: memory and traffic against the ZeRO formulas; for stages 1-3 the safe_get_full_*
+helpers and checkpoints saved on 2 processes resumed on 1, 2, 3 and 4 processes under any stage 0-3."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -66,7 +66,7 @@ def _reference_state_after(steps: int, seed: int) -> tuple[torch.nn.Module, torc
     return model, opt
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_safe_get_full_helpers_match_reference(stage: int) -> None:
     outs = run_world(safe_getters, WORLD, stage)
     model, opt = _reference_state_after(2, seed=21)
@@ -83,7 +83,7 @@ def test_safe_get_full_helpers_match_reference(stage: int) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: Any) -> dict[Any, Any]:
     out = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         tmp = tmp_path_factory.mktemp(f"save_stage{stage}")
         losses = run_world(save_world, WORLD, stage, "fp32", str(tmp))[0]
         out[stage] = (tmp, losses)
@@ -91,7 +91,7 @@ def saved(tmp_path_factory: Any) -> dict[Any, Any]:
 
 
 @pytest.mark.parametrize("saved_stage,world,stage", [(2, 1, 0), (2, 3, 1), (2, 4, 2), (0, 4, 2), (0, 3, 2),
-                                                      (2, 2, 2)])
+                                                      (2, 2, 2), (3, 1, 0), (3, 3, 3), (2, 4, 3), (0, 2, 3)])
 def test_resume_on_another_process_count_and_stage(saved: dict[Any, Any], saved_stage: int, world: int,
                                                    stage: int) -> None:
     tmp, first_losses = saved[saved_stage]

@@ -15,7 +15,7 @@ from deepshard.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_
 from tests.multiproc.harness import run_world
 from tests.multiproc.scenarios_zero_to_fp32 import TiedNet, consolidate_world
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 WORLD = 2
 
 

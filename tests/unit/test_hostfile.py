@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from deepshard.distributed import DistEnv, _first_host, default_timeout, resolve_dist_env
-from deepshard.launcher.cli import LaunchError, parse_args, plan_launch
+from deepshard.launcher.cli import LaunchError, launch_mode, parse_args, plan_launch, select_nodes
 from deepshard.launcher.hostfile import (
     assign_ranks,
     parse_hostfile,
@@ -143,7 +143,8 @@ def test_flag_defaults_and_aliases() -> None:
         (3, "localhost:0", 1234, "slurm", True, 1)
     defaults = parse_args(["x.py"])
     assert (defaults.hostfile, defaults.master_port, defaults.master_addr, defaults.num_nodes,
-            defaults.num_gpus, defaults.user_args) == ("/job/hostfile", 29500, "", -1, -1, [])
+            defaults.num_gpus, defaults.user_args, defaults.launcher, defaults.max_restarts) == \
+        ("/job/hostfile", 29500, "", -1, -1, [], "pdsh", 0)
 
 
 def test_build_rank_command_variants() -> None:
@@ -228,8 +229,8 @@ def test_plan_user_omp_threads_and_core_binding() -> None:
         _plan(["--num_gpus", "1", "--bind_cores_to_rank", "--bind_core_list", "9", "t.py"])
 
 
-def test_plan_hostfile_multi_node_is_a_clear_error() -> None:
-    with pytest.raises(LaunchError, match="2 node\\(s\\) \\(w0, w1\\).*multi-node launch.*not implemented"):
+def test_plan_single_node_from_hostfile_and_multi_node_selection() -> None:
+    with pytest.raises(LaunchError, match="spans 2 nodes \\(w0, w1\\): a multi-node launch"):
         _plan(["t.py"], hostfile={"w0": 2, "w1": 2})
     specs = _plan(["--num_nodes", "1", "t.py"], hostfile={"w0": 2, "w1": 2})
     assert len(specs) == 2
@@ -240,6 +241,37 @@ def test_plan_hostfile_multi_node_is_a_clear_error() -> None:
         _plan(["--force_multi", "t.py"], hostfile={"localhost": 3})
     with pytest.raises(LaunchError, match="needs a hostfile"):
         _plan(["--num_nodes", "2", "t.py"])
+    args = parse_args(["-e", "w0:1@w2", "t.py"])
+    assert select_nodes(args, {"w0": 2, "w1": 1, "w2": 4}, None, NAMES) == {"w0": [0], "w1": [0]}
+
+
+def _mode(argv: list[str], hosts: dict[str, int], pdsh: bool = False) -> str:
+    args = parse_args([*argv, "t.py"])
+    return launch_mode(args, select_nodes(args, hosts, None, NAMES), pdsh)
+
+
+def test_launch_mode() -> None:
+    two = {"w0": 2, "w1": 2}
+    assert _mode([], {"w0": 2}) == "local"
+    assert _mode(["--no_ssh", "--node_rank", "0"], {"w0": 2}) == "local"
+    assert _mode(["--num_nodes", "1"], two) == "local"
+    assert _mode([], two) == "ssh" and _mode([], two, pdsh=True) == "pdsh"
+    assert _mode(["--launcher", "ssh"], two, pdsh=True) == "ssh"
+    assert _mode(["--force_multi"], {"w0": 2}) == "ssh"
+    for launcher in ("openmpi", "mpich", "impi", "mvapich", "slurm"):
+        assert _mode(["--launcher", launcher], two) == launcher
+    assert _mode(["--launcher", "slurm"], {"w0": 2}) == "local"  # one node: DeepSpeed runs it locally
+    assert _mode(["--no_ssh", "--node_rank", "1"], two) == "no_ssh"
+    with pytest.raises(LaunchError, match="--no_ssh needs --node_rank N.*2 nodes \\(w0, w1\\), numbered 0..1"):
+        _mode(["--no_ssh"], two)
+    with pytest.raises(LaunchError, match="--node_rank 1 only applies with --no_ssh"):
+        _mode(["--node_rank", "1"], two)
+    with pytest.raises(LaunchError, match="--node_rank 1 with a one-node selection"):
+        _mode(["--no_ssh", "--node_rank", "1"], {"w0": 2})
+    with pytest.raises(LaunchError, match="--max_restarts -2 must be >= 0"):
+        _mode(["--max_restarts", "-2"], two)
+    with pytest.raises(SystemExit):
+        parse_args(["--launcher", "mpi", "t.py"])  # not a runner: argparse names the choices
 
 
 def test_plan_module_no_local_rank_and_unsupported_flags() -> None:
@@ -247,6 +279,8 @@ def test_plan_module_no_local_rank_and_unsupported_flags() -> None:
     assert spec.cmd == [sys.executable, "-u", "-m", "pkg.train", "--x"]
     with pytest.raises(LaunchError, match="--autotuning"):
         _plan(["--autotuning", "tune", "t.py"])
+    with pytest.raises(LaunchError, match="--elastic_training .*--max_restarts"):
+        _plan(["--elastic_training", "t.py"])
     with pytest.raises(LaunchError, match="--module and --no_python"):
         _plan(["--module", "--no_python", "t.py"])
 

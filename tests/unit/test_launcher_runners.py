@@ -1,0 +1,184 @@
+"""The commands a multi-node launch runs, built without starting anything: node agent argv, the
+remote shell line, ssh, pdsh, mpirun (OpenMPI, Hydra) and srun, and the launcher's plans."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from deepshard.launcher.cli import parse_args
+from deepshard.launcher.hostfile import decode_world_info, encode_world_info
+from deepshard.launcher.multinode import check_ssh, plan_mpi, plan_pdsh, plan_ssh, process_flags
+from deepshard.launcher.options import LaunchError
+from deepshard.launcher.runners import (
+    hydra_command,
+    node_agent_argv,
+    openmpi_command,
+    pdsh_command,
+    pdsh_environment,
+    pdsh_node_rank_placeholder,
+    pdsh_remote_command,
+    remote_shell_command,
+    slurm_command,
+    ssh_check_command,
+    ssh_command,
+)
+
+WORLD = {"w0": [0, 1], "w1": [0, 1]}
+RANK_CMD = ["py", "-u", "train.py", "--lr", "1"]
+
+
+def test_world_info_round_trip_keeps_order_and_rejects_garbage() -> None:
+    world = {"zeta": [1, 3], "alpha": [0]}
+    token = encode_world_info(world)
+    assert shlex.quote(token) == token  # travels through a shell untouched
+    decoded = decode_world_info(token)
+    assert decoded == world and list(decoded) == ["zeta", "alpha"]
+    for bad in ["!!!", encode_world_info({})[:-2], "W10="]:  # not base64, cut short, empty world
+        with pytest.raises(ValueError, match="--world_info"):
+            decode_world_info(bad)
+
+
+def test_node_agent_argv() -> None:
+    argv = node_agent_argv("TOKEN", 1, "10.0.0.1", 4000, "train.py", ["--x", "a b"], max_restarts=2,
+                           process_flags=["--no_local_rank"], exit_on_stdin_close=True, python="py")
+    assert argv == ["py", "-u", "-m", "deepshard.launcher.node", "--world_info", "TOKEN", "--node_rank=1",
+                    "--master_addr", "10.0.0.1", "--master_port", "4000", "--max_restarts", "2",
+                    "--exit_on_stdin_close", "--report_on_node0", "--no_local_rank", "train.py", "--x", "a b"]
+    plain = node_agent_argv("T", 0, "h", 1, "t.py", [], python="py")
+    assert "--max_restarts" not in plain and "--exit_on_stdin_close" not in plain
+
+
+def test_remote_shell_command_quotes_everything() -> None:
+    line = remote_shell_command(["py", "t.py", "--msg", "it's here"], {"A": "1", "B": "x y;rm -rf /"},
+                                "/work dir", venv_script="/opt/venv/bin/activate")
+    assert line == (". /opt/venv/bin/activate && cd '/work dir' && export A=1 B='x y;rm -rf /' && "
+                    "exec py t.py --msg 'it'\"'\"'s here'")
+    # a shell reads it back into the same words
+    assert shlex.split(line.split(" && exec ")[1]) == ["py", "t.py", "--msg", "it's here"]
+    assert remote_shell_command(["py"], {}, "/w") == "cd /w && exec py"
+
+
+def test_ssh_commands() -> None:
+    assert ssh_command("w1", "cd /w && exec py", 2222, ["-i", "key"]) == \
+        ["ssh", "-i", "key", "-p", "2222", "w1", "cd /w && exec py"]
+    assert ssh_command("w1", "true") == ["ssh", "w1", "true"]
+    check = ssh_check_command("w1", None, ["-o", "BatchMode=no"])
+    # the user's options come first (ssh keeps the first value of an option)
+    assert check == ["ssh", "-o", "BatchMode=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "w1", "true"]
+
+
+def test_pdsh_command_node_rank_and_percent_escaping() -> None:
+    argv = node_agent_argv("T", pdsh_node_rank_placeholder(), "w0", 5, "t.py", ["--fmt=%d"], python="py")
+    line = pdsh_remote_command(argv, {"P": "50%"}, "/w")
+    assert "--node_rank=%n" in line and "--fmt=%%d" in line and "P=50%%" in line
+    assert line.count("%n") == 1
+    assert pdsh_command(["w0", "w1"], line, ["-u", "30"]) == \
+        ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", "w0,w1", "-u", "30", line]
+    env = pdsh_environment({"PDSH_SSH_ARGS_APPEND": "-i key", "KEEP": "1"}, 2222)
+    assert env == {"PDSH_SSH_ARGS_APPEND": "-i key -p 2222", "KEEP": "1", "PDSH_RCMD_TYPE": "ssh"}
+    assert "PDSH_SSH_ARGS_APPEND" not in pdsh_environment({}, None)
+
+
+def test_openmpi_command() -> None:
+    world = {"w0": [0, 1, 2], "w1": [0]}
+    assert openmpi_command(world, RANK_CMD, ["MASTER_ADDR", "NCCL_DEBUG"], ["--mca", "btl", "^openib"]) == \
+        ["mpirun", "-n", "4", "--host", "w0:3,w1:1", "--mca", "btl", "^openib", "-x", "MASTER_ADDR",
+         "-x", "NCCL_DEBUG", *RANK_CMD]
+    with pytest.raises(ValueError, match="host 'w1' has slots \\[1, 3\\] selected"):
+        openmpi_command({"w0": [0], "w1": [1, 3]}, RANK_CMD, [])
+
+
+def test_hydra_command_for_mpich_impi_mvapich() -> None:
+    assert hydra_command(WORLD, RANK_CMD, ["A", "B"]) == \
+        ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "w0,w1", "-genvlist", "A,B", *RANK_CMD]
+    assert hydra_command({"w0": [0]}, RANK_CMD, [], ["-v"])[:7] == ["mpirun", "-n", "1", "-ppn", "1", "-hosts", "w0"]
+    with pytest.raises(ValueError, match="--launcher impi starts the same number of ranks.*'w0': 2, 'w1': 1"):
+        hydra_command({"w0": [0, 1], "w1": [0]}, RANK_CMD, [], launcher="impi")
+
+
+def test_slurm_command() -> None:
+    assert slurm_command(WORLD, RANK_CMD, ["--partition", "gpu"]) == \
+        ["srun", "--nodes", "2", "--ntasks", "4", "--ntasks-per-node", "2", "--nodelist", "w0,w1",
+         "--kill-on-bad-exit=1", "--export=ALL", "--partition", "gpu", *RANK_CMD]
+    with pytest.raises(ValueError, match="--launcher slurm starts the same number"):
+        slurm_command({"w0": [0, 1], "w1": [0]}, RANK_CMD)
+
+
+# ------------------------------------------------------------------------- the launcher's plans
+
+
+def _args(*extra: str):
+    return parse_args([*extra, "t.py", "--lr", "1"])
+
+
+def test_plan_ssh_one_agent_per_node() -> None:
+    args = _args("--ssh_port", "2222", "--launcher_args=-i /k -o 'ProxyJump j'", "--max_restarts", "1",
+                 "--enable_each_rank_log", "logs", "--bind_cores_to_rank", "--master_port", "7000")
+    specs = plan_ssh(args, WORLD, "w0", {"NCCL_DEBUG": "INFO"}, {"HOME": "/root"}, "/work", python="py")
+    assert [s.label for s in specs] == ["node 0 (ssh w0)", "node 1 (ssh w1)"]
+    assert all(s.stdin_pipe and s.env == {"HOME": "/root"} for s in specs)
+    cmd = specs[1].cmd
+    assert cmd[:7] == ["ssh", "-i", "/k", "-o", "ProxyJump j", "-p", "2222"] and cmd[7] == "w1"
+    remote = cmd[8]
+    assert remote.startswith("cd /work && export NCCL_DEBUG=INFO && exec py -u -m deepshard.launcher.node ")
+    words = shlex.split(remote.split(" && exec ")[1])
+    assert decode_world_info(words[words.index("--world_info") + 1]) == WORLD
+    for expected in (["--node_rank=1"], ["--master_addr", "w0"], ["--master_port", "7000"],
+                     ["--max_restarts", "1"], ["--enable_each_rank_log", "logs"], ["--bind_cores_to_rank"],
+                     ["--exit_on_stdin_close"], ["t.py", "--lr", "1"]):
+        i = words.index(expected[0])
+        assert words[i:i + len(expected)] == expected
+    assert words[-3:] == ["t.py", "--lr", "1"]
+
+
+def test_plan_pdsh_single_command() -> None:
+    spec = plan_pdsh(_args("--ssh_port", "22"), WORLD, "w0", {}, {"X": "1"}, "/w", python="py")
+    assert spec.cmd[:8] == ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", "w0,w1"]
+    assert "--node_rank=%n" in spec.cmd[-1] and "--exit_on_stdin_close" not in spec.cmd[-1]
+    assert spec.env["PDSH_RCMD_TYPE"] == "ssh" and spec.env["PDSH_SSH_ARGS_APPEND"] == "-p 22"
+
+
+def test_plan_mpi_exports_by_name_values_in_environment() -> None:
+    args = _args("--master_port", "6000", "--launcher", "openmpi", "--launcher_args=--oversubscribe")
+    spec = plan_mpi(args, "openmpi", WORLD, "w0", {"NCCL_DEBUG": "WARN", "SECRET": "s3"}, {"HOME": "/h"},
+                    restart_count=2, python="py")
+    assert spec.cmd == ["mpirun", "-n", "4", "--host", "w0:2,w1:2", "--oversubscribe",
+                        "-x", "DEEPSHARD_RESTART_COUNT", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
+                        "-x", "NCCL_DEBUG", "-x", "SECRET", "py", "-u", "t.py", "--lr", "1"]
+    assert "s3" not in " ".join(spec.cmd)  # values are not on the command line
+    assert {k: spec.env[k] for k in ("HOME", "SECRET", "MASTER_ADDR", "MASTER_PORT", "DEEPSHARD_RESTART_COUNT")} \
+        == {"HOME": "/h", "SECRET": "s3", "MASTER_ADDR": "w0", "MASTER_PORT": "6000", "DEEPSHARD_RESTART_COUNT": "2"}
+    assert spec.label == "mpirun (4 ranks on 2 nodes)"
+    mpich = plan_mpi(_args("--module"), "mpich", WORLD, "w0", {}, {}, python="py")
+    assert mpich.cmd[mpich.cmd.index("-genvlist") + 1] == "DEEPSHARD_RESTART_COUNT,MASTER_ADDR,MASTER_PORT"
+    assert mpich.cmd[-5:] == ["-u", "-m", "t.py", "--lr", "1"]  # no --local_rank: ranks read MPI's env
+    srun = plan_mpi(_args(), "slurm", WORLD, "w0", {}, {}, python="py")
+    assert srun.cmd[0] == "srun" and srun.cmd[-4:] == ["-u", "t.py", "--lr", "1"]
+    with pytest.raises(LaunchError, match="cannot pick slots"):
+        plan_mpi(_args(), "slurm", {"w0": [1]}, "w0", {}, {})
+
+
+def test_process_flags_forward_rank_options_only() -> None:
+    args = _args("--module", "--no_local_rank", "--bind_core_list", "0-3", "--log_level", "debug", "-q",
+                 "--num_gpus", "2", "--save_pid")
+    assert process_flags(args) == ["--module", "--no_local_rank", "--quiet", "--bind_core_list", "0-3",
+                                   "--log_level", "debug"]
+
+
+def test_check_ssh_reports_every_unreachable_host() -> None:
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        seen.append(cmd)
+        host = cmd[-2]
+        if host == "bad":
+            return subprocess.CompletedProcess(cmd, 255, "", "Permission denied (publickey).\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    check_ssh(["w0", "w1"], 2200, ["-i", "k"], run=fake_run)
+    assert sorted(c[-2] for c in seen) == ["w0", "w1"]
+    assert seen[0][:5] == ["ssh", "-i", "k", "-o", "BatchMode=yes"] and "2200" in seen[0]
+    with pytest.raises(LaunchError, match="bad: Permission denied \\(publickey\\).*--no_ssh_check"):
+        check_ssh(["w0", "bad"], None, [], run=fake_run)
