@@ -1,7 +1,8 @@
 """One runner per engine: set up the model, take one training step, report communication and states.
 
 Every runner trains the same fp32-initialized model with ``torch.optim.AdamW`` (fixed lr, same weight
-decay, no gradient clipping) on the same batches. Mixed precision (``bf16``) is each engine's own:
+decay) on the same batches, without gradient clipping: DeepSpeed and deepshard clip at 1.0 by default,
+so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is each engine's own:
 
 - torch DDP: ``torch.autocast("cpu", torch.bfloat16)`` around the forward (fp32 parameters and
   gradients), ``bucket_cap_mb=25``, ``gradient_as_bucket_view=True`` (gradients live in the buckets,
@@ -179,6 +180,7 @@ class DeepSpeedRunner(Runner):
                                   "reduce_bucket_size": ctx.bucket_elements(grad_size),
                                   "allgather_bucket_size": ctx.bucket_elements(grad_size)},
             "bf16": {"enabled": ctx.bf16},
+            "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; DDP and FSDP2 do not clip
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
@@ -212,6 +214,7 @@ class DeepShardRunner(Runner):
             "optimizer": {"type": "AdamW", "params": {"lr": ctx.lr, "weight_decay": ctx.weight_decay}},
             "zero_optimization": zero,
             "bf16": {"enabled": ctx.bf16},
+            "gradient_clipping": 0.0,  # the default is 1.0 (as in DeepSpeed); DDP and FSDP2 do not clip
             "steps_per_print": 10**9,
         }
         try:

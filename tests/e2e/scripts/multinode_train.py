@@ -53,4 +53,5 @@ while engine.global_steps < args.steps:
 checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
 print(json.dumps({"rank": engine.global_rank, "world": engine.dp_world_size, "restart": restart,
                   "start_step": start_step, "steps": engine.global_steps, "checksum": checksum,
-                  "local_rank": args.local_rank, "cross_rank": os.environ.get("CROSS_RANK")}), flush=True)
+                  "local_rank": args.local_rank, "cross_rank": os.environ.get("CROSS_RANK"),
+                  "cores": sorted(os.sched_getaffinity(0))}), flush=True)
