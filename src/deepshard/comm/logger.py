@@ -5,7 +5,9 @@ total can be compared with the analytic ZeRO volumes (2Ψ elements for stages 0-
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -27,6 +29,13 @@ class CommsLogger:
     enabled: bool = False
     verbose: bool = False
     ops: dict[str, OpStats] = field(default_factory=dict)
+    name: str = "comm"
+
+    def __post_init__(self) -> None:
+        _LIVE.add(self)
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def record(self, op: str, elements: int, element_size: int, volume_factor: float = 1.0) -> None:
         stats = self.ops.setdefault(op, OpStats())
@@ -57,3 +66,20 @@ class CommsLogger:
         for op, s in sorted(self.ops.items()):
             lines.append(f"{op:<22}{s.calls:>8}{s.elements:>16}{s.bytes / 2**20:>12.2f}")
         return "\n".join(lines)
+
+
+# every live logger, weakly held: what deepshard.comm.log_summary() reports (several engines may coexist)
+_LIVE: "weakref.WeakSet[CommsLogger]" = weakref.WeakSet()
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
+    """DeepSpeed's ``deepspeed.comm.log_summary``: print (rank 0 of each group) or return the per-op
+    counters of every live engine's comms logger. ``show_straggler`` is accepted for compatibility."""
+    summaries = {f"{lg.name}#{i}": lg.summary() for i, lg in enumerate(sorted(_LIVE, key=id))}
+    if return_dict:
+        return summaries
+    from deepshard.utils.logging import logger
+
+    for i, lg in enumerate(sorted(_LIVE, key=id)):
+        logger.info("comms summary (%s #%d):\n%s", lg.name, i, lg.format_summary())
+    return None
