@@ -93,25 +93,26 @@ def test_two_no_ssh_nodes_train_as_one_world_of_four(tmp_path: Path) -> None:
 
 def test_rank_exit_ends_every_node_within_seconds(tmp_path: Path) -> None:
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
     port = free_port_pair()
-    args = [TRAIN, "--save_dir", str(tmp_path / "ckpt"), "--steps", "50", "--fail_rank", "3", "--fail_after", "2"]
+    args = [TRAIN, "--save_dir", str(tmp_path / "ckpt"), "--steps", "50", "--fail_rank", "1", "--fail_after", "2"]
     procs = [start_node(1, hostfile, port, args), start_node(0, hostfile, port, args)]
     (rc1, out1, err1), (rc0, out0, err0) = finish(procs, 80)
     ended = time.time()
-    died = re.search(r"rank 3 dying at step 2 at ([\d.]+)", out1)
+    died = re.search(r"rank 1 dying at step 2 at ([\d.]+)", out1)
     assert died is not None, out1 + err1
     assert ended - float(died.group(1)) < 30
     assert (rc0, rc1) == (3, 3), err0 + err1
     # node 0's launcher names the rank, its host and node, and shows the end of its output
-    report = re.search(r"deepshard: rank 3 \(local rank 1, pid \d+\) on host node-b \(node 1\) exited with code 3\n"
-                       r"----- last output of rank 3 \(host node-b\) -----\n(.*?)----- end of rank 3 output -----",
+    report = re.search(r"deepshard: rank 1 \(local rank 0, pid \d+\) on host node-b \(node 1\) exited with code 3\n"
+                       r"----- last output of rank 1 \(host node-b\) -----\n(.*?)----- end of rank 1 output -----",
                        err0, re.S)
     assert report is not None, err0
-    assert "rank 3 dying at step 2" in report.group(1)
+    assert "rank 1 dying at step 2" in report.group(1)
     assert "exiting with code 3" in err0 and "exiting with code 3" in err1
+    assert "on host node-b (node 1) exited with code 3" in err1  # the failing node reports too (--no_ssh)
     pids = rank_pids(err0) + rank_pids(err1)
-    assert len(pids) == 4
+    assert len(pids) == 2
     deadline = time.monotonic() + 5
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -3,6 +3,8 @@ command line, per-rank commands and environments, and the distributed environmen
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import sys
 
 import pytest
@@ -369,3 +371,40 @@ def test_plan_rejects_non_positive_counts() -> None:
     with pytest.raises(LaunchError, match="--num_nodes 0 must be >= 1"):
         _plan(["--num_nodes", "0", "t.py"])
     assert len(_plan(["--num_nodes", "1", "--num_gpus", "2", "t.py"])) == 2
+
+
+def test_gloo_interface_is_the_route_to_master() -> None:
+    import psutil
+
+    from deepshard.distributed import gloo_interface_for
+
+    assert gloo_interface_for("127.0.0.1") is None and gloo_interface_for("localhost") is None
+    own = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if own:  # this machine's own address is reached through its own interface (no packet is sent)
+        name, address = own[0]
+        assert gloo_interface_for(address) == name
+
+
+def test_gloo_interface_set_only_when_gloo_would_fall_back_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepshard.distributed as distributed
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # records the original state, restored afterwards
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(distributed, "gloo_interface_for", lambda addr: f"if-to-{addr}")
+    usable = [False]
+    monkeypatch.setattr(distributed, "hostname_is_usable", lambda hostname=None: usable[0])
+    multi = DistEnv(1, 4, 0, "10.0.0.1", 29500, "env")
+    for env, backend in [(multi, "nccl"), (DistEnv(0, 1, 0, "10.0.0.1", 1, "env"), "gloo"),
+                         (DistEnv(1, 4, 0, "127.0.0.1", 1, "env"), "gloo")]:
+        distributed._choose_gloo_interface(env, backend)
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+    usable[0] = True
+    distributed._choose_gloo_interface(multi, "gloo")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # gloo finds its address by itself
+    usable[0] = False
+    distributed._choose_gloo_interface(multi, "gloo")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "if-to-10.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    distributed._choose_gloo_interface(multi, "gloo")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"

@@ -123,6 +123,27 @@ def test_lost_nodes_by_heartbeat_counter_not_clocks() -> None:
     assert node0.lost_nodes() == [2]
     node2.beat()
     assert node0.lost_nodes() == []
+    late = _channels(clock=clock)[0]  # nodes that never beat have not started yet: not lost
+    late.lost_nodes()
+    clock.now = 100.0
+    assert late.lost_nodes() == []
+
+
+def test_node_0_stops_waiting_for_a_node_that_went_silent() -> None:
+    clock = Clock()
+    node0, node1, _ = _channels(clock=clock)
+    node1.beat()  # node 1 started, then died before joining; node 2 never came
+
+    def tick(_: float) -> None:
+        clock.now += 1.0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("deepshard.launcher.coordination.time.sleep", tick)
+        with pytest.raises(ChannelLost, match="node agent on host node-b \\(node 1\\) sent no heartbeat for 10 s"):
+            node0.join(0, 300.0)
+    assert 10 < clock.now < 13
+    abort = node1.abort()
+    assert abort is not None and (abort.kind, abort.node) == ("lost", 1)
 
 
 def test_wait_exited_skips_lost_nodes() -> None:

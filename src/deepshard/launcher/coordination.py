@@ -106,7 +106,7 @@ class JobChannel:
         try:
             return op()
         except RuntimeError as exc:  # torch.distributed.DistError and friends derive from it
-            raise ChannelLost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+            raise ChannelLost(_first_line(exc)) from exc
 
     def _has(self, key: str) -> bool:
         return bool(self._call(lambda: self.store.check([key])))
@@ -132,8 +132,9 @@ class JobChannel:
                 "script and arguments) on every node, only --node_rank differs")
 
     def join(self, round_: int, timeout_s: float, poll_s: float = 0.1) -> None:
-        """Barrier before attempt ``round_``: wait until every node joined; ``TimeoutError`` names the
-        missing nodes."""
+        """Barrier before attempt ``round_``: wait until every node joined. ``TimeoutError`` names the
+        missing nodes; ``ChannelLost`` when the job was aborted or (seen from node 0) a node that had
+        been beating went silent meanwhile."""
         self._call(lambda: self.store.set(_key(round_, f"joined/{self.node_rank}"), "1"))
         deadline = self._clock() + timeout_s
         while True:
@@ -143,6 +144,13 @@ class JobChannel:
             abort = self.abort()
             if abort is not None:
                 raise ChannelLost(f"job aborted while waiting for the nodes: {abort.headline()}")
+            lost = self.lost_nodes() if self.node_rank == 0 else []
+            if lost:
+                failure = self.publish_abort(JobFailure(
+                    "lost", lost[0], self.hosts[lost[0]], "the node agent",
+                    f"sent no heartbeat for {self.heartbeat_timeout_s:.0f} s while the nodes gathered",
+                    1, restartable=False))
+                raise ChannelLost(f"job aborted while waiting for the nodes: {failure.headline()}")
             if self._clock() >= deadline:
                 names = ", ".join(f"node {n} ({self.hosts[n]})" for n in missing)
                 raise TimeoutError(
@@ -187,12 +195,15 @@ class JobChannel:
 
     def lost_nodes(self) -> list[int]:
         """Nodes (other than 0) whose heartbeat has not moved for ``heartbeat_timeout_s``, as seen by
-        this agent (node 0 checks the others; no clocks are compared across machines)."""
+        this agent (node 0 checks the others; no clocks are compared across machines). A node that
+        never beat is not lost: it has not started yet (the join barrier's timeout covers it)."""
         now, lost = self._clock(), []
         for node in range(1, self.num_nodes):
             if node == self.node_rank:
                 continue
             count = self._add(f"heartbeat/{node}", 0)
+            if count == 0:
+                continue
             seen = self._seen.get(node)
             if seen is None or seen[0] != count:
                 self._seen[node] = (count, now)
@@ -215,24 +226,41 @@ class JobChannel:
             time.sleep(poll_s)
 
 
+CONNECT_ATTEMPT_S = 2.0
+"""Clients connect in attempts this long, so Ctrl-C is honoured while node 0 is not up yet."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def open_store(master_addr: str, port: int, is_host: bool, connect_timeout_s: float,
                op_timeout_s: float = STORE_OP_TIMEOUT_S) -> Any:
     """Node 0 serves the store on ``port`` (all interfaces); the others connect to
     ``master_addr:port``, retrying until ``connect_timeout_s``."""
     from torch.distributed import TCPStore
 
-    try:
-        store = TCPStore(master_addr, port, is_master=is_host, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=connect_timeout_s))
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if is_host:
-            raise ChannelLost(f"node 0 cannot serve the coordination store on port {port} ({first}); the "
-                              f"port must be free: pick another --master_port (deepshard uses it and "
-                              f"port+1)") from exc
-        raise ChannelLost(f"cannot reach node 0's coordination store at {master_addr}:{port} within "
-                          f"{connect_timeout_s:.0f} s ({first}); start node 0 with the same command, check "
-                          "--master_addr / --master_port, and that port+1 is open between the nodes") from exc
+    if is_host:
+        try:
+            store = TCPStore(master_addr, port, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=op_timeout_s))
+        except RuntimeError as exc:
+            raise ChannelLost(f"node 0 cannot serve the coordination store on port {port} ({_first_line(exc)}); "
+                              "the port must be free: pick another --master_port (deepshard uses it and "
+                              "port+1)") from exc
+        return store
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        attempt = max(0.1, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
+        try:
+            store = TCPStore(master_addr, port, is_master=False, timeout=datetime.timedelta(seconds=attempt))
+            break
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline:
+                raise ChannelLost(
+                    f"cannot reach node 0's coordination store at {master_addr}:{port} within "
+                    f"{connect_timeout_s:.0f} s ({_first_line(exc)}); start node 0 with the same command, "
+                    "check --master_addr / --master_port, and that port+1 is open between the nodes") from exc
     store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
     return store
 

@@ -328,15 +328,29 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     join_timeout = _env_float(base_env, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
     beat_timeout = _env_float(base_env, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
+    in_main = threading.current_thread() is threading.main_thread()
+    saved = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
+    try:
+        return _run_agent(job, base_env, available_cores, on_started, join_timeout, beat_timeout)
+    except KeyboardInterrupt as exc:
+        print(f"deepshard: node {job.node_rank} ({job.host}): interrupted", file=sys.stderr, flush=True)
+        return _interrupt_code(exc)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, saved)
+
+
+def _run_agent(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
+               on_started: Callable[[list[int]], None] | None, join_timeout: float, beat_timeout: float) -> int:
     addr, port = job.launch.master_addr, coordination_port(job.launch.master_port)
     is_host = job.node_rank == 0
     logger.info("node %d (%s): %s coordination store %s:%d", job.node_rank, job.host,
                 "serving the" if is_host else "connecting to the", addr, port)
+    heartbeat = None
     try:
         channel = JobChannel(open_store(addr, port, is_host, join_timeout), job.node_rank, len(job.world),
                              job.hosts, heartbeat_timeout_s=beat_timeout)
         channel.check_config(job.fingerprint())
-        heartbeat = None
         if not is_host:
             beat_channel = JobChannel(open_store(addr, port, False, join_timeout), job.node_rank,
                                       len(job.world), job.hosts)
@@ -346,26 +360,37 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
         return 1
     stdin = _StdinWatch() if job.exit_on_stdin_close else None
     agent = _Agent(job, channel, base_env, available_cores, heartbeat, stdin, on_started)
-    in_main = threading.current_thread() is threading.main_thread()
-    saved = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     try:
         return agent.run(join_timeout)
     except (ChannelLost, TimeoutError) as exc:
         print(f"deepshard: node {job.node_rank} ({job.host}): {exc}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        code = _interrupt_code(exc)
         agent._abort(JobFailure("abort", job.node_rank, job.host, "the node agent", "was interrupted",
-                                130, restartable=False))
-        return 130
+                                code, restartable=False))
+        print(f"deepshard: node {job.node_rank} ({job.host}): interrupted; stopped the job", file=sys.stderr,
+              flush=True)
+        return code
     finally:
         agent.close()
-        if in_main:
-            signal.signal(signal.SIGTERM, saved)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while no ranks run (connecting, waiting for the nodes)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM outside rank supervision (waiting for nodes): end like Ctrl-C, telling the others."""
-    raise KeyboardInterrupt
+    """SIGTERM outside rank supervision: end like Ctrl-C, telling the other nodes."""
+    raise _Terminated(signum)
+
+
+def _interrupt_code(exc: KeyboardInterrupt) -> int:
+    return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,10 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     base_env = dict(os.environ)
     try:
         job = job_from_args(args, decode_world_info(args.world_info), base_env)
+        return run_node(job, base_env, sorted(os.sched_getaffinity(0)))
     except (LaunchError, ValueError) as exc:
         print(f"deepshard node agent: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return run_node(job, base_env, sorted(os.sched_getaffinity(0)))
 
 
 if __name__ == "__main__":

@@ -297,10 +297,11 @@ class _SignalForwarder:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def _wait_settle(exits: queue.Queue, running: set[int], settle_s: float) -> None:
-    """Let the still-running children end on their own for up to ``settle_s`` seconds."""
+def _wait_settle(exits: queue.Queue, running: set[int], settle_s: float, signals: "_SignalForwarder") -> None:
+    """Let the still-running children end on their own for up to ``settle_s`` seconds (a signal to
+    the launcher cuts the wait short)."""
     deadline = time.monotonic() + settle_s
-    while running and time.monotonic() < deadline:
+    while running and time.monotonic() < deadline and not signals.received:
         try:
             running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
         except queue.Empty:
@@ -317,7 +318,7 @@ class _Hooks:
 
 
 def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Queue,
-          hooks: _Hooks) -> GroupResult:
+          hooks: _Hooks, signals: "_SignalForwarder") -> GroupResult:
     """A child failed: tell ``on_failure`` (with its output so far), stop the rest, report."""
     children[index].reader.join(1.0)  # type: ignore[union-attr]  # its last words, if its pipe closed
     failure = _failure_of(children[index])
@@ -325,7 +326,7 @@ def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Qu
         hooks.on_failure(failure)
     others = sorted(running)
     if hooks.settle_s > 0:
-        _wait_settle(exits, running, hooks.settle_s)
+        _wait_settle(exits, running, hooks.settle_s, signals)
     _stop(children, sorted(running) + [index], signal.SIGTERM)
     _join_readers(children)
     failure = _failure_of(children[index])
@@ -357,7 +358,7 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwa
             continue
         running.discard(index)
         if children[index].proc.returncode != 0:
-            return _fail(children, index, running, exits, hooks)
+            return _fail(children, index, running, exits, hooks, signals)
     _join_readers(children)
     return GroupResult(0)
 
