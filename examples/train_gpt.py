@@ -38,7 +38,8 @@ from gpt_model import GPT, GPTConfig  # noqa: E402
 # Short column labels for the categories of engine.memory_report(); other keys are shown as named.
 MEMORY_LABELS = {"parameters": "params", "gradients": "grads", "master_weights": "master",
                  "optimizer_state": "optim", "buffers": "buffers", "comm_buckets": "buckets",
-                 "total": "total", "peak_rss": "peak RSS"}
+                 "total": "total", "peak_rss": "peak RSS", "gathered_parameters": "gathered",
+                 "offloaded": "offloaded", "offload_buffers": "off.bufs"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,7 +192,7 @@ def print_summary(stats: dict[str, Any], rows: list[dict[str, int]]) -> None:
     keys = [k for k in rows[0] if k not in ("total", "peak_rss")] + ["total", "peak_rss"]
     print("memory per process, MiB (model states held by the engine; 'total' is their sum; "
           "and the peak resident set size):")
-    print("  " + "".join(f"{label:>10}" for label in ["rank", *(MEMORY_LABELS.get(k, k) for k in keys)]))
+    print("  " + "".join(f"{label:>10}" for label in ["rank", *(MEMORY_LABELS.get(k, k)[:9] for k in keys)]))
     for rank, row in enumerate(rows):
         print("  " + f"{rank:>10}" + "".join(mib(row.get(k, 0)) for k in keys))
 
