@@ -131,7 +131,7 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
 def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
                    comm: CommGroup, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
     stage = cfg.zero_optimization.stage
-    check_offload(cfg, accelerator)
+    optimizer_offload, param_offload = check_offload(cfg, accelerator)
     ctx = StrategyContext(comm=comm, precision=precision, zero_config=cfg.zero_optimization,
                           device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
@@ -144,28 +144,30 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     if stage in (1, 2):
         from deepshard.zero.stage12 import Stage12Strategy
 
-        return Stage12Strategy(model, optimizer, ctx, stage)
+        return Stage12Strategy(model, optimizer, ctx, stage, optimizer_offload=optimizer_offload)
     from deepshard.zero.stage3.strategy import Stage3Strategy
 
-    return Stage3Strategy(model, optimizer, ctx)
+    return Stage3Strategy(model, optimizer, ctx, optimizer_offload=optimizer_offload, param_offload=param_offload)
 
 
-def check_offload(cfg: DeepShardConfig, accelerator: Accelerator) -> None:
-    """Offload moves states off the accelerator. On a CPU-only run the states already live in host memory,
-    so ``device: cpu`` is a no-op (said once); disk (nvme) offload is not implemented yet."""
-    zero = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, key, None)
-        device = str(getattr(section, "device", "none") or "none").lower() if section is not None else "none"
-        if device in ("none", ""):
-            continue
-        if device == "cpu" and accelerator.kind == "cpu":
-            logger.info("zero_optimization.%s.device=cpu: training already runs on the CPU, so model states "
-                        "are in host memory; nothing to offload", key)
-            continue
-        raise NotImplementedError(
-            f"zero_optimization.{key}.device={device!r} is not implemented in this version of deepshard; "
-            f"remove the {key} section (or set device to \"none\")")
+def check_offload(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[Any, Any]:
+    """The offload policies ``(optimizer, param)`` for the strategy (``deepshard.zero.offload``).
+
+    ``device: cpu`` on a CPU-only run is a no-op (the states already are in host memory; said once);
+    ``nvme`` keeps states in files under ``nvme_path``. Combinations that cannot work raise here, before
+    anything is built: offload at stage 0, partial offload (``ratio`` < 1)."""
+    from deepshard.zero.offload.policy import make_offload_policies
+
+    policies = make_offload_policies(cfg.zero_optimization, cfg.aio, accelerator.kind)
+    for what, policy in zip(("master weights and optimizer states", "parameter shards"), policies):
+        if policy.moves_states:
+            logger.debug("zero_optimization offload: %s %s", what, policy.describe())
+    if cfg.zero_optimization.stage == 3 and policies[1].moves_states and not policies[0].moves_states:
+        logger.warning("zero_optimization.offload_param moves the parameter shard off the device but "
+                       "offload_optimizer does not: the fp32 master weights and optimizer state stay resident "
+                       "(in fp32 training an fp32 master copy is kept for the optimizer); offload both for the "
+                       "smallest footprint")
+    return policies
 
 
 def build_lr_scheduler(cfg: DeepShardConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:

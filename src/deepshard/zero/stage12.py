@@ -11,25 +11,44 @@ After the update each bucket is rebuilt on every rank with one all-gather of the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
+from deepshard.checkpoint.fragments import (FragmentRecord, FullState, export_param_groups, load_full_state,
                                             restore_param_groups, save_rank_fragments, slice_state)
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
-from deepshard.zero.partition import FlatLayout
+from deepshard.zero.offload.factory import make_shard_states
+from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
+from deepshard.zero.offload.states import ShardStates, StatesSpec
+from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+
+
+NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
+
+
+def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``tensors`` in fp32 (a 1-element tensor), a chunk at a time so no fp32 copy of
+    a whole (16-bit) gradient shard is ever made: that copy would be the largest allocation of an
+    offloaded step."""
+    local = torch.zeros(1, dtype=torch.float32, device=device)
+    for t in tensors:
+        for chunk in t.reshape(-1).split(NORM_CHUNK):
+            local += chunk.float().pow(2).sum()
+    return local
 
 
 class Stage12Strategy(ZeroStrategy):
     """Partitioned optimizer state (stage 1) and gradients (stage 2)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 ctx: StrategyContext, stage: int) -> None:
+                 ctx: StrategyContext, stage: int, optimizer_offload: OffloadPolicy | None = None) -> None:
+        """``optimizer_offload`` places the master weights and optimizer state (default: on the device)."""
         super().__init__(module, optimizer, ctx)
         if stage not in (1, 2):
             raise ValueError(f"Stage12Strategy handles ZeRO stages 1 and 2, not {stage}")
@@ -46,59 +65,75 @@ class Stage12Strategy(ZeroStrategy):
         self.names = [names[id(p)] for p in self.params]
         self.layout = FlatLayout(self.params, self.names, int(ctx.zero_config.reduce_bucket_size),
                                  comm.size, comm.rank)
-        self._build_flat_params(module)
+        self._owned = self.layout.owned_ranges()
+        flat32 = self._build_flat_params(module)
         reducer_cls = Stage1Reducer if stage == 1 else Stage2Reducer
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(comm.size)
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
                                    policy.comm_dtype, predivide, ctx.average_gradients)
+        self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
+            self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
+            lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank),
+            int(ctx.zero_config.sub_group_size))
+        for lo, hi, off in self._owned:  # masters from the fp32 values, before the module was cast
+            self.states.write_masters(off, flat32[lo:hi])
+        self.states.flush()
+        del flat32
         self._build_fragments()
         if optimizer is not None:
             self._swap_into(optimizer)
 
     # -------------------------------------------------------------------------------- construction
     @torch.no_grad()
-    def _build_flat_params(self, module: torch.nn.Module) -> None:
+    def _build_flat_params(self, module: torch.nn.Module) -> torch.Tensor:
+        """Re-home the parameters into ``flat_param``; returns the fp32 flat values (taken before the
+        module is cast to 16 bits, so the master weights lose nothing)."""
         layout, policy = self.layout, self.ctx.precision
         flat32 = torch.zeros(layout.total, dtype=torch.float32, device=self.ctx.device)
         for slot in layout.slots:
             flat32[slot.flat_start:slot.flat_start + slot.numel] = self.params[slot.param_index].reshape(-1)
-        self.master_shard: torch.Tensor | None = None
-        if policy.keeps_master_weights:  # masters from the fp32 values, before the module is cast
-            self.master_shard = torch.cat([flat32[lo:hi] for lo, hi, _ in layout.owned_ranges()]).clone()
         module.to(policy.param_dtype)
         self.flat_param = flat32 if policy.param_dtype == torch.float32 else flat32.to(policy.param_dtype)
         for slot in layout.slots:
             p = self.params[slot.param_index]
             p.data = self.flat_param[slot.flat_start:slot.flat_start + slot.numel].view(slot.shape)
+        return flat32
 
     def _build_fragments(self) -> None:
-        """1-D views of the owned part of each parameter: what the optimizer updates."""
-        self.fragments = self.layout.fragments
-        self.frag_params: list[torch.nn.Parameter] = []
-        self.frag_grad_src: list[torch.Tensor] = []
-        grads = self.reducer.flat_grad if self.stage == 1 else self.reducer.shard
-        for f in self.fragments:
-            if self.master_shard is not None:
-                value = self.master_shard[f.shard_start:f.shard_start + f.numel]
-            else:
-                value = self.flat_param[f.flat_start:f.flat_start + f.numel]
-            self.frag_params.append(torch.nn.Parameter(value, requires_grad=True))
-            if self.stage == 1:
-                self.frag_grad_src.append(grads[f.flat_start:f.flat_start + f.numel])
-            else:
-                self.frag_grad_src.append(grads[f.shard_start:f.shard_start + f.numel])
-        self._frag_of_param: dict[int, int] = {id(self.params[self.layout.slots[f.slot].param_index]): i
-                                               for i, f in enumerate(self.fragments)}
+        """The optimizer's pieces (``self.states`` made them: the fragments, cut at sub-group boundaries
+        when offloading) and where each piece's reduced gradient is."""
+        self.fragments = self.states.pieces
+        self.frag_params: list[torch.nn.Parameter] = self.states.params
+        self.frag_grad_src: list[torch.Tensor] = [self._grad_view(f) for f in self.fragments]
+        self._pieces_of_param: dict[int, list[int]] = {}
+        for i, f in enumerate(self.fragments):
+            self._pieces_of_param.setdefault(id(self.params[self.layout.slots[f.slot].param_index]), []).append(i)
+
+    def _grad_view(self, f: Fragment) -> torch.Tensor:
+        """Where piece ``f``'s reduced gradient is: the full flat gradient (stage 1) or the shard (2)."""
+        if self.stage == 1:
+            return self.reducer.flat_grad[f.flat_start:f.flat_start + f.numel]
+        return self.reducer.shard[f.shard_start:f.shard_start + f.numel]
 
     def _swap_into(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer.state:
-            raise ValueError("the optimizer already holds state; ZeRO stages 1-2 partition a fresh optimizer: "
-                             "create it before training, or load its state with engine.load_checkpoint")
+            raise ValueError(f"the optimizer already holds state; ZeRO stage {self.stage} partitions a fresh "
+                             "optimizer: create it before training, or load its state with engine.load_checkpoint")
         for group in optimizer.param_groups:
-            group["params"] = [self.frag_params[self._frag_of_param[id(p)]] for p in group["params"]
-                               if id(p) in self._frag_of_param]
+            group["params"] = [self.frag_params[i] for p in group["params"]
+                               for i in self._pieces_of_param.get(id(p), [])]
+        self.states.bind(optimizer)
+
+    @torch.no_grad()
+    def _publish(self, start: int, values: torch.Tensor) -> None:
+        """Copy updated fp32 values of shard range ``[start, start + numel)`` into ``flat_param``."""
+        end = start + values.numel()
+        for lo, hi, off in self._owned:
+            a, b = max(start, off), min(end, off + hi - lo)
+            if a < b:
+                self.flat_param[lo + a - off:lo + b - off].copy_(values[a - start:b - start])
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -109,9 +144,7 @@ class Stage12Strategy(ZeroStrategy):
 
     # ---------------------------------------------------------------------------------------- step
     def global_grad_norm(self, loss_scale: float) -> float:
-        local = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
-        for g in self.reducer.shard_grads():
-            local += g.float().pow(2).sum()
+        local = squared_norm(self.reducer.shard_grads(), self.ctx.device)
         total = self.ctx.comm.all_reduce_sum_scalar(local)
         return float(total.sqrt().item()) / loss_scale
 
@@ -120,21 +153,7 @@ class Stage12Strategy(ZeroStrategy):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
                                "or add an \"optimizer\" section to the config")
-        mixed = self.master_shard is not None
-        for fp, src in zip(self.frag_params, self.frag_grad_src):
-            if mixed:
-                g = src.to(torch.float32, copy=True)
-                fp.grad = g.mul_(grad_multiplier) if grad_multiplier != 1.0 else g
-            else:
-                fp.grad = src
-        if not mixed and grad_multiplier != 1.0 and self.frag_grad_src:
-            torch._foreach_mul_(self.frag_grad_src, grad_multiplier)
-        self.optimizer.step()
-        if mixed:
-            for fp in self.frag_params:
-                fp.grad = None
-            for lo, hi, off in self.layout.owned_ranges():
-                self.flat_param[lo:hi].copy_(self.master_shard[off:off + hi - lo])  # type: ignore[index]
+        self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
@@ -151,76 +170,97 @@ class Stage12Strategy(ZeroStrategy):
         self.reducer.zero_()
 
     # --------------------------------------------------------------------------------- checkpoints
-    def _fragment_value(self, i: int) -> torch.Tensor:
-        return self.frag_params[i].detach()
+    def _fragment_records(self) -> list[FragmentRecord]:
+        """Every piece's fp32 value and optimizer state (read back from host memory or disk when
+        offloaded, one sub-group at a time)."""
+        return [FragmentRecord(self.fragments[i].name, self.fragments[i].start, self.fragments[i].numel,
+                               value.float(), state) for i, value, state in self.states.records()]
+
+    def _param_groups_for_save(self, rank: int) -> list[dict] | None:
+        if rank != 0 or self.optimizer is None:
+            return None
+        return export_param_groups(self.optimizer, {id(self.frag_params[i]): f.name
+                                                    for i, f in enumerate(self.fragments)})
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        records = []
-        for i, f in enumerate(self.fragments):
-            fp = self.frag_params[i]
-            state = dict(self.optimizer.state.get(fp, {})) if self.optimizer is not None else {}
-            records.append(FragmentRecord(f.name, f.start, f.numel, fp.detach().float(), state))
-        groups = None
-        if rank == 0 and self.optimizer is not None:
-            name_of = {id(self.frag_params[i]): f.name for i, f in enumerate(self.fragments)}
-            groups = export_param_groups(self.optimizer, name_of)
-        return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), module_extra_state(self.module, exclude_frozen) if rank == 0 else None,
+        records = self._fragment_records()
+        return save_rank_fragments(directory, rank, records, module_shapes(self.module),
+                                   self._param_groups_for_save(rank), param_aliases(self.module),
+                                   module_extra_state(self.module, exclude_frozen) if rank == 0 else None,
                                    {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size,
                                     "frozen_params": frozen_param_names(self.module)})
+
+    def _load_pieces(self, full: FullState, load_optimizer_states: bool) -> None:
+        """Piece values (and optimizer state) from a reassembled checkpoint."""
+        def value(i: int) -> torch.Tensor | None:
+            f = self.fragments[i]
+            return full.params[f.name].reshape(-1)[f.start:f.start + f.numel] if f.name in full.params else None
+
+        def state(i: int) -> dict | None:
+            f = self.fragments[i]
+            return slice_state(full, f.name, f.start, f.numel, self.frag_params[i]) if f.name in full.optim else None
+
+        with_states = load_optimizer_states and self.optimizer is not None
+        if with_states:
+            restore_param_groups(self.optimizer, full.param_groups)  # type: ignore[arg-type]
+        self.states.load(value, state if with_states else None)
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states)
         load_module_from_full(self.module, full, strict)
-        for i, f in enumerate(self.fragments):
-            if f.name in full.params:
-                self.frag_params[i].copy_(full.params[f.name].reshape(-1)[f.start:f.start + f.numel])
-        if load_optimizer_states and self.optimizer is not None:
-            restore_param_groups(self.optimizer, full.param_groups)
-            self.optimizer.state.clear()
-            for i, f in enumerate(self.fragments):
-                if f.name in full.optim:
-                    fp = self.frag_params[i]
-                    self.optimizer.state[fp] = slice_state(full, f.name, f.start, f.numel, fp)
+        self._load_pieces(full, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:
+        """Resident bytes per category; ``offloaded``: bytes in host memory or on disk under an offload
+        policy (not resident on the device); ``offload_buffers``: the staging pool."""
         staging = self.reducer.staging_bytes() if isinstance(self.reducer, Stage2Reducer) else 0
+        placed = self.states.memory()
         return {
             "parameters": tensor_bytes(self.module.parameters()),
             "gradients": self.reducer.nbytes(),
-            "master_weights": 0 if self.master_shard is None else self.master_shard.numel() * 4,
+            "master_weights": placed["master_weights"],
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "buffers": tensor_bytes(self.module.buffers()),
             "comm_buckets": staging,
+            "offloaded": placed["offloaded"],
+            "offload_buffers": placed["offload_buffers"],
         }
 
-    def _assemble(self, param: torch.nn.Parameter, pieces: list[torch.Tensor | None]) -> torch.Tensor:
-        """Sum per-rank fragments of ``param`` into a full fp32 tensor on every rank (a collective)."""
-        full = torch.zeros(param.numel(), dtype=torch.float32, device=self.ctx.device)
-        i = self._frag_of_param.get(id(param))
-        if i is not None and pieces[i] is not None:
-            f = self.fragments[i]
-            full[f.start:f.start + f.numel] = pieces[i].float()  # type: ignore[union-attr]
+    def _assemble(self, param: torch.nn.Parameter, piece: Callable[[int], torch.Tensor | None],
+                  shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Sum per-rank pieces of ``param`` into a full fp32 tensor on every rank (a collective)."""
+        shape = tuple(param.shape) if shape is None else shape
+        full = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32, device=self.ctx.device)
+        for i in self._pieces_of_param.get(id(param), []):
+            value = piece(i)
+            if value is not None:
+                f = self.fragments[i]
+                full[f.start:f.start + f.numel] = value.float()
         self.ctx.comm.all_reduce(full)
-        return full.view(param.shape)
+        return full.view(shape)
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
-        if self.master_shard is None or not param.requires_grad:
+        if not self.states.has_masters or not param.requires_grad:
             return param.detach().float().clone()
-        return self._assemble(param, [fp.detach() for fp in self.frag_params])
+        return self._assemble(param, self.states.piece_value)
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
-        return self._assemble(param, list(self.frag_grad_src))
+        return self._assemble(param, lambda i: self.frag_grad_src[i])
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
-        pieces = [self.optimizer.state.get(fp, {}).get(key) for fp in self.frag_params]
-        return self._assemble(param, pieces)
+        return self._assemble(param, lambda i: self.states.piece_state(i).get(key))
 
     def remove_hooks(self) -> None:
+        """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
+        self.close()
+
+    def close(self) -> None:
+        """Release offloaded state (swap files, staging buffers). Safe to call twice."""
+        self.states.close()

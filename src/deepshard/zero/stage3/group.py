@@ -5,9 +5,11 @@ A group is a small state machine (as in PyTorch FSDP2's ``FSDPParamGroup``)::
     SHARDED --unshard()--> GATHERING --wait_for_unshard()--> GATHERED --reshard()--> SHARDED
 
 While SHARDED each parameter's ``.data`` is an empty placeholder (``ds_shape`` holds the real shape, as
-in DeepSpeed) and the group keeps only this rank's chunk of its flat, padded values (``shard``: a view
-into the strategy's flat shard). ``unshard`` re-allocates the group's full buffer and all-gathers the
-chunks into it with one collective; the parameters then become views of that buffer. ``reshard`` frees
+in DeepSpeed) and the group keeps only this rank's chunk of its flat, padded values, reached through a
+*shard source* (``deepshard.zero.offload.param_store``: a view of the strategy's flat shard, or, with
+parameter offload, a range of a swap file read in on demand). ``unshard`` re-allocates the group's full
+buffer, acquires the chunk and all-gathers the chunks into the buffer with one collective; the
+parameters then become views of that buffer, and the chunk is released once the gather is done. ``reshard`` frees
 the buffer's storage (``untyped_storage().resize_(0)``), which also frees it for any view autograd saved
 during forward; backward gathers it again into the same storage before those views are read.
 """
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.offload.param_store import ShardSource
 
 
 class GroupState(enum.Enum):
@@ -29,20 +32,20 @@ class GroupState(enum.Enum):
 
 class ShardedGroup:
     """``params`` (with full ``shapes``) whose flat values, padded to a multiple of the world size, are
-    split in equal chunks across ranks; ``shard`` is this rank's chunk."""
+    split in equal chunks across ranks; ``source`` gives this rank's chunk."""
 
     def __init__(self, index: int, module_name: str, params: list[torch.nn.Parameter],
-                 shapes: list[tuple[int, ...]], shard: torch.Tensor, comm: CommGroup,
+                 shapes: list[tuple[int, ...]], source: ShardSource, comm: CommGroup, device: torch.device,
                  waiter: Callable[[Any, str], None] | None = None) -> None:
         self.index, self.module_name = index, module_name
         self.params, self.shapes = params, shapes
         self.numels = [int(torch.Size(s).numel()) for s in shapes]
         self.numel = sum(self.numels)
         self.comm = comm
-        self.chunk = shard.numel()
+        self.chunk = source.numel
         self.padded = self.chunk * comm.size
-        self.shard = shard
-        self.dtype, self.device = shard.dtype, shard.device
+        self.source = source
+        self.dtype, self.device = source.dtype, device
         self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -63,7 +66,7 @@ class ShardedGroup:
         if self.state is not GroupState.SHARDED:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self._work = self.comm.all_gather_into_tensor(self.full, self.shard, async_op=True)
+        self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True)
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_for_unshard()
@@ -78,6 +81,7 @@ class ShardedGroup:
             else:
                 self._work.wait()
             self._work = None
+            self.source.release()
             offset = 0
             for p, shape, n in zip(self.params, self.shapes, self.numels):
                 p.data = self.full[offset:offset + n].view(shape)
@@ -96,6 +100,11 @@ class ShardedGroup:
             self.full.untyped_storage().resize_(0)
             self.state = GroupState.SHARDED
 
+    def prefetch_shard(self) -> None:
+        """Start reading this rank's chunk in (parameter offload) so a later ``unshard`` need not wait."""
+        if self.state is GroupState.SHARDED:
+            self.source.prefetch()
+
     def refresh(self) -> None:
         """Re-gather after the shard changed (an optimizer step) if the full values are held."""
         if self.state is not GroupState.SHARDED:
@@ -112,7 +121,7 @@ class ShardedGroup:
             flat[offset:offset + n] = v.reshape(-1).to(self.dtype)
             offset += n
         r = self.comm.rank
-        self.shard.copy_(flat[r * self.chunk:(r + 1) * self.chunk])
+        self.source.write(flat[r * self.chunk:(r + 1) * self.chunk])
         if self.state is GroupState.GATHERED:
             self.full.copy_(flat)
 

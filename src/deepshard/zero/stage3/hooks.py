@@ -81,6 +81,14 @@ class Stage3Hooks:
                 g.unshard()
             budget -= g.numel
             pos += step
+        # one more window further ahead: start reading offloaded shards in (a no-op when resident), so
+        # the next unshard finds its chunk in memory
+        budget = self.prefetch_elements
+        while 0 <= pos < len(self.order) and budget > 0:
+            g = self.order[pos]
+            g.prefetch_shard()
+            budget -= g.numel
+            pos += step
 
     def stop_recording(self) -> None:
         self.recording = False

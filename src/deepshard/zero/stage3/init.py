@@ -97,8 +97,11 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.group = data_parallel_group
-        if remote_device not in (None, "cpu", "none"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}) (NVMe) is not implemented yet")
+        if remote_device not in (None, "cpu", "none", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
+        # remote_device='nvme': the shards built here are this rank's 1/N in host memory; deepshard.initialize
+        # moves them to disk when zero_optimization.offload_param.device is 'nvme'
+        self.remote_device = remote_device
         self._patched: dict[type, Callable[..., Any]] = {}
         self._orig_apply: Callable[..., Any] | None = None
         self.comm: CommGroup | None = None

@@ -2,8 +2,10 @@
 
 Each module's direct parameters form a group (trainable and frozen ones apart) whose flat, padded values
 are split in equal chunks across ranks (``partition.FlatLayout`` with one bucket per group). A rank
-holds its chunks of every group (``flat_shard``), the fp32 masters of its trainable chunks in 16-bit
-training, its chunk of the gradients and of the optimizer state: 16Ψ/N bytes with fp32 Adam. Hooks
+holds its chunks of every group (``param_store``), the fp32 masters of its trainable chunks in 16-bit
+training and its chunk of the optimizer state (``states``), and its chunk of the gradients: 16Ψ/N bytes
+with fp32 Adam. The offload policies decide where the shard and the optimizer side live (device,
+host memory, disk; see ``deepshard.zero.offload``); this class is the same code for all of them. Hooks
 (``hooks.py``) gather a group just before the module that needs it runs forward or backward and
 release it after; gradients are reduce-scattered group by group (``reduce.py``). Groups smaller than
 ``stage3_param_persistence_threshold`` elements stay gathered.
@@ -15,12 +17,15 @@ from typing import Any
 
 import torch
 
-from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
-                                            restore_param_groups, save_rank_fragments, slice_state)
+from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
 from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
-from deepshard.zero.partition import FlatLayout
+from deepshard.zero.offload.factory import make_param_store, make_shard_states
+from deepshard.zero.offload.param_store import ParamStore
+from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
+from deepshard.zero.offload.states import ShardStates, StatesSpec
+from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.stage12 import Stage12Strategy
+from deepshard.zero.stage12 import Stage12Strategy, squared_norm
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -48,7 +53,10 @@ class Stage3Strategy(Stage12Strategy):
     """Everything partitioned; see the module docstring."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 ctx: StrategyContext) -> None:
+                 ctx: StrategyContext, optimizer_offload: OffloadPolicy | None = None,
+                 param_offload: OffloadPolicy | None = None) -> None:
+        """``optimizer_offload`` places the master weights and optimizer state, ``param_offload`` the
+        parameter shard between uses (default for both: on the device)."""
         ZeroStrategy.__init__(self, module, optimizer, ctx)
         self.stage = 3
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
@@ -62,14 +70,20 @@ class Stage3Strategy(Stage12Strategy):
         self.names = [n for _, _, ns in trainable for n in ns]
         self.layout = self._layout(trainable)
         self.frozen_layout = self._layout(frozen) if frozen else None
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=policy.param_dtype, device=ctx.device)
-        self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel if frozen else 0, dtype=policy.param_dtype,
-                                        device=ctx.device)
-        self.master_shard = (torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
-                             if policy.keeps_master_weights else None)
+        param_offload = param_offload or NoOffload()
+        self.param_store = make_param_store(param_offload, self.layout.shard_numel, policy.param_dtype, ctx.device,
+                                            comm.rank)
+        frozen_numel = self.frozen_layout.shard_numel if self.frozen_layout is not None else 0
+        self.frozen_store = make_param_store(param_offload if frozen else NoOffload(), frozen_numel,
+                                             policy.param_dtype, ctx.device, comm.rank)
+        store = self.param_store
+        values = (lambda f: store.view(f.shard_start, f.numel)) if store.resident else None
+        self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
+            self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
+            comm.rank), int(zcfg.sub_group_size))
         _cast_buffers(module, policy.param_dtype)
-        self.groups = self._build_groups(trainable, self.layout, self.flat_shard, self.master_shard)
-        self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_shard, None)
+        self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states)
+        self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None)
                               if frozen else [])
         threshold = int(zcfg.stage3_param_persistence_threshold)
         for g in self.groups + self.frozen_groups:
@@ -102,9 +116,10 @@ class Stage3Strategy(Stage12Strategy):
 
     @torch.no_grad()
     def _build_groups(self, discovered: list[tuple[str, list[torch.nn.Parameter], list[str]]], layout: FlatLayout,
-                      shard: torch.Tensor, masters: torch.Tensor | None) -> list[ShardedGroup]:
+                      store: ParamStore, states: ShardStates | None) -> list[ShardedGroup]:
         """One group at a time: take each parameter's full fp32 value (gathering it if zero.Init
-        partitioned it), keep this rank's chunk, drop the full value. Peak memory: one group."""
+        partitioned it), keep this rank's chunk (in ``store``; its fp32 masters in ``states``), drop the
+        full value. Peak memory: one group."""
         comm, groups = self.ctx.comm, []
         for (mod_name, params, _), bucket in zip(discovered, layout.buckets):
             values = [full_value(p, comm) for p in params]
@@ -115,15 +130,18 @@ class Stage3Strategy(Stage12Strategy):
                 offset += v.numel()
             off, r = layout.shard_offset(bucket), comm.rank
             mine = flat[r * bucket.chunk:(r + 1) * bucket.chunk]
-            shard[off:off + bucket.chunk] = mine
-            if masters is not None:
-                masters[off:off + bucket.chunk] = mine
+            store.write(off, mine)
+            if states is not None:
+                states.write_masters(off, mine)
             shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
             for p in params:
                 if hasattr(p, "ds_tensor"):
                     del p.ds_tensor
-            groups.append(ShardedGroup(len(groups), mod_name, params, shapes, shard[off:off + bucket.chunk],
-                                       comm, self.watchdog.wait))
+            groups.append(ShardedGroup(len(groups), mod_name, params, shapes, store.source(off, bucket.chunk),
+                                       comm, self.ctx.device, self.watchdog.wait))
+        store.flush()
+        if states is not None:
+            states.flush()
         return groups
 
     def _groups_by_module(self, module: torch.nn.Module) -> dict[int, list[ShardedGroup]]:
@@ -148,16 +166,8 @@ class Stage3Strategy(Stage12Strategy):
                 out[id(m)] = needed
         return out
 
-    def _build_fragments(self) -> None:
-        self.fragments = self.layout.fragments
-        self.frag_params = []
-        self.frag_grad_src = []
-        values = self.master_shard if self.master_shard is not None else self.flat_shard
-        for f in self.fragments:
-            self.frag_params.append(torch.nn.Parameter(values[f.shard_start:f.shard_start + f.numel]))
-            self.frag_grad_src.append(self.grad_shard[f.shard_start:f.shard_start + f.numel])
-        self._frag_of_param = {id(self.params[self.layout.slots[f.slot].param_index]): i
-                               for i, f in enumerate(self.fragments)}
+    def _grad_view(self, f: Fragment) -> torch.Tensor:
+        return self.grad_shard[f.shard_start:f.shard_start + f.numel]
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -171,7 +181,7 @@ class Stage3Strategy(Stage12Strategy):
                 g.reshard()
 
     def global_grad_norm(self, loss_scale: float) -> float:
-        local = self.grad_shard.float().pow(2).sum().reshape(1)
+        local = squared_norm([self.grad_shard], self.ctx.device)
         return float(self.ctx.comm.all_reduce_sum_scalar(local).sqrt().item()) / loss_scale
 
     @torch.no_grad()
@@ -179,19 +189,15 @@ class Stage3Strategy(Stage12Strategy):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
                                "or add an \"optimizer\" section to the config")
-        mixed = self.master_shard is not None
-        for fp, src in zip(self.frag_params, self.frag_grad_src):
-            fp.grad = src.to(torch.float32, copy=True).mul_(grad_multiplier) if mixed else src
-        if not mixed and grad_multiplier != 1.0:
-            self.grad_shard.mul_(grad_multiplier)
-        self.optimizer.step()
-        if mixed:
-            for fp in self.frag_params:
-                fp.grad = None
-            self.flat_shard.copy_(self.master_shard)  # type: ignore[arg-type]
+        self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
+        self.param_store.flush()
         for g in self.groups:
             if g.state is not GroupState.SHARDED:
                 g.refresh()
+
+    def _publish(self, start: int, values: torch.Tensor) -> None:
+        """Updated fp32 values of shard range ``[start, start + numel)`` into the parameter shard."""
+        self.param_store.write(start, values)
 
     def zero_grad(self) -> None:
         self.grad_shard.zero_()
@@ -217,17 +223,8 @@ class Stage3Strategy(Stage12Strategy):
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
         extra = self.gathered_module_extra(rank, exclude_frozen)
-        records = []
-        for i, f in enumerate(self.fragments):
-            fp = self.frag_params[i]
-            state = dict(self.optimizer.state.get(fp, {})) if self.optimizer is not None else {}
-            records.append(FragmentRecord(f.name, f.start, f.numel, fp.detach().float(), state))
-        groups = None
-        if rank == 0 and self.optimizer is not None:
-            groups = export_param_groups(self.optimizer, {id(fp): f.name for fp, f in zip(self.frag_params,
-                                                                                          self.fragments)})
-        return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), extra,
+        return save_rank_fragments(directory, rank, self._fragment_records(), module_shapes(self.module),
+                                   self._param_groups_for_save(rank), param_aliases(self.module), extra,
                                    {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
                                     "frozen_params": frozen_param_names(self.module)})
 
@@ -255,30 +252,22 @@ class Stage3Strategy(Stage12Strategy):
         for name, b in self.module.named_buffers():
             if name in full.module_extra:
                 b.copy_(full.module_extra[name])
-        if self.master_shard is not None:
-            for i, f in enumerate(self.fragments):
-                if f.name in full.params:
-                    self.frag_params[i].copy_(full.params[f.name].reshape(-1)[f.start:f.start + f.numel])
-        if load_optimizer_states and self.optimizer is not None:
-            restore_param_groups(self.optimizer, full.param_groups)
-            self.optimizer.state.clear()
-            for i, f in enumerate(self.fragments):
-                if f.name in full.optim:
-                    self.optimizer.state[self.frag_params[i]] = slice_state(full, f.name, f.start, f.numel,
-                                                                            self.frag_params[i])
+        self._load_pieces(full, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, Any]:
         live = sum(g.live_bytes() for g in self.groups + self.frozen_groups)
+        placed, shard, frozen = self.states.memory(), self.param_store.memory(), self.frozen_store.memory()
         return {
-            "parameters": self.flat_shard.numel() * self.flat_shard.element_size()
-            + self.frozen_shard.numel() * self.frozen_shard.element_size(),
+            "parameters": shard["parameters"] + frozen["parameters"],
             "gradients": self.grad_shard.numel() * self.grad_shard.element_size(),
-            "master_weights": 0 if self.master_shard is None else self.master_shard.numel() * 4,
+            "master_weights": placed["master_weights"],
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "buffers": tensor_bytes(self.module.buffers()),
             "gathered_parameters": live,
             "comm_buckets": self.reducer.staging_bytes(),
+            "offloaded": placed["offloaded"] + shard["offloaded"] + frozen["offloaded"],
+            "offload_buffers": placed["offload_buffers"],
         }
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -290,28 +279,17 @@ class Stage3Strategy(Stage12Strategy):
             if was is GroupState.SHARDED:
                 g.reshard()
             return value
-        pieces = [fp.detach() for fp in self.frag_params]
-        return self._assemble_shaped(param, pieces)
-
-    def _assemble_shaped(self, param: torch.nn.Parameter, pieces: list[torch.Tensor | None]) -> torch.Tensor:
-        shape = tuple(getattr(param, "ds_shape", param.shape))
-        full = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32, device=self.ctx.device)
-        i = self._frag_of_param.get(id(param))
-        if i is not None and pieces[i] is not None:
-            f = self.fragments[i]
-            full[f.start:f.start + f.numel] = pieces[i].float()  # type: ignore[union-attr]
-        self.ctx.comm.all_reduce(full)
-        return full.view(shape)
+        return self._assemble(param, self.states.piece_value, _full_shape(param))
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
-        return self._assemble_shaped(param, list(self.frag_grad_src))
+        return self._assemble(param, lambda i: self.frag_grad_src[i], _full_shape(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
-        return self._assemble_shaped(param, [self.optimizer.state.get(fp, {}).get(key) for fp in self.frag_params])
+        return self._assemble(param, lambda i: self.states.piece_state(i).get(key), _full_shape(param))
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -340,11 +318,11 @@ class Stage3Strategy(Stage12Strategy):
     @torch.no_grad()
     def after_external_update(self, group: ShardedGroup) -> None:
         """A group's shard was rewritten from outside (GatheredParameters): refresh its fp32 masters."""
-        if self.master_shard is None or group not in self.groups:
+        if not self.states.has_masters or group not in self.groups:
             return
         bucket = self.layout.buckets[group.index]
-        off = self.layout.shard_offset(bucket)
-        self.master_shard[off:off + bucket.chunk] = group.shard.float()
+        self.states.write_masters(self.layout.shard_offset(bucket), group.source.read_copy().float())
+        self.states.flush()
 
     def group_of(self, param: torch.nn.Parameter) -> ShardedGroup | None:
         for g in self.groups + self.frozen_groups:
@@ -353,8 +331,16 @@ class Stage3Strategy(Stage12Strategy):
         return None
 
     def remove_hooks(self) -> None:
+        """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
         self.hooks.remove()
+        self.close()
+
+    def close(self) -> None:
+        """Release offloaded state (swap files, staging buffers). Safe to call twice."""
+        self.states.close()
+        self.param_store.close()
+        self.frozen_store.close()
 
 
 # modules whose forward reads their children's parameters without calling the children
@@ -364,6 +350,10 @@ DEFAULT_LEAF_CLASSES: tuple[type, ...] = (torch.nn.MultiheadAttention,)
 def is_z3_leaf(module: torch.nn.Module) -> bool:
     """A leaf is gathered as one unit with its whole subtree (``set_z3_leaf_modules``)."""
     return bool(getattr(module, "_z3_leaf", False)) or isinstance(module, DEFAULT_LEAF_CLASSES)
+
+
+def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -1,0 +1,184 @@
+"""Where ZeRO-3 keeps this rank's parameter shard between uses.
+
+The shard is one flat tensor in shard space (the rank's chunk of every parameter group, end to end).
+Each :class:`~deepshard.zero.stage3.group.ShardedGroup` reaches its chunk through a *shard source*
+with four operations: ``prefetch`` (start bringing it in), ``acquire`` (the chunk on the compute
+device, waiting if needed; what the all-gather sends), ``release`` (done with it until next time) and
+``write`` (new values, from an optimizer step, a checkpoint or ``GatheredParameters``).
+
+- :class:`ResidentParamStore`: the shard stays in device memory; sources are views, every operation
+  but ``write`` is free. ZeRO-3 without parameter offload.
+- :class:`OffloadedParamStore`: the shard lives in a backing (swap file, or pinned host memory on
+  CUDA); a source reads its chunk into a fresh tensor on ``prefetch`` / ``acquire`` and drops it on
+  ``release``, so only the chunks of the groups being gathered are resident.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.swapper import IOOp
+
+PARAMS = "params"
+
+
+class ShardSource(ABC):
+    """One group's chunk of the shard (see the module docstring)."""
+
+    numel: int
+    dtype: torch.dtype
+
+    def prefetch(self) -> None:
+        """Start bringing the chunk in (no-op when it is resident)."""
+
+    @abstractmethod
+    def acquire(self) -> torch.Tensor:
+        """The chunk on the compute device; valid until ``release``."""
+
+    def release(self) -> None:
+        """The caller is done with the tensor ``acquire`` returned."""
+
+    @abstractmethod
+    def write(self, values: torch.Tensor) -> None:
+        """Replace the chunk's values (cast to the shard dtype); done when this returns."""
+
+    def read_copy(self) -> torch.Tensor:
+        """A private copy of the chunk."""
+        value = self.acquire().clone()
+        self.release()
+        return value
+
+
+class ParamStore(ABC):
+    """This rank's parameter shard (``numel`` elements of ``dtype``)."""
+
+    numel: int
+    dtype: torch.dtype
+    resident: bool = False  # True: the shard is in device memory and ``view`` gives slices of it
+
+    @abstractmethod
+    def source(self, start: int, numel: int) -> ShardSource:
+        """The source of shard range ``[start, start + numel)``."""
+
+    @abstractmethod
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Start replacing shard range ``[start, start + values.numel())``; ``flush`` finishes it."""
+
+    def flush(self) -> None:
+        """Finish every outstanding write."""
+
+    def view(self, start: int, numel: int) -> torch.Tensor | None:
+        """A view of the range when the shard is resident on the compute device, else None."""
+        return None
+
+    @abstractmethod
+    def memory(self) -> dict[str, int]:
+        """``parameters`` (resident bytes) and ``offloaded`` bytes."""
+
+    def close(self) -> None:
+        """Release files and memory."""
+
+
+class _ResidentSource(ShardSource):
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view, self.numel, self.dtype = view, view.numel(), view.dtype
+
+    def acquire(self) -> torch.Tensor:
+        return self.view
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        self.view.copy_(values.reshape(-1))
+
+
+class ResidentParamStore(ParamStore):
+    """The shard in device memory."""
+
+    resident = True
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype = numel, dtype
+        self.flat = torch.zeros(numel, dtype=dtype, device=device)
+
+    def source(self, start: int, numel: int) -> ShardSource:
+        return _ResidentSource(self.flat[start:start + numel])
+
+    def view(self, start: int, numel: int) -> torch.Tensor | None:
+        return self.flat[start:start + numel]
+
+    @torch.no_grad()
+    def write(self, start: int, values: torch.Tensor) -> None:
+        self.flat[start:start + values.numel()].copy_(values.reshape(-1))
+
+    def memory(self) -> dict[str, int]:
+        return {"parameters": self.flat.numel() * self.flat.element_size(), "offloaded": 0}
+
+
+class _OffloadedSource(ShardSource):
+    def __init__(self, store: "OffloadedParamStore", start: int, numel: int) -> None:
+        self.store, self.start, self.numel, self.dtype = store, start, numel, store.dtype
+        self._host: torch.Tensor | None = None
+        self._read: IOOp | None = None
+        self._version = -1  # the store's write count when _host was read
+
+    def prefetch(self) -> None:
+        if self._host is not None and self._version == self.store.version:
+            return
+        self.release()  # (a stale copy: the shard was written since it was read)
+        self._version = self.store.version
+        backing = self.store.backing
+        view = backing.view(PARAMS, self.start, self.numel)
+        if view is not None:
+            self._host = view
+            return
+        self.store.flush()  # never read bytes a pending write is still changing
+        self._host = torch.empty(self.numel, dtype=self.dtype, pin_memory=self.store.pin)
+        self._read = backing.read(PARAMS, self.start, self._host)
+
+    def acquire(self) -> torch.Tensor:
+        self.prefetch()
+        if self._read is not None:
+            self._read.wait()
+            self._read = None
+        return self._host.to(self.store.device, non_blocking=True)  # type: ignore[union-attr]
+
+    def release(self) -> None:
+        if self._read is not None:
+            self._read.wait()
+        self._host, self._read = None, None
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        self.release()
+        self.store.write(self.start, values)
+        self.store.flush()
+
+
+class OffloadedParamStore(ParamStore):
+    """The shard in a backing: a swap file (NVMe) or pinned host memory (CPU offload on CUDA)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, backing: Backing, pin: bool) -> None:
+        self.numel, self.dtype, self.device, self.pin = numel, dtype, device, pin
+        self.backing = backing
+        self.version = 0  # counts writes, so sources can tell a prefetched copy went stale
+        backing.create(PARAMS, dtype, numel)
+
+    def source(self, start: int, numel: int) -> ShardSource:
+        return _OffloadedSource(self, start, numel)
+
+    @torch.no_grad()
+    def write(self, start: int, values: torch.Tensor) -> None:
+        # a private copy in the shard dtype: the write completes in the background
+        self.version += 1
+        self.backing.write(PARAMS, start, values.detach().reshape(-1).to("cpu", self.dtype, copy=True))
+
+    def flush(self) -> None:
+        self.backing.flush()
+
+    def memory(self) -> dict[str, int]:
+        return {"parameters": 0, "offloaded": self.backing.nbytes()}
+
+    def close(self) -> None:
+        self.backing.close()

@@ -1,0 +1,156 @@
+"""Where a rank's optimizer side of the shard lives, and how the optimizer steps over it.
+
+ZeRO stages 1-3 hand the optimizer *pieces*: 1-D parameters that are views of the rank's fp32 values
+(the master weights in 16-bit training, the model's own fp32 parameters otherwise). A
+:class:`ShardStates` owns those pieces, the master weights and the optimizer state's placement, and
+runs the update; the strategy only supplies gradients and a ``publish`` callback that copies updated
+fp32 values of a shard range into the model's parameters. Two implementations:
+
+- :class:`ResidentStates` (here): everything in device memory, one ``optimizer.step()``: ZeRO as
+  without offload.
+- ``SubGroupStates`` (``subgroup_states.py``): masters and states off the device (host memory or
+  disk), stepped one sub-group at a time.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from deepshard.zero.partition import Fragment
+
+# publish(shard_start, fp32 values): copy updated values of shard range [start, start + numel) to the model
+Publish = Callable[[int, torch.Tensor], None]
+
+
+@dataclass
+class StatesSpec:
+    """What a strategy tells the factory about its shard.
+
+    ``values`` gives the resident fp32 value of a fragment when the model's own parameters are the
+    fp32 values the optimizer updates (fp32 training with the parameters in memory); ``None`` when they
+    are not (the ZeRO-3 shard on disk), which makes the states keep master weights."""
+
+    fragments: list[Fragment]
+    shard_numel: int
+    device: torch.device
+    keeps_master_weights: bool
+    values: Callable[[Fragment], torch.Tensor] | None
+    rank: int
+
+
+class ShardStates(ABC):
+    """The optimizer's pieces, their master weights and optimizer state (see the module docstring)."""
+
+    pieces: list[Fragment]
+    params: list[torch.nn.Parameter]
+    has_masters: bool
+    optimizer: torch.optim.Optimizer | None = None
+
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer whose param groups hold ``params``."""
+        self.optimizer = optimizer
+
+    @abstractmethod
+    def write_masters(self, start: int, values: torch.Tensor) -> None:
+        """Set the fp32 master weights of shard range ``[start, start + values.numel())`` (no-op without
+        masters); call ``flush`` before relying on them."""
+
+    def flush(self) -> None:
+        """Finish outstanding writes."""
+
+    @abstractmethod
+    def step(self, grads: list[torch.Tensor], multiplier: float, publish: Publish) -> None:
+        """``grads[i]``: the reduced gradient of piece ``i``; multiply it by ``multiplier``, run the
+        optimizer, and publish the updated values."""
+
+    @abstractmethod
+    def piece_value(self, i: int) -> torch.Tensor:
+        """The fp32 value of piece ``i`` (1-D)."""
+
+    @abstractmethod
+    def piece_state(self, i: int) -> dict[str, Any]:
+        """The optimizer state of piece ``i``."""
+
+    def records(self) -> Iterator[tuple[int, torch.Tensor, dict[str, Any]]]:
+        """``(i, value, state)`` for every piece (for checkpoints)."""
+        for i in range(len(self.pieces)):
+            yield i, self.piece_value(i), self.piece_state(i)
+
+    @abstractmethod
+    def load(self, values: Callable[[int], torch.Tensor | None],
+             states: Callable[[int], dict[str, Any] | None] | None) -> None:
+        """Set piece values (``None``: keep) and, when ``states`` is given, replace the optimizer state."""
+
+    @abstractmethod
+    def memory(self) -> dict[str, int]:
+        """Bytes: ``master_weights`` (resident), ``offloaded`` (host or disk), ``offload_buffers``."""
+
+    def close(self) -> None:
+        """Release files and buffers."""
+
+
+class ResidentStates(ShardStates):
+    """Masters (when kept) and optimizer state on the compute device; one ``optimizer.step()``."""
+
+    def __init__(self, spec: StatesSpec) -> None:
+        self.pieces = list(spec.fragments)
+        self.has_masters = spec.keeps_master_weights or spec.values is None
+        self.masters = (torch.zeros(spec.shard_numel, dtype=torch.float32, device=spec.device)
+                        if self.has_masters else None)
+        self.params = []
+        for p in self.pieces:
+            value = (self.masters[p.shard_start:p.shard_start + p.numel] if self.masters is not None
+                     else spec.values(p))  # type: ignore[misc]
+            self.params.append(torch.nn.Parameter(value, requires_grad=True))
+
+    @torch.no_grad()
+    def write_masters(self, start: int, values: torch.Tensor) -> None:
+        if self.masters is not None:
+            self.masters[start:start + values.numel()].copy_(values.reshape(-1))
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], multiplier: float, publish: Publish) -> None:
+        mixed = self.masters is not None
+        for fp, src in zip(self.params, grads):
+            if mixed:
+                g = src.to(torch.float32, copy=True)
+                fp.grad = g.mul_(multiplier) if multiplier != 1.0 else g
+            else:
+                fp.grad = src
+        if not mixed and multiplier != 1.0 and grads:
+            torch._foreach_mul_(grads, multiplier)
+        self.optimizer.step()  # type: ignore[union-attr]
+        if mixed:
+            for fp in self.params:
+                fp.grad = None
+            publish(0, self.masters)  # type: ignore[arg-type]
+
+    def piece_value(self, i: int) -> torch.Tensor:
+        return self.params[i].detach()
+
+    def piece_state(self, i: int) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {}
+        return dict(self.optimizer.state.get(self.params[i], {}))
+
+    @torch.no_grad()
+    def load(self, values: Callable[[int], torch.Tensor | None],
+             states: Callable[[int], dict[str, Any] | None] | None) -> None:
+        for i, fp in enumerate(self.params):
+            v = values(i)
+            if v is not None:
+                fp.copy_(v.reshape(fp.shape))
+        if states is None or self.optimizer is None:
+            return
+        self.optimizer.state.clear()
+        for i, fp in enumerate(self.params):
+            state = states(i)
+            if state:
+                self.optimizer.state[fp] = state
+
+    def memory(self) -> dict[str, int]:
+        return {"master_weights": 0 if self.masters is None else self.masters.numel() * 4,
+                "offloaded": 0, "offload_buffers": 0}

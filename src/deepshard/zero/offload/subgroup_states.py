@@ -1,0 +1,356 @@
+"""Optimizer states off the device, stepped one sub-group at a time (ZeRO-Offload / ZeRO-Infinity).
+
+The shard is cut into sub-groups (``subgroups.py``). Master weights (``master``) and every
+elementwise optimizer state (``state.<key>``, e.g. ``state.exp_avg``) are shard-sized tensors in a
+:class:`~deepshard.zero.offload.backing.Backing`: host memory (CPU offload) or swap files (NVMe). One
+step walks the sub-groups in order::
+
+    read ahead:  sub-group k+1 (k+2, ...) is read into free staging buffers while k is updated
+    update k:    bind the pieces of k to their slices of the buffers (param.data, optimizer.state),
+                 give them their gradients, call optimizer.step() with each param group restricted
+                 to the pieces of k, copy any state the optimizer re-created back into the buffers
+    publish k:   the updated fp32 values go to the model's parameters (``publish``)
+    write behind: the buffers of k are written back; they return to the pool when the write is done
+
+So resident memory is the pool (``buffer_count`` buffers of one sub-group's tensor each), never the
+model. The optimizer is the user's own ``torch.optim`` object, unchanged: its param groups keep their
+hyperparameters (an LR scheduler's changes apply), only their ``params`` lists are narrowed for the
+duration of each sub-group's call and restored after. Any optimizer whose state is elementwise (one
+value per parameter element, plus scalars such as Adam's ``step``) works; state tensors are created by
+the optimizer itself on the first step and captured from it. Scalars stay in memory.
+
+Overlap happens whenever the pool has room: read-ahead needs free buffers beyond the current
+sub-group's, write-behind needs the next sub-group not to need the same buffers. DeepSpeed's
+``pipeline_read`` / ``pipeline_write`` switches are therefore not needed: overlap follows from
+``buffer_count`` (at least twice the tensors per sub-group to overlap at all).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+
+from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.buffers import BufferPool
+from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
+from deepshard.zero.offload.subgroups import SubGroup, plan_subgroups, split_fragments
+from deepshard.zero.offload.swapper import IOOp
+
+MASTER = "master"
+STAGING_ELEMENT_BYTES = 4
+
+
+class _Slot:
+    """One sub-group's tensors while it is resident."""
+
+    def __init__(self, sg: SubGroup) -> None:
+        self.sg = sg
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.owned: list[str] = []          # names staged in pool buffers (written back on close)
+        self.buffers: list[torch.Tensor] = []
+        self.reads: list[IOOp] = []
+
+
+def _state_name(key: str) -> str:
+    return f"state.{key}"
+
+
+def _placeholder() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32)
+
+
+class SubGroupStates(ShardStates):
+    """See the module docstring. ``backing`` owns the off-device tensors; ``buffer_count`` staging
+    buffers of the largest sub-group's size (4 bytes per element) bound what is resident."""
+
+    def __init__(self, spec: StatesSpec, backing: Backing, buffer_count: int, pin: bool,
+                 sub_group_size: int, what: str = "offload_optimizer") -> None:
+        self.backing = backing
+        self.shard_numel = spec.shard_numel
+        self.has_masters = spec.keeps_master_weights or spec.values is None or spec.device.type != "cpu"
+        self.pieces = split_fragments(spec.fragments, int(sub_group_size))
+        self.subgroups = plan_subgroups(self.pieces, int(sub_group_size))
+        self.params = [torch.nn.Parameter(_placeholder() if self.has_masters else spec.values(p),  # type: ignore[misc]
+                                          requires_grad=True) for p in self.pieces]
+        if self.has_masters:
+            backing.create(MASTER, torch.float32, spec.shard_numel)
+        self.keys: dict[str, torch.dtype] = {}
+        self.piece_keys: list[tuple[str, ...]] = [() for _ in self.pieces]
+        self.scalars: list[dict[str, Any]] = [{} for _ in self.pieces]
+        largest = max((sg.numel for sg in self.subgroups), default=1)
+        self.pool = BufferPool(buffer_count, largest * STAGING_ELEMENT_BYTES, pin, what)
+        self._stepped = False
+
+    # ------------------------------------------------------------------------------ set-up / io
+    def write_masters(self, start: int, values: torch.Tensor) -> None:
+        if self.has_masters:
+            # a private copy: the write finishes in the background while the caller reuses its tensor
+            self.backing.write(MASTER, start, values.detach().reshape(-1).to("cpu", torch.float32, copy=True))
+
+    def flush(self) -> None:
+        self.backing.flush()
+
+    def _register(self, key: str, dtype: torch.dtype) -> None:
+        known = self.keys.get(key)
+        if known is not None:
+            if known != dtype:
+                raise TypeError(f"optimizer state {key!r} changed dtype from {known} to {dtype}; offloaded "
+                                "optimizer states must keep one dtype")
+            return
+        size = torch.empty(0, dtype=dtype).element_size()
+        if size > STAGING_ELEMENT_BYTES:
+            raise ValueError(f"optimizer state {key!r} is {dtype} ({size} bytes per element); offloaded states "
+                             f"are staged in {STAGING_ELEMENT_BYTES}-byte-per-element buffers: keep optimizer "
+                             "states in fp32 or a smaller dtype")
+        self.backing.create(_state_name(key), dtype, self.shard_numel)
+        self.keys[key] = dtype
+
+    # ---------------------------------------------------------------------------------- slots
+    def _names(self, sg: SubGroup) -> list[str]:
+        used = {k for i in sg.pieces for k in self.piece_keys[i]}
+        return ([MASTER] if self.has_masters else []) + [_state_name(k) for k in self.keys if k in used]
+
+    def _stage(self, slot: _Slot, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        dtype = self.backing.dtypes[name]
+        size = torch.empty(0, dtype=dtype).element_size()
+        t = buffer[:slot.sg.numel * size].view(dtype)
+        slot.tensors[name] = t
+        slot.owned.append(name)
+        slot.buffers.append(buffer)
+        return t
+
+    def _open(self, sg: SubGroup, block: bool, read: bool) -> _Slot | None:
+        slot = _Slot(sg)
+        missing = []
+        for name in self._names(sg):
+            view = self.backing.view(name, sg.start, sg.numel)
+            if view is None:
+                missing.append(name)
+            else:
+                slot.tensors[name] = view
+        buffers = self.pool.acquire(len(missing), block) if missing else []
+        if buffers is None:
+            return None
+        for name, buffer in zip(missing, buffers):
+            t = self._stage(slot, name, buffer)
+            if read:
+                slot.reads.append(self.backing.read(name, sg.start, t))
+        return slot
+
+    def _ensure(self, slot: _Slot, name: str) -> torch.Tensor:
+        t = slot.tensors.get(name)
+        if t is None:
+            t = self.backing.view(name, slot.sg.start, slot.sg.numel)
+            if t is None:
+                t = self._stage(slot, name, self.pool.acquire(1)[0])  # type: ignore[index]
+            else:
+                slot.tensors[name] = t
+        return t
+
+    def _close(self, slot: _Slot, write: bool) -> None:
+        ops = [self.backing.write(n, slot.sg.start, slot.tensors[n]) for n in slot.owned] if write else []
+        self.pool.release_after(slot.buffers, ops)
+
+    def _abandon(self, slot: _Slot) -> None:
+        for op in slot.reads:
+            try:
+                op.wait()
+            except BaseException:  # noqa: BLE001 - the buffers come back either way
+                pass
+        self.pool.release(slot.buffers)
+
+    def _sweep(self, visit: Callable[[_Slot], None], read: bool = True, write: bool = True,
+               ahead: bool = True) -> None:
+        """Open every sub-group in order (reading ahead while buffers allow), ``visit`` it, close it."""
+        sgs = self.subgroups
+        opened: dict[int, _Slot] = {}
+        nxt = 0
+        try:
+            for k, sg in enumerate(sgs):
+                if nxt == k:
+                    opened[k] = self._open(sg, True, read)  # type: ignore[assignment]
+                    nxt += 1
+                while ahead and nxt < len(sgs):
+                    slot = self._open(sgs[nxt], False, read)
+                    if slot is None:
+                        break
+                    opened[nxt] = slot
+                    nxt += 1
+                slot = opened[k]
+                for op in slot.reads:
+                    op.wait()
+                visit(slot)
+                del opened[k]
+                self._close(slot, write)
+        finally:
+            for slot in opened.values():
+                self._abandon(slot)
+            self.backing.flush()
+
+    # ----------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], multiplier: float, publish: Publish) -> None:
+        opt = self.optimizer
+        if opt is None:
+            raise RuntimeError("the offloaded optimizer states have no optimizer to step")
+        saved = [g["params"] for g in opt.param_groups]
+        lists = self._group_lists(saved)
+        try:
+            self._sweep(lambda slot: self._update(slot, lists[slot.sg.index], grads, multiplier, publish),
+                        ahead=self._stepped)
+        finally:
+            for group, params in zip(opt.param_groups, saved):
+                group["params"] = params
+        self._stepped = True
+
+    def _group_lists(self, saved: list[list[torch.nn.Parameter]]) -> list[list[list[torch.nn.Parameter]]]:
+        """For each sub-group, each param group's params narrowed to the sub-group's pieces."""
+        where = {id(self.params[i]): sg.index for sg in self.subgroups for i in sg.pieces}
+        lists: list[list[list[torch.nn.Parameter]]] = [[[] for _ in saved] for _ in self.subgroups]
+        for gi, params in enumerate(saved):
+            for p in params:
+                k = where.get(id(p))
+                if k is not None:
+                    lists[k][gi].append(p)
+        return lists
+
+    def _update(self, slot: _Slot, group_params: list[list[torch.nn.Parameter]], grads: list[torch.Tensor],
+                multiplier: float, publish: Publish) -> None:
+        opt = self.optimizer
+        for group, params in zip(opt.param_groups, group_params):  # type: ignore[union-attr]
+            group["params"] = params
+        self._bind(slot)
+        self._set_grads(slot.sg, grads, multiplier)
+        opt.step()  # type: ignore[union-attr]
+        self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
+        if self.has_masters:
+            publish(slot.sg.start, slot.tensors[MASTER])
+        self._unbind(slot.sg)
+
+    def _bind(self, slot: _Slot) -> None:
+        sg, state = slot.sg, self.optimizer.state  # type: ignore[union-attr]
+        for i in sg.pieces:
+            p, fp = self.pieces[i], self.params[i]
+            lo = p.shard_start - sg.start
+            if self.has_masters:
+                fp.data = slot.tensors[MASTER][lo:lo + p.numel]
+            bound = dict(self.scalars[i])
+            for k in self.piece_keys[i]:
+                bound[k] = slot.tensors[_state_name(k)][lo:lo + p.numel]
+            if bound:
+                state[fp] = bound
+            else:
+                state.pop(fp, None)
+
+    def _set_grads(self, sg: SubGroup, grads: list[torch.Tensor], multiplier: float) -> None:
+        if self.has_masters:
+            for i in sg.pieces:
+                g = grads[i].to(device="cpu", dtype=torch.float32, copy=True)
+                self.params[i].grad = g.mul_(multiplier) if multiplier != 1.0 else g
+            return
+        srcs = [grads[i] for i in sg.pieces]
+        if multiplier != 1.0 and srcs:
+            torch._foreach_mul_(srcs, multiplier)
+        for i, src in zip(sg.pieces, srcs):
+            self.params[i].grad = src
+
+    def _capture(self, sg: SubGroup, slot: _Slot, state_of: Callable[[int], dict[str, Any]]) -> None:
+        """Record piece states: elementwise tensors into the slot (copied unless already bound there),
+        everything else as scalars kept in memory."""
+        for i in sg.pieces:
+            p = self.pieces[i]
+            lo = p.shard_start - sg.start
+            keys, scalars = [], {}
+            for k, v in state_of(i).items():
+                if not (torch.is_tensor(v) and v.dim() > 0):
+                    scalars[k] = v
+                    continue
+                if v.numel() != p.numel:
+                    raise ValueError(
+                        f"optimizer state {k!r} of parameter '{p.name}' has {v.numel()} elements but the piece "
+                        f"has {p.numel}: only elementwise optimizer states can be offloaded (factored or "
+                        "per-layer states cannot); turn offload_optimizer off for this optimizer")
+                self._register(k, v.dtype)
+                dst = self._ensure(slot, _state_name(k))[lo:lo + p.numel]
+                if dst.data_ptr() != v.data_ptr():
+                    dst.copy_(v.reshape(-1))
+                keys.append(k)
+            self.piece_keys[i], self.scalars[i] = tuple(keys), scalars
+
+    def _unbind(self, sg: SubGroup) -> None:
+        state = self.optimizer.state  # type: ignore[union-attr]
+        for i in sg.pieces:
+            fp = self.params[i]
+            fp.grad = None
+            if self.has_masters:
+                fp.data = _placeholder()
+            if self.scalars[i]:
+                state[fp] = dict(self.scalars[i])
+            else:
+                state.pop(fp, None)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def piece_value(self, i: int) -> torch.Tensor:
+        p = self.pieces[i]
+        if not self.has_masters:
+            return self.params[i].detach()
+        return self.backing.read_copy(MASTER, p.shard_start, p.numel)
+
+    def piece_state(self, i: int) -> dict[str, Any]:
+        p = self.pieces[i]
+        out = dict(self.scalars[i])
+        for k in self.piece_keys[i]:
+            out[k] = self.backing.read_copy(_state_name(k), p.shard_start, p.numel)
+        return out
+
+    def records(self) -> Iterator[tuple[int, torch.Tensor, dict[str, Any]]]:
+        out: list[tuple[int, torch.Tensor, dict[str, Any]]] = []
+
+        def visit(slot: _Slot) -> None:
+            sg = slot.sg
+            for i in sg.pieces:
+                p = self.pieces[i]
+                lo = p.shard_start - sg.start
+                value = slot.tensors[MASTER][lo:lo + p.numel].clone() if self.has_masters else self.params[i].detach()
+                state = dict(self.scalars[i])
+                for k in self.piece_keys[i]:
+                    state[k] = slot.tensors[_state_name(k)][lo:lo + p.numel].clone()
+                out.append((i, value, state))
+
+        self._sweep(visit, write=False)
+        return iter(out)
+
+    @torch.no_grad()
+    def load(self, values: Callable[[int], torch.Tensor | None],
+             states: Callable[[int], dict[str, Any] | None] | None) -> None:
+        if states is not None:
+            self.piece_keys = [() for _ in self.pieces]
+            self.scalars = [{} for _ in self.pieces]
+
+        def visit(slot: _Slot) -> None:
+            sg = slot.sg
+            for i in sg.pieces:
+                p = self.pieces[i]
+                v = values(i)
+                if v is not None:
+                    lo = p.shard_start - sg.start
+                    dst = slot.tensors[MASTER][lo:lo + p.numel] if self.has_masters else self.params[i].data
+                    dst.copy_(v.reshape(-1))
+            if states is not None:
+                self._capture(sg, slot, lambda i: states(i) or {})
+
+        self._sweep(visit, ahead=states is None)  # new state buffers are staged while visiting
+        if self.optimizer is not None:
+            for i, fp in enumerate(self.params):
+                if self.scalars[i]:
+                    self.optimizer.state[fp] = dict(self.scalars[i])
+                else:
+                    self.optimizer.state.pop(fp, None)
+
+    # ------------------------------------------------------------------------------ accounting
+    def memory(self) -> dict[str, int]:
+        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes}
+
+    def close(self) -> None:
+        self.backing.close()
+        self.pool.clear()
