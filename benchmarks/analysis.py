@@ -27,8 +27,10 @@ _STATE_BYTES: dict[str, dict[int, tuple[int, int]]] = {
     "fp32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},
     "bf16": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)},
 }
-MODEL_STATE_KEYS = ("parameters", "gradients", "master_weights", "optimizer_state")
-LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}
+NOT_MODEL_STATE = ("total", "buffers", "comm_buckets")
+# final-loss agreement: fp32 engines differ only in summation order; in bf16 each engine rounds in
+# different places (on the benchmark workloads every engine but one lands within 0.1% of DDP)
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
 
 
 def model_state_formula(stage: int, psi: int, nprocs: int, dtype: str) -> float:
@@ -54,10 +56,12 @@ def ratio(value: float | None, reference: float | None) -> float | None:
 
 
 def model_state_bytes(report: dict[str, int] | None) -> int | None:
-    """The model-state part of a ``memory_report()``: parameters + gradients + master weights + optimizer."""
+    """The model-state part of a ``memory_report()``: every category except the module's buffers,
+    communication scratch and the total (parameters, gradients, master weights, optimizer state, and
+    whatever else a stage keeps between steps, e.g. stage 3's small parameters kept whole)."""
     if not report:
         return None
-    return sum(int(report.get(key, 0)) for key in MODEL_STATE_KEYS)
+    return sum(int(v) for key, v in report.items() if key not in NOT_MODEL_STATE)
 
 
 # ------------------------------------------------------------------------------------- aggregation
@@ -141,6 +145,7 @@ class Target:
     value: float | None
     limit: float
     kind: str = "max"
+    note: str = ""
 
     @property
     def verdict(self) -> str:
@@ -152,7 +157,22 @@ class Target:
     def describe(self) -> str:
         shown = "-" if self.value is None else f"{self.value:.3f}"
         bound = f"<= {self.limit:.2f}" if self.kind == "max" else f"1 +/- {self.limit:.2f}"
-        return f"{self.name} [{self.where}]: {shown} (target {bound}) {self.verdict}"
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.name} [{self.where}]: {shown} (target {bound}) {self.verdict}{note}"
+
+
+def _time_of(row: dict[str, Any] | None) -> float | None:
+    return None if row is None else row["step_time"]
+
+
+def _stage3_targets(r: dict[str, Any], ok: dict[str, dict[str, Any]], where: str) -> list[Target]:
+    ddp = ok.get("ddp")
+    peak = ratio(r["peak_rss"], ddp and ddp["peak_rss"])
+    above = ratio(r["peak_rss"] - r["rss_base"], ddp and ddp["peak_rss"] - ddp["rss_base"])
+    return [Target("step time / FSDP2", where, ratio(r["step_time"], _time_of(ok.get("fsdp2"))), 1.0),
+            Target("step time / DeepSpeed z3", where, ratio(r["step_time"], _time_of(ok.get("deepspeed-z3"))), 0.5),
+            Target("peak memory / DDP", where, peak, 0.60,
+                   note="" if above is None else f"{above:.3f} above idle")]
 
 
 def evaluate_targets(rows: list[dict[str, Any]]) -> list[Target]:
@@ -165,10 +185,7 @@ def evaluate_targets(rows: list[dict[str, Any]]) -> list[Target]:
             if r["stage"] <= 2:
                 out.append(Target("step time / DDP", where, r.get("vs_ddp"), 1.10))
             else:
-                fsdp2, ds3, ddp = ok.get("fsdp2"), ok.get("deepspeed-z3"), ok.get("ddp")
-                out.append(Target("step time / FSDP2", where, ratio(r["step_time"], fsdp2 and fsdp2["step_time"]), 1.0))
-                out.append(Target("step time / DeepSpeed z3", where, ratio(r["step_time"], ds3 and ds3["step_time"]), 0.5))
-                out.append(Target("peak memory / DDP", where, ratio(r["peak_rss"], ddp and ddp["peak_rss"]), 0.60))
+                out.extend(_stage3_targets(r, ok, where))
             out.append(Target("model-state bytes / formula", where, r.get("state_vs_formula"), 0.05, "band"))
             if r["analytic_volume"]:
                 out.append(Target("volume per step / analytic", where, r.get("volume_vs_analytic"), 0.02, "band"))

@@ -233,3 +233,30 @@ def ddp_counting_hook(count: CommCount) -> Callable[[Any, Any], Any]:
     hook.__annotations__ = {"process_group": Any, "bucket": dist.GradBucket,
                             "return": torch.futures.Future[torch.Tensor]}
     return hook
+
+
+def time_collectives(numel: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds per call of each collective on ``numel`` fp32 elements (the full tensor), in the current
+    default process group: the cost of the backend itself, which bounds what any engine can do."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(numel - numel % world)
+    shard = torch.empty(full.numel() // world)
+    gathered = torch.empty_like(full)
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+        "all_gather": lambda: dist.all_gather_single(gathered, full[rank * shard.numel():][:shard.numel()].clone()),
+        "broadcast": lambda: dist.broadcast(full, 0),
+    }
+    out = {}
+    for name, call in calls.items():
+        call()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        dist.barrier()
+        out[name] = (time.perf_counter() - start) / repeats
+    return out

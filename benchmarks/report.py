@@ -29,15 +29,16 @@ def machine_info() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    try:
-        import deepspeed  # noqa: F401 - only its version
+    try:  # the installed version, without importing DeepSpeed (its import probes for accelerators)
+        from importlib.metadata import PackageNotFoundError, version
 
-        ds_version = deepspeed.__version__
-    except Exception:  # noqa: BLE001 - absent or broken: reported as such
+        ds_version: str | None = version("deepspeed")
+    except PackageNotFoundError:
         ds_version = None
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpu": "none", "os": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "deepspeed": ds_version,
+            "load_average": [round(x, 2) for x in os.getloadavg()],
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -77,7 +78,8 @@ def row_cells(r: dict[str, Any]) -> list[str]:
 def _group_title(rows: list[dict[str, Any]], workloads: dict[str, str]) -> str:
     r = rows[0]
     unit = "tokens" if r["workload"] == "gpt" else "samples"
-    return f"{workloads.get(r['workload'], r['workload'])} | {r['dtype']} | {r['nprocs']} processes | throughput in {unit}/s"
+    return (f"{workloads.get(r['workload'], r['workload'])} | {r['dtype']} | {r['nprocs']} processes | "
+            f"{r['warmup']} + {r['steps']} steps | throughput in {unit}/s")
 
 
 def grouped(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -87,9 +89,38 @@ def grouped(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return list(out.values())
 
 
+def collectives_line(run: dict[str, Any]) -> str | None:
+    """One line: what gloo takes for each collective on this machine (``None`` if not measured)."""
+    c = run.get("collectives") or {}
+    if c.get("status") != "ok":
+        return None
+    costs = ", ".join(f"{op} {ms:,.0f} ms" for op, ms in c["ms"].items())
+    return f"gloo on this machine, {c['nprocs']} processes, {c['mib']:.0f} MiB of fp32 per call: {costs}"
+
+
+TARGET_COLUMNS = [("step time / DDP", "step / DDP <= 1.10"), ("step time / FSDP2", "step / FSDP2 <= 1.0"),
+                  ("step time / DeepSpeed z3", "step / DS z3 <= 0.5"), ("peak memory / DDP", "peak / DDP <= 0.60"),
+                  ("model-state bytes / formula", "state / formula 1 +/- 0.05"),
+                  ("volume per step / analytic", "volume / analytic 1 +/- 0.02")]
+
+
+def targets_table(details: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The targets as one row per deepshard engine x workload x dtype: ``value verdict`` per target,
+    ``-`` where a target does not apply to that stage."""
+    rows: dict[str, dict[str, str]] = {}
+    for t in details:
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        cell = f"{value} {'ok' if t['verdict'] == 'met' else t['verdict']}"
+        if t.get("note"):
+            cell += f" ({t['note']})"
+        rows.setdefault(t["where"], {})[t["name"]] = cell
+    header = ["deepshard run"] + [label for _, label in TARGET_COLUMNS]
+    return header, [[where] + [cells.get(name, "-") for name, _ in TARGET_COLUMNS] for where, cells in rows.items()]
+
+
 def format_table(run: dict[str, Any]) -> str:
     """The terminal report: one table per workload x dtype, then the targets and the scaling table."""
-    lines: list[str] = []
+    lines: list[str] = [x for x in [collectives_line(run)] if x]
     for group in grouped(run["rows"]):
         lines += ["", _group_title(group, run.get("workloads", {}))]
         cells = [COLUMNS] + [row_cells(r) for r in group]
@@ -98,9 +129,13 @@ def format_table(run: dict[str, Any]) -> str:
             if len(c) < len(COLUMNS):
                 lines.append(f"  {c[0]:<{widths[0]}}  {c[1]}")
             else:
-                lines.append("  " + "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths))))
-    if run.get("targets"):
-        lines += ["", "Targets (deepshard rows):"] + [f"  {t}" for t in run["targets"]]
+                cells_ = (v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths)))
+                lines.append("  " + "  ".join(cells_))
+    if run.get("targets_detail"):
+        header, body = targets_table(run["targets_detail"])
+        widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+        lines += ["", "Targets (deepshard rows that ran; ok / MISSED / n/a):"]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body]
     if run.get("scaling"):
         lines += ["", "Scaling: model-state bytes per process (stage 3)"]
         lines += [f"  {s['engine']:<16} N={s['nprocs']}: " + (
@@ -125,17 +160,24 @@ def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
 def render_markdown(run: dict[str, Any], chart: str | None = None) -> str:
     """The generated part of docs/benchmarks.md."""
     m = run["machine"]
+    def load(values: list[float] | None) -> str:
+        return "?" if not values else " / ".join(f"{v:.1f}" for v in values)
+
     lines = [f"Measured {m['date']} on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU; "
-             f"Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed'] or 'not installed'}.", "",
-             f"Command: `{run['command']}`", ""]
+             f"Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed'] or 'not installed'}; "
+             f"load average (1 / 5 / 15 min) {load(m.get('load_average_before'))} before the run, "
+             f"{load(m.get('load_average'))} after; "
+             f"{run.get('wall_seconds', 0):.0f} s in all.", "", f"Command: `{run['command']}`", ""]
     s = run["settings"]
-    lines += [f"{s['warmup']} warm-up + {s['steps']} measured steps per engine, seed {s['seed']}, AdamW lr {s['lr']}.",
-              ""]
+    lines += [f"Seed {s['seed']}, AdamW lr {s['lr']}; warm-up + measured steps per engine as in each title.", ""]
+    if collectives_line(run):
+        lines += [f"The backend's own cost: {collectives_line(run)}.", ""]
     for group in grouped(run["rows"]):
         lines += [f"**{_group_title(group, run.get('workloads', {}))}**", ""]
         lines += _md_table(COLUMNS, [row_cells(r) for r in group]) + [""]
-    if run.get("targets"):
-        lines += ["**Targets** (deepshard rows that ran):", ""] + [f"- {t}" for t in run["targets"]] + [""]
+    if run.get("targets_detail"):
+        lines += ["**Targets** (deepshard rows that ran; `-`: does not apply to that stage):", ""]
+        lines += _md_table(*targets_table(run["targets_detail"])) + [""]
     if run.get("scaling"):
         lines += ["**Scaling** (model-state bytes per process):", ""]
         lines += _md_table(["engine", "N", "measured MiB", "source", "formula MiB", "x 1 process", "ideal"], [
@@ -189,6 +231,9 @@ def write_chart(path: Path, run: dict[str, Any]) -> str | None:
         colors = ["tab:blue" if r["family"] == "deepshard" else "tab:gray" for r in group]
         ax_time.barh(names, [r["step_time"] * 1e3 for r in group], color=colors)
         ax_mem.barh(names, [r["peak_rss"] / MIB for r in group], color=colors)
+        base = max(r["rss_base"] for r in group) / MIB
+        ax_mem.axvline(base, color="black", linestyle="--", linewidth=0.8)
+        ax_mem.annotate(" idle process", (base, 0), fontsize=7, va="bottom")
         title = f"{group[0]['workload']} {group[0]['dtype']} N={group[0]['nprocs']}"
         ax_time.set_title(f"{title}: median step time (ms)", fontsize=9)
         ax_mem.set_title(f"{title}: train-phase peak RSS per process (MiB)", fontsize=9)

@@ -63,6 +63,11 @@ def run_rank(case: dict[str, Any], rank: int) -> dict[str, Any]:
                             timeout=datetime.timedelta(seconds=float(case.get("timeout", 600))))
     result: dict[str, Any] = {"rank": rank, "status": "ok", "rss_base": current_rss()}
     try:
+        if case["engine"] == "collectives":  # the backend's own cost, no engine
+            from benchmarks.measure import time_collectives
+
+            result["collective_seconds"] = time_collectives(int(case["numel"]))
+            return result
         workload = make_workload(case["workload"], quick=bool(case.get("quick")))
         runner = make_runner(case["engine"])
         model = workload.build_model(int(case["seed"]))
