@@ -99,6 +99,15 @@ def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, 
     return row
 
 
+NOISY_SPREAD = 1.5  # slowest / fastest measured step above which a step time is marked as disturbed
+
+
+def step_spread(row: dict[str, Any]) -> float | None:
+    """Slowest / fastest measured step: ~1.0-1.2 on a quiet machine; far above when other work ran."""
+    times = row.get("step_times") or []
+    return max(times) / min(times) if times and min(times) > 0 else None
+
+
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
     """Ratios to DDP and to the best alternative (fastest non-deepshard engine of the same ZeRO stage;
     FSDP2 counts as stage 3), within each (workload, dtype, nprocs) group; and the loss agreement."""

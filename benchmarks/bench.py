@@ -128,7 +128,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     machine["load_average_before"] = load_before
     return {"machine": machine, "command": "python benchmarks/bench.py " + shlex.join(sys.argv[1:]),
             "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "workloads": workloads,
-            "collectives": collectives, "rows": rows, "scaling_runs": scale_rows, "scaling": analysis.scaling_rows(scale_rows),
+            "collectives": collectives, "rows": rows, "scaling_runs": scale_rows,
+            "scaling": analysis.scaling_rows(scale_rows),
             "targets": [t.describe() for t in targets],
             "targets_detail": [{**vars(t), "verdict": t.verdict} for t in targets], "notes": _notes(rows)}
 
@@ -140,6 +141,11 @@ def _notes(rows: list[dict[str, Any]]) -> list[str]:
         notes.append("LOSS MISMATCH (a bug report, not a result): " + ", ".join(
             f"{r['engine']} {r['workload']} {r['dtype']}: {r['final_loss']:.6f} vs {r['loss_reference']} "
             f"(rel. diff {r['loss_rel_diff']:.2e})" for r in bad))
+    noisy = [r for r in rows if r["status"] == "ok" and (analysis.step_spread(r) or 1.0) > analysis.NOISY_SPREAD]
+    if noisy:
+        notes.append("noisy (slowest measured step > 1.5x the fastest: other work ran on the machine; every "
+                     "step's time is in bench.json): " + ", ".join(
+                         f"{r['engine']} {r['workload']} {r['dtype']} ({analysis.step_spread(r):.1f}x)" for r in noisy))
     crashed = [r for r in rows if r["status"] == "error"]
     if crashed:
         notes.append("crashed: " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']}" for r in crashed))

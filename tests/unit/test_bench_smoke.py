@@ -1,0 +1,174 @@
+"""The benchmark harness (benchmarks/): formulas, aggregation, targets, report and counting on synthetic
+numbers, then one tiny 2-process run of the DDP and deepshard runners that must agree on the loss."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import analysis, report  # noqa: E402
+from benchmarks.measure import CollectiveCounter, CommCount  # noqa: E402
+from benchmarks.spawn import run_case  # noqa: E402
+from benchmarks.workloads import make_workload  # noqa: E402
+
+PSI, N = 1000, 4
+
+
+@pytest.mark.parametrize("stage, dtype, expected", [
+    (0, "fp32", 16 * PSI), (1, "fp32", 8 * PSI + 8 * PSI / N), (2, "fp32", 4 * PSI + 12 * PSI / N),
+    (3, "fp32", 16 * PSI / N), (0, "bf16", 16 * PSI), (1, "bf16", 4 * PSI + 12 * PSI / N),
+    (2, "bf16", 2 * PSI + 14 * PSI / N), (3, "bf16", 16 * PSI / N)])
+def test_model_state_formula(stage: int, dtype: str, expected: float) -> None:
+    assert analysis.model_state_formula(stage, PSI, N, dtype) == pytest.approx(expected)
+
+
+def test_analytic_volume_and_errors() -> None:
+    assert [analysis.analytic_volume_elements(s, PSI, N) for s in range(4)] == [2000, 2000, 2000, 3000]
+    assert analysis.analytic_volume_elements(3, PSI, 1) == 0
+    with pytest.raises(ValueError, match="stage 4"):
+        analysis.model_state_formula(4, PSI, N, "fp32")
+    assert analysis.ratio(3.0, 0) is None and analysis.ratio(3.0, 2.0) == 1.5
+    report_ = {"parameters": 10, "gradients": 10, "master_weights": 0, "optimizer_state": 20, "buffers": 7,
+               "gathered_parameters": 3, "comm_buckets": 5, "total": 55}
+    assert analysis.model_state_bytes(report_) == 43  # buffers, comm buckets and the total left out
+
+
+@pytest.mark.parametrize("name, quick", [("tiny", False), ("mlp", True), ("gpt", True)])
+def test_parameter_count_closed_form(name: str, quick: bool) -> None:
+    w = make_workload(name, quick=quick)
+    assert sum(p.numel() for p in w.build_model(0).parameters()) == w.parameter_count()
+
+
+def test_rank_slices_make_the_global_batch() -> None:
+    w = make_workload("gpt", quick=True)
+    whole_x, whole_y = w.batch(0, 3, 0, 1)
+    parts = [w.batch(0, 3, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole_x)
+    assert torch.equal(torch.cat([p[1] for p in parts]), whole_y)
+    assert torch.equal(whole_x[:, 1:], whole_y[:, :-1])  # next-token targets
+    with pytest.raises(ValueError, match="divisible"):
+        w.batch(0, 0, 0, 3)
+
+
+def _ranks(times: list[list[float]], losses: list[list[float]], volume: int, state: dict | None = None,
+           peak: int = 1000) -> list[dict]:
+    ops = {"all_reduce": {"calls": 2, "elements": volume, "bytes": 4 * volume, "volume_elements": volume,
+                          "volume_bytes": 4 * volume}}
+    return [{"status": "ok", "step_times": t, "losses": loss, "comm_ops": ops, "peak_rss": peak, "rss_base": 100,
+             "live_tensor_bytes": 16 * PSI, "model_state": state} for t, loss in zip(times, losses)]
+
+
+def _case(engine: str) -> dict:
+    return {"engine": engine, "workload": "mlp", "dtype": "fp32", "nprocs": 2, "warmup": 1, "steps": 3}
+
+
+def test_summarize_compare_and_targets() -> None:
+    # slowest rank per measured step: [2, 4, 3] -> median 3; the warm-up step (9) is left out
+    ddp = analysis.summarize_case(_case("ddp"), _ranks([[9, 2, 1, 3], [9, 1, 4, 2]], [[4, 3, 2, 1]] * 2,
+                                                       3 * 2 * PSI), PSI, 64, "ddp", 0)
+    assert ddp["step_time"] == 3 and ddp["throughput"] == pytest.approx(64 / 3)
+    assert ddp["comm_volume_elements"] == 2 * PSI and ddp["volume_vs_analytic"] == pytest.approx(1.0)
+    state = {"parameters": 4 * PSI, "gradients": 4 * PSI, "master_weights": 0, "optimizer_state": 8 * PSI,
+             "buffers": 0, "comm_buckets": 0, "total": 16 * PSI}
+    ours = analysis.summarize_case(_case("deepshard-z0"), _ranks([[1, 3.3, 3.3, 3.3]] * 2, [[4, 3, 2, 1.00001]] * 2,
+                                                                3 * 2 * PSI, state), PSI, 64, "deepshard", 0)
+    bad = analysis.summarize_case(_case("deepshard-z1"), _ranks([[1, 3, 3, 3]] * 2, [[4, 3, 2, 1.5]] * 2,
+                                                               3 * 2 * PSI, state), PSI, 64, "deepshard", 1)
+    missing = analysis.summarize_case(_case("deepshard-z3"), [{"status": "not implemented", "reason": "later"}],
+                                      PSI, 64, "deepshard", 3)
+    rows = [ddp, ours, bad, missing]
+    analysis.add_comparisons(rows)
+    assert ours["vs_ddp"] == pytest.approx(1.1) and ours["best_alternative"] == "ddp"
+    assert ours["state_vs_formula"] == pytest.approx(1.0) and ours["loss_ok"]
+    assert not bad["loss_ok"] and bad["loss_rel_diff"] == pytest.approx(0.5)
+    assert missing["status"] == "not implemented" and "vs_ddp" not in missing
+    verdicts = {(t.name, t.where.split()[0]): t.verdict for t in analysis.evaluate_targets(rows)}
+    assert verdicts[("step time / DDP", "deepshard-z0")] == "met"  # 1.10 exactly is within the target
+    assert verdicts[("model-state bytes / formula", "deepshard-z1")] == "MISSED"  # 16Ψ held, 12Ψ expected
+    assert verdicts[("volume per step / analytic", "deepshard-z0")] == "met"
+    run = {"machine": report.machine_info(), "command": "python benchmarks/bench.py --quick",
+           "settings": {"warmup": 1, "steps": 3, "seed": 0, "lr": 1e-3}, "rows": rows, "scaling": [],
+           "targets_detail": [{**vars(t), "verdict": t.verdict} for t in analysis.evaluate_targets(rows)],
+           "notes": [],
+           "collectives": {"status": "ok", "nprocs": 2, "mib": 100.0,
+                           "ms": {"all_reduce": 120.4, "reduce_scatter": 240.0}}}
+    table = report.format_table(run)
+    assert "deepshard-z3  not implemented" in table and "MISMATCH" in table and "1.10 (ddp)" in table
+    assert "100 MiB of fp32 per call: all_reduce 120 ms, reduce_scatter 240 ms" in table
+    markdown = report.render_markdown(run, chart="chart.png")
+    assert "| deepshard-z0 | 3,300 |" in markdown and "![" in markdown
+    assert "| deepshard-z1 mlp fp32 N=2 | 1.000 ok | - | - | - | 1.333 MISSED | 1.000 ok |" in markdown
+    assert analysis.step_spread(ddp) == pytest.approx(2.0)  # measured steps 2, 4, 3
+    assert report.row_cells(ddp)[1] == "3,000 (noisy)" and report.row_cells(ours)[1] == "3,300"
+
+
+def test_scaling_rows_against_one_process() -> None:
+    rows = []
+    for n in (1, 2, 4):
+        state = {"parameters": 16 * PSI // n, "total": 16 * PSI // n}
+        case = {**_case("deepshard-z3"), "nprocs": n, "warmup": 0, "steps": 1}
+        rows.append(analysis.summarize_case(case, _ranks([[1.0]] * n, [[1.0]] * n, 3 * PSI, state), PSI, 64,
+                                            "deepshard", 3))
+    scaled = analysis.scaling_rows(rows)
+    assert [s["vs_one_process"] for s in scaled] == pytest.approx([1.0, 0.5, 0.25])
+    assert [s["formula"] for s in scaled] == pytest.approx([16 * PSI, 8 * PSI, 4 * PSI])
+
+
+def test_update_docs_replaces_only_the_block(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Title\nintro\n\n{report.DOCS_BEGIN}\nold figures\n{report.DOCS_END}\n\nafter\n")
+    report.update_docs(doc, "new figures\n")
+    text = doc.read_text()
+    assert "old figures" not in text and "new figures" in text and text.startswith("# Title\nintro")
+    assert text.rstrip().endswith("after")
+
+
+def test_counter_counts_nested_collectives_once() -> None:
+    counter = CollectiveCounter()
+    calls = []
+
+    def inner(output: torch.Tensor, shard: torch.Tensor) -> None:
+        calls.append("inner")
+
+    wrapped_inner = counter._wrap("all_gather_single", inner, 1, lambda a, k: a[0])
+
+    def outer(output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> None:
+        wrapped_inner(output_tensor, input_tensor)  # torch 2.13's all_gather_into_tensor does this
+
+    wrapped_outer = counter._wrap("all_gather_into_tensor", outer, 1, lambda a, k: k["output_tensor"])
+    wrapped_outer(output_tensor=torch.zeros(8), input_tensor=torch.zeros(4))
+    wrapped_inner(torch.zeros(6, dtype=torch.bfloat16), torch.zeros(3))
+    assert calls == ["inner", "inner"]
+    assert counter.count.ops["all_gather_into_tensor"] == {"calls": 1, "elements": 8, "bytes": 32,
+                                                           "volume_elements": 8, "volume_bytes": 32}
+    assert counter.count.ops["all_gather_single"]["bytes"] == 12
+    count = CommCount()
+    count.record("all_reduce", 10, 4, 2)
+    assert count.total("volume_bytes") == 80 and count.total("bytes") == 40
+
+
+def test_two_process_ddp_and_deepshard_agree() -> None:
+    """The real harness: fresh processes, gloo, 2 ranks, the ~8.5k-parameter MLP, 2 steps."""
+    w = make_workload("tiny")
+    psi = w.parameter_count()
+    rows = {}
+    for engine, family in (("ddp", "ddp"), ("deepshard-z0", "deepshard")):
+        case = {"engine": engine, "workload": "tiny", "dtype": "fp32", "nprocs": 2, "warmup": 1, "steps": 1,
+                "seed": 0, "lr": 1e-3}
+        ranks = run_case(case, timeout=120)
+        assert all(r["status"] == "ok" for r in ranks), [r.get("reason") for r in ranks]
+        rows[engine] = analysis.summarize_case(case, ranks, psi, w.samples_per_step(), family, 0)
+    ddp, ours = rows["ddp"], rows["deepshard-z0"]
+    assert len(ddp["losses"]) == 2
+    assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+    assert ours["losses"][1] != ours["losses"][0]  # the step changed the weights
+    assert ddp["comm_volume_elements"] == 2 * psi  # counted by the DDP comm hook
+    assert ours["comm_volume_elements"] == 2 * psi  # deepshard's comms logger
+    assert ours["model_state"] == 16 * psi  # fp32 Adam, stage 0
+    assert ddp["peak_rss"] > 0 and ours["live_tensor_bytes"] >= 16 * psi
