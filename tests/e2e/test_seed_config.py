@@ -2,24 +2,16 @@
 ZeRO stage 2 (DeepSpeed 0.19.8 refuses it on CPU twice: fp16 unsupported, SGD "untested")."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.e2e.test_launcher import SCRIPTS, _launch
+from tests.e2e.test_deepspeed_script import run_deepspeed_script
 
 SEED_CONFIG = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.001, "momentum": 0.9}},
                "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}
 
 
 def test_seed_config_runs_as_written(tmp_path: Path) -> None:
-    cfg = tmp_path / "ds_config.json"
-    cfg.write_text(json.dumps(SEED_CONFIG))
-    proc = _launch(["--num_gpus", "2", str(SCRIPTS / "deepspeed_style_train.py"), "--deepspeed",
-                    "--deepspeed_config", str(cfg), "--save_dir", str(tmp_path / "ckpt"), "--steps", "40"],
-                   timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in rows) == [0, 1]
+    proc, rows = run_deepspeed_script(tmp_path, SEED_CONFIG, steps=40)
     for r in rows:
         assert r["world"] == 2 and r["steps"] == 40  # 4 = 2 per process x 2 processes, no accumulation
         assert r["last"] < r["first"]  # it trains (SGD lr 1e-3 is slow; the point is that it runs)

@@ -72,7 +72,12 @@ def reference_run(batches: list[tuple[torch.Tensor, torch.Tensor]], clip: float,
         opt: torch.optim.Optimizer = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
     else:
         opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    sched = scheduler(opt) if scheduler is not None else None
+    return train_reference(model, opt, batches, clip, scheduler(opt) if scheduler is not None else None)
+
+
+def train_reference(model: nn.Module, opt: torch.optim.Optimizer, batches: list, clip: float,
+                    sched: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process loop every reference uses: full global batch, torch's clip_grad_norm_."""
     losses = []
     for x, y in batches:
         loss = model(x, y)
@@ -137,13 +142,4 @@ def reference_transformer(batches: list, clip: float, lr: float = 0.1) -> tuple[
     into full-size steps, making a 1e-6 comparison meaningless for that one tensor."""
     model = make_transformer()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(model, opt, batches, clip)

@@ -44,9 +44,9 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     comm, rank = engine.comm, engine.comm.rank
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        staging = ckpt_io.staging_dir(save_dir, tag)
+        ckpt_io.staging_dir(save_dir, tag)  # created empty by one rank, before the others write
     comm.barrier()
-    staging = _staging_path(save_dir, tag)
+    staging = ckpt_io.staging_path(save_dir, tag)
     files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
     ckpt_io.save_tensors(staging / _rng_file(rank), _rng_state(engine.accelerator.kind))
     files.append(_rng_file(rank))
@@ -86,11 +86,6 @@ def _write_zero_to_fp32_script(save_dir: Path) -> None:
         tmp = target.with_name(".zero_to_fp32.py.tmp")
         tmp.write_text(_ZERO_TO_FP32_SCRIPT)
         tmp.replace(target)
-
-
-def _staging_path(save_dir: Path, tag: str) -> Path:
-    """Where every rank writes before rank 0 publishes (``checkpoint.io.staging_dir`` creates it)."""
-    return save_dir / f".tmp-{tag}"
 
 
 def _gather_file_lists(engine: "DeepShardEngine", files: list[str]) -> list[str]:

@@ -309,14 +309,19 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
+def staging_path(save_dir: Path, tag: str) -> Path:
+    """Where the processes write a checkpoint before it is published (``save_dir/.tmp-<tag>``)."""
+    validate_tag(tag)
+    return Path(save_dir) / f".tmp-{tag}"
+
+
 def staging_dir(save_dir: Path, tag: str) -> Path:
     """Create an empty ``save_dir/.tmp-<tag>`` (removing a leftover one) and return it.
 
     Only one process (rank 0) may call this, before a barrier: it deletes any previous staging
     directory of the same tag, which is the debris of an interrupted save.
     """
-    validate_tag(tag)
-    path = Path(save_dir) / f".tmp-{tag}"
+    path = staging_path(save_dir, tag)
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)

@@ -62,9 +62,7 @@ class Stage0Strategy(ZeroStrategy):
         return total / loss_scale
 
     def step(self, grad_multiplier: float) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
-                               "or add an \"optimizer\" section to the config")
+        self.require_optimizer()
         if self.masters is not None:
             self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
             self.optimizer.step()

@@ -144,16 +144,22 @@ class Stage12Strategy(ZeroStrategy):
 
     # ---------------------------------------------------------------------------------------- step
     def global_grad_norm(self, loss_scale: float) -> float:
-        local = squared_norm(self.reducer.shard_grads(), self.ctx.device)
+        local = squared_norm(self._grad_shards(), self.ctx.device)
         total = self.ctx.comm.all_reduce_sum_scalar(local)
         return float(total.sqrt().item()) / loss_scale
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
-                               "or add an \"optimizer\" section to the config")
+        self.require_optimizer()
         self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
+        self._after_update()
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient ranges (what the global norm is taken over)."""
+        return self.reducer.shard_grads()
+
+    def _after_update(self) -> None:
+        """Make the updated partitions visible to the module: all-gather every bucket."""
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:

@@ -103,6 +103,13 @@ class ZeroStrategy(ABC):
         """Restore model (and optionally optimizer) state from a checkpoint directory written by any
         stage and any process count."""
 
+    def require_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, or the error that says how to give one."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
+                               "or add an \"optimizer\" section to the config")
+        return self.optimizer
+
     # ---------------------------------------------------------------------------------- accounting
     @abstractmethod
     def memory_report(self) -> dict[str, int]:

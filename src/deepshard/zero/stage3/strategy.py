@@ -25,7 +25,7 @@ from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.stage12 import Stage12Strategy, squared_norm
+from deepshard.zero.stage12 import Stage12Strategy
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -180,16 +180,11 @@ class Stage3Strategy(Stage12Strategy):
             if g.users == 0:
                 g.reshard()
 
-    def global_grad_norm(self, loss_scale: float) -> float:
-        local = squared_norm([self.grad_shard], self.ctx.device)
-        return float(self.ctx.comm.all_reduce_sum_scalar(local).sqrt().item()) / loss_scale
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [self.grad_shard]
 
-    @torch.no_grad()
-    def step(self, grad_multiplier: float) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("engine.step() needs an optimizer: pass optimizer=... to deepshard.initialize "
-                               "or add an \"optimizer\" section to the config")
-        self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
+    def _after_update(self) -> None:
+        """Parameters are gathered lazily by the hooks; only groups held gathered are refreshed."""
         self.param_store.flush()
         for g in self.groups:
             if g.state is not GroupState.SHARDED:

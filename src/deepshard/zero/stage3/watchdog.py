@@ -24,7 +24,8 @@ class CollectiveTimeout(RuntimeError):
 
 
 class Watchdog:
-    """``wait(work, what)`` with a timeout and a diagnosis; ``issued()`` counts collectives."""
+    """``wait(work, what)`` with a timeout and a diagnosis; ``sequence`` counts the collectives waited on
+    (in the order every rank issues them)."""
 
     def __init__(self, comm: CommGroup, timeout_s: float | None = None) -> None:
         self.comm = comm
@@ -33,11 +34,8 @@ class Watchdog:
         self.sequence = 0
         self._store = _default_store()
 
-    def issued(self) -> int:
-        self.sequence += 1
-        return self.sequence
-
     def wait(self, work: Any, what: str) -> None:
+        self.sequence += 1
         if self.comm.size == 1 or self.timeout_s <= 0:
             work.wait()
             return
