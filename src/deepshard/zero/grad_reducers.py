@@ -4,7 +4,8 @@ Both reducers launch buckets strictly in index order (as stage 0 does) so every 
 collectives in the same order, and both leave each rank the *average* of its chunk of every bucket.
 
 * Stage 1 keeps a full gradient buffer (``.grad`` are views into it, accumulation is local) and, at the
-  accumulation boundary, reduce-scatters each bucket as soon as backward has produced it.
+  accumulation boundary, reduce-scatters each bucket as soon as backward has produced it, with at most
+  ``max_in_flight`` buckets in flight (each holds the collective's scratch), back into its own chunk.
 * Stage 2 keeps only this rank's shard of the gradient. Every backward copies each fresh ``.grad`` into
   its bucket's staging buffer (and frees it); a full bucket is reduce-scattered asynchronously and its
   chunk added into the shard. At most ``max_in_flight`` buckets are staged at once, so a process holds
@@ -50,18 +51,28 @@ class _OrderedLauncher:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         raise NotImplementedError
 
-    def _reduce_scatter(self, bucket: Bucket, full: torch.Tensor, staging: torch.Tensor | None) -> None:
-        """Start reduce-scattering ``full`` (the bucket's padded range) into a chunk-sized output."""
+    def _reduce_scatter(self, bucket: Bucket, full: torch.Tensor, staging: torch.Tensor | None,
+                        into: torch.Tensor | None = None) -> None:
+        """Start reduce-scattering ``full`` (the bucket's padded range) into a chunk-sized output:
+        ``into`` itself where the backend can write a chunk of its own input (pairwise collectives)
+        and no dtype conversion is needed, else a fresh tensor."""
         send = full if self.comm_dtype is None or self.comm_dtype == full.dtype else full.to(self.comm_dtype)
         if self.predivide != 1.0:
             send.div_(self.predivide)  # the staged/full buffer is rewritten or zeroed after the step
-        out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
+        if into is not None and self.comm.pairwise and send is full and into.dtype == send.dtype:
+            out = into
+        else:
+            out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
         self.in_flight.append(_InFlight(bucket, work, out, staging))
 
     def _finish(self, item: _InFlight, target: torch.Tensor, accumulate: bool) -> None:
         """Wait for ``item`` and write (or add) its averaged chunk into ``target``."""
         item.work.wait()
+        if item.out.data_ptr() == target.data_ptr() and not accumulate:
+            if self.post != 1.0:
+                target.mul_(self.post)
+            return
         chunk = item.out.to(target.dtype) if item.out.dtype != target.dtype else item.out
         if self.post != 1.0:
             chunk.mul_(self.post)
@@ -80,8 +91,10 @@ class Stage1Reducer(_OrderedLauncher):
     """Full local gradient buffer; reduce-scatter at the accumulation boundary."""
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
-                 device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool) -> None:
+                 device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
+                 max_in_flight: int = 2) -> None:
         super().__init__(layout, params, comm, comm_dtype, predivide, average)
+        self.max_in_flight = max(1, max_in_flight)
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
         self._bind()
@@ -118,7 +131,16 @@ class Stage1Reducer(_OrderedLauncher):
             self.next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        self._reduce_scatter(bucket, self.flat_grad[bucket.start:bucket.start + bucket.padded], None)
+        while len(self.in_flight) >= self.max_in_flight:
+            self._finish_oldest()
+        lo, hi = bucket.owned(self.comm.rank)
+        self._reduce_scatter(bucket, self.flat_grad[bucket.start:bucket.start + bucket.padded], None,
+                             into=self.flat_grad[lo:hi])
+
+    def _finish_oldest(self) -> None:
+        item = self.in_flight.pop(0)
+        lo, hi = item.bucket.owned(self.comm.rank)
+        self._finish(item, self.flat_grad[lo:hi], accumulate=False)
 
     def end_backward(self) -> None:
         if not self.active:
@@ -126,10 +148,8 @@ class Stage1Reducer(_OrderedLauncher):
         while self.next_launch < len(self.layout.buckets):
             self._launch(self.layout.buckets[self.next_launch])
             self.next_launch += 1
-        for item in self.in_flight:
-            lo, hi = item.bucket.owned(self.comm.rank)
-            self._finish(item, self.flat_grad[lo:hi], accumulate=False)
-        self.in_flight.clear()
+        while self.in_flight:
+            self._finish_oldest()
         self.active = False
 
     def shard_grads(self) -> list[torch.Tensor]:

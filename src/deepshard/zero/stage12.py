@@ -163,12 +163,8 @@ class Stage12Strategy(ZeroStrategy):
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
-        works = []
-        for bucket in self.layout.buckets:
-            lo, hi = bucket.owned(self.ctx.comm.rank)
-            mine = self.flat_param[lo:hi].clone()
-            out = self.flat_param[bucket.start:bucket.start + bucket.padded]
-            works.append(self.ctx.comm.all_gather_into_tensor(out, mine, async_op=True))
+        works = [self.ctx.comm.all_gather_inplace(self.flat_param[b.start:b.start + b.padded], async_op=True)
+                 for b in self.layout.buckets]
         for w in works:
             w.wait()
 

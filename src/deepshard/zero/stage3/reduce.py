@@ -80,7 +80,10 @@ class Stage3Reducer:
         if self.predivide != 1.0:
             send.div_(self.predivide)
         group = self.groups[gi]
-        out = torch.empty(group.chunk, dtype=send.dtype, device=send.device)
+        if self.comm.pairwise and send is staging:  # the reduced chunk lands in the staging buffer itself
+            out = staging[self.comm.rank * group.chunk:(self.comm.rank + 1) * group.chunk]
+        else:
+            out = torch.empty(group.chunk, dtype=send.dtype, device=send.device)
         work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
         self.in_flight.append(_InFlight(gi, work, out))
         self.launched.add(gi)

@@ -1,0 +1,114 @@
+"""Reduce-scatter and all-gather as direct pairwise exchanges (``isend``/``irecv``), for gloo.
+
+gloo's own ``reduce_scatter_tensor`` runs a full all-reduce into a copy of the input and keeps one chunk,
+and its ``all_gather_into_tensor`` is slower still; measured on 2 processes, 100 MiB of fp32
+(``benchmarks/``): all-reduce 88 ms, native reduce-scatter 135 ms, native all-gather 170 ms, pairwise
+reduce-scatter 68 ms, pairwise all-gather 48 ms. The pairwise forms move the optimal volume: each rank
+sends ``(N-1)/N`` of the tensor once, all transfers in flight at the same time, and the reduce-scatter's
+only scratch is the ``N-1`` incoming chunks (the native one copies the whole input).
+
+Every rank issues the same collectives in the same order, so each pairwise collective can use one tag
+(a sequence number from its ``CommGroup``) for all of its messages; gloo matches messages of one tag
+between one pair in order.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+TAG_MODULUS = 1 << 30  # gloo tags are non-negative 32-bit values
+
+
+class PairwiseWork:
+    """Async handle of a pairwise collective; ``wait()`` completes the transfers, then ``finish``."""
+
+    def __init__(self, works: list[dist.Work], finish: Optional[Callable[[], None]] = None) -> None:
+        self._works = works
+        self._finish = finish
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Complete the collective; with ``timeout``, False (or gloo's timeout error) when the transfers
+        did not finish in time, and the handle can be waited on again."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while self._works:
+            if deadline is None:
+                self._works[0].wait()
+            else:
+                left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                if self._works[0].wait(timeout=left) is False:
+                    return False
+            self._works.pop(0)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        """True when every transfer is done (a reduce-scatter still adds its chunks in ``wait()``)."""
+        return all(w.is_completed() for w in self._works)
+
+
+def _exchange(rank: int, size: int) -> list[tuple[int, int]]:
+    """(send-to, receive-from) group ranks of each of the N-1 exchanges: rank r sends to r+k and
+    receives from r-k, so every pair talks in both directions at once."""
+    return [((rank + k) % size, (rank - k) % size) for k in range(1, size)]
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, rank: int, peers: list[int],
+                   group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+    """Sum ``full`` (N equal chunks) over the ranks, leaving chunk ``rank`` in ``output``.
+
+    ``full`` must stay unchanged until ``wait()`` returns; ``output`` may be chunk ``rank`` of ``full``.
+    16-bit chunks from more than two ranks are summed in fp32 and rounded once.
+    """
+    size = len(peers)
+    if not (full.is_contiguous() and output.is_contiguous()):
+        raise ValueError("reduce_scatter: input and output tensors must be contiguous")
+    chunks = full.reshape(size, -1)
+    if output.numel() != chunks.shape[1]:
+        raise ValueError(f"reduce_scatter: output has {output.numel()} elements, expected "
+                         f"{chunks.shape[1]} (input of {full.numel()} over {size} ranks)")
+    incoming = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
+    works = []
+    for k, (dst, src) in enumerate(_exchange(rank, size)):
+        works.append(dist.isend(chunks[dst], peers[dst], group=group, tag=tag))
+        works.append(dist.irecv(incoming[k], peers[src], group=group, tag=tag))
+
+    def finish() -> None:
+        out = output.reshape(-1)
+        if size > 2 and full.element_size() < 4:  # 16-bit: sum in fp32, round once
+            acc = chunks[rank].float()
+            for k in range(size - 1):
+                acc.add_(incoming[k])
+            out.copy_(acc)
+            return
+        torch.add(chunks[rank], incoming[0], out=out)
+        for k in range(1, size - 1):
+            out.add_(incoming[k])
+
+    return PairwiseWork(works, finish)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list[int],
+               group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+    """Concatenate every rank's ``shard`` into ``output`` in rank order. ``shard`` may already be chunk
+    ``rank`` of ``output`` (an in-place gather); it must stay unchanged until ``wait()`` returns."""
+    size = len(peers)
+    if not output.is_contiguous():
+        raise ValueError("all_gather: the output tensor must be contiguous (it is received into in place)")
+    chunks = output.reshape(size, -1)
+    mine = shard.reshape(-1)
+    if mine.numel() != chunks.shape[1]:
+        raise ValueError(f"all_gather: shard has {mine.numel()} elements, expected {chunks.shape[1]} "
+                         f"(output of {output.numel()} over {size} ranks)")
+    if mine.data_ptr() != chunks[rank].data_ptr():
+        chunks[rank].copy_(mine)
+    works = []
+    for dst, src in _exchange(rank, size):
+        works.append(dist.isend(chunks[rank], peers[dst], group=group, tag=tag))
+        works.append(dist.irecv(chunks[src], peers[src], group=group, tag=tag))
+    return PairwiseWork(works)

@@ -1,0 +1,63 @@
+"""Per-rank bodies for the CommGroup collective tests (imported by spawned workers)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepshard.comm.group import CommGroup
+
+
+def collectives_agree(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
+    """Pairwise reduce-scatter / all-gather / in-place all-gather vs closed-form expectations and vs
+    gloo's native collectives, with several async calls in flight at once (tags must not mix)."""
+    dtype = getattr(torch, dtype_name)
+    pair, native = CommGroup(pairwise=True), CommGroup(pairwise=False)
+    assert pair.pairwise and not native.pairwise
+    chunk = 1000 + 7  # odd size: no accidental alignment
+
+    def data_of(r: int) -> list[torch.Tensor]:  # every rank can rebuild every rank's input
+        gen = torch.Generator().manual_seed(100 + r)
+        return [torch.randn(chunk * world, generator=gen).to(dtype) for _ in range(3)]
+
+    fulls = data_of(rank)
+    everyone = [data_of(r) for r in range(world)]
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    exact_sums = [sum(parts[i].double() for parts in everyone)[mine] for i in range(3)]
+    magnitudes = [sum(parts[i].double().abs() for parts in everyone)[mine] for i in range(3)]
+    outs = [torch.empty(chunk, dtype=dtype) for _ in fulls]
+    works = [pair.reduce_scatter_tensor(o, f.clone(), async_op=True) for o, f in zip(outs, fulls)]
+    for w in works:
+        w.wait()
+    expected = []
+    for f in fulls:
+        ref = torch.empty(chunk, dtype=dtype)
+        native.reduce_scatter_tensor(ref, f.clone())
+        expected.append(ref)
+    # reduce-scatter into a chunk of its own input (what the stage 1 reducer does)
+    own = fulls[0].clone()
+    pair.reduce_scatter_tensor(own[rank * chunk:(rank + 1) * chunk], own)
+    # every rank contributes rank + 1 everywhere: the sum is exact in any dtype
+    exact = torch.empty(chunk, dtype=dtype)
+    pair.reduce_scatter_tensor(exact, torch.full((chunk * world,), float(rank + 1), dtype=dtype))
+    shard = torch.arange(chunk, dtype=torch.float32).to(dtype) + 10_000 * rank
+    gathered = torch.empty(chunk * world, dtype=dtype)
+    pair.all_gather_into_tensor(gathered, shard)
+    native_gathered = torch.empty(chunk * world, dtype=dtype)
+    native.all_gather_into_tensor(native_gathered, shard)
+    inplace = torch.zeros(chunk * world, dtype=dtype)
+    inplace[rank * chunk:(rank + 1) * chunk] = shard
+    pair.all_gather_inplace(inplace)
+    # error relative to the sum of the magnitudes (cancellation makes the plain relative error unbounded)
+    return {"rs_vs_exact": max(float(((o.double() - e) / m).abs().max())
+                               for o, e, m in zip(outs, exact_sums, magnitudes)),
+            "rs_vs_native": max(float((o.float() - e.float()).abs().max()) for o, e in zip(outs, expected)),
+            "rs_own_vs_native": float((own[rank * chunk:(rank + 1) * chunk].float() - expected[0].float())
+                                      .abs().max()),
+            "rs_exact": bool(torch.all(exact == world * (world + 1) / 2)),
+            "ag_equal_native": bool(torch.equal(gathered, native_gathered)),
+            "ag_expected": bool(torch.equal(gathered, torch.cat([torch.arange(chunk, dtype=torch.float32).to(dtype)
+                                                                  + 10_000 * r for r in range(world)]))),
+            "ag_inplace": bool(torch.equal(inplace, gathered)),
+            "backend": dist.get_backend()}
