@@ -61,3 +61,26 @@ def collectives_agree(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
                                                                   + 10_000 * r for r in range(world)]))),
             "ag_inplace": bool(torch.equal(inplace, gathered)),
             "backend": dist.get_backend()}
+
+
+def pieces_reduce(rank: int, world: int, sizes: list[int], chunk: int, dtype_name: str,
+                  pairwise: bool) -> dict[str, Any]:
+    """reduce_scatter_pieces over pieces of uneven sizes (a piece may span chunks, the last chunk is
+    padded) against the sum of every rank's concatenation, rebuilt from the seeds."""
+    dtype = getattr(torch, dtype_name)
+    comm = CommGroup(pairwise=pairwise)
+
+    def pieces_of(r: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(7 + r)
+        return [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+
+    works = [comm.reduce_scatter_pieces(pieces_of(rank), chunk) for _ in range(2)]  # two in flight
+    for w in works:
+        w.wait()
+    total = torch.zeros(chunk * world, dtype=torch.float64)
+    for r in range(world):
+        flat = torch.cat([p.double() for p in pieces_of(r)])
+        total[:flat.numel()] += flat
+    expected = total[rank * chunk:(rank + 1) * chunk]
+    return {"err": max(float((w.result.double() - expected).abs().max()) for w in works),
+            "shape_ok": all(tuple(w.result.shape) == (chunk,) for w in works)}

@@ -21,3 +21,14 @@ def test_pairwise_collectives_match_native(world: int, dtype: str) -> None:
         assert res["rs_vs_native"] <= native_tol, f"rank {r}: {res}"
         assert res["rs_own_vs_native"] <= native_tol, f"rank {r}: {res}"
         assert res["ag_expected"] and res["ag_equal_native"] and res["ag_inplace"], f"rank {r}: {res}"
+
+
+@pytest.mark.parametrize("world,pairwise", [(2, True), (3, True), (4, True), (3, False)])
+def test_reduce_scatter_pieces_matches_the_concatenation(world: int, pairwise: bool) -> None:
+    from tests.multiproc.scenarios_comm import pieces_reduce
+
+    sizes = [5, 1, 37, 0, 12]  # 55 elements: pieces cross chunk borders, one is empty
+    chunk = -(-55 // world) + 1  # a padded tail on the last rank
+    for r, res in enumerate(run_world(pieces_reduce, world, sizes, chunk, "float32", pairwise)):
+        assert res["shape_ok"], f"rank {r}: {res}"
+        assert res["err"] <= 1e-5, f"rank {r}: {res}"

@@ -114,6 +114,37 @@ class CommGroup:
                                                    self._next_tag()), async_op)
         return _reduce_scatter(output, full, group=self.group, async_op=async_op)
 
+    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int) -> pairwise.PairwiseWork:
+        """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
+        returned work's ``result`` is this rank's reduced chunk after ``wait()``. Pairwise backends send
+        the pieces as they are; others copy them into one staging buffer for the native collective."""
+        if not pieces:
+            raise ValueError("reduce_scatter_pieces needs at least one tensor")
+        dtype, device = pieces[0].dtype, pieces[0].device
+        if any(p.dim() != 1 or not p.is_contiguous() or p.dtype != dtype for p in pieces):
+            raise ValueError("reduce_scatter_pieces: pieces must be 1-D, contiguous and of one dtype")
+        if self.size == 1:
+            flat = torch.zeros(chunk, dtype=dtype, device=device)
+            torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(p.numel() for p in pieces)])
+            work = pairwise.PairwiseWork([])
+            work.result = flat
+            return work
+        self.logger.record("reduce_scatter", chunk * self.size, pieces[0].element_size())
+        if self.pairwise:
+            tag = self._seq + 1
+            self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
+            return pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
+        staging = torch.zeros(chunk * self.size, dtype=dtype, device=device)
+        torch.cat([p.reshape(-1) for p in pieces], out=staging[:sum(p.numel() for p in pieces)])
+        out = torch.empty(chunk, dtype=dtype, device=device)
+        native = _reduce_scatter(out, staging, group=self.group, async_op=True)
+        work = pairwise.PairwiseWork([native], scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
+
+        def finish() -> None:
+            work.result = out
+        work._finish = finish
+        return work
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""
         if self.size == 1:

@@ -7,9 +7,13 @@ reduce-scatter 68 ms, pairwise all-gather 48 ms. The pairwise forms move the opt
 sends ``(N-1)/N`` of the tensor once, all transfers in flight at the same time, and the reduce-scatter's
 only scratch is the ``N-1`` incoming chunks (the native one copies the whole input).
 
-Every rank issues the same collectives in the same order, so each pairwise collective can use one tag
-(a sequence number from its ``CommGroup``) for all of its messages; gloo matches messages of one tag
-between one pair in order.
+``reduce_scatter_pieces`` reduces a list of tensors as if they were concatenated (and zero-padded to N
+equal chunks) without ever concatenating them: each message is the part of one piece that falls in the
+receiver's chunk. ZeRO reduces the gradients autograd produced straight from ``param.grad`` this way,
+with no staging copy.
+
+Every rank issues the same collectives in the same order, so tags come from a sequence in the
+``CommGroup`` and agree across ranks; a multi-message collective uses one tag per piece.
 """
 from __future__ import annotations
 
@@ -24,11 +28,16 @@ TAG_MODULUS = 1 << 30  # gloo tags are non-negative 32-bit values
 
 
 class PairwiseWork:
-    """Async handle of a pairwise collective; ``wait()`` completes the transfers, then ``finish``."""
+    """Async handle of a pairwise collective; ``wait()`` completes the transfers, then ``finish``.
+    ``result`` is the reduced chunk of a pieces reduce-scatter (set by ``wait()``); ``scratch_bytes`` the
+    memory the collective holds while in flight."""
 
-    def __init__(self, works: list[dist.Work], finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, works: list[dist.Work], finish: Optional[Callable[[], None]] = None,
+                 scratch_bytes: int = 0) -> None:
         self._works = works
         self._finish = finish
+        self.result: Optional[torch.Tensor] = None
+        self.scratch_bytes = scratch_bytes
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         """Complete the collective; with ``timeout``, False (or gloo's timeout error) when the transfers
@@ -112,3 +121,57 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list
         works.append(dist.isend(chunks[rank], peers[dst], group=group, tag=tag))
         works.append(dist.irecv(chunks[src], peers[src], group=group, tag=tag))
     return PairwiseWork(works)
+
+
+def piece_ranges(numels: list[int], begin: int, end: int) -> list[tuple[int, int, int]]:
+    """(piece index, offset in the piece, length) of every piece overlapping ``[begin, end)`` of the
+    pieces laid end to end, in piece order."""
+    out, start = [], 0
+    for i, n in enumerate(numels):
+        lo, hi = max(begin, start), min(end, start + n)
+        if lo < hi:
+            out.append((i, lo - start, hi - lo))
+        start += n
+        if start >= end:
+            break
+    return out
+
+
+def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, peers: list[int],
+                          group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+    """Sum, over the ranks, the concatenation of the 1-D contiguous ``pieces`` zero-padded to
+    ``N * chunk`` elements; after ``wait()`` the work's ``result`` holds chunk ``rank`` of the sum (a
+    fresh tensor). Uses tags ``tag .. tag + len(pieces) - 1``; the pieces must stay unchanged until
+    ``wait()`` returns."""
+    size = len(peers)
+    numels = [t.numel() for t in pieces]
+    if sum(numels) > size * chunk:
+        raise ValueError(f"reduce_scatter_pieces: {sum(numels)} elements do not fit {size} chunks of {chunk}")
+    dtype, device = pieces[0].dtype, pieces[0].device
+    incoming = torch.empty((size - 1, chunk), dtype=dtype, device=device)
+    mine = piece_ranges(numels, rank * chunk, (rank + 1) * chunk)
+    covered = sum(n for _, _, n in mine)
+    if covered < chunk:  # the padding at the end of the last chunk
+        incoming[:, covered:].zero_()
+    works = []
+    for k, (dst, src) in enumerate(_exchange(rank, size)):
+        for i, off, n in piece_ranges(numels, dst * chunk, (dst + 1) * chunk):
+            works.append(dist.isend(pieces[i][off:off + n], peers[dst], group=group, tag=tag + i))
+        at = 0
+        for i, _, n in mine:
+            works.append(dist.irecv(incoming[k, at:at + n], peers[src], group=group, tag=tag + i))
+            at += n
+    work = PairwiseWork(works, scratch_bytes=incoming.numel() * incoming.element_size())
+
+    def finish() -> None:
+        acc = incoming[0] if size == 2 or dtype.itemsize >= 4 else incoming[0].float()
+        at = 0
+        for i, off, n in mine:
+            acc[at:at + n].add_(pieces[i][off:off + n])
+            at += n
+        for k in range(1, size - 1):
+            acc.add_(incoming[k])
+        work.result = acc if acc.dtype == dtype else acc.to(dtype)
+
+    work._finish = finish
+    return work

@@ -2,18 +2,19 @@
 
 Both reducers launch buckets strictly in index order (as stage 0 does) so every rank issues the same
 collectives in the same order, and both leave each rank the *average* of its chunk of every bucket.
+At most ``max_in_flight`` buckets are in flight at once (each holds the collective's scratch).
 
 * Stage 1 keeps a full gradient buffer (``.grad`` are views into it, accumulation is local) and, at the
-  accumulation boundary, reduce-scatters each bucket as soon as backward has produced it, with at most
-  ``max_in_flight`` buckets in flight (each holds the collective's scratch), back into its own chunk.
-* Stage 2 keeps only this rank's shard of the gradient. Every backward copies each fresh ``.grad`` into
-  its bucket's staging buffer (and frees it); a full bucket is reduce-scattered asynchronously and its
-  chunk added into the shard. At most ``max_in_flight`` buckets are staged at once, so a process holds
-  its gradient shard plus a few buckets, never the full gradient.
+  accumulation boundary, reduce-scatters each bucket as soon as backward has produced it, back into the
+  bucket's own chunk of that buffer.
+* Stage 2 keeps only this rank's shard of the gradient. Every backward reduce-scatters each bucket
+  straight from the ``.grad`` tensors autograd produced (``CommGroup.reduce_scatter_pieces``: no staging
+  copy on gloo) as soon as all of them exist, adds its chunk into the shard and drops the ``.grad``s, so a
+  process holds its gradient shard plus a few buckets of gradients, never the full gradient.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,18 +27,19 @@ from deepshard.zero.partition import Bucket, FlatLayout
 class _InFlight:
     bucket: Bucket
     work: Any
-    out: torch.Tensor
-    staging: torch.Tensor | None
+    out: torch.Tensor | None = None
+    held: list[torch.Tensor] = field(default_factory=list)  # what the collective reads until it is done
 
 
 class _OrderedLauncher:
-    """Shared machinery: readiness per bucket, in-order launch, completion and scaling."""
+    """Shared machinery: readiness per bucket, in-order launch, the averaging factor."""
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup,
-                 comm_dtype: torch.dtype | None, predivide: float, average: bool) -> None:
+                 comm_dtype: torch.dtype | None, predivide: float, average: bool, max_in_flight: int) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.comm_dtype, self.predivide = comm_dtype, predivide
         self.post = (predivide / comm.size) if average else predivide
+        self.max_in_flight = max(1, max_in_flight)
         self.slot_of = {id(params[s.param_index]): i for i, s in enumerate(layout.slots)}
         self.members: list[list[int]] = [[] for _ in layout.buckets]
         for i, s in enumerate(layout.slots):
@@ -51,35 +53,43 @@ class _OrderedLauncher:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         raise NotImplementedError
 
-    def _reduce_scatter(self, bucket: Bucket, full: torch.Tensor, staging: torch.Tensor | None,
-                        into: torch.Tensor | None = None) -> None:
-        """Start reduce-scattering ``full`` (the bucket's padded range) into a chunk-sized output:
-        ``into`` itself where the backend can write a chunk of its own input (pairwise collectives)
-        and no dtype conversion is needed, else a fresh tensor."""
-        send = full if self.comm_dtype is None or self.comm_dtype == full.dtype else full.to(self.comm_dtype)
-        if self.predivide != 1.0:
-            send.div_(self.predivide)  # the staged/full buffer is rewritten or zeroed after the step
-        if into is not None and self.comm.pairwise and send is full and into.dtype == send.dtype:
-            out = into
-        else:
-            out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
-        work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
-        self.in_flight.append(_InFlight(bucket, work, out, staging))
+    def _launch(self, index: int) -> None:
+        raise NotImplementedError
 
-    def _finish(self, item: _InFlight, target: torch.Tensor, accumulate: bool) -> None:
-        """Wait for ``item`` and write (or add) its averaged chunk into ``target``."""
-        item.work.wait()
-        if item.out.data_ptr() == target.data_ptr() and not accumulate:
-            if self.post != 1.0:
-                target.mul_(self.post)
+    def _finish_oldest(self) -> None:
+        raise NotImplementedError
+
+    def _mark_ready(self, s_index: int) -> None:
+        """Record that slot ``s_index`` has its gradient and launch every bucket that is complete, in order."""
+        self.ready[self.layout.slots[s_index].bucket].add(s_index)
+        while self.next_launch < len(self.layout.buckets) and \
+                len(self.ready[self.next_launch]) == len(self.members[self.next_launch]):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        while len(self.in_flight) >= self.max_in_flight:
+            self._finish_oldest()
+        self._launch(self.next_launch)
+        self.next_launch += 1
+
+    def begin_backward(self, reduce: bool) -> None:
+        self.active = reduce and self.comm.size > 1
+        self.next_launch = 0
+        for r in self.ready:
+            r.clear()
+
+    def end_backward(self) -> None:
+        if not self.active:
             return
-        chunk = item.out.to(target.dtype) if item.out.dtype != target.dtype else item.out
-        if self.post != 1.0:
-            chunk.mul_(self.post)
-        if accumulate:
-            target.add_(chunk)
-        else:
-            target.copy_(chunk)
+        while self.next_launch < len(self.layout.buckets):
+            self._launch_next()
+        while self.in_flight:
+            self._finish_oldest()
+        self.active = False
+
+    def scratch_bytes(self) -> int:
+        """Memory held by the collectives in flight (zero outside backward)."""
+        return sum(int(getattr(item.work, "scratch_bytes", 0)) for item in self.in_flight)
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -93,8 +103,7 @@ class Stage1Reducer(_OrderedLauncher):
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  max_in_flight: int = 2) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average)
-        self.max_in_flight = max(1, max_in_flight)
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight)
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
         self._bind()
@@ -111,10 +120,7 @@ class Stage1Reducer(_OrderedLauncher):
 
     def begin_backward(self, reduce: bool) -> None:
         self._bind()
-        self.active = reduce and self.comm.size > 1
-        self.next_launch = 0
-        for r in self.ready:
-            r.clear()
+        super().begin_backward(reduce)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s_index = self.slot_of[id(p)]
@@ -122,35 +128,35 @@ class Stage1Reducer(_OrderedLauncher):
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
-        if not self.active:
-            return
-        self.ready[self.layout.slots[s_index].bucket].add(s_index)
-        while self.next_launch < len(self.layout.buckets) and \
-                len(self.ready[self.next_launch]) == len(self.members[self.next_launch]):
-            self._launch(self.layout.buckets[self.next_launch])
-            self.next_launch += 1
+        if self.active:
+            self._mark_ready(s_index)
 
-    def _launch(self, bucket: Bucket) -> None:
-        while len(self.in_flight) >= self.max_in_flight:
-            self._finish_oldest()
+    def _launch(self, index: int) -> None:
+        """Reduce-scatter the bucket's range of the flat buffer; the result lands in its own chunk where
+        the backend can write a chunk of its input (pairwise collectives, no dtype conversion)."""
+        bucket = self.layout.buckets[index]
+        full = self.flat_grad[bucket.start:bucket.start + bucket.padded]
+        send = full if self.comm_dtype is None or self.comm_dtype == full.dtype else full.to(self.comm_dtype)
+        if self.predivide != 1.0:
+            send.div_(self.predivide)  # the buffer is zeroed after the step
         lo, hi = bucket.owned(self.comm.rank)
-        self._reduce_scatter(bucket, self.flat_grad[bucket.start:bucket.start + bucket.padded], None,
-                             into=self.flat_grad[lo:hi])
+        if self.comm.pairwise and send is full:
+            out = self.flat_grad[lo:hi]
+        else:
+            out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
+        work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
+        self.in_flight.append(_InFlight(bucket, work, out, [send]))
 
     def _finish_oldest(self) -> None:
         item = self.in_flight.pop(0)
+        item.work.wait()
         lo, hi = item.bucket.owned(self.comm.rank)
-        self._finish(item, self.flat_grad[lo:hi], accumulate=False)
-
-    def end_backward(self) -> None:
-        if not self.active:
-            return
-        while self.next_launch < len(self.layout.buckets):
-            self._launch(self.layout.buckets[self.next_launch])
-            self.next_launch += 1
-        while self.in_flight:
-            self._finish_oldest()
-        self.active = False
+        target, out = self.flat_grad[lo:hi], item.out
+        assert out is not None
+        if out.data_ptr() != target.data_ptr():
+            target.copy_(out)
+        if self.post != 1.0:
+            target.mul_(self.post)
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient chunks (views into the flat buffer)."""
@@ -170,65 +176,43 @@ class Stage2Reducer(_OrderedLauncher):
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  max_in_flight: int = 2) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average)
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight)
         self.dtype, self.device = dtype, device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-        self.staging: dict[int, torch.Tensor] = {}
-        self.max_in_flight = max(1, max_in_flight)
         for p in params:
             p.grad = None
 
     def begin_backward(self, reduce: bool) -> None:
+        super().begin_backward(reduce)
         # stage 2 cannot hold unreduced full gradients between micro-steps: it always reduces
         self.active = True
-        self.next_launch = 0
-        for r in self.ready:
-            r.clear()
-
-    def _staging_for(self, bucket: int) -> torch.Tensor:
-        buf = self.staging.get(bucket)
-        if buf is None:
-            b = self.layout.buckets[bucket]
-            buf = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
-            self.staging[bucket] = buf
-        return buf
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        s_index = self.slot_of[id(p)]
-        slot = self.layout.slots[s_index]
-        bucket = self.layout.buckets[slot.bucket]
-        if p.grad is not None:
-            off = slot.flat_start - bucket.start
-            self._staging_for(slot.bucket)[off:off + slot.numel].copy_(p.grad.reshape(-1))
-            p.grad = None
-        if not self.active:
-            return
-        self.ready[slot.bucket].add(s_index)
-        while self.next_launch < len(self.layout.buckets) and \
-                len(self.ready[self.next_launch]) == len(self.members[self.next_launch]):
-            self._launch(self.next_launch)
+        if self.active:
+            self._mark_ready(self.slot_of[id(p)])
 
     def _launch(self, index: int) -> None:
-        while len(self.in_flight) >= self.max_in_flight:
-            self._finish_oldest()
-        staging = self._staging_for(index)
-        self._reduce_scatter(self.layout.buckets[index], staging, staging)
-        self.next_launch = index + 1
+        """Reduce-scatter the bucket's ``.grad`` tensors as they are (they leave the parameters now and
+        live in the in-flight item until the collective is done)."""
+        pieces = []
+        for s_index in self.members[index]:
+            slot = self.layout.slots[s_index]
+            p = self.params[slot.param_index]
+            pieces.append(grad_piece(p.grad, slot.numel, self.dtype, self.device, self.comm_dtype, self.predivide))
+            p.grad = None
+        bucket = self.layout.buckets[index]
+        self.in_flight.append(_InFlight(bucket, self.comm.reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
 
     def _finish_oldest(self) -> None:
         item = self.in_flight.pop(0)
+        item.work.wait()
         off = self.layout.shard_offset(item.bucket)
-        self._finish(item, self.shard[off:off + item.bucket.chunk], accumulate=True)
-        self.staging.pop(item.bucket.index, None)
+        self.shard[off:off + item.bucket.chunk].add_(item.work.result, alpha=self.post)
 
     def end_backward(self) -> None:
-        if not self.active:
-            return
-        while self.next_launch < len(self.layout.buckets):
-            self._launch(self.next_launch)
-        while self.in_flight:
-            self._finish_oldest()
-        self.active = False
+        super().end_backward()
+        for p in self.params:  # a parameter whose bucket was reduced before it got a gradient
+            p.grad = None
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [self.shard[off:off + hi - lo] for lo, hi, off in self.layout.owned_ranges()]
@@ -239,5 +223,19 @@ class Stage2Reducer(_OrderedLauncher):
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
-    def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.staging.values())
+
+def grad_piece(grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device,
+                comm_dtype: torch.dtype | None, predivide: float) -> torch.Tensor:
+    """A gradient as a 1-D contiguous tensor in the communication dtype, divided by ``predivide``
+    (zeros for a parameter that got no gradient). Works in place on ``grad`` where it can: the
+    caller has taken it off its parameter."""
+    if grad is None:
+        return torch.zeros(numel, dtype=comm_dtype or dtype, device=device)
+    piece = grad.reshape(-1)
+    if not piece.is_contiguous():
+        piece = piece.contiguous()
+    if comm_dtype is not None and piece.dtype != comm_dtype:
+        piece = piece.to(comm_dtype)
+    if predivide != 1.0:
+        piece.div_(predivide)
+    return piece

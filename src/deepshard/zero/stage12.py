@@ -217,7 +217,7 @@ class Stage12Strategy(ZeroStrategy):
     def memory_report(self) -> dict[str, int]:
         """Resident bytes per category; ``offloaded``: bytes in host memory or on disk under an offload
         policy (not resident on the device); ``offload_buffers``: the staging pool."""
-        staging = self.reducer.staging_bytes() if isinstance(self.reducer, Stage2Reducer) else 0
+        staging = self.reducer.scratch_bytes()
         placed = self.states.memory()
         return {
             "parameters": tensor_bytes(self.module.parameters()),

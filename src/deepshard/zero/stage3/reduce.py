@@ -1,5 +1,6 @@
 """ZeRO-3 gradient reduction: each group's gradients are reduce-scattered into this rank's gradient
-shard as soon as backward has produced all of them, and the group's gathered parameters are released.
+shard as soon as backward has produced all of them (straight from ``.grad``, see
+``CommGroup.reduce_scatter_pieces``), and the group's gathered parameters are released.
 
 Groups are launched in the order backward completes them, which is the same on every rank (the same
 graph runs everywhere); groups that got no gradient are launched at the end of backward in index
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.grad_reducers import grad_piece
 from deepshard.zero.stage3.group import ShardedGroup
 
 
@@ -21,7 +23,7 @@ from deepshard.zero.stage3.group import ShardedGroup
 class _InFlight:
     group: int
     work: Any
-    out: torch.Tensor
+    held: list[torch.Tensor]  # the gradients the collective reads until it is done
 
 
 class Stage3Reducer:
@@ -34,17 +36,11 @@ class Stage3Reducer:
         self.post = (predivide / comm.size) if average else predivide
         self.waiter = waiter
         self.max_in_flight = max(1, max_in_flight)
-        self.staging: dict[int, torch.Tensor] = {}
         self.in_flight: list[_InFlight] = []
         self.launched: set[int] = set()
         self.ready: list[int] = [0] * len(groups)
         self.expected = [sum(1 for p in g.params if p.requires_grad) for g in groups]
-        self.where: dict[int, tuple[int, int]] = {}
-        for gi, g in enumerate(groups):
-            offset = 0
-            for p, n in zip(g.params, g.numels):
-                self.where[id(p)] = (gi, offset)
-                offset += n
+        self.group_of: dict[int, int] = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g in groups for p in g.params
                       if p.requires_grad]
 
@@ -52,19 +48,8 @@ class Stage3Reducer:
         self.launched.clear()
         self.ready = [0] * len(self.groups)
 
-    def _staging_for(self, gi: int) -> torch.Tensor:
-        buf = self.staging.get(gi)
-        if buf is None:
-            g = self.groups[gi]
-            buf = torch.zeros(g.padded, dtype=g.dtype, device=g.device)
-            self.staging[gi] = buf
-        return buf
-
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        gi, offset = self.where[id(p)]
-        if p.grad is not None:
-            self._staging_for(gi)[offset:offset + p.grad.numel()].add_(p.grad.reshape(-1))
-            p.grad = None
+        gi = self.group_of[id(p)]
         self.ready[gi] += 1
         if self.ready[gi] == self.expected[gi] and gi not in self.launched:
             self._launch(gi)
@@ -73,31 +58,24 @@ class Stage3Reducer:
                 group.reshard()
 
     def _launch(self, gi: int) -> None:
+        """Reduce-scatter the group's ``.grad`` tensors as autograd produced them (no staging copy on
+        gloo); they leave the parameters now and live in the in-flight item until the collective is done."""
         while len(self.in_flight) >= self.max_in_flight:
             self._finish_oldest()
-        staging = self._staging_for(gi)
-        send = staging if self.comm_dtype is None or self.comm_dtype == staging.dtype else staging.to(self.comm_dtype)
-        if self.predivide != 1.0:
-            send.div_(self.predivide)
         group = self.groups[gi]
-        if self.comm.pairwise and send is staging:  # the reduced chunk lands in the staging buffer itself
-            out = staging[self.comm.rank * group.chunk:(self.comm.rank + 1) * group.chunk]
-        else:
-            out = torch.empty(group.chunk, dtype=send.dtype, device=send.device)
-        work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
-        self.in_flight.append(_InFlight(gi, work, out))
+        pieces = []
+        for p, n in zip(group.params, group.numels):
+            pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
+            p.grad = None
+        self.in_flight.append(_InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk), pieces))
         self.launched.add(gi)
 
     def _finish_oldest(self) -> None:
         item = self.in_flight.pop(0)
         group = self.groups[item.group]
         self.waiter(item.work, f"reduce_scatter of gradient group {group.index} ({group.module_name})")
-        chunk = item.out.to(self.grad_shard.dtype) if item.out.dtype != self.grad_shard.dtype else item.out
-        if self.post != 1.0:
-            chunk.mul_(self.post)
         off = self.offsets[item.group]
-        self.grad_shard[off:off + group.chunk].add_(chunk)
-        self.staging.pop(item.group, None)
+        self.grad_shard[off:off + group.chunk].add_(item.work.result, alpha=self.post)
 
     def end_backward(self) -> None:
         for gi in range(len(self.groups)):
@@ -107,7 +85,8 @@ class Stage3Reducer:
             self._finish_oldest()
 
     def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.staging.values())
+        """Memory held by the collectives in flight (zero outside backward)."""
+        return sum(int(getattr(item.work, "scratch_bytes", 0)) for item in self.in_flight)
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
