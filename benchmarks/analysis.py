@@ -179,7 +179,6 @@ def _stage3_targets(r: dict[str, Any], ok: dict[str, dict[str, Any]], where: str
     peak = ratio(r["peak_rss"], ddp and ddp["peak_rss"])
     above = ratio(r["peak_rss"] - r["rss_base"], ddp and ddp["peak_rss"] - ddp["rss_base"])
     return [Target("step time / FSDP2", where, ratio(r["step_time"], _time_of(ok.get("fsdp2"))), 1.0),
-            Target("step time / DeepSpeed z3", where, ratio(r["step_time"], _time_of(ok.get("deepspeed-z3"))), 0.5),
             Target("peak memory / DDP", where, peak, 0.60,
                    note="" if above is None else f"{above:.3f} above idle")]
 

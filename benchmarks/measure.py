@@ -250,6 +250,11 @@ def time_collectives(numel: int, repeats: int = 3) -> dict[str, float]:
         "all_gather": lambda: dist.all_gather_single(gathered, full[rank * shard.numel():][:shard.numel()].clone()),
         "broadcast": lambda: dist.broadcast(full, 0),
     }
+    from deepshard.comm.group import CommGroup
+
+    pair = CommGroup(pairwise=True)  # deepshard's pairwise forms (what it uses on gloo)
+    calls["reduce_scatter (deepshard pairwise)"] = lambda: pair.reduce_scatter_tensor(shard, full)
+    calls["all_gather (deepshard pairwise)"] = lambda: pair.all_gather_into_tensor(gathered, shard)
     out = {}
     for name, call in calls.items():
         call()

@@ -104,7 +104,7 @@ def collectives_line(run: dict[str, Any]) -> str | None:
 
 
 TARGET_COLUMNS = [("step time / DDP", "step / DDP <= 1.10"), ("step time / FSDP2", "step / FSDP2 <= 1.0"),
-                  ("step time / DeepSpeed z3", "step / DS z3 <= 0.5"), ("peak memory / DDP", "peak / DDP <= 0.60"),
+                  ("peak memory / DDP", "peak / DDP <= 0.60"),
                   ("model-state bytes / formula", "state / formula 1 +/- 0.05"),
                   ("volume per step / analytic", "volume / analytic 1 +/- 0.02")]
 

@@ -165,3 +165,33 @@ def watchdog(rank: int, world: int) -> str:
         return "no error"
     except RuntimeError as e:
         return str(e)
+
+
+def gathered_counts(rank: int, world: int, zero: dict[str, Any]) -> dict[str, Any]:
+    """How many non-persistent groups are gathered as each Linear of a 6-layer stack starts its forward
+    (second step: the order is recorded), and which stay gathered after forward, for the prefetch knobs."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(6)]
+    model = torch.nn.Sequential(*layers)
+    cfg = z3_config(2, 1, **{"stage3_param_persistence_threshold": 0, **zero})
+    if "stage3_prefetch_bucket_size" not in zero:
+        del cfg["zero_optimization"]["stage3_prefetch_bucket_size"]  # the default: derived from the model
+    engine, *_ = deepshard.initialize(model=model, config=cfg)
+    groups = engine.strategy.groups
+    seen: list[int] = []
+
+    def count(module: torch.nn.Module, args: Any) -> None:
+        seen.append(sum(g.state.value != "sharded" for g in groups))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(count)  # runs after deepshard's own pre-hook
+    x = torch.randn(2, 16)
+    for _ in range(2):
+        seen.clear()
+        loss = engine(x).pow(2).mean()
+        after_forward = [g.state.value != "sharded" for g in groups]
+        engine.backward(loss)
+        engine.step()
+    return {"counts": seen, "kept_after_forward": after_forward,
+            "window": engine.strategy.hooks.prefetch_elements,
+            "all_released": all(g.state.value == "sharded" for g in groups)}

@@ -123,3 +123,26 @@ def test_watchdog_names_the_rank_that_did_not_arrive() -> None:
     assert "did not complete within 3s" in message, message
     assert "Rank(s) [1] did not arrive" in message, message
     assert "all_gather of parameter group" in message
+
+
+@pytest.mark.parametrize("zero,counts,kept", [
+    # default window: the largest group (272 elements) -> the current layer plus one ahead; no reuse
+    ({}, [2, 2, 2, 2, 2, 1], [False] * 6),
+    # the last layer, reused first in backward, stays gathered at the turn
+    ({"stage3_max_reuse_distance": 10**9}, [2, 2, 2, 2, 2, 1], [False] * 5 + [True]),
+    # a window of three groups, but at most 2 x 272 elements live: the cap wins. The last two layers
+    # are fewer than 3 x 272 gathered elements from their reuse: both are kept at the turn
+    ({"stage3_prefetch_bucket_size": 3 * 272, "stage3_max_live_parameters": 2 * 272,
+      "stage3_max_reuse_distance": 10**9}, [2, 2, 2, 2, 2, 2], [False] * 4 + [True] * 2),
+    ({"stage3_prefetch_bucket_size": 3 * 272, "stage3_max_reuse_distance": 10**9}, [4, 4, 4, 3, 2, 2],
+     [False] * 4 + [True] * 2),
+    # no prefetch, no reuse: one group at a time, everything released after forward
+    ({"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}, [1] * 6, [False] * 6),
+])
+def test_prefetch_window_live_cap_and_reuse(zero: dict[str, Any], counts: list[int], kept: list[bool]) -> None:
+    from tests.multiproc.scenarios_stage3 import gathered_counts
+
+    for res in run_world(gathered_counts, 2, zero):
+        assert res["counts"] == counts, res
+        assert res["kept_after_forward"] == kept, res
+        assert res["all_released"], res

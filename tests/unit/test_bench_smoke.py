@@ -103,7 +103,7 @@ def test_summarize_compare_and_targets() -> None:
     assert "100 MiB of fp32 per call: all_reduce 120 ms, reduce_scatter 240 ms" in table
     markdown = report.render_markdown(run, chart="chart.png")
     assert "| deepshard-z0 | 3,300 |" in markdown and "![" in markdown
-    assert "| deepshard-z1 mlp fp32 N=2 | 1.000 ok | - | - | - | 1.333 MISSED | 1.000 ok |" in markdown
+    assert "| deepshard-z1 mlp fp32 N=2 | 1.000 ok | - | - | 1.333 MISSED | 1.000 ok |" in markdown
     assert analysis.step_spread(ddp) == pytest.approx(2.0)  # measured steps 2, 4, 3
     assert report.row_cells(ddp)[1] == "3,000 (noisy)" and report.row_cells(ours)[1] == "3,300"
 

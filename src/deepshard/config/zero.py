@@ -124,11 +124,17 @@ class ZeroConfig(Section):
     ignore_unused_parameters: bool = True
 
     # stage 3 (DeepSpeed's field names; the stage3_* spellings are the aliases)
-    prefetch_bucket_size: Count = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
+    prefetch_bucket_size: Optional[Count] = Field(None, ge=0, alias="stage3_prefetch_bucket_size")
+    """Elements gathered ahead of use. None (left out or "auto"): the largest parameter group's size,
+    at most DeepSpeed's 5e7, i.e. one module ahead (FSDP2's choice); a smaller window costs stalls, a
+    larger one memory."""
     param_persistence_threshold: Count = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
     model_persistence_threshold: Count = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
     max_live_parameters: Count = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
-    max_reuse_distance: Count = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance")
+    max_reuse_distance: Count = Field(0, ge=0, alias="stage3_max_reuse_distance")
+    """Keep a group gathered at the forward/backward turn when its reuse is fewer elements away (and
+    closer than the prefetch window). Default 0, keep nothing (DeepSpeed: 1e9), so that stage 3 moves
+    exactly 3Ψ per step; any setting saves at most one prefetch window of gathers."""
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: Count = Field(0, alias="stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
@@ -205,7 +211,7 @@ class ZeroConfig(Section):
         return self.offload_param.device if self.offload_param is not None else "none"
 
     @property
-    def stage3_prefetch_bucket_size(self) -> int:
+    def stage3_prefetch_bucket_size(self) -> Optional[int]:
         return self.prefetch_bucket_size
 
     @property

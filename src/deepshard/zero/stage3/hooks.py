@@ -4,6 +4,15 @@ its backward, release them after, and prefetch the next groups while the current
 The prefetch order is the order groups were first gathered in the first forward pass. Every rank runs
 the same modules in the same order, so every rank records the same order and issues the same
 collectives; a rank that diverges is caught by the watchdog instead of hanging silently.
+
+Three knobs bound what is gathered at once (persistent groups do not count, they never leave):
+
+- ``prefetch_elements`` (``stage3_prefetch_bucket_size``): the window of groups gathered ahead of use;
+- ``max_live`` (``stage3_max_live_parameters``): no prefetch when the gathered groups would then hold
+  more elements (a group a module needs now is always gathered);
+- ``max_reuse`` (``stage3_max_reuse_distance``): at the end of forward, a group whose next use (in
+  backward) is fewer than this many gathered elements away, and closer than the prefetch window, is
+  kept instead of released and gathered again at once (so what is kept never exceeds the window).
 """
 from __future__ import annotations
 
@@ -19,11 +28,15 @@ class Stage3Hooks:
     """Forward/backward hooks over ``groups_of`` (module -> the parameter groups it needs)."""
 
     def __init__(self, module: torch.nn.Module, groups_of: dict[int, list[ShardedGroup]],
-                 prefetch_elements: int) -> None:
+                 prefetch_elements: int, max_live: int = 1 << 62, max_reuse: int = 0) -> None:
         self.groups_of = groups_of
         self.prefetch_elements = max(int(prefetch_elements), 0)
+        self.max_live = max(int(max_live), 0)
+        self.max_reuse = max(int(max_reuse), 0)
+        self.all_groups = list({id(g): g for gs in groups_of.values() for g in gs}.values())
         self.order: list[ShardedGroup] = []
         self._position: dict[int, int] = {}
+        self._after: list[int] = []  # per order position: gathered elements used after it in forward
         self.recording = True
         self.handles: list[Any] = []
         for m in module.modules():
@@ -48,15 +61,24 @@ class Stage3Hooks:
             self._prefetch(groups, step=1)
 
     def _post_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if training:
             hook = functools.partial(self._pre_backward, groups)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
         for g in groups:
             g.users -= 1
-            if g.users == 0:
+            if g.users == 0 and not (training and self._reused_soon(g)):
                 g.reshard()
+
+    def _reused_soon(self, g: ShardedGroup) -> bool:
+        """Whether ``g``'s next use, in backward, comes within the reuse distance and the prefetch
+        window: the rest of forward and its mirror in backward gather ``2 * after`` elements first."""
+        pos = self._position.get(g.index)
+        if self.recording or pos is None or not g.requires_grad:
+            return False
+        return 2 * self._after[pos] < min(self.max_reuse, self.prefetch_elements)
 
     # ---------------------------------------------------------------------------------- backward
     def _pre_backward(self, groups: list[ShardedGroup], grad: torch.Tensor) -> None:
@@ -75,12 +97,18 @@ class Stage3Hooks:
             return
         pos = (max(positions) if step > 0 else min(positions)) + step
         budget = self.prefetch_elements
+        live = sum(g.numel for g in self.all_groups if not g.persistent and g.state is not GroupState.SHARDED)
         while 0 <= pos < len(self.order) and budget > 0:
             g = self.order[pos]
-            if g.state is GroupState.SHARDED:
-                g.unshard()
-            budget -= g.numel
             pos += step
+            if g.persistent:
+                continue
+            if g.state is GroupState.SHARDED:
+                if live + g.numel > self.max_live:
+                    break
+                g.unshard()
+                live += g.numel
+            budget -= g.numel
         # one more window further ahead: start reading offloaded shards in (a no-op when resident), so
         # the next unshard finds its chunk in memory
         budget = self.prefetch_elements
@@ -91,6 +119,11 @@ class Stage3Hooks:
             pos += step
 
     def stop_recording(self) -> None:
+        if self.recording:
+            self._after, total = [0] * len(self.order), 0
+            for i in range(len(self.order) - 1, -1, -1):
+                self._after[i] = total
+                total += 0 if self.order[i].persistent else self.order[i].numel
         self.recording = False
 
     def remove(self) -> None:

@@ -97,12 +97,22 @@ class Stage3Strategy(Stage12Strategy):
         offsets = [self.layout.shard_offset(b) for b in self.layout.buckets]
         self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grad_shard, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait)
-        self.hooks = Stage3Hooks(module, self._groups_by_module(module), int(zcfg.stage3_prefetch_bucket_size))
+        self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
+                                 int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance))
         self._build_fragments()
         if optimizer is not None:
             self._swap_into(optimizer)
 
     # -------------------------------------------------------------------------------- construction
+    def _prefetch_window(self) -> int:
+        """``stage3_prefetch_bucket_size``, or by default the largest gathered group (one module ahead),
+        at most DeepSpeed's default of 5e7 elements."""
+        given = self.ctx.zero_config.stage3_prefetch_bucket_size
+        if given is not None:
+            return int(given)
+        sizes = [g.numel for g in self.groups + self.frozen_groups if not g.persistent]
+        return min(max(sizes, default=0), DEFAULT_PREFETCH_CAP)
+
     def _layout(self, groups: list[tuple[str, list[torch.nn.Parameter], list[str]]]) -> FlatLayout:
         params = [p for _, ps, _ in groups for p in ps]
         names = [n for _, _, ns in groups for n in ns]
@@ -337,6 +347,8 @@ class Stage3Strategy(Stage12Strategy):
         self.param_store.close()
         self.frozen_store.close()
 
+
+DEFAULT_PREFETCH_CAP = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default
 
 # modules whose forward reads their children's parameters without calling the children
 DEFAULT_LEAF_CLASSES: tuple[type, ...] = (torch.nn.MultiheadAttention,)
