@@ -33,11 +33,18 @@ NOT_MODEL_STATE = ("total", "buffers", "comm_buckets")
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
 
 
-def model_state_formula(stage: int, psi: int, nprocs: int, dtype: str) -> float:
-    """Model-state bytes per process (parameters, gradients, master weights, Adam moments)."""
+# gradient bytes per parameter in the sharded part: what a step taken in backward never keeps
+_GRAD_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def model_state_formula(stage: int, psi: int, nprocs: int, dtype: str, keeps_grads: bool = True) -> float:
+    """Model-state bytes per process (parameters, gradients, master weights, Adam moments);
+    ``keeps_grads=False``: stage 3 with the optimizer step in backward (no gradient shard)."""
     if dtype not in _STATE_BYTES or stage not in _STATE_BYTES[dtype]:
         raise ValueError(f"no ZeRO formula for stage {stage} / dtype {dtype!r}; stages 0-3, dtypes fp32, bf16")
     replicated, sharded = _STATE_BYTES[dtype][stage]
+    if not keeps_grads:
+        sharded -= _GRAD_BYTES[dtype]
     return replicated * psi + sharded * psi / nprocs
 
 
@@ -66,10 +73,10 @@ def model_state_bytes(report: dict[str, int] | None) -> int | None:
 
 # ------------------------------------------------------------------------------------- aggregation
 def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, samples_per_step: int,
-                   family: str, stage: int) -> dict[str, Any]:
+                   family: str, stage: int, keeps_grads: bool = True) -> dict[str, Any]:
     """One table row from the per-rank results of one case."""
     row: dict[str, Any] = {k: case[k] for k in ("engine", "workload", "dtype", "nprocs", "warmup", "steps")}
-    row.update(family=family, stage=stage, psi=psi, status="ok", reason="")
+    row.update(family=family, stage=stage, psi=psi, keeps_grads=keeps_grads, status="ok", reason="")
     bad = [r for r in ranks if r.get("status") != "ok"]
     if bad:
         worst = next((r for r in bad if r.get("status") == "error"), bad[0])
@@ -91,7 +98,7 @@ def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, 
         model_state=state, memory_report=ranks[0].get("model_state"),
         comm_bytes=sum(s["volume_bytes"] for s in ops.values()) / measured, comm_volume_elements=volume_elements,
         comm_ops={op: {k: v / measured for k, v in s.items()} for op, s in ops.items()},
-        formula_state=model_state_formula(stage, psi, int(case["nprocs"]), case["dtype"]),
+        formula_state=model_state_formula(stage, psi, int(case["nprocs"]), case["dtype"], keeps_grads),
         analytic_volume=analytic_volume_elements(stage, psi, int(case["nprocs"])))
     row["state_vs_formula"] = ratio(state if state is not None else None, row["formula_state"])
     row["live_vs_formula"] = ratio(row["live_tensor_bytes"], row["formula_state"])
@@ -221,6 +228,7 @@ def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             measured = _measured_state(r)
             out.append({"engine": engine, "nprocs": r["nprocs"], "status": r["status"], "measured": measured,
                         "source": "memory_report" if r.get("model_state") is not None else "live tensors",
-                        "formula": model_state_formula(r["stage"], r["psi"], r["nprocs"], r["dtype"]),
+                        "formula": model_state_formula(r["stage"], r["psi"], r["nprocs"], r["dtype"],
+                                                       r.get("keeps_grads", True)),
                         "vs_one_process": ratio(measured, base), "ideal": 1.0 / r["nprocs"]})
     return out

@@ -82,7 +82,8 @@ def _one(engine: str, workload: str, dtype: str, nprocs: int, warmup: int, steps
         ranks = [{"status": "not installed", "reason": "pip install -e \".[bench]\" (or pip install deepspeed)"}]
     else:
         ranks = run_case(case, timeout=args.timeout)
-    return analysis.summarize_case(case, ranks, w.parameter_count(), w.samples_per_step(), spec.family, spec.stage)
+    return analysis.summarize_case(case, ranks, w.parameter_count(), w.samples_per_step(), spec.family, spec.stage,
+                                   keeps_grads=not spec.step_in_backward)
 
 
 def _progress(i: int, total: int, row: dict[str, Any], seconds: float) -> None:

@@ -14,7 +14,8 @@ so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is
   (``zero_allow_untested_optimizer``), ``reduce_bucket_size`` = DDP's 25 MB;
 - deepshard: its public API only (``deepshard.initialize(model=..., config=...)``, ``engine(x, y)``,
   ``engine.backward``, ``engine.step``, ``engine.memory_report``, ``engine.comms_logger``), with
-  ``reduce_bucket_size`` = DDP's 25 MB.
+  ``reduce_bucket_size`` = DDP's 25 MB; ``deepshard-z3-sib`` is stage 3 with its opt-in
+  ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N).
 
 A runner that cannot run raises ``EngineUnavailable`` with a status: ``not implemented`` (deepshard
 raises NotImplementedError for a stage that has not landed), ``refused: <reason>`` (the engine
@@ -76,6 +77,7 @@ class EngineSpec:
     family: str
     stage: int
     offload: bool = False
+    step_in_backward: bool = False  # deepshard's zero_optimization.optimizer_step_in_backward
 
     @property
     def is_deepshard(self) -> bool:
@@ -88,6 +90,7 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in [
     *(EngineSpec(f"deepspeed-z{k}", "deepspeed", k) for k in range(4)),
     *(EngineSpec(f"deepshard-z{k}", "deepshard", k) for k in range(4)),
     EngineSpec("deepshard-offload", "deepshard", 2, offload=True),
+    EngineSpec("deepshard-z3-sib", "deepshard", 3, step_in_backward=True),
 ]}
 
 
@@ -208,6 +211,8 @@ class DeepShardRunner(Runner):
         zero: dict[str, Any] = {"stage": self.spec.stage, "reduce_bucket_size": ctx.bucket_elements(grad_size)}
         if self.spec.offload:
             zero["offload_optimizer"] = {"device": "cpu"}
+        if self.spec.step_in_backward:
+            zero["optimizer_step_in_backward"] = True
         config = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch,
             "gradient_accumulation_steps": 1,

@@ -9,7 +9,7 @@ import torch
 
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup
-from deepshard.config import DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
 from deepshard.precision import PrecisionPolicy
@@ -132,6 +132,7 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                    comm: CommGroup, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = check_offload(cfg, accelerator)
+    step_in_backward = check_step_in_backward(cfg, optimizer_offload, param_offload)
     ctx = StrategyContext(comm=comm, precision=precision, zero_config=cfg.zero_optimization,
                           device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
@@ -147,7 +148,34 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         return Stage12Strategy(model, optimizer, ctx, stage, optimizer_offload=optimizer_offload)
     from deepshard.zero.stage3.strategy import Stage3Strategy
 
-    return Stage3Strategy(model, optimizer, ctx, optimizer_offload=optimizer_offload, param_offload=param_offload)
+    return Stage3Strategy(model, optimizer, ctx, optimizer_offload=optimizer_offload, param_offload=param_offload,
+                          step_in_backward=step_in_backward)
+
+
+def check_step_in_backward(cfg: DeepShardConfig, optimizer_offload: Any, param_offload: Any) -> bool:
+    """``zero_optimization.optimizer_step_in_backward``, refused where an update needs every gradient
+    first (the key, the value in the way and the fix in the message)."""
+    zero = cfg.zero_optimization
+    if not zero.optimizer_step_in_backward:
+        return False
+    key = "zero_optimization.optimizer_step_in_backward=true"
+    problems = []
+    if zero.stage != 3:
+        problems.append(f"zero_optimization.stage is {zero.stage} (it is a stage-3 option)")
+    if cfg.gradient_accumulation_steps != 1 or not cfg.managed_gradient_accumulation:
+        problems.append(f"gradient_accumulation_steps is {cfg.gradient_accumulation_steps} and "
+                        f"managed_gradient_accumulation {cfg.managed_gradient_accumulation} (every backward "
+                        "is a step: set them to 1 and true)")
+    if float(cfg.gradient_clipping or 0.0) > 0:
+        problems.append(f"gradient_clipping is {cfg.gradient_clipping} (clipping needs the global norm first: "
+                        "set it to 0)")
+    if cfg.fp16.enabled:
+        problems.append("fp16 is enabled (loss scaling must see every gradient for overflow first: use bf16)")
+    if optimizer_offload.moves_states or param_offload.moves_states:
+        problems.append("offload_optimizer / offload_param move states (remove them)")
+    if problems:
+        raise ConfigError(f"{key} cannot be used: " + "; ".join(problems))
+    return True
 
 
 def check_offload(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[Any, Any]:

@@ -225,7 +225,11 @@ class DeepShardEngine(torch.nn.Module):
         scale = self.loss_scaler.scale
         norm = strategy.global_grad_norm(scale)
         self._global_grad_norm = norm
-        if not math.isfinite(norm):
+        if not math.isfinite(norm) and strategy.steps_in_backward:
+            logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
+                           "was already applied during backward and cannot be skipped", self.global_rank,
+                           self.global_steps, norm)
+        if not math.isfinite(norm) and not strategy.steps_in_backward:
             old = scale
             self.loss_scaler.update(True)
             self.skipped_steps += 1

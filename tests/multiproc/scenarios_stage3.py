@@ -195,3 +195,30 @@ def gathered_counts(rank: int, world: int, zero: dict[str, Any]) -> dict[str, An
     return {"counts": seen, "kept_after_forward": after_forward,
             "window": engine.strategy.hooks.prefetch_elements,
             "all_released": all(g.state.value == "sharded" for g in groups)}
+
+
+def step_in_backward_world(rank: int, world: int, dtype: str) -> dict[str, Any]:
+    """Stage 3 with optimizer_step_in_backward (fp32/bf16 AdamW, no clipping) and the same run without it,
+    from the same seed and batches; also what it keeps and what it refuses."""
+    from tests.multiproc.scenarios_stage0 import train
+
+    zero = {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 10,
+            "stage3_prefetch_bucket_size": 300}
+    out: dict[str, Any] = {}
+    engines: list[Any] = []
+    out["fused"] = train(rank, world, 8 // world, 1, 4, dtype=dtype, clip=0.0, stage=3, engine_out=engines,
+                         extra={"zero_optimization": {**zero, "optimizer_step_in_backward": True}})
+    engine = engines[-1]
+    out["grad_bytes"] = engine.memory_report()["gradients"]
+    out["norm"] = engine.get_global_grad_norm()
+    try:
+        from deepshard.utils import safe_get_full_grad
+
+        safe_get_full_grad(engine.module.embed.weight)
+        out["grad_error"] = ""
+    except RuntimeError as err:
+        out["grad_error"] = str(err)
+    out["plain"] = train(rank, world, 8 // world, 1, 4, dtype=dtype, clip=0.0, stage=3, engine_out=engines,
+                         extra={"zero_optimization": zero})
+    out["plain_norm"] = engines[-1].get_global_grad_norm()
+    return out

@@ -146,3 +146,45 @@ def test_prefetch_window_live_cap_and_reuse(zero: dict[str, Any], counts: list[i
         assert res["counts"] == counts, res
         assert res["kept_after_forward"] == kept, res
         assert res["all_released"], res
+
+
+@pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-6), ("bf16", 3e-2)])
+def test_optimizer_step_in_backward_matches_reference(dtype: str, rtol: float) -> None:
+    """Updating each group during backward gives the losses and weights of single-process PyTorch (fp32)
+    and of plain stage 3 (both dtypes), keeps no gradient shard, and still reports the gradient norm."""
+    from tests.multiproc.models import make_batches, reference_run, rel_err
+    from tests.multiproc.scenarios_stage3 import step_in_backward_world
+
+    res = run_world(step_in_backward_world, 2, dtype)[0]
+    fused_losses, fused_weights = res["fused"]
+    plain_losses, plain_weights = res["plain"]
+    compare = [(plain_losses, plain_weights, rtol if dtype == "bf16" else 1e-6)]
+    if dtype == "fp32":
+        compare.append((*reference_run(make_batches(4, 8), clip=0.0), 1e-6))
+    for ref_losses, ref_weights, tol in compare:
+        for a, b in zip(fused_losses, ref_losses):
+            assert abs(a - b) <= tol * abs(b), (fused_losses, ref_losses)
+        for name, ref in ref_weights.items():
+            assert rel_err(fused_weights[name].float(), ref.float()) <= tol, name
+    assert res["grad_bytes"] == 0
+    assert abs(res["norm"] - res["plain_norm"]) <= 1e-2 * res["plain_norm"], (res["norm"], res["plain_norm"])
+    assert "optimizer_step_in_backward" in res["grad_error"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"gradient_clipping": 1.0}, "gradient_clipping is 1.0"),
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps is 2"),
+    ({"fp16": {"enabled": True}}, "fp16 is enabled"),
+    ({"zero_optimization": {"stage": 2, "optimizer_step_in_backward": True}}, "stage is 2"),
+])
+def test_optimizer_step_in_backward_refuses_what_needs_every_gradient(change: dict[str, Any], needle: str) -> None:
+    import deepshard
+    from deepshard.config import ConfigError
+    from tests.multiproc.models import make_model
+
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                              "zero_optimization": {"stage": 3, "optimizer_step_in_backward": True}}
+    config.update(change)
+    with pytest.raises(ConfigError, match="optimizer_step_in_backward=true cannot be used: .*" + needle):
+        deepshard.initialize(model=make_model(), config=config)

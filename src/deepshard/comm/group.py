@@ -34,7 +34,7 @@ class _DoneWork:
         return True
 
 
-def _settle(work: pairwise.PairwiseWork, async_op: bool):
+def _settle(work: pairwise.CollectiveWork, async_op: bool):
     """Return the handle (async) or wait for it here (sync), as torch.distributed does."""
     if async_op:
         return work
@@ -114,7 +114,7 @@ class CommGroup:
                                                    self._next_tag()), async_op)
         return _reduce_scatter(output, full, group=self.group, async_op=async_op)
 
-    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int) -> pairwise.PairwiseWork:
+    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int) -> pairwise.CollectiveWork:
         """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
         returned work's ``result`` is this rank's reduced chunk after ``wait()``. Pairwise backends send
         the pieces as they are; others copy them into one staging buffer for the native collective."""
@@ -123,12 +123,10 @@ class CommGroup:
         dtype, device = pieces[0].dtype, pieces[0].device
         if any(p.dim() != 1 or not p.is_contiguous() or p.dtype != dtype for p in pieces):
             raise ValueError("reduce_scatter_pieces: pieces must be 1-D, contiguous and of one dtype")
-        if self.size == 1:
+        if self.size == 1:  # the result is the padded concatenation itself
             flat = torch.zeros(chunk, dtype=dtype, device=device)
             torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(p.numel() for p in pieces)])
-            work = pairwise.PairwiseWork([])
-            work.result = flat
-            return work
+            return pairwise.CollectiveWork([], lambda: flat)
         self.logger.record("reduce_scatter", chunk * self.size, pieces[0].element_size())
         if self.pairwise:
             tag = self._seq + 1
@@ -138,12 +136,8 @@ class CommGroup:
         torch.cat([p.reshape(-1) for p in pieces], out=staging[:sum(p.numel() for p in pieces)])
         out = torch.empty(chunk, dtype=dtype, device=device)
         native = _reduce_scatter(out, staging, group=self.group, async_op=True)
-        work = pairwise.PairwiseWork([native], scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
-
-        def finish() -> None:
-            work.result = out
-        work._finish = finish
-        return work
+        return pairwise.CollectiveWork([native], lambda: out,
+                                       scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,12 @@ import torch.distributed as dist
 TAG_MODULUS = 1 << 30  # gloo tags are non-negative 32-bit values
 
 
-class PairwiseWork:
-    """Async handle of a pairwise collective; ``wait()`` completes the transfers, then ``finish``.
-    ``result`` is the reduced chunk of a pieces reduce-scatter (set by ``wait()``); ``scratch_bytes`` the
-    memory the collective holds while in flight."""
+class CollectiveWork:
+    """Async handle of a collective made of several transfers: ``wait()`` completes the transfers, then
+    runs ``finish``, whose return value becomes ``result`` (the reduced chunk of a pieces
+    reduce-scatter). ``scratch_bytes``: the memory the collective holds while in flight."""
 
-    def __init__(self, works: list[dist.Work], finish: Optional[Callable[[], None]] = None,
+    def __init__(self, works: list[Any], finish: Optional[Callable[[], Optional[torch.Tensor]]] = None,
                  scratch_bytes: int = 0) -> None:
         self._works = works
         self._finish = finish
@@ -53,7 +53,7 @@ class PairwiseWork:
             self._works.pop(0)
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            finish()
+            self.result = finish()
         return True
 
     def is_completed(self) -> bool:
@@ -68,7 +68,7 @@ def _exchange(rank: int, size: int) -> list[tuple[int, int]]:
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, rank: int, peers: list[int],
-                   group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+                   group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
     """Sum ``full`` (N equal chunks) over the ranks, leaving chunk ``rank`` in ``output``.
 
     ``full`` must stay unchanged until ``wait()`` returns; ``output`` may be chunk ``rank`` of ``full``.
@@ -99,11 +99,11 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, rank: int, peers: l
         for k in range(1, size - 1):
             out.add_(incoming[k])
 
-    return PairwiseWork(works, finish)
+    return CollectiveWork(works, finish)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list[int],
-               group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+               group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
     """Concatenate every rank's ``shard`` into ``output`` in rank order. ``shard`` may already be chunk
     ``rank`` of ``output`` (an in-place gather); it must stay unchanged until ``wait()`` returns."""
     size = len(peers)
@@ -120,7 +120,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list
     for dst, src in _exchange(rank, size):
         works.append(dist.isend(chunks[rank], peers[dst], group=group, tag=tag))
         works.append(dist.irecv(chunks[src], peers[src], group=group, tag=tag))
-    return PairwiseWork(works)
+    return CollectiveWork(works)
 
 
 def piece_ranges(numels: list[int], begin: int, end: int) -> list[tuple[int, int, int]]:
@@ -138,7 +138,7 @@ def piece_ranges(numels: list[int], begin: int, end: int) -> list[tuple[int, int
 
 
 def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, peers: list[int],
-                          group: Optional[dist.ProcessGroup], tag: int) -> PairwiseWork:
+                          group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
     """Sum, over the ranks, the concatenation of the 1-D contiguous ``pieces`` zero-padded to
     ``N * chunk`` elements; after ``wait()`` the work's ``result`` holds chunk ``rank`` of the sum (a
     fresh tensor). Uses tags ``tag .. tag + len(pieces) - 1``; the pieces must stay unchanged until
@@ -161,9 +161,8 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
         for i, _, n in mine:
             works.append(dist.irecv(incoming[k, at:at + n], peers[src], group=group, tag=tag + i))
             at += n
-    work = PairwiseWork(works, scratch_bytes=incoming.numel() * incoming.element_size())
 
-    def finish() -> None:
+    def finish() -> torch.Tensor:
         acc = incoming[0] if size == 2 or dtype.itemsize >= 4 else incoming[0].float()
         at = 0
         for i, off, n in mine:
@@ -171,7 +170,6 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
             at += n
         for k in range(1, size - 1):
             acc.add_(incoming[k])
-        work.result = acc if acc.dtype == dtype else acc.to(dtype)
+        return acc if acc.dtype == dtype else acc.to(dtype)
 
-    work._finish = finish
-    return work
+    return CollectiveWork(works, finish, scratch_bytes=incoming.numel() * incoming.element_size())

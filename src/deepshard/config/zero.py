@@ -135,6 +135,11 @@ class ZeroConfig(Section):
     """Keep a group gathered at the forward/backward turn when its reuse is fewer elements away (and
     closer than the prefetch window). Default 0, keep nothing (DeepSpeed: 1e9), so that stage 3 moves
     exactly 3Ψ per step; any setting saves at most one prefetch window of gathers."""
+    optimizer_step_in_backward: bool = False
+    """deepshard's own key (stage 3): update each group's shard as soon as its gradient is reduced,
+    during backward, and keep no gradient shard: 12Ψ/N instead of 16Ψ/N with fp32 Adam. Needs
+    gradient_accumulation_steps 1, gradient_clipping 0, no fp16 loss scaling and no offload (each of
+    those needs every gradient before the first update)."""
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: Count = Field(0, alias="stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")

@@ -58,6 +58,9 @@ class ZeroStrategy(ABC):
     """Base class: see the module docstring for the call order."""
 
     stage: int = -1
+    steps_in_backward: bool = False
+    """True when the optimizer update happens during backward (stage 3's optimizer_step_in_backward):
+    ``step()`` then only finishes it, and an overflow cannot be skipped."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:

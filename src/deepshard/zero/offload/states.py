@@ -66,6 +66,13 @@ class ShardStates(ABC):
         """``grads[i]``: the reduced gradient of piece ``i``; multiply it by ``multiplier``, run the
         optimizer, and publish the updated values."""
 
+    def step_pieces(self, indices: list[int], grads: list[torch.Tensor], multiplier: float,
+                    publish: Publish) -> None:
+        """Update only pieces ``indices`` (their reduced gradients ``grads``), for an optimizer step taken
+        during backward, group by group."""
+        raise NotImplementedError(f"{type(self).__name__} updates all pieces at once; an optimizer step in "
+                                  "backward needs the states on the device (no offload)")
+
     @abstractmethod
     def piece_value(self, i: int) -> torch.Tensor:
         """The fp32 value of piece ``i`` (1-D)."""
@@ -127,6 +134,21 @@ class ResidentStates(ShardStates):
             for fp in self.params:
                 fp.grad = None
             publish(0, self.masters)  # type: ignore[arg-type]
+
+    def step_pieces(self, indices: list[int], grads: list[torch.Tensor], multiplier: float,
+                    publish: Publish) -> None:
+        """torch optimizers skip parameters whose ``.grad`` is None: only ``indices`` get one."""
+        params = [self.params[i] for i in indices]
+        for fp, src in zip(params, grads):
+            g = src.to(torch.float32) if src.dtype != torch.float32 else src
+            fp.grad = g.mul_(multiplier) if multiplier != 1.0 else g
+        self.optimizer.step()  # type: ignore[union-attr]
+        for fp in params:
+            fp.grad = None
+        if self.masters is not None:
+            for i in indices:
+                piece = self.pieces[i]
+                publish(piece.shard_start, self.masters[piece.shard_start:piece.shard_start + piece.numel])
 
     def piece_value(self, i: int) -> torch.Tensor:
         return self.params[i].detach()

@@ -29,8 +29,12 @@ class _InFlight:
 class Stage3Reducer:
     def __init__(self, groups: list[ShardedGroup], shard_offsets: list[int], comm: CommGroup,
                  grad_shard: torch.Tensor, comm_dtype: torch.dtype | None, predivide: float, average: bool,
-                 waiter: Callable[[Any, str], None], max_in_flight: int = 2) -> None:
+                 waiter: Callable[[Any, str], None], max_in_flight: int = 2,
+                 on_reduced: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk
+        instead of adding it into ``grad_shard`` (an optimizer step in backward)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
+        self.on_reduced = on_reduced
         self.grad_shard = grad_shard
         self.comm_dtype, self.predivide = comm_dtype, predivide
         self.post = (predivide / comm.size) if average else predivide
@@ -74,6 +78,10 @@ class Stage3Reducer:
         item = self.in_flight.pop(0)
         group = self.groups[item.group]
         self.waiter(item.work, f"reduce_scatter of gradient group {group.index} ({group.module_name})")
+        if self.on_reduced is not None:
+            chunk = item.work.result
+            self.on_reduced(item.group, chunk.mul_(self.post) if self.post != 1.0 else chunk)
+            return
         off = self.offsets[item.group]
         self.grad_shard[off:off + group.chunk].add_(item.work.result, alpha=self.post)
 

@@ -25,7 +25,7 @@ from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.stage12 import Stage12Strategy
+from deepshard.zero.stage12 import Stage12Strategy, squared_norm
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -54,11 +54,14 @@ class Stage3Strategy(Stage12Strategy):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext, optimizer_offload: OffloadPolicy | None = None,
-                 param_offload: OffloadPolicy | None = None) -> None:
+                 param_offload: OffloadPolicy | None = None, step_in_backward: bool = False) -> None:
         """``optimizer_offload`` places the master weights and optimizer state, ``param_offload`` the
-        parameter shard between uses (default for both: on the device)."""
+        parameter shard between uses (default for both: on the device). ``step_in_backward``: update
+        each group as soon as its gradient is reduced and keep no gradient shard (the caller has
+        checked that nothing needs every gradient first: ``bootstrap.check_step_in_backward``)."""
         ZeroStrategy.__init__(self, module, optimizer, ctx)
         self.stage = 3
+        self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = Watchdog(comm)
         discovered = discover_groups(module)
@@ -90,16 +93,22 @@ class Stage3Strategy(Stage12Strategy):
             if g.numel <= threshold:
                 g.persistent = True
                 g.unshard(async_op=False)
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=policy.param_dtype, device=ctx.device)
+        self.grad_shard = torch.zeros(0 if step_in_backward else self.layout.shard_numel, dtype=policy.param_dtype,
+                                      device=ctx.device)
+        self._fused_sq = torch.zeros(1, dtype=torch.float32, device=ctx.device)  # sum of squares, step in backward
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(comm.size)
         offsets = [self.layout.shard_offset(b) for b in self.layout.buckets]
         self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grad_shard, policy.comm_dtype, predivide,
-                                     ctx.average_gradients, self.watchdog.wait)
+                                     ctx.average_gradients, self.watchdog.wait,
+                                     on_reduced=self._step_group if step_in_backward else None)
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance))
         self._build_fragments()
+        self._pieces_of_group: list[list[int]] = [[] for _ in self.layout.buckets]
+        for i, f in enumerate(self.fragments):
+            self._pieces_of_group[self.layout.slots[f.slot].bucket].append(i)
         if optimizer is not None:
             self._swap_into(optimizer)
 
@@ -177,12 +186,30 @@ class Stage3Strategy(Stage12Strategy):
         return out
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
+        if self.steps_in_backward:  # no gradient shard is kept
+            return self.grad_shard
         return self.grad_shard[f.shard_start:f.shard_start + f.numel]
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
+        if self.steps_in_backward and not reduce:
+            raise RuntimeError("zero_optimization.optimizer_step_in_backward updates the model in every backward; "
+                               "an accumulation boundary of False (set_gradient_accumulation_boundary(False)) "
+                               "cannot be honoured: turn the option off to accumulate gradients")
         self.hooks.stop_recording()
         self.reducer.begin_backward()
+
+    @torch.no_grad()
+    def _step_group(self, gi: int, chunk: torch.Tensor) -> None:
+        """Step in backward: update group ``gi``'s pieces from its averaged, reduced chunk."""
+        self.require_optimizer()
+        self._fused_sq += squared_norm([chunk], chunk.device)
+        indices = self._pieces_of_group[gi]
+        if not indices:
+            return
+        base = self.layout.shard_offset(self.layout.buckets[gi])
+        grads = [chunk[self.fragments[i].shard_start - base:][:self.fragments[i].numel] for i in indices]
+        self.states.step_pieces(indices, grads, 1.0, self._publish)
 
     def end_backward(self) -> None:
         self.reducer.end_backward()
@@ -192,6 +219,22 @@ class Stage3Strategy(Stage12Strategy):
 
     def _grad_shards(self) -> list[torch.Tensor]:
         return [self.grad_shard]
+
+    def global_grad_norm(self, loss_scale: float) -> float:
+        if not self.steps_in_backward:
+            return super().global_grad_norm(loss_scale)
+        total = self.ctx.comm.all_reduce_sum_scalar(self._fused_sq)
+        return float(total.sqrt().item()) / loss_scale
+
+    @torch.no_grad()
+    def step(self, grad_multiplier: float) -> None:
+        if not self.steps_in_backward:
+            super().step(grad_multiplier)
+            return
+        if grad_multiplier != 1.0:  # check_step_in_backward rules out clipping and loss scaling
+            raise RuntimeError(f"optimizer_step_in_backward: the update was applied in backward, so a gradient "
+                               f"multiplier of {grad_multiplier} (clipping or loss scaling) cannot be")
+        self._after_update()
 
     def _after_update(self) -> None:
         """Parameters are gathered lazily by the hooks; only groups held gathered are refreshed."""
@@ -206,6 +249,7 @@ class Stage3Strategy(Stage12Strategy):
 
     def zero_grad(self) -> None:
         self.grad_shard.zero_()
+        self._fused_sq.zero_()
         for p in self.params:
             p.grad = None
 
@@ -289,6 +333,10 @@ class Stage3Strategy(Stage12Strategy):
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
+        if self.steps_in_backward:
+            raise RuntimeError("safe_get_full_grad: with zero_optimization.optimizer_step_in_backward each "
+                               "gradient is applied and dropped during backward; turn the option off to read "
+                               "gradients")
         return self._assemble(param, lambda i: self.frag_grad_src[i], _full_shape(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
