@@ -65,6 +65,10 @@ class CommGroup:
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
 
+    def pairwise_for(self, tensor: torch.Tensor) -> bool:
+        """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
+        return self.pairwise and tensor.device.type == "cpu"
+
     def _next_tag(self) -> int:
         self._seq = (self._seq + 1) % pairwise.TAG_MODULUS
         return self._seq
@@ -84,7 +88,7 @@ class CommGroup:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
         self.logger.record("all_gather", output.numel(), output.element_size())
-        if self.pairwise:
+        if self.pairwise_for(output):
             return _settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group,
                                                self._next_tag()), async_op)
         return _all_gather(output, shard, group=self.group, async_op=async_op)
@@ -95,7 +99,7 @@ class CommGroup:
         if self.size == 1:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
-        if self.pairwise:
+        if self.pairwise_for(buffer):
             self.logger.record("all_gather", buffer.numel(), buffer.element_size())
             return _settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group,
                                                self._next_tag()), async_op)
@@ -109,7 +113,7 @@ class CommGroup:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
         self.logger.record("reduce_scatter", full.numel(), full.element_size())
-        if self.pairwise:
+        if self.pairwise_for(full):
             return _settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group,
                                                    self._next_tag()), async_op)
         return _reduce_scatter(output, full, group=self.group, async_op=async_op)
@@ -128,7 +132,7 @@ class CommGroup:
             torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(p.numel() for p in pieces)])
             return pairwise.CollectiveWork([], lambda: flat)
         self.logger.record("reduce_scatter", chunk * self.size, pieces[0].element_size())
-        if self.pairwise:
+        if self.pairwise_for(pieces[0]):
             tag = self._seq + 1
             self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
             return pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)

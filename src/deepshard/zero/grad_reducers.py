@@ -140,7 +140,7 @@ class Stage1Reducer(_OrderedLauncher):
         if self.predivide != 1.0:
             send.div_(self.predivide)  # the buffer is zeroed after the step
         lo, hi = bucket.owned(self.comm.rank)
-        if self.comm.pairwise and send is full:
+        if self.comm.pairwise_for(full) and send is full:  # the result may land in its own input
             out = self.flat_grad[lo:hi]
         else:
             out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
