@@ -50,6 +50,18 @@ def _launch(args: list[str], timeout: float = 30, **env: str) -> subprocess.Comp
                           timeout=timeout)
 
 
+def sleeping_pids(proc: subprocess.Popen, count: int) -> list[int]:
+    """Read the launcher's output until ``count`` ranks of ``scripts/sleep_forever.py`` said their pid."""
+    pids: list[int] = []
+    while len(pids) < count:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"the launcher ended before {count} ranks started"
+        found = re.search(r"pid=(\d+) sleeping", line)
+        if found:
+            pids.append(int(found.group(1)))
+    return pids
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -118,12 +130,7 @@ def test_sigterm_to_launcher_is_forwarded() -> None:
                             stderr=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
-        while len(pids) < 2:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line, "launcher exited before both ranks started"
-            found = re.search(r"pid=(\d+) sleeping", line)
-            if found:
-                pids.append(int(found.group(1)))
+        pids = sleeping_pids(proc, 2)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
     finally:

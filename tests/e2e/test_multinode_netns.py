@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_launcher import ROOT, SCRIPTS, _clean_env, _deepshard, _gone
+from tests.e2e.test_launcher import ROOT, SCRIPTS, _clean_env, _deepshard, _gone, sleeping_pids
 from tests.e2e.test_multinode import finish, rank_pids, start_node
 
 ADDRESSES = ("10.200.0.1", "10.200.0.2")
@@ -188,12 +188,7 @@ def test_killing_the_ssh_launcher_leaves_no_remote_process(netns: Namespaces, ss
     proc = _ssh_launch(netns, two_hosts, [*ssh, str(SCRIPTS / "sleep_forever.py")])
     pids: list[int] = []
     try:
-        while len(pids) < 2:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line, "the launcher ended before both ranks started"
-            found = re.search(r"pid=(\d+) sleeping", line)
-            if found:
-                pids.append(int(found.group(1)))
+        pids = sleeping_pids(proc, 2)
         proc.kill()  # SIGKILL: nothing forwarded; the remote agents see their ssh stdin close
         proc.wait()
         deadline = time.monotonic() + 15

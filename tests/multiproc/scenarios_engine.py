@@ -130,29 +130,29 @@ def api_surface(rank: int, world: int, tmp: str) -> dict[str, Any]:
     path, _ = fresh.load_checkpoint(tmp, tag="t1", load_module_only=True)
     out["module_only"] = (all(torch.equal(full_weights(fresh)[k], v) for k, v in full_weights(eng_b).items()),
                           fresh.global_steps)
-    dist.barrier()
-    if rank == 0:
-        victim = Path(tmp) / "t1" / "zero_rank0.safetensors"
-        data_bytes = bytearray(victim.read_bytes())
-        data_bytes[-5] ^= 0xFF
-        victim.write_bytes(bytes(data_bytes))
-    dist.barrier()
-    try:
-        fresh.load_checkpoint(tmp, tag="t1")
-        out["corrupt"] = "no error"
-    except CheckpointError as e:
-        out["corrupt"] = str(e)
-    dist.barrier()
-    if rank == 0:
-        victim = Path(tmp) / "t1" / "module_extra.safetensors"
-        victim.write_bytes(victim.read_bytes()[:100])
-    dist.barrier()
-    try:
-        fresh.load_checkpoint(tmp, tag="t1")
-        out["truncated"] = "no error"
-    except CheckpointError as e:
-        out["truncated"] = str(e)
+    out["corrupt"] = _load_after_damage(fresh, rank, Path(tmp) / "t1" / "zero_rank0.safetensors", _flip_a_byte)
+    out["truncated"] = _load_after_damage(fresh, rank, Path(tmp) / "t1" / "module_extra.safetensors",
+                                          lambda data: data[:100])
     return out
+
+
+def _flip_a_byte(data: bytes) -> bytes:
+    damaged = bytearray(data)
+    damaged[-5] ^= 0xFF
+    return bytes(damaged)
+
+
+def _load_after_damage(engine: Any, rank: int, victim: Path, damage: Any) -> str:
+    """Rank 0 rewrites ``victim`` through ``damage``; every rank then loads tag t1: the error, or "no error"."""
+    dist.barrier()
+    if rank == 0:
+        victim.write_bytes(damage(victim.read_bytes()))
+    dist.barrier()
+    try:
+        engine.load_checkpoint(str(victim.parent.parent), tag="t1")
+        return "no error"
+    except CheckpointError as e:
+        return str(e)
 
 
 def two_engines_interleaved(rank: int, world: int) -> dict[str, Any]:

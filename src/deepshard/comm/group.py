@@ -34,6 +34,13 @@ class _DoneWork:
         return True
 
 
+def _padded_concat(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The 1-D ``pieces`` end to end in a fresh zero-padded tensor of ``numel`` elements."""
+    flat = torch.zeros(numel, dtype=pieces[0].dtype, device=pieces[0].device)
+    torch.cat(pieces, out=flat[:sum(p.numel() for p in pieces)])
+    return flat
+
+
 def _settle(work: pairwise.CollectiveWork, async_op: bool):
     """Return the handle (async) or wait for it here (sync), as torch.distributed does."""
     if async_op:
@@ -128,16 +135,14 @@ class CommGroup:
         if any(p.dim() != 1 or not p.is_contiguous() or p.dtype != dtype for p in pieces):
             raise ValueError("reduce_scatter_pieces: pieces must be 1-D, contiguous and of one dtype")
         if self.size == 1:  # the result is the padded concatenation itself
-            flat = torch.zeros(chunk, dtype=dtype, device=device)
-            torch.cat([p.reshape(-1) for p in pieces], out=flat[:sum(p.numel() for p in pieces)])
+            flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
         self.logger.record("reduce_scatter", chunk * self.size, pieces[0].element_size())
         if self.pairwise_for(pieces[0]):
             tag = self._seq + 1
             self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
             return pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
-        staging = torch.zeros(chunk * self.size, dtype=dtype, device=device)
-        torch.cat([p.reshape(-1) for p in pieces], out=staging[:sum(p.numel() for p in pieces)])
+        staging = _padded_concat(pieces, chunk * self.size)
         out = torch.empty(chunk, dtype=dtype, device=device)
         native = _reduce_scatter(out, staging, group=self.group, async_op=True)
         return pairwise.CollectiveWork([native], lambda: out,

@@ -69,37 +69,16 @@ def _exchange(rank: int, size: int) -> list[tuple[int, int]]:
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, rank: int, peers: list[int],
                    group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
-    """Sum ``full`` (N equal chunks) over the ranks, leaving chunk ``rank`` in ``output``.
-
-    ``full`` must stay unchanged until ``wait()`` returns; ``output`` may be chunk ``rank`` of ``full``.
-    16-bit chunks from more than two ranks are summed in fp32 and rounded once.
-    """
+    """Sum ``full`` (N equal chunks) over the ranks, leaving chunk ``rank`` in ``output``: the
+    one-piece case of ``reduce_scatter_pieces``. ``full`` must stay unchanged until ``wait()`` returns;
+    ``output`` may be chunk ``rank`` of ``full``."""
     size = len(peers)
     if not (full.is_contiguous() and output.is_contiguous()):
         raise ValueError("reduce_scatter: input and output tensors must be contiguous")
-    chunks = full.reshape(size, -1)
-    if output.numel() != chunks.shape[1]:
+    if output.numel() * size != full.numel():
         raise ValueError(f"reduce_scatter: output has {output.numel()} elements, expected "
-                         f"{chunks.shape[1]} (input of {full.numel()} over {size} ranks)")
-    incoming = torch.empty((size - 1, chunks.shape[1]), dtype=full.dtype, device=full.device)
-    works = []
-    for k, (dst, src) in enumerate(_exchange(rank, size)):
-        works.append(dist.isend(chunks[dst], peers[dst], group=group, tag=tag))
-        works.append(dist.irecv(incoming[k], peers[src], group=group, tag=tag))
-
-    def finish() -> None:
-        out = output.reshape(-1)
-        if size > 2 and full.element_size() < 4:  # 16-bit: sum in fp32, round once
-            acc = chunks[rank].float()
-            for k in range(size - 1):
-                acc.add_(incoming[k])
-            out.copy_(acc)
-            return
-        torch.add(chunks[rank], incoming[0], out=out)
-        for k in range(1, size - 1):
-            out.add_(incoming[k])
-
-    return CollectiveWork(works, finish)
+                         f"{full.numel() // size} (input of {full.numel()} over {size} ranks)")
+    return reduce_scatter_pieces([full.reshape(-1)], output.numel(), rank, peers, group, tag, output=output)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list[int],
@@ -138,11 +117,13 @@ def piece_ranges(numels: list[int], begin: int, end: int) -> list[tuple[int, int
 
 
 def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, peers: list[int],
-                          group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
+                          group: Optional[dist.ProcessGroup], tag: int,
+                          output: Optional[torch.Tensor] = None) -> CollectiveWork:
     """Sum, over the ranks, the concatenation of the 1-D contiguous ``pieces`` zero-padded to
     ``N * chunk`` elements; after ``wait()`` the work's ``result`` holds chunk ``rank`` of the sum (a
-    fresh tensor). Uses tags ``tag .. tag + len(pieces) - 1``; the pieces must stay unchanged until
-    ``wait()`` returns."""
+    fresh tensor, or ``output`` when given). Uses tags ``tag .. tag + len(pieces) - 1``; the pieces must
+    stay unchanged until ``wait()`` returns. 16-bit chunks from more than two ranks are summed in fp32
+    and rounded once."""
     size = len(peers)
     numels = [t.numel() for t in pieces]
     if sum(numels) > size * chunk:
@@ -170,6 +151,8 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
             at += n
         for k in range(1, size - 1):
             acc.add_(incoming[k])
+        if output is not None:
+            return output.copy_(acc.reshape(output.shape))
         return acc if acc.dtype == dtype else acc.to(dtype)
 
     return CollectiveWork(works, finish, scratch_bytes=incoming.numel() * incoming.element_size())

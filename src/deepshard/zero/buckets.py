@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.in_flight import averaging_factor
 
 
 @dataclass
@@ -151,7 +152,7 @@ class BucketedAllReduce:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-        post = (self.predivide / self.comm.size) if self.average else self.predivide
+        post = averaging_factor(self.predivide, self.comm.size, self.average)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()

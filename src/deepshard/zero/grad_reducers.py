@@ -14,21 +14,11 @@ At most ``max_in_flight`` buckets are in flight at once (each holds the collecti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from deepshard.comm.group import CommGroup
-from deepshard.zero.partition import Bucket, FlatLayout
-
-
-@dataclass
-class _InFlight:
-    bucket: Bucket
-    work: Any
-    out: torch.Tensor | None = None
-    held: list[torch.Tensor] = field(default_factory=list)  # what the collective reads until it is done
+from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
+from deepshard.zero.partition import FlatLayout
 
 
 class _OrderedLauncher:
@@ -38,15 +28,14 @@ class _OrderedLauncher:
                  comm_dtype: torch.dtype | None, predivide: float, average: bool, max_in_flight: int) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = (predivide / comm.size) if average else predivide
-        self.max_in_flight = max(1, max_in_flight)
+        self.post = averaging_factor(predivide, comm.size, average)
+        self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.slot_of = {id(params[s.param_index]): i for i, s in enumerate(layout.slots)}
         self.members: list[list[int]] = [[] for _ in layout.buckets]
         for i, s in enumerate(layout.slots):
             self.members[s.bucket].append(i)
         self.ready: list[set[int]] = [set() for _ in layout.buckets]
         self.next_launch = 0
-        self.in_flight: list[_InFlight] = []
         self.active = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -56,7 +45,7 @@ class _OrderedLauncher:
     def _launch(self, index: int) -> None:
         raise NotImplementedError
 
-    def _finish_oldest(self) -> None:
+    def _finish(self, item: InFlight) -> None:
         raise NotImplementedError
 
     def _mark_ready(self, s_index: int) -> None:
@@ -67,8 +56,7 @@ class _OrderedLauncher:
             self._launch_next()
 
     def _launch_next(self) -> None:
-        while len(self.in_flight) >= self.max_in_flight:
-            self._finish_oldest()
+        self.in_flight.make_room()
         self._launch(self.next_launch)
         self.next_launch += 1
 
@@ -83,13 +71,11 @@ class _OrderedLauncher:
             return
         while self.next_launch < len(self.layout.buckets):
             self._launch_next()
-        while self.in_flight:
-            self._finish_oldest()
+        self.in_flight.drain()
         self.active = False
 
     def scratch_bytes(self) -> int:
-        """Memory held by the collectives in flight (zero outside backward)."""
-        return sum(int(getattr(item.work, "scratch_bytes", 0)) for item in self.in_flight)
+        return self.in_flight.scratch_bytes()
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -145,12 +131,11 @@ class Stage1Reducer(_OrderedLauncher):
         else:
             out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
-        self.in_flight.append(_InFlight(bucket, work, out, [send]))
+        self.in_flight.add(InFlight(index, work, out, [send]))
 
-    def _finish_oldest(self) -> None:
-        item = self.in_flight.pop(0)
+    def _finish(self, item: InFlight) -> None:
         item.work.wait()
-        lo, hi = item.bucket.owned(self.comm.rank)
+        lo, hi = self.layout.buckets[item.index].owned(self.comm.rank)
         target, out = self.flat_grad[lo:hi], item.out
         assert out is not None
         if out.data_ptr() != target.data_ptr():
@@ -201,13 +186,13 @@ class Stage2Reducer(_OrderedLauncher):
             pieces.append(grad_piece(p.grad, slot.numel, self.dtype, self.device, self.comm_dtype, self.predivide))
             p.grad = None
         bucket = self.layout.buckets[index]
-        self.in_flight.append(_InFlight(bucket, self.comm.reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
+        self.in_flight.add(InFlight(index, self.comm.reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
 
-    def _finish_oldest(self) -> None:
-        item = self.in_flight.pop(0)
+    def _finish(self, item: InFlight) -> None:
         item.work.wait()
-        off = self.layout.shard_offset(item.bucket)
-        self.shard[off:off + item.bucket.chunk].add_(item.work.result, alpha=self.post)
+        bucket = self.layout.buckets[item.index]
+        off = self.layout.shard_offset(bucket)
+        self.shard[off:off + bucket.chunk].add_(item.work.result, alpha=self.post)
 
     def end_backward(self) -> None:
         super().end_backward()

@@ -34,6 +34,8 @@ class Stage3Hooks:
         self.max_live = max(int(max_live), 0)
         self.max_reuse = max(int(max_reuse), 0)
         self.all_groups = list({id(g): g for gs in groups_of.values() for g in gs}.values())
+        # the live cap can only bind when the model's gathered groups could exceed it
+        self._cap_binds = sum(g.numel for g in self.all_groups if not g.persistent) > self.max_live
         self.order: list[ShardedGroup] = []
         self._position: dict[int, int] = {}
         self._after: list[int] = []  # per order position: gathered elements used after it in forward
@@ -97,14 +99,15 @@ class Stage3Hooks:
             return
         pos = (max(positions) if step > 0 else min(positions)) + step
         budget = self.prefetch_elements
-        live = sum(g.numel for g in self.all_groups if not g.persistent and g.state is not GroupState.SHARDED)
+        live = (sum(g.numel for g in self.all_groups if not g.persistent and g.state is not GroupState.SHARDED)
+                if self._cap_binds else 0)
         while 0 <= pos < len(self.order) and budget > 0:
             g = self.order[pos]
             pos += step
             if g.persistent:
                 continue
             if g.state is GroupState.SHARDED:
-                if live + g.numel > self.max_live:
+                if self._cap_binds and live + g.numel > self.max_live:
                     break
                 g.unshard()
                 live += g.numel

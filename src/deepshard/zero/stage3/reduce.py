@@ -9,21 +9,14 @@ few groups' gradients, never the full gradient.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.zero.grad_reducers import grad_piece
+from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
 from deepshard.zero.stage3.group import ShardedGroup
-
-
-@dataclass
-class _InFlight:
-    group: int
-    work: Any
-    held: list[torch.Tensor]  # the gradients the collective reads until it is done
 
 
 class Stage3Reducer:
@@ -37,10 +30,9 @@ class Stage3Reducer:
         self.on_reduced = on_reduced
         self.grad_shard = grad_shard
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = (predivide / comm.size) if average else predivide
+        self.post = averaging_factor(predivide, comm.size, average)
         self.waiter = waiter
-        self.max_in_flight = max(1, max_in_flight)
-        self.in_flight: list[_InFlight] = []
+        self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
         self.ready: list[int] = [0] * len(groups)
         self.expected = [sum(1 for p in g.params if p.requires_grad) for g in groups]
@@ -64,37 +56,33 @@ class Stage3Reducer:
     def _launch(self, gi: int) -> None:
         """Reduce-scatter the group's ``.grad`` tensors as autograd produced them (no staging copy on
         gloo); they leave the parameters now and live in the in-flight item until the collective is done."""
-        while len(self.in_flight) >= self.max_in_flight:
-            self._finish_oldest()
+        self.in_flight.make_room()
         group = self.groups[gi]
         pieces = []
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        self.in_flight.append(_InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk), pieces))
+        self.in_flight.add(InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk), held=pieces))
         self.launched.add(gi)
 
-    def _finish_oldest(self) -> None:
-        item = self.in_flight.pop(0)
-        group = self.groups[item.group]
+    def _finish(self, item: InFlight) -> None:
+        group = self.groups[item.index]
         self.waiter(item.work, f"reduce_scatter of gradient group {group.index} ({group.module_name})")
         if self.on_reduced is not None:
             chunk = item.work.result
-            self.on_reduced(item.group, chunk.mul_(self.post) if self.post != 1.0 else chunk)
+            self.on_reduced(item.index, chunk.mul_(self.post) if self.post != 1.0 else chunk)
             return
-        off = self.offsets[item.group]
+        off = self.offsets[item.index]
         self.grad_shard[off:off + group.chunk].add_(item.work.result, alpha=self.post)
 
     def end_backward(self) -> None:
         for gi in range(len(self.groups)):
             if gi not in self.launched:
                 self._launch(gi)
-        while self.in_flight:
-            self._finish_oldest()
+        self.in_flight.drain()
 
-    def staging_bytes(self) -> int:
-        """Memory held by the collectives in flight (zero outside backward)."""
-        return sum(int(getattr(item.work, "scratch_bytes", 0)) for item in self.in_flight)
+    def scratch_bytes(self) -> int:
+        return self.in_flight.scratch_bytes()
 
     def remove_hooks(self) -> None:
         for h in self.hooks:

@@ -314,7 +314,7 @@ class Stage3Strategy(Stage12Strategy):
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "buffers": tensor_bytes(self.module.buffers()),
             "gathered_parameters": live,
-            "comm_buckets": self.reducer.staging_bytes(),
+            "comm_buckets": self.reducer.scratch_bytes(),
             "offloaded": placed["offloaded"] + shard["offloaded"] + frozen["offloaded"],
             "offload_buffers": placed["offload_buffers"],
         }
