@@ -58,10 +58,16 @@ class CommGroup:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, logger: Optional[CommsLogger] = None,
-                 pairwise: Optional[bool] = None) -> None:
+                 pairwise: Optional[bool] = None, name: str = "world", solo: bool = False) -> None:
         self.group = group
+        self.name = name
         self.logger = logger if logger is not None else CommsLogger()
-        if dist.is_available() and dist.is_initialized():
+        if solo:  # a group of this rank alone: no process group, every collective is local
+            self.rank, self.size = 0, 1
+            initialized = dist.is_available() and dist.is_initialized()
+            self.backend = str(dist.get_backend()) if initialized else "none"
+            self.peers = [dist.get_rank() if initialized else 0]
+        elif dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
@@ -71,6 +77,16 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
+
+    @classmethod
+    def single(cls, logger: Optional[CommsLogger] = None, name: str = "single") -> "CommGroup":
+        """This rank alone (an axis of size 1): collectives are local copies or no-ops."""
+        return cls(group=None, logger=logger, name=name, solo=True)
+
+    def _label(self, op: str) -> str:
+        """The comms logger's key: tensor- and pipeline-parallel traffic is counted apart from data
+        parallel (``tp:all_reduce``); the world and dp groups keep the plain names."""
+        return op if self.name in ("world", "dp", "single") else f"{self.name}:{op}"
 
     def pairwise_for(self, tensor: torch.Tensor) -> bool:
         """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
@@ -86,7 +102,7 @@ class CommGroup:
         """Sum ``tensor`` in place over the group."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record("all_reduce", tensor.numel(), tensor.element_size(), 2.0)
+        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -94,7 +110,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record("all_gather", output.numel(), output.element_size())
+        self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
         if self.pairwise_for(output):
             return _settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group,
                                                self._next_tag()), async_op)
@@ -107,7 +123,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
-            self.logger.record("all_gather", buffer.numel(), buffer.element_size())
+            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
             return _settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group,
                                                self._next_tag()), async_op)
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
@@ -119,7 +135,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record("reduce_scatter", full.numel(), full.element_size())
+        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
         if self.pairwise_for(full):
             return _settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group,
                                                    self._next_tag()), async_op)
@@ -137,7 +153,7 @@ class CommGroup:
         if self.size == 1:  # the result is the padded concatenation itself
             flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
-        self.logger.record("reduce_scatter", chunk * self.size, pieces[0].element_size())
+        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
         if self.pairwise_for(pieces[0]):
             tag = self._seq + 1
             self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
@@ -152,7 +168,7 @@ class CommGroup:
         """Broadcast from group rank ``src``."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record("broadcast", tensor.numel(), tensor.element_size())
+        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
 
@@ -166,7 +182,7 @@ class CommGroup:
         if self.size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self._device())
-        self.logger.record("all_reduce(flag)", 1, 4, 2.0)
+        self.logger.record(self._label("all_reduce(flag)"), 1, 4, 2.0)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item() > 0)
 
@@ -175,7 +191,7 @@ class CommGroup:
         if self.size == 1:
             return value
         t = value.detach().clone().reshape(1)
-        self.logger.record("all_reduce(scalar)", 1, t.element_size(), 2.0)
+        self.logger.record(self._label("all_reduce(scalar)"), 1, t.element_size(), 2.0)
         dist.all_reduce(t, group=self.group)
         return t.reshape(value.shape)
 

@@ -1,0 +1,216 @@
+"""The process grid: pipeline x data x tensor parallel, as pure rank arithmetic and as process groups.
+
+Rank order follows DeepSpeed's ``PipeModelDataParallelTopology`` and Megatron: tensor-parallel fastest,
+pipeline slowest, so tensor-parallel peers are neighbours (one node) and a pipeline neighbour is
+``dp * tp`` ranks away::
+
+    rank = pipe * (dp * tp) + data * tp + model
+
+``ParallelDims`` is the arithmetic alone (unit-tested with no process group). ``Topology`` holds one
+``CommGroup`` per axis for this rank; ``Topology.build`` is the only caller of ``dist.new_group`` in
+deepshard and creates every group of every axis on every rank, in one fixed order (torch requires
+every rank to take part in every ``new_group`` call, in the same order).
+
+Groups:
+
+- ``world``: every rank.
+- ``dp``: ranks that hold the same model slice (same pipe and tensor coordinates). ZeRO shards and
+  reduces here, and only here.
+- ``tp``: ranks that split one layer's matrices (same pipe and data coordinates).
+- ``pp``: the stages of one pipeline (same data and tensor coordinates).
+- ``model_parallel``: ranks of one data-parallel replica (same data coordinate, pp x tp). A gradient
+  norm or an overflow flag is combined over ``dp`` first, then here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+from deepshard.comm.group import CommGroup
+from deepshard.comm.logger import CommsLogger
+
+Axis = Literal["pp", "dp", "tp", "model_parallel"]
+AXES: tuple[Axis, ...] = ("dp", "tp", "pp", "model_parallel")
+"""The order in which ``Topology.build`` creates groups (the same on every rank)."""
+
+
+class TopologyError(ValueError):
+    """A grid that does not fit the world: the message shows the arithmetic."""
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A rank's place in the grid."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three axes; their product is the world size."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TopologyError(f"ParallelDims.{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def for_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: Optional[int] = None) -> "ParallelDims":
+        """The grid for ``world_size`` ranks: ``dp`` is what is left after ``pp`` and ``tp`` unless given."""
+        if world_size < 1:
+            raise TopologyError(f"world size must be >= 1, got {world_size}")
+        if pp < 1 or tp < 1:
+            raise TopologyError(f"pipeline ({pp}) and tensor ({tp}) parallel sizes must be >= 1")
+        if dp is None:
+            if world_size % (pp * tp) != 0:
+                raise TopologyError(
+                    f"world size {world_size} is not divisible by pipeline x tensor = {pp} x {tp} = {pp * tp}: "
+                    f"the data-parallel size would be {world_size} / {pp * tp} = {world_size / (pp * tp):.3g}; "
+                    f"launch a multiple of {pp * tp} processes or change the pipeline/tensor sizes")
+            dp = world_size // (pp * tp)
+        dims = cls(pp=pp, dp=dp, tp=tp)
+        dims.check_world(world_size)
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check_world(self, world_size: int) -> None:
+        """Raise unless ``pp * dp * tp == world_size``, printing the product."""
+        if self.world_size != world_size:
+            raise TopologyError(
+                f"the grid pipeline x data x tensor = {self.pp} x {self.dp} x {self.tp} = {self.world_size} "
+                f"ranks does not match the world size {world_size}; choose sizes whose product is {world_size}")
+
+    # ------------------------------------------------------------------------------ rank arithmetic
+    def rank(self, coord: Coord) -> int:
+        """The global rank at ``coord``."""
+        for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)):
+            value = getattr(coord, name)
+            if not 0 <= value < size:
+                raise TopologyError(f"coordinate {name}={value} is outside 0..{size - 1} in {self}")
+        return coord.pp * (self.dp * self.tp) + coord.dp * self.tp + coord.tp
+
+    def coord(self, rank: int) -> Coord:
+        """The coordinate of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside 0..{self.world_size - 1} of {self}")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return Coord(pp=pp, dp=dp, tp=tp)
+
+    def group_ranks(self, axis: Axis) -> list[list[int]]:
+        """Every group along ``axis`` as sorted global ranks; the same list on every rank.
+
+        ``model_parallel`` groups the ranks sharing a data coordinate (pp x tp)."""
+        keys: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coord(r)
+            if axis == "dp":
+                key = (c.pp, c.tp)
+            elif axis == "tp":
+                key = (c.pp, c.dp)
+            elif axis == "pp":
+                key = (c.dp, c.tp)
+            elif axis == "model_parallel":
+                key = (c.dp,)
+            else:
+                raise TopologyError(f"unknown axis {axis!r}; use one of {AXES}")
+            keys.setdefault(key, []).append(r)
+        return [keys[k] for k in sorted(keys)]
+
+    def peers(self, rank: int, axis: Axis) -> list[int]:
+        """The global ranks of ``rank``'s group along ``axis``."""
+        for ranks in self.group_ranks(axis):
+            if rank in ranks:
+                return ranks
+        raise TopologyError(f"rank {rank} is outside {self}")  # unreachable for a valid rank
+
+    def stage_rank(self, rank: int, stage: int) -> int:
+        """The rank holding pipeline ``stage`` with ``rank``'s data and tensor coordinates."""
+        c = self.coord(rank)
+        return self.rank(Coord(pp=stage, dp=c.dp, tp=c.tp))
+
+    def __str__(self) -> str:
+        return f"grid(pp={self.pp}, dp={self.dp}, tp={self.tp})"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's groups of the grid. Built once by ``Topology.build`` (or ``Topology.single``)."""
+
+    dims: ParallelDims
+    rank: int
+    coord: Coord
+    world: CommGroup
+    dp: CommGroup
+    tp: CommGroup
+    pp: CommGroup
+    model_parallel: CommGroup
+
+    @classmethod
+    def build(cls, dims: ParallelDims, logger: Optional[CommsLogger] = None) -> "Topology":
+        """Create every group of the grid (collective: every rank calls it with the same ``dims``).
+
+        An axis of size 1 needs no process group and an axis spanning the world reuses the default
+        group, so a pure data-parallel grid creates no group at all (today's behaviour)."""
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        rank = dist.get_rank() if initialized else 0
+        dims.check_world(world_size)
+        logger = logger if logger is not None else CommsLogger()
+        world = CommGroup(group=None, logger=logger, name="world")
+        mine: dict[str, CommGroup] = {}
+        for axis in AXES:
+            mine[axis] = _axis_group(dims, axis, rank, world, logger)
+        return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=mine["dp"], tp=mine["tp"],
+                   pp=mine["pp"], model_parallel=mine["model_parallel"])
+
+    @classmethod
+    def from_groups(cls, dims: ParallelDims, rank: int, world: CommGroup, dp: CommGroup, tp: CommGroup,
+                    pp: CommGroup, model_parallel: CommGroup) -> "Topology":
+        """A topology over groups someone else made (a Megatron-style ``mpu``)."""
+        return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=dp, tp=tp, pp=pp,
+                   model_parallel=model_parallel)
+
+    @property
+    def is_data_parallel_only(self) -> bool:
+        return self.dims.pp == 1 and self.dims.tp == 1
+
+    def describe(self) -> str:
+        return (f"{self.dims} rank {self.rank} at pp={self.coord.pp} dp={self.coord.dp} tp={self.coord.tp}")
+
+
+def _axis_group(dims: ParallelDims, axis: Axis, rank: int, world: CommGroup, logger: CommsLogger) -> CommGroup:
+    """Create all of ``axis``'s groups (every rank takes part in every ``new_group``) and return this
+    rank's, as a counted ``CommGroup``."""
+    import torch.distributed as dist
+
+    all_ranks = dims.group_ranks(axis)
+    size = len(all_ranks[0])
+    if size == 1:
+        return CommGroup.single(logger=logger, name=axis)
+    if size == dims.world_size:
+        return CommGroup(group=None, logger=logger, name=axis, pairwise=world.pairwise)
+    own: Optional[CommGroup] = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            own = CommGroup(group=group, logger=logger, name=axis, pairwise=world.pairwise)
+    assert own is not None  # every rank is in exactly one group of each axis
+    return own
+
+
+def ranks_of(group: CommGroup) -> Sequence[int]:
+    """The global ranks of ``group`` (group order)."""
+    return list(group.peers)

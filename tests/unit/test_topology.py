@@ -1,0 +1,70 @@
+"""The grid's rank arithmetic, with no process group (DeepSpeed/Megatron order: tensor fastest)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from deepshard.topology import AXES, Coord, ParallelDims, Topology, TopologyError
+
+SIZES = [(pp, dp, tp) for pp, dp, tp in itertools.product(range(1, 9), repeat=3) if pp * dp * tp <= 8]
+
+
+def test_reference_layout_2x2x2() -> None:
+    """REFERENCE_PARALLEL.md section 6, written out by hand."""
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    assert dims.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.group_ranks("model_parallel") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert dims.coord(5) == Coord(pp=1, dp=0, tp=1)
+    assert dims.stage_rank(2, 1) == 6  # next stage is rank + dp*tp
+
+
+@pytest.mark.parametrize("pp,dp,tp", SIZES)
+def test_every_coordinate_and_group(pp: int, dp: int, tp: int) -> None:
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp)
+    n = pp * dp * tp
+    seen = set()
+    for r in range(n):
+        c = dims.coord(r)
+        assert r == c.pp * dp * tp + c.dp * tp + c.tp
+        assert dims.rank(c) == r
+        seen.add((c.pp, c.dp, c.tp))
+    assert len(seen) == n
+    sizes = {"pp": pp, "dp": dp, "tp": tp, "model_parallel": pp * tp}
+    for axis in AXES:
+        groups = dims.group_ranks(axis)
+        assert sorted(r for g in groups for r in g) == list(range(n))  # a partition of the world
+        assert all(len(g) == sizes[axis] for g in groups)
+        for g in groups:
+            coords = [dims.coord(r) for r in g]
+            varying = {k for k in ("pp", "dp", "tp") if len({getattr(c, k) for c in coords}) > 1}
+            allowed = {"pp": {"pp"}, "dp": {"dp"}, "tp": {"tp"}, "model_parallel": {"pp", "tp"}}[axis]
+            assert varying <= allowed
+            if axis == "tp" and tp > 1:
+                assert g == list(range(g[0], g[0] + tp))  # tensor-parallel peers are neighbours
+        for r in range(n):
+            assert r in dims.peers(r, axis)
+
+
+def test_for_world_derives_dp_and_prints_the_arithmetic() -> None:
+    assert ParallelDims.for_world(8, pp=2, tp=2) == ParallelDims(2, 2, 2)
+    assert ParallelDims.for_world(6, tp=3).dp == 2
+    with pytest.raises(TopologyError, match=r"world size 6 is not divisible by pipeline x tensor = 2 x 2 = 4"):
+        ParallelDims.for_world(6, pp=2, tp=2)
+    with pytest.raises(TopologyError, match=r"2 x 2 x 1 = 4 ranks does not match the world size 8"):
+        ParallelDims.for_world(8, pp=2, dp=2)
+    with pytest.raises(TopologyError, match="positive integer"):
+        ParallelDims(pp=0)
+    with pytest.raises(TopologyError, match="outside"):
+        ParallelDims(2, 2, 2).coord(8)
+
+
+def test_single_process_topology_needs_no_process_group() -> None:
+    topo = Topology.build(ParallelDims())
+    assert topo.coord == Coord(0, 0, 0)
+    for group in (topo.world, topo.dp, topo.tp, topo.pp, topo.model_parallel):
+        assert group.size == 1 and group.rank == 0
+    assert topo.world.logger is topo.tp.logger  # one logger, traffic labelled per group
+    assert topo.tp._label("all_reduce") == "tp:all_reduce" and topo.dp._label("all_reduce") == "all_reduce"
