@@ -141,6 +141,9 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = check_offload(cfg, accelerator)
     step_in_backward = check_step_in_backward(cfg, optimizer_offload, param_offload)
+    if step_in_backward and topology.model_parallel.size > 1:
+        raise ConfigError(f"zero_optimization.optimizer_step_in_backward=true cannot be used on {topology.dims}: "
+                          "each update would need the norm over the model-parallel ranks first; set it to false")
     ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
