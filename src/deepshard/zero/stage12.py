@@ -75,8 +75,7 @@ class Stage12Strategy(ZeroStrategy):
                                    policy.comm_dtype, predivide, ctx.average_gradients)
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
-            lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank),
-            int(ctx.zero_config.sub_group_size))
+            lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
         for lo, hi, off in self._owned:  # masters from the fp32 values, before the module was cast
             self.states.write_masters(off, flat32[lo:hi])
         self.states.flush()
