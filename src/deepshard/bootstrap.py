@@ -10,6 +10,7 @@ import torch
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.config.inert import warn_unused_pipeline
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
 from deepshard.precision import PrecisionPolicy
@@ -47,6 +48,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     accelerator = get_accelerator()
     comm = CommGroup(group=None)
     cfg = load_config(source, dp_world_size=comm.size)
+    warn_unused_pipeline(cfg, model)
     engine = _build_engine(model, cfg, accelerator, comm, dist.get_rank(), optimizer, model_parameters,
                            lr_scheduler)
     if training_data is not None:
@@ -100,7 +102,9 @@ def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
 def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
     param_dtype = cfg.model_dtype
     comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
-    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype)
+    buffer_dtype = dtype_from_name(cfg.data_types.buffer_dtype) if cfg.data_types.buffer_dtype else None
+    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype,
+                           buffer_dtype=buffer_dtype)
 
 
 def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,

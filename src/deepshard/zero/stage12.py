@@ -19,6 +19,7 @@ from deepshard.checkpoint.fragments import (FragmentRecord, FullState, export_pa
                                             restore_param_groups, save_rank_fragments, slice_state)
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
+from deepshard.precision.cast import cast_module
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.offload.factory import make_shard_states
@@ -93,7 +94,7 @@ class Stage12Strategy(ZeroStrategy):
         flat32 = torch.zeros(layout.total, dtype=torch.float32, device=self.ctx.device)
         for slot in layout.slots:
             flat32[slot.flat_start:slot.flat_start + slot.numel] = self.params[slot.param_index].reshape(-1)
-        module.to(policy.param_dtype)
+        cast_module(module, policy.param_dtype, policy.buffer_dtype)
         self.flat_param = flat32 if policy.param_dtype == torch.float32 else flat32.to(policy.param_dtype)
         for slot in layout.slots:
             p = self.params[slot.param_index]

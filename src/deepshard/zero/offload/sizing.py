@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 STAGING_ELEMENT_BYTES = 4
 SHARD_FRACTION = 64
-MIN_SUB_GROUP = 1 << 20
+MIN_SUB_GROUP = 1 << 18
 MEMORY_FRACTION = 16
 ELEMENTWISE_STATES = 2  # Adam / AdamW (exp_avg, exp_avg_sq): the common case the default is sized for
 
@@ -44,11 +44,14 @@ class StagingPlan:
 
 
 def local_processes() -> int:
-    """Processes sharing this host's memory (the launcher's ``LOCAL_WORLD_SIZE``; 1 when unknown)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """Processes sharing this host's memory: the launcher's ``LOCAL_WORLD_SIZE``, else (to be safe)
+    ``WORLD_SIZE``, else 1."""
+    for key in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        try:
+            return max(1, int(os.environ[key]))
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def plan_staging(shard_numel: int, has_masters: bool, available_bytes: int, processes: int,
