@@ -10,6 +10,7 @@ import torch
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.config.inert import warn_unused_pipeline
 from deepshard.config.loader import read_config_source
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
@@ -47,6 +48,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     raw, _ = read_config_source(source)
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
+    warn_unused_pipeline(cfg, model)
     engine = _build_engine(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -107,7 +109,9 @@ def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
 def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
     param_dtype = cfg.model_dtype
     comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
-    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype)
+    buffer_dtype = dtype_from_name(cfg.data_types.buffer_dtype) if cfg.data_types.buffer_dtype else None
+    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype,
+                           buffer_dtype=buffer_dtype)
 
 
 def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,

@@ -196,7 +196,7 @@ def test_policies_follow_deepspeed_keys_and_defaults(tmp_path: Path) -> None:
                             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
                             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 7}},
                            {"block_size": 4096, "queue_depth": 16, "thread_count": 4})
-    assert opt == NvmeOffload(path=tmp_path, buffer_count=4, pin_memory=False, sub_group_size=1000,
+    assert opt == NvmeOffload(path=tmp_path, buffer_count=None, pin_memory=False, sub_group_size=1000,
                               aio=AioSettings(4096, 16, 4))
     assert isinstance(param, NvmeOffload) and param.buffer_count == 7 and param.buffer_size == 100_000_000
     assert param.max_in_cpu == 1_000_000_000

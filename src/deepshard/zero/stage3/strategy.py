@@ -20,6 +20,7 @@ import torch
 from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
 from deepshard.checkpoint.layout import module_splits
 from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
+from deepshard.precision.cast import cast_buffers
 from deepshard.zero.offload.factory import make_param_store, make_shard_states
 from deepshard.zero.offload.param_store import ParamStore
 from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
@@ -84,8 +85,8 @@ class Stage3Strategy(Stage12Strategy):
         values = (lambda f: store.view(f.shard_start, f.numel)) if store.resident else None
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
-            comm.rank), int(zcfg.sub_group_size))
-        _cast_buffers(module, policy.param_dtype)
+            comm.rank))
+        cast_buffers(module, policy.buffer_dtype)
         self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states)
         self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None)
                               if frozen else [])
@@ -413,8 +414,3 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point():
-                m._buffers[name] = b.to(dtype)
