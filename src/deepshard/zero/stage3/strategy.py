@@ -30,7 +30,6 @@ from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
 from deepshard.zero.stage3.reduce import Stage3Reducer
-from deepshard.zero.stage3.watchdog import Watchdog
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 
@@ -63,7 +62,7 @@ class Stage3Strategy(Stage12Strategy):
         self.stage = 3
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
-        self.watchdog = Watchdog(comm)
+        self.watchdog = comm.watchdog
         discovered = discover_groups(module)
         trainable = [d for d in discovered if d[1][0].requires_grad]
         frozen = [d for d in discovered if not d[1][0].requires_grad]
