@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint.matching import check_coverage
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
@@ -112,6 +113,8 @@ def load_full_state(directory: Path, with_optimizer: bool = True) -> FullState:
     optim: dict[str, dict[str, Any]] = {}
     kinds: dict[str, dict[str, str]] = {}
     groups, aliases, meta = None, {}, {}
+    covered: dict[str, int] = {}
+    saved_world = 0
     for rank, path in json_files:
         info = ckpt_io.load_json(path)
         shapes.update({k: tuple(v) for k, v in info["shapes"].items()})
@@ -119,7 +122,9 @@ def load_full_state(directory: Path, with_optimizer: bool = True) -> FullState:
         meta = info.get("meta", meta) if rank == 0 else meta
         groups = info.get("param_groups", groups)
         tensors = ckpt_io.load_tensors(directory / rank_files(rank)[0])
+        saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
         for name, start, numel in info["fragments"]:
+            covered[name] = covered.get(name, 0) + int(numel)
             full = params.setdefault(name, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
             full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
             for key, value in info["scalars"].get(f"{name}@{start}", {}).items():
@@ -127,6 +132,7 @@ def load_full_state(directory: Path, with_optimizer: bool = True) -> FullState:
                 kinds.setdefault(name, {})[key] = "python"
         if with_optimizer:
             _collect_optimizer_tensors(tensors, shapes, optim, kinds)
+    check_coverage(directory, shapes, covered, [r for r, _ in json_files], saved_world or None)
     params = {k: v.view(shapes[k]) for k, v in params.items()}
     extra_path = directory / MODULE_EXTRA
     module_extra = ckpt_io.load_tensors(extra_path) if extra_path.exists() else {}

@@ -35,7 +35,7 @@ import torch
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
     "write_manifest", "verify_manifest", "staging_dir", "commit_staging", "recover_tag",
-    "write_latest", "read_latest", "validate_tag", "MANIFEST_NAME", "LATEST_NAME",
+    "repair_save_dir", "write_latest", "read_latest", "validate_tag", "MANIFEST_NAME", "LATEST_NAME",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -429,6 +429,43 @@ def recover_tag(save_dir: Path, tag: str) -> bool:
     for aside in asides:
         shutil.rmtree(aside)
     return True
+
+
+def _aside_tags(save_dir: Path) -> set[str]:
+    """Tags that have aside copies ``.old-<tag>-<n>`` in ``save_dir``."""
+    tags = set()
+    for p in save_dir.glob(".old-*-*"):
+        body, _, n = p.name[len(".old-"):].rpartition("-")
+        if body and n.isdigit() and p.is_dir():
+            tags.add(body)
+    return tags
+
+
+def repair_save_dir(save_dir: Path, keep: str | None = None) -> list[str]:
+    """Undo what interrupted saves left in ``save_dir``; return what was done, one line per change.
+
+    Every tag whose publication was interrupted between its two renames gets its intact copy back
+    (:func:`recover_tag`), leftover aside copies next to a published tag are deleted, and hidden
+    staging directories ``.tmp-<tag>`` of saves that never committed are removed (except ``keep``'s,
+    the save under way). Call it from one process only, while no other save to ``save_dir`` runs.
+    """
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    done = []
+    for tag in sorted(_aside_tags(save_dir)):
+        try:
+            validate_tag(tag)
+        except ValueError:
+            continue
+        missing = not (save_dir / tag).exists()
+        if recover_tag(save_dir, tag):
+            done.append(f"restored {tag} from its aside copy" if missing else f"removed stale aside copies of {tag}")
+    for stale in sorted(save_dir.glob(".tmp-*")):
+        if stale.is_dir() and stale.name != f".tmp-{keep}":
+            shutil.rmtree(stale, ignore_errors=True)
+            done.append(f"removed the staging directory {stale.name} of an interrupted save")
+    return done
 
 
 def write_latest(save_dir: Path, tag: str) -> None:
