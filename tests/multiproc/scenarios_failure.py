@@ -2,6 +2,7 @@
 publications, and collectives that one rank never joins (importable by spawned processes)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -67,20 +68,33 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _full_save_failure(engine: Any, rank: int, tmp: Path) -> dict[str, Any]:
-    """Rank 1's file system has no room: every rank raises the same error; 'good' survives whole."""
-    real = ckpt_io.free_bytes
+    """Rank 1's file system fills up while it writes: every rank raises the same error; 'good' survives."""
+    import safetensors.torch as st
+
+    real = st.save_file
+
+    def disk_full(tensors: Any, filename: str, metadata: Any = None) -> None:
+        with open(filename, "wb") as f:
+            f.write(b"x" * 64)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     if rank == 1:
-        ckpt_io.free_bytes = lambda directory: 100  # type: ignore[assignment]
+        st.save_file = disk_full
     start = time.monotonic()
     try:
         message = _error(lambda: engine.save_checkpoint(str(tmp), tag="good"))
     finally:
-        ckpt_io.free_bytes = real  # type: ignore[assignment]
+        st.save_file = real
     return {"message": message, "seconds": time.monotonic() - start,
             "leftovers": sorted(p.name for p in tmp.iterdir() if p.name.startswith("."))}
 
 
-def checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> dict[str, Any]:
+def checkpoint_failures(rank: int, world: int, tmp_root: str) -> dict[int, dict[str, Any]]:
+    """Every check below, for ZeRO stages 2 and 3, in one world."""
+    return {stage: _checkpoint_failures(rank, world, tmp_root, stage) for stage in (2, 3)}
+
+
+def _checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tmp = Path(tmp_root) / f"stage{stage}"
     warnings = _Warnings()
@@ -89,7 +103,6 @@ def checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> dic
     run_steps(engine, make_batches(1, 2 * world), 2, 1, rank, world)
     engine.save_checkpoint(str(tmp), tag="good")
     saved = full_weights(engine)
-    out["disk_full"] = _full_save_failure(engine, rank, tmp)
     # a crash between the two renames of a same-tag save: the intact copy is aside, the tag is absent
     dist.barrier()
     if rank == 0:
@@ -114,6 +127,7 @@ def checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> dic
     out["no_match_lenient"] = _error(lambda: wrapped.load_checkpoint(str(tmp), tag="good",
                                                                      load_module_strict=False))
     out["missing_rank_file"] = _missing_rank_file(fresh, rank, tmp)
+    out["disk_full"] = _full_save_failure(engine, rank, tmp)
     logging.getLogger("deepshard").removeHandler(warnings)
     return out
 

@@ -12,10 +12,14 @@ from tests.multiproc.scenarios_failure import checkpoint_failures
 WORLD = 2
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["stage2", "stage3"])
-def ckpt(request: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
-    return run_world(checkpoint_failures, WORLD, str(tmp_path_factory.mktemp("fail")), request.param,
-                     timeout=240)
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: Any) -> list[dict[int, dict[str, Any]]]:
+    return run_world(checkpoint_failures, WORLD, str(tmp_path_factory.mktemp("fail")), timeout=240)
+
+
+@pytest.fixture(params=[2, 3], ids=["stage2", "stage3"])
+def ckpt(request: Any, worlds: list[dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [per_rank[request.param] for per_rank in worlds]
 
 
 def test_a_save_failing_on_one_rank_fails_on_every_rank_with_one_message(ckpt: list[dict[str, Any]]) -> None:
