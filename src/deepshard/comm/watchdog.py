@@ -26,6 +26,7 @@ GRACE_S = 5.0
 _KEY = "deepshard/watchdog/last/"
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
               "socket closed", "end of file", "connection abort")
+_MISMATCH = ("size doesn't match", "size does not match", "mismatch", "doesn't match expected")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -47,12 +48,15 @@ def timeout_from_env(timeout_s: float | None = None) -> float:
 
 
 def failure_kind(err: BaseException) -> str | None:
-    """"timeout" or "peer" when ``err`` is a collective's timeout or a lost peer connection, else None."""
+    """"timeout", "peer" (a lost peer connection) or "mismatch" (the ranks issued different collectives:
+    the backend saw a message of another size) when ``err`` is a collective's failure, else None."""
     text = str(err).lower()
     if "timed out" in text or "timeout" in text:
         return "timeout"
     if any(mark in text for mark in _PEER_GONE):
         return "peer"
+    if any(mark in text for mark in _MISMATCH):
+        return "mismatch"
     return None
 
 
@@ -77,17 +81,21 @@ class Watchdog:
             kind = failure_kind(err)
             if kind is None:
                 raise
-            if kind == "peer":
-                raise CollectiveTimeout(self.diagnose(what, peer_error=str(err))) from err
+            if kind in ("peer", "mismatch"):
+                raise CollectiveTimeout(self.diagnose(what, peer_error=str(err), kind=kind)) from err
             done = False
         if done is False:
             raise CollectiveTimeout(self.diagnose(what))
 
-    def diagnose(self, what: str, peer_error: str | None = None) -> str:
+    def diagnose(self, what: str, peer_error: str | None = None, kind: str = "timeout") -> str:
         """Publish this rank's position, collect the others' for a grace period, and say who is missing."""
         me, seq = self.comm.rank, self.sequence
         if peer_error is None:
             head = f"did not complete within {self.timeout_s:.0f}s."
+        elif kind == "mismatch":
+            first = peer_error.strip().splitlines()[0] if peer_error.strip() else "size mismatch"
+            head = (f"failed: another rank sent data of a different size ({first[:200]}): the ranks issued "
+                    "different collectives at this point.")
         else:
             first = peer_error.strip().splitlines()[0] if peer_error.strip() else "connection lost"
             head = (f"failed: another rank closed its connection ({first[:200]}): it raised an error, "
