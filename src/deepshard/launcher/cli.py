@@ -53,6 +53,7 @@ from deepshard.launcher.options import (
     add_resource_args,
     add_script_args,
 )
+from deepshard.launcher.preflight import check_port_free, prepare_log_dir
 from deepshard.utils.logging import logger
 
 LOCAL_HOST = "localhost"
@@ -241,6 +242,9 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     cores = sorted(os.sched_getaffinity(0))
     if mode == "local":
         plan_launch(args, os.environ, hostfile, cuda_devices, cores, names)  # errors surface now
+        check_port_free(args.master_addr or "127.0.0.1", args.master_port)
+        if args.enable_each_rank_log:
+            prepare_log_dir(args.enable_each_rank_log)
         return mode, lambda started: multinode.run_with_restarts(
             lambda k: plan_launch(args, _with_restart_count(os.environ, k), hostfile, cuda_devices, cores, names),
             args.max_restarts, args.enable_each_rank_log, started)

@@ -28,7 +28,7 @@ def add_resource_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
     parser.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
                         help="slots [0, N) per node; on a CPU machine, the number of processes")
-    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
+    parser.add_argument("--master_port", type=_port_number, default=DEFAULT_MASTER_PORT,
                         help="rendezvous port; multi-node agents also use port+1 to coordinate")
     parser.add_argument("--master_addr", default="",
                         help="rendezvous address (default: 127.0.0.1 on one machine, else the first host)")
@@ -77,7 +77,16 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="launcher logs warnings and errors only")
 
 
+def _port_number(text: str) -> int:
+    from deepshard.launcher.preflight import port_number
+
+    return port_number(text)
+
+
 def add_script_args(parser: argparse.ArgumentParser) -> None:
-    """The user's script and everything after it."""
+    """The user's script and everything after it. Launcher flags are matched exactly (no prefixes), so a
+    script flag such as ``--h`` or ``--n`` after the script is the script's, never taken for a launcher
+    flag it abbreviates."""
+    parser.allow_abbrev = False
     parser.add_argument("user_script", help="the training script (a module name with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")

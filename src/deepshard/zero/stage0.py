@@ -123,7 +123,7 @@ class Stage0Strategy(ZeroStrategy):
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict)
+        load_module_from_full(self.module, full, strict, directory)
         for p in self.params:
             name = self.names[id(p)]
             if name in full.params and self.masters is not None:

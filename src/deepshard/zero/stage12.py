@@ -220,7 +220,7 @@ class Stage12Strategy(ZeroStrategy):
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict)
+        load_module_from_full(self.module, full, strict, directory)
         self._load_pieces(full, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting
