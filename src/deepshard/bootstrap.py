@@ -9,6 +9,7 @@ import torch
 
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup
+from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
@@ -35,6 +36,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     """
     if model is None:
         raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+    model = adopt_compiled(model)  # torch.compile(model): train the original, compiled in place
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError("mpu= / mesh_param= (model parallelism) are not supported yet; "
                                   "deepshard currently trains with data parallelism only")
