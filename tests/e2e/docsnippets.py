@@ -16,7 +16,9 @@ rendered), so every exception is deliberate and visible in the page's source:
 - ``<!-- doctest: skip REASON -->``: not run (REASON is required: a signature, needs a GPU, ...);
 - ``<!-- doctest: file NAME -->``: written to NAME in the scratch directory instead of being run;
 - ``<!-- doctest: replace OLD => NEW -->``: run with OLD replaced by NEW (to shorten a long run);
-  OLD must occur in the block, so a replacement cannot silently stop applying.
+  OLD must occur in the block, so a replacement cannot silently stop applying;
+- ``<!-- doctest: continues -->`` above a python block: it runs after the page's previous python
+  block, in the same script (a page that builds an example step by step).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash", "json": "json"}
 FENCE = re.compile(r"^```(\S*)\s*$")
 MARK = re.compile(r"^<!--\s*doctest:\s*(\w+)\s*(.*?)\s*-->\s*$")
-KINDS = ("skip", "file", "replace")
+KINDS = ("skip", "file", "replace", "continues")
 
 
 @dataclass

@@ -34,8 +34,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(snippet: Snippet, kind: str, cwd: Path) -> None:
-    code = snippet.runnable_code()
+def _run(snippet: Snippet, kind: str, cwd: Path, before: str = "") -> None:
+    code = before + snippet.runnable_code()
     if kind == "file":
         (cwd / snippet.mark("file")).write_text(code)  # type: ignore[operator]
         return
@@ -55,10 +55,15 @@ def _run(snippet: Snippet, kind: str, cwd: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_every_block_of_the_page_runs(page: Path, tmp_path: Path) -> None:
     cwd = _scratch(tmp_path)
+    script = ""  # the page's python so far, for blocks marked 'continues'
     for snippet in parse_page(page.read_text(), page.relative_to(ROOT).as_posix()):
         kind = kind_of(snippet)
-        if kind not in ("skip", "none"):
-            _run(snippet, kind, cwd)
+        if kind in ("skip", "none"):
+            continue
+        before = script if snippet.mark("continues") is not None else ""
+        _run(snippet, kind, cwd, before)
+        if kind == "python":
+            script = before + snippet.runnable_code()
 
 
 def test_marks_are_checked() -> None:
