@@ -19,6 +19,7 @@ from deepshard.comm.group import CommGroup
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.utils.logging import logger
+from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
 
 
@@ -165,7 +166,8 @@ class DeepShardEngine(torch.nn.Module):
         start = time.perf_counter()
         inputs = self.precision.cast_inputs(inputs)
         kwargs = self.precision.cast_inputs(kwargs)
-        out = self.module(*inputs, **kwargs)
+        with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
+            out = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - start
         return out
 

@@ -38,6 +38,37 @@ def _saved_names(directory: Path) -> list[str]:
     return sorted(names)
 
 
+class ReadsChildWeight(torch.nn.Module):
+    """Reads ``proj``'s weight without calling ``proj``: needs to be a ZeRO-3 leaf module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.proj.weight.t()).pow(2).mean()
+
+
+def leaf_module_hint(world: int) -> dict[str, Any]:
+    """The error of a module that reads a child's weight names set_z3_leaf_modules; marked as a leaf,
+    the same module trains."""
+    out: dict[str, Any] = {}
+    for leaf in (False, True):
+        torch.manual_seed(0)
+        model = ReadsChildWeight()
+        if leaf:
+            deepshard.utils.set_z3_leaf_modules(model, [ReadsChildWeight])
+        engine, *_ = deepshard.initialize(model=model, config=_config(3, world))
+        try:
+            loss = engine(torch.randn(GLOBAL_BATCH // world, 8))
+            engine.backward(loss)
+            engine.step()
+            out[leaf] = "trained"
+        except RuntimeError as exc:
+            out[leaf] = str(exc)
+    return out
+
+
 def compiled_stages(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Losses and weights of a compiled model at stages 0-3 (stage 2 through ``engine.compile()``),
     and checkpoint round trips at stage 3 (partitioned parameters): compiled -> plain and plain -> compiled, each
@@ -57,6 +88,7 @@ def compiled_stages(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out["stage3_engine_compile"] = "accepted"
     except NotImplementedError as exc:
         out["stage3_engine_compile"] = str(exc)
+    out["leaf_hint"] = leaf_module_hint(world)
     for stage in (3,):
         for save_compiled in (True, False):
             save_dir = Path(tmp) / f"s{stage}-{save_compiled}"

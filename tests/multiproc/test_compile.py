@@ -1,5 +1,6 @@
-"""torch.compile at every ZeRO stage against the uncompiled single-process reference, and checkpoints
-keyed by the original module's names whether the saving or the loading model was compiled."""
+"""torch.compile at every ZeRO stage against the uncompiled single-process reference, checkpoints keyed
+by the original module's names whether the saving or the loading model was compiled, and (in the same
+world) the ZeRO-3 error that points to set_z3_leaf_modules."""
 from __future__ import annotations
 
 from typing import Any
@@ -44,3 +45,9 @@ def test_checkpoint_round_trip_between_compiled_and_plain(results: dict[Any, Any
     plain_names = {name for name, p in make_model().named_parameters() if p.requires_grad}
     assert set(run["names"]) == plain_names  # no '_orig_mod.' prefix
     _assert_matches(run, reference_run(make_batches(STEPS, GLOBAL_BATCH), clip=0.5))
+
+
+def test_a_module_reading_a_child_weight_points_to_set_z3_leaf_modules(results: dict[Any, Any]) -> None:
+    plain, as_leaf = results["leaf_hint"][False], results["leaf_hint"][True]
+    assert "set_z3_leaf_modules(model, [ThatModuleClass])" in plain and "shape [0]" in plain
+    assert as_leaf == "trained"
