@@ -9,6 +9,7 @@ import torch
 
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
+from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
 from deepshard.config.inert import warn_unused_pipeline
 from deepshard.config.loader import read_config_source
@@ -41,6 +42,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     """
     if model is None:
         raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+    model = adopt_compiled(model)  # torch.compile(model): train the original, compiled in place
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
     source = resolve_config_source(args, config if config is not None else config_params)

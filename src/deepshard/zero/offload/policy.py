@@ -143,6 +143,11 @@ def _policy(section: Any, key: str, zero_config: Any, aio_config: Any, accelerat
         if not path:
             raise ValueError(f"zero_optimization.{key}.device is 'nvme' but nvme_path is not set; give the "
                              "directory to swap to, e.g. \"nvme_path\": \"/local_nvme\"")
+        ratio = float(getattr(section, "ratio", 1.0))
+        if ratio < 1.0:  # the same refusal as for cpu: never a silently ignored setting
+            raise NotImplementedError(
+                f"zero_optimization.{key}.ratio={ratio} (partial offload) is not implemented; use 1.0 to "
+                "offload all of it")
         return NvmeOffload(
             path=Path(path), buffer_count=given(section, "buffer_count"),
             pin_memory=pin and accelerator_kind == "cuda", aio=aio_settings(aio_config),

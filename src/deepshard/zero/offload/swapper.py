@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from deepshard.utils.logging import logger
 from deepshard.zero.offload.policy import AioSettings
 from deepshard.zero.offload.reclaim import LOCK_NAME, exit_on_sigterm, hold_lock, reclaim_stale
 
@@ -118,6 +119,7 @@ class AsyncSwapper:
         self.root = Path(root)
         self.reclaimed = reclaim_stale(self.root)
         self.directory = self.root / f"deepshard-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}"
+        missing = not self.root.exists()
         try:
             self.directory.mkdir(parents=True, exist_ok=False)
             self._lock_fd = hold_lock(self.directory)
@@ -125,6 +127,9 @@ class AsyncSwapper:
             raise SwapError(f"cannot create the swap directory {self.directory}: {err.strerror or err}; point "
                             "nvme_path at a writable directory") from err
         exit_on_sigterm()
+        if missing:
+            logger.warning("nvme_path %s did not exist; created it for the swap files (rank %d). Point "
+                           "nvme_path at a directory on a fast local disk if this is not one", self.root, rank)
         self._files: dict[str, _SwapFile] = {}
         self._executor = ThreadPoolExecutor(max_workers=self.aio.thread_count, thread_name_prefix="deepshard-aio")
         self._slots = threading.BoundedSemaphore(self.aio.queue_depth)
