@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from deepshard.accelerator import Accelerator
+from deepshard.accelerator import DeviceAccelerator as Accelerator
 from deepshard.comm.group import CommGroup
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.utils.logging import logger
