@@ -14,7 +14,8 @@ baseline) is neither broken nor shadowed by default: while a real ``deepspeed`` 
 What resolves: ``deepspeed`` -> ``deepshard``; ``deepspeed.X`` -> ``deepshard.X`` except where the paths
 differ (:mod:`deepshard.compat.aliases`); modules of DeepSpeed features deepshard lacks raise an
 ImportError naming the feature. ``importlib.metadata`` reports a ``deepspeed`` distribution of version
-``0.19.8+deepshard.<version>`` (:func:`deepshard.compat.finder.shim_version`).
+``0.19.8+deepshard.<version>`` (:func:`deepshard.compat.finder.shim_version`). :func:`install` also
+arms the CPU adjustments of Accelerate and transformers (:mod:`deepshard.compat.hf_patches`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import os
 import sys
 
 from deepshard.compat.finder import DEEPSPEED_CONTRACT, AliasModule, DeepSpeedFinder, shim_version
+from deepshard.compat.hf_patches import install_hooks
 
 REPLACE_ENV = "DEEPSHARD_REPLACE_DEEPSPEED"
 
@@ -79,6 +81,7 @@ def install(replace_installed: bool | None = None) -> None:
         logger.info("deepshard.compat: 'import deepspeed' now means deepshard in this process; the DeepSpeed "
                     "installed at %s is shadowed (asked for with replace_installed)", real)
     sys.meta_path.insert(0, DeepSpeedFinder())
+    install_hooks()
     importlib.invalidate_caches()
 
 
