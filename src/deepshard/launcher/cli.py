@@ -279,6 +279,11 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``deepshard`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("launch", "config"):  # Accelerate's front end: deepshard.launcher.accelerate_cli
+        from deepshard.launcher.accelerate_cli import SUBCOMMANDS
+
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
