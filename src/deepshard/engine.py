@@ -16,6 +16,7 @@ import torch
 
 from deepshard.accelerator import DeviceAccelerator as Accelerator
 from deepshard.comm.group import CommGroup
+from deepshard.config.view import ConfigView
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.utils.logging import logger
 from deepshard.zero.strategy import ZeroStrategy
@@ -69,8 +70,9 @@ class DeepShardEngine(torch.nn.Module):
                                  f"{type(module).__name__}) has no attribute '{name}'") from None
 
     @property
-    def config(self) -> Any:
-        return self._config
+    def config(self) -> ConfigView:
+        """DeepSpeed's ``engine.config``: the config dict as given; attributes read the validated config."""
+        return ConfigView(self._config)
 
     @property
     def device(self) -> torch.device:
