@@ -154,7 +154,8 @@ class DeviceAccelerator:
             return int(torch.cuda.max_memory_allocated(self._index(device_index)))
         import resource
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        # the kernel's peak is updated lazily: never report a peak below the current resident size
+        return max(int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, self.memory_allocated())
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         if self.kind == "cuda":
