@@ -150,3 +150,21 @@ def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) 
             theirs = LlamaForCausalLM.from_pretrained(tmp_path / "plain" / f"z0-{precision}" / "final").float()(ids)
             ours = LlamaForCausalLM.from_pretrained(tmp_path / "ds" / case / "final").float()(ids)
         assert torch.allclose(ours.logits, theirs.logits, atol=1e-4 if precision == "fp32" else 5e-2), case
+
+
+def test_accelerates_own_test_scripts_under_deepshard() -> None:
+    """Accelerate's bundled scripts whose checks apply under DeepSpeed: collective ops (``test_ops``) and
+    ``test_script`` (process control, RNG sync, dataloader sharding and seedable samplers; it stops
+    before its training checks under DeepSpeed by its own design). Both run as modules (``-m``)."""
+    procs = {name: subprocess.Popen([*_deepshard(), "launch", "--num_processes", "2", "--use_cpu",
+                                     "--main_process_port", str(_free_port()), "-m",
+                                     f"accelerate.test_utils.scripts.{name}"], cwd=ROOT, env=_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name in ("test_ops", "test_script")}
+    outputs = {}
+    for name, proc in procs.items():
+        outputs[name], _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, f"{name} failed:\n{outputs[name][-6000:]}"
+    assert "testing sending tensors across devices" in outputs["test_ops"]
+    assert "Shuffled central dataloader passing." in outputs["test_script"]
+    assert "All rng are properly synched." in outputs["test_script"]

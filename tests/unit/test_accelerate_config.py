@@ -49,6 +49,9 @@ def test_flags_beat_the_file_and_no_file_means_deepspeed() -> None:
     bare = ac.plan({}, flags(["--num_processes", "2", "--use_cpu", "--offload_param_device", "cpu"]), "t.py", [])
     assert bare.distributed_type == "DEEPSPEED" and bare.env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "cpu"
     assert bare.env["ACCELERATE_CONFIG_DS_FIELDS"] == ""  # nothing came from a file
+    assert bare.launcher_argv[bare.launcher_argv.index("--master_port") + 1] == "29500"  # Accelerate's default
+    free = ac.plan({"main_process_port": 0}, flags([]), "t.py", [])
+    assert free.launcher_argv[free.launcher_argv.index("--master_port") + 1] not in ("0", "29500")
     module = ac.plan({}, flags(["-m"]), "pkg.train", [], as_module=True, replace_deepspeed=True)
     assert module.launcher_argv[-4:] == ["--module", "deepshard.compat.run", "-m", "pkg.train"]
     assert module.env["DEEPSHARD_REPLACE_DEEPSPEED"] == "1"

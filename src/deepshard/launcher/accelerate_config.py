@@ -247,7 +247,8 @@ def plan(config: Mapping[str, Any], flags: Mapping[str, Any], script: str, scrip
     dtype = check(merged)
     ds = merged["deepspeed_config"]
     total, machines = _processes(merged, dtype)
-    port = _int(merged.get("main_process_port") or 29500, "main_process_port") or _free_port()
+    given = merged.get("main_process_port")
+    port = _int(29500 if given is None else given, "main_process_port") or _free_port()  # 0: a free port
     argv = ["--num_gpus", str(total // machines), "--master_port", str(port), "--no_local_rank",
             "--max_restarts", str(_int(merged.get("max_restarts") or 0, "max_restarts"))]
     if merged.get("main_process_ip"):
