@@ -4,7 +4,7 @@
   ``deepshard launch --config_file`` on a ZeRO-2 ``use_cpu`` YAML, and the same script in the one-import
   form (``from deepshard.accelerate import ...``) under the plain ``deepshard`` launcher: Accelerate sees
   the 2-process world, the data is sharded, the losses equal single-process PyTorch on the same global
-  batch, ``save_state`` / ``load_state`` resume exactly, ``gather_for_metrics`` drops the padding.
+  batch, ``get_state_dict`` gives its weights, ``save_state`` / ``load_state`` resume exactly, ``gather_for_metrics`` drops the padding.
 * The ``transformers`` Trainer with ``deepspeed=`` an ``"auto"`` config at ZeRO-2 and ZeRO-3, fp32 and
   bf16: losses equal a plain single-process Trainer, ``save_model`` -> ``from_pretrained`` gives its
   logits, ``resume_from_checkpoint`` continues exactly.
@@ -55,7 +55,7 @@ def _finish(proc: subprocess.Popen, what: str, timeout: float = 400) -> None:
     assert proc.returncode == 0, f"{what} failed:\n{out[-6000:]}"
 
 
-def _recipe_reference(steps: int) -> tuple[list[float], torch.Tensor]:
+def _recipe_reference(steps: int) -> tuple[list[float], torch.Tensor, dict[str, torch.Tensor]]:
     """Single-process PyTorch on the global batch (8 = 4 per rank x 2), the clipping the YAML asks for."""
     import importlib.util
 
@@ -75,10 +75,10 @@ def _recipe_reference(steps: int) -> tuple[list[float], torch.Tensor]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, x_all
+    return losses, x_all, model.state_dict()
 
 
-def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor) -> None:
+def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r, rec in enumerate(ranks):
         assert (rec["num_processes"], rec["process_index"], rec["is_main"]) == (2, r, r == 0), rec
@@ -87,6 +87,10 @@ def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor) -> Non
         assert torch.equal(torch.tensor(rec["first_x"]), x_all[4 * r:4 * r + 4])  # batch r of 4: sharded
         assert rec["resumed"] == rec["after"]  # load_state restored model and optimizer exactly
         assert rec["eval_rows"] == 10  # 10 samples, padded to 12 over 2 ranks, duplicates dropped
+    got = {k: torch.tensor(v) for k, v in ranks[0]["weights"].items()}
+    assert got.keys() == weights.keys()
+    for k, v in weights.items():  # get_state_dict: the full trained weights, as single-process PyTorch's
+        assert torch.allclose(got[k], v, atol=1e-6), k
     mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     assert max(abs(m - ref) for m, ref in zip(mean, reference)) < 1e-5, (mean, reference)
 
@@ -114,11 +118,11 @@ def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path)
                                    "--no_local_rank", str(tmp_path / "one_import_recipe.py")], cwd=ROOT,
                                   env=_env(RECIPE_OUT=str(one_import), **from_yaml), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
-    reference, x_all = _recipe_reference(steps=6)
+    reference, x_all, weights = _recipe_reference(steps=6)
     for proc, what in zip(procs, ("deepshard launch --config_file", "the one-import form")):
         _finish(proc, what)
-    _check_recipe(launched, reference, x_all)
-    _check_recipe(one_import, reference, x_all)
+    _check_recipe(launched, reference, x_all, weights)
+    _check_recipe(one_import, reference, x_all, weights)
 
 
 def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) -> None:

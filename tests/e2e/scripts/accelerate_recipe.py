@@ -3,7 +3,8 @@ but the output file): a TestNet trained by ``accelerator.prepare`` / ``backward`
 DeepSpeed settings that ``deepshard launch --config_file`` passes in the environment. It also checks
 ``gather_for_metrics`` on an uneven eval set and ``save_state`` / ``load_state`` resuming exactly.
 
-Writes ``$RECIPE_OUT/rank<R>.json``: the world Accelerate saw, this rank's batches and losses.
+Writes ``$RECIPE_OUT/rank<R>.json``: the world Accelerate saw, this rank's batches and losses, and the
+weights ``get_state_dict`` returns after the first steps.
 """
 import json
 import os
@@ -55,6 +56,8 @@ def main() -> None:
     model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
     first_x = next(iter(loader))[0]
     losses = train(accelerator, model, optimizer, loader, steps=6)
+    state = accelerator.get_state_dict(model)  # every rank calls it; the full weights
+    weights = {k: v.tolist() for k, v in state.items()}
     accelerator.save_state(ckpt)
     after = train(accelerator, model, optimizer, loader, steps=4)
     accelerator.load_state(ckpt)
@@ -69,7 +72,7 @@ def main() -> None:
               "first_x": first_x.tolist(), "losses": losses, "after": after, "resumed": resumed,
               "eval_rows": int(sum(g.shape[0] for g in gathered)),
               "deepspeed_module": sys.modules["deepspeed"].__name__,
-              "zero_stage": model.zero_optimization_stage()}
+              "zero_stage": model.zero_optimization_stage(), "weights": weights}
     with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as fh:
         json.dump(record, fh)
     accelerator.end_training()
