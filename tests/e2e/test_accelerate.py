@@ -2,7 +2,8 @@
 
 * Accelerate's recipe (``from accelerate import Accelerator, DeepSpeedPlugin``, untouched) started by
   ``deepshard launch --config_file`` on a ZeRO-2 ``use_cpu`` YAML, and the same script in the one-import
-  form (``from deepshard.accelerate import ...``) under the plain ``deepshard`` launcher: Accelerate sees
+  form (``from deepshard.accelerate import ...``) under the plain ``deepshard`` launcher, and ZeRO-3 with
+  the optimizer offloaded (flags over the file; Accelerate swaps in ``DeepSpeedCPUAdam``): Accelerate sees
   the 2-process world, the data is sharded, the losses equal single-process PyTorch on the same global
   batch, ``get_state_dict`` gives its weights, ``save_state`` / ``load_state`` resume exactly, ``gather_for_metrics`` drops the padding.
 * The ``transformers`` Trainer with ``deepspeed=`` an ``"auto"`` config at ZeRO-2 and ZeRO-3, fp32 and
@@ -78,11 +79,13 @@ def _recipe_reference(steps: int) -> tuple[list[float], torch.Tensor, dict[str, 
     return losses, x_all, model.state_dict()
 
 
-def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
+def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor, weights: dict[str, torch.Tensor],
+                  stage: int = 2, optimizer: str = "AdamW") -> None:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r, rec in enumerate(ranks):
         assert (rec["num_processes"], rec["process_index"], rec["is_main"]) == (2, r, r == 0), rec
-        assert rec["distributed_type"] == "DistributedType.DEEPSPEED" and rec["zero_stage"] == 2
+        assert rec["distributed_type"] == "DistributedType.DEEPSPEED" and rec["zero_stage"] == stage
+        assert rec["optimizer_class"] == optimizer
         assert rec["deepspeed_module"] == "deepspeed"
         assert torch.equal(torch.tensor(rec["first_x"]), x_all[4 * r:4 * r + 4])  # batch r of 4: sharded
         assert rec["resumed"] == rec["after"]  # load_state restored model and optimizer exactly
@@ -98,9 +101,9 @@ def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor, weight
 def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path) -> None:
     config = tmp_path / "default_config.yaml"
     config.write_text(YAML)
-    launched, one_import = tmp_path / "launched", tmp_path / "one_import"
-    launched.mkdir()
-    one_import.mkdir()
+    launched, one_import, offload = tmp_path / "launched", tmp_path / "one_import", tmp_path / "offload"
+    for out in (launched, one_import, offload):
+        out.mkdir()
     script = (SCRIPTS / "accelerate_recipe.py").read_text()
     changed = script.replace("from accelerate import Accelerator, DeepSpeedPlugin",
                              "from deepshard.accelerate import Accelerator, DeepSpeedPlugin")
@@ -118,11 +121,18 @@ def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path)
                                    "--no_local_rank", str(tmp_path / "one_import_recipe.py")], cwd=ROOT,
                                   env=_env(RECIPE_OUT=str(one_import), **from_yaml), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
+    # flags over the file: ZeRO-3 with the optimizer offloaded (Accelerate swaps AdamW for DeepSpeedCPUAdam)
+    procs.append(subprocess.Popen([*_deepshard(), "launch", "--config_file", str(config), "--zero_stage", "3",
+                                   "--offload_optimizer_device", "cpu", "--zero3_save_16bit_model", "true",
+                                   "--main_process_port", "0", str(SCRIPTS / "accelerate_recipe.py")], cwd=ROOT,
+                                  env=_env(RECIPE_OUT=str(offload)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
     reference, x_all, weights = _recipe_reference(steps=6)
-    for proc, what in zip(procs, ("deepshard launch --config_file", "the one-import form")):
+    for proc, what in zip(procs, ("deepshard launch --config_file", "the one-import form", "ZeRO-3 + offload")):
         _finish(proc, what)
     _check_recipe(launched, reference, x_all, weights)
     _check_recipe(one_import, reference, x_all, weights)
+    _check_recipe(offload, reference, x_all, weights, stage=3, optimizer="DeepSpeedCPUAdam")
 
 
 def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) -> None:

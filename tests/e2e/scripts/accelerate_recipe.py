@@ -72,7 +72,8 @@ def main() -> None:
               "first_x": first_x.tolist(), "losses": losses, "after": after, "resumed": resumed,
               "eval_rows": int(sum(g.shape[0] for g in gathered)),
               "deepspeed_module": sys.modules["deepspeed"].__name__,
-              "zero_stage": model.zero_optimization_stage(), "weights": weights}
+              "zero_stage": model.zero_optimization_stage(), "weights": weights,
+              "optimizer_class": type(optimizer.optimizer).__name__}
     with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as fh:
         json.dump(record, fh)
     accelerator.end_training()
