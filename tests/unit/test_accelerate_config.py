@@ -67,8 +67,8 @@ def test_other_distributed_types() -> None:
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"distributed_type": "DEEPSPEED", "num_procs": 2}, r"unknown key\(s\) \['num_procs'\]"),
-    ({"deepspeed_config": {"zero_stag": 2}}, r"unknown deepspeed_config key\(s\) \['zero_stag'\]"),
+    ({"distributed_type": "DEEPSPEED", "num_procs": 2}, r"unknown key\(s\) \['num_procs'\] in the Accelerate config \(did you mean 'num_processes'"),
+    ({"deepspeed_config": {"zero_stag": 2}}, r"unknown deepspeed_config key\(s\) \['zero_stag'\] \(did you mean 'zero_stage'"),
     ({"deepspeed_config": {"zero_stage": 5}}, "choose 0, 1, 2 or 3"),
     ({"deepspeed_config": {"offload_param_device": "gpu"}}, "choose one of"),
     ({"mixed_precision": "fp32"}, "choose one of"),

@@ -12,6 +12,7 @@ an unknown ``deepspeed_config`` sub-key is an error (Accelerate ignores it); wit
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
@@ -102,19 +103,28 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _closest(unknown: list[str], known: frozenset[str]) -> str:
+    """`` (did you mean 'x'?)`` for the first unknown key that has a close known one, else ``""``."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        if close:
+            return f" (did you mean {close[0]!r} for {key!r}?)"
+    return ""
+
+
 def merge(config: Mapping[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with every flag that was given (not None) put over it; DeepSpeed flags go under
     ``deepspeed_config``. Unknown keys are refused with the list of known ones."""
     merged = {k: v for k, v in config.items()}
     unknown = sorted(set(merged) - TOP_KEYS)
     if unknown:
-        raise LaunchError(f"unknown key(s) {unknown} in the Accelerate config; known top-level keys: "
-                          f"{sorted(TOP_KEYS)}")
+        raise LaunchError(f"unknown key(s) {unknown} in the Accelerate config{_closest(unknown, TOP_KEYS)}; "
+                          f"known top-level keys: {sorted(TOP_KEYS)}")
     ds = dict(merged.get("deepspeed_config") or {})
     unknown = sorted(set(ds) - DS_KEYS)
     if unknown:
-        raise LaunchError(f"unknown deepspeed_config key(s) {unknown} (Accelerate would silently ignore them); "
-                          f"known: {sorted(DS_KEYS)}")
+        raise LaunchError(f"unknown deepspeed_config key(s) {unknown}{_closest(unknown, DS_KEYS)} (Accelerate would "
+                          f"silently ignore them); known: {sorted(DS_KEYS)}")
     for key, value in flags.items():
         if value is None:
             continue
