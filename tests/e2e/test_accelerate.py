@@ -5,7 +5,8 @@
   form (``from deepshard.accelerate import ...``) under the plain ``deepshard`` launcher, and ZeRO-3 with
   the optimizer offloaded (flags over the file; Accelerate swaps in ``DeepSpeedCPUAdam``): Accelerate sees
   the 2-process world, the data is sharded, the losses equal single-process PyTorch on the same global
-  batch, ``get_state_dict`` gives its weights, ``save_state`` / ``load_state`` resume exactly, ``gather_for_metrics`` drops the padding.
+  batch, ``get_state_dict`` gives its weights, ``save_state`` / ``load_state`` resume exactly,
+  ``gather_for_metrics`` drops the padding.
 * The ``transformers`` Trainer with ``deepspeed=`` an ``"auto"`` config at ZeRO-2 and ZeRO-3, fp32 and
   bf16: losses equal a plain single-process Trainer, ``save_model`` -> ``from_pretrained`` gives its
   logits, ``resume_from_checkpoint`` continues exactly.

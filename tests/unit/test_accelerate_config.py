@@ -11,7 +11,8 @@ from deepshard.launcher.accelerate_cli import build_launch_parser, config_main, 
 from deepshard.launcher.options import LaunchError
 
 YAML = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "DEEPSPEED",
-        "deepspeed_config": {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "offload_optimizer_device": "cpu",
+        "deepspeed_config": {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                             "offload_optimizer_device": "cpu",
                              "offload_param_device": "none", "zero3_init_flag": False, "zero3_save_16bit_model": True,
                              "zero_stage": 3},
         "downcast_bf16": "no", "enable_cpu_affinity": False, "machine_rank": 0, "main_training_function": "main",
@@ -35,7 +36,8 @@ def test_deepspeed_yaml_becomes_accelerates_environment() -> None:
     assert env["ACCELERATE_GRADIENT_CLIPPING"] == "1.0"
     assert env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"
     assert env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "none"
-    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "false" and env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "false"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
     assert set(env["ACCELERATE_CONFIG_DS_FIELDS"].split(",")) == set(YAML["deepspeed_config"])
     # use_cpu keeps DeepSpeed on (Accelerate would switch it off): deepshard and Accelerate on the CPU device
     assert env["DEEPSHARD_ACCELERATOR"] == "cpu" and env["ACCELERATE_TORCH_DEVICE"] == "cpu"
@@ -67,8 +69,10 @@ def test_other_distributed_types() -> None:
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"distributed_type": "DEEPSPEED", "num_procs": 2}, r"unknown key\(s\) \['num_procs'\] in the Accelerate config \(did you mean 'num_processes'"),
-    ({"deepspeed_config": {"zero_stag": 2}}, r"unknown deepspeed_config key\(s\) \['zero_stag'\] \(did you mean 'zero_stage'"),
+    ({"distributed_type": "DEEPSPEED", "num_procs": 2},
+     r"unknown key\(s\) \['num_procs'\] in the Accelerate config \(did you mean 'num_processes'"),
+    ({"deepspeed_config": {"zero_stag": 2}},
+     r"unknown deepspeed_config key\(s\) \['zero_stag'\] \(did you mean 'zero_stage'"),
     ({"deepspeed_config": {"zero_stage": 5}}, "choose 0, 1, 2 or 3"),
     ({"deepspeed_config": {"offload_param_device": "gpu"}}, "choose one of"),
     ({"mixed_precision": "fp32"}, "choose one of"),
@@ -100,7 +104,8 @@ def test_multinode_runners_and_filters() -> None:
     assert argv[:2] == ["--num_gpus", "4"] and argv[argv.index("--hostfile") + 1] == "/h"
     assert argv[argv.index("--launcher") + 1] == "pdsh" and argv[argv.index("--master_addr") + 1] == "10.0.0.1"
     nossh = ac.plan({**base, "deepspeed_config": {"deepspeed_multinode_launcher": "standard"}}, flags([]), "t.py", [])
-    assert "--no_ssh" in nossh.launcher_argv and nossh.launcher_argv[nossh.launcher_argv.index("--node_rank") + 1] == "1"
+    argv = nossh.launcher_argv
+    assert "--no_ssh" in argv and argv[argv.index("--node_rank") + 1] == "1"
     included = ac.plan({**base, "deepspeed_config": {"deepspeed_inclusion_filter": "a@b"}}, flags([]), "t.py", [])
     assert "--num_gpus" not in included.launcher_argv and "a@b" in included.launcher_argv
 

@@ -123,7 +123,8 @@ def test_cpu_optimizers_are_torchs_updates() -> None:
               lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
              (lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1, adamw_mode=False),
               lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1)),
-             (lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
+             (lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
              (lambda p: DeepSpeedCPUAdagrad(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
              (lambda p: DeepSpeedCPULion(p, lr=0.1, weight_decay=0.1), lambda p: Lion(p, lr=0.1, weight_decay=0.1))]
     for ours, theirs in cases:

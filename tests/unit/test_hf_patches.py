@@ -26,7 +26,8 @@ def test_accelerate_backend_becomes_gloo_for_deepspeed_on_cpu(monkeypatch: pytes
         def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
             return ("gloo", "MULTI_CPU_OWN") if cpu else (None, "NO")
 
-    module = types.SimpleNamespace(PartialState=PartialState, DistributedType=types.SimpleNamespace(MULTI_CPU="MULTI_CPU"))
+    module = types.SimpleNamespace(PartialState=PartialState,
+                                   DistributedType=types.SimpleNamespace(MULTI_CPU="MULTI_CPU"))
     monkeypatch.setattr(hf_patches, "check_version", lambda dist: None)
     monkeypatch.setattr(hf_patches, "on_cpu", lambda: True)
     hf_patches.patch_accelerate_state(module)  # type: ignore[arg-type]

@@ -65,7 +65,8 @@ def install(replace_installed: bool | None = None) -> None:
         return
     imported = sys.modules.get("deepspeed")
     if imported is not None and not isinstance(imported, AliasModule):
-        raise RuntimeError(f"deepspeed is already imported in this process (from {getattr(imported, '__file__', '?')}); "
+        where = getattr(imported, "__file__", "?")
+        raise RuntimeError(f"deepspeed is already imported in this process (from {where}); "
                            "call deepshard.compat.install() before anything imports deepspeed")
     if replace_installed is None:
         replace_installed = os.environ.get(REPLACE_ENV, "") == "1"
