@@ -8,7 +8,7 @@
   batch, ``get_state_dict`` gives its weights, ``save_state`` / ``load_state`` resume exactly,
   ``gather_for_metrics`` drops the padding.
 * The ``transformers`` Trainer with ``deepspeed=`` an ``"auto"`` config at ZeRO-2 and ZeRO-3, fp32 and
-  bf16: losses equal a plain single-process Trainer, ``save_model`` -> ``from_pretrained`` gives its
+  bf16, and with gradient accumulation: losses equal a plain single-process Trainer on the same global batch, ``save_model`` -> ``from_pretrained`` gives its
   logits, ``resume_from_checkpoint`` continues exactly.
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) 
     pytest.importorskip("transformers", reason="needs transformers: pip install 'deepshard[hf]'")
     from transformers import LlamaForCausalLM
 
-    cases = ["z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16"]
+    cases = ["z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16", "z3-fp32-ga2"]  # ga2: 1 sample x 2 micro-steps x 2 ranks
     script = str(SCRIPTS / "hf_trainer.py")
     ds = subprocess.Popen([*_deepshard(), "launch", "--num_processes", "2", "--use_cpu", "--main_process_port",
                            str(_free_port()), script, str(tmp_path / "ds"), "ds", *cases], cwd=ROOT, env=_env(),
@@ -151,7 +151,7 @@ def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) 
     _finish(ds, "the Trainer on deepshard")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
     for case in cases:
-        precision = case.split("-")[1]
+        precision = case.split("-")[1]  # every case has the global batch of 4: one plain reference per precision
         ref = json.loads((tmp_path / "plain" / f"z0-{precision}" / "losses-rank0.json").read_text())
         # fp32: the same arithmetic; bf16: deepshard computes in bf16 weights (fp32 masters) where the plain
         # Trainer autocasts fp32 weights, so the two round differently

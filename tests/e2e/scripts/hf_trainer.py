@@ -3,7 +3,7 @@ synthetic token data, ``deepspeed=`` a config of ``"auto"`` values (or no DeepSp
 reference). For each (ZeRO stage, precision) case given: train, ``save_model``, then a second Trainer
 ``resume_from_checkpoint`` from the middle checkpoint.
 
-    python trainer_script.py OUT_DIR MODE CASE [CASE ...]     MODE: ds | plain;  CASE: z2-fp32, z3-bf16, ...
+    python trainer_script.py OUT_DIR MODE CASE [CASE ...]     MODE: ds | plain;  CASE: z2-fp32, z3-bf16, z2-fp32-ga2 (accumulation 2), ...
 
 Writes ``OUT_DIR/<case>/losses-rank<R>.json`` (per-step training losses of the run and of the resumed run)
 and ``OUT_DIR/<case>/final`` (the saved model).
@@ -46,10 +46,11 @@ def ds_config(stage: int) -> dict:
             "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}
 
 
-def arguments(out: str, mode: str, stage: int, bf16: bool) -> TrainingArguments:
+def arguments(out: str, mode: str, stage: int, bf16: bool, accumulation: int = 1) -> TrainingArguments:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return TrainingArguments(
-        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, learning_rate=1e-2,
+        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-2,
         warmup_steps=2, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT, report_to=[], seed=0,
         bf16=bf16, use_cpu=(mode == "plain"), deepspeed=ds_config(stage) if mode == "ds" else None,
         dataloader_num_workers=0, disable_tqdm=True, save_only_model=False)
@@ -57,14 +58,15 @@ def arguments(out: str, mode: str, stage: int, bf16: bool) -> TrainingArguments:
 
 def run_case(out_root: str, mode: str, case: str) -> None:
     stage, precision = int(case[1]), case.split("-")[1]
+    accumulation = int(case.split("-ga")[1]) if "-ga" in case else 1
     out = os.path.join(out_root, case)
-    args = arguments(out, mode, stage, precision == "bf16")
+    args = arguments(out, mode, stage, precision == "bf16", accumulation)
     first = Losses()
     trainer = Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=[first])
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     resumed = Losses()
-    trainer = Trainer(model=model(), args=arguments(out, mode, stage, precision == "bf16"),
+    trainer = Trainer(model=model(), args=arguments(out, mode, stage, precision == "bf16", accumulation),
                       train_dataset=dataset(), callbacks=[resumed])
     trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_AT}"))
     rank = int(os.environ.get("RANK", "0"))
