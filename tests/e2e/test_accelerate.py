@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -170,16 +171,26 @@ def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) 
 def test_accelerates_own_test_scripts_under_deepshard() -> None:
     """Accelerate's bundled scripts whose checks apply under DeepSpeed: collective ops (``test_ops``) and
     ``test_script`` (process control, RNG sync, dataloader sharding and seedable samplers; it stops
-    before its training checks under DeepSpeed by its own design). Both run as modules (``-m``)."""
+    before its training checks under DeepSpeed by its own design). Both run as modules (``-m``).
+    Alongside: a ZeRO-3 model built inside ``main_process_first`` fails with the reason, not a hang."""
     procs = {name: subprocess.Popen([*_deepshard(), "launch", "--num_processes", "2", "--use_cpu",
                                      "--main_process_port", str(_free_port()), "-m",
                                      f"accelerate.test_utils.scripts.{name}"], cwd=ROOT, env=_env(),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name in ("test_ops", "test_script")}
+    hang = None
+    if importlib.util.find_spec("transformers") is not None:  # accelerate #3709, which hangs under DeepSpeed
+        hang = subprocess.Popen([*_deepshard(), "launch", "--num_processes", "2", "--use_cpu", "--main_process_port",
+                                 "0", str(SCRIPTS / "main_process_first_zero3.py")], cwd=ROOT, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outputs = {}
     for name, proc in procs.items():
         outputs[name], _ = proc.communicate(timeout=400)
         assert proc.returncode == 0, f"{name} failed:\n{outputs[name][-6000:]}"
+    if hang is not None:
+        out, _ = hang.communicate(timeout=300)  # a hang would time out here
+        assert hang.returncode != 0 and "built inside" not in out, out[-3000:]
+        assert "inside accelerate's main_process_first(), where the ranks run one after another" in out, out[-3000:]
     assert "testing sending tensors across devices" in outputs["test_ops"]
     assert "Shuffled central dataloader passing." in outputs["test_script"]
     assert "All rng are properly synched." in outputs["test_script"]

@@ -56,3 +56,48 @@ def test_bf16_check_is_adjusted_only_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(hf_patches, "on_cpu", lambda: True)
     hf_patches.patch_training_args(module)  # type: ignore[arg-type]
     assert module.is_torch_bf16_gpu_available() is True
+
+
+def test_main_process_first_is_a_rank_ordered_section() -> None:
+    from deepshard.utils.rank_order import refuse_collectives_here
+
+    seen = []
+
+    class PartialState:
+        def _goes_first(self, is_main):
+            seen.append(("before", is_main))
+            yield
+            seen.append(("after", is_main))
+
+    module = types.SimpleNamespace(PartialState=PartialState)
+    hf_patches.guard_main_process_first(module)  # type: ignore[arg-type]
+    guarded = PartialState._goes_first
+    hf_patches.guard_main_process_first(module)  # type: ignore[arg-type]
+    assert PartialState._goes_first is guarded  # applied once
+    body = guarded(PartialState(), True)
+    next(body)  # inside the block: collectives are refused, naming the section
+    with pytest.raises(RuntimeError, match=r"zero.Init .* inside accelerate's main_process_first\(\)"):
+        refuse_collectives_here("zero.Init")
+    with pytest.raises(StopIteration):
+        next(body)
+    assert seen == [("before", True), ("after", True)]
+    refuse_collectives_here("zero.Init")  # outside: allowed
+
+
+def test_rank_ordered_sections_nest_and_are_per_thread() -> None:
+    import threading
+
+    from deepshard.utils.rank_order import rank_ordered_section, refuse_collectives_here
+
+    with rank_ordered_section("outer"):
+        with rank_ordered_section("inner"):
+            with pytest.raises(RuntimeError, match="inside inner"):
+                refuse_collectives_here("x")
+        with pytest.raises(RuntimeError, match="inside outer"):
+            refuse_collectives_here("x")
+        errors = []
+        thread = threading.Thread(target=lambda: errors.append(refuse_collectives_here("x")))
+        thread.start()
+        thread.join()
+        assert errors == [None]  # another thread is not inside this one's section
+    refuse_collectives_here("x")

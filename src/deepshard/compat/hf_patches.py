@@ -1,4 +1,5 @@
-"""The one place where deepshard adjusts Accelerate and transformers, so they run DeepSpeed on a CPU.
+"""The one place where deepshard adjusts Accelerate and transformers: DeepSpeed on a CPU, and no ZeRO-3 hang
+in ``main_process_first``.
 
 Neither library runs DeepSpeed without a GPU; deepshard does (gloo). Two adjustments, applied only when
 deepshard's device is the CPU (``deepshard.accelerator.get_accelerator().kind == "cpu"``: no GPU, or
@@ -13,9 +14,16 @@ deepshard's device is the CPU (``deepshard.accelerator.get_accelerator().kind ==
    without a GPU unless ``use_cpu=True``, which turns DeepSpeed off. Adjusted: True on a CPU device
    (torch's CPU kernels compute bf16; deepshard keeps fp32 master weights).
 
-Each adjustment is applied when its module is imported (an import hook, so neither library is imported
-early) and only for the versions tested (:data:`TESTED`); another version fails with a message saying so.
-On a GPU nothing is adjusted.
+And one guard, on any device:
+
+3. ``accelerate.state.PartialState._goes_first`` (``main_process_first``), on any device: the block runs
+   as a rank-ordered section (:mod:`deepshard.utils.rank_order`), where ``zero.Init`` refuses to start: a
+   ZeRO-3 model built inside ``main_process_first`` fails at once with the reason instead of hanging
+   every rank (accelerate #3709). Not version-bound: it only adds that check.
+
+Each is applied when its module is imported (an import hook, so neither library is imported early);
+adjustments 1 and 2 only for the versions tested (:data:`TESTED`): another version fails with a message
+saying so. On a GPU only the guard applies.
 """
 from __future__ import annotations
 
@@ -93,8 +101,32 @@ def patch_training_args(module: types.ModuleType) -> None:
     module.is_torch_bf16_gpu_available = is_torch_bf16_gpu_available
 
 
+def guard_main_process_first(module: types.ModuleType) -> None:
+    """Adjustment 3, on any device and version that has it: ``PartialState._goes_first`` (the body of
+    ``main_process_first`` / ``local_main_process_first``) runs as a rank-ordered section, so a ZeRO-3
+    ``zero.Init`` started inside it fails at once with the reason instead of hanging every rank."""
+    from deepshard.utils.rank_order import rank_ordered_section
+
+    original = getattr(module.PartialState, "_goes_first", None)
+    if original is None or getattr(original, "_deepshard_adjusted", False):
+        return
+
+    def _goes_first(self: Any, is_main: bool) -> Any:
+        with rank_ordered_section("accelerate's main_process_first()"):
+            yield from original(self, is_main)
+
+    _goes_first._deepshard_adjusted = True  # type: ignore[attr-defined]
+    module.PartialState._goes_first = _goes_first
+
+
+def patch_state_module(module: types.ModuleType) -> None:
+    """Everything adjusted in ``accelerate.state``."""
+    guard_main_process_first(module)
+    patch_accelerate_state(module)
+
+
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
-    "accelerate.state": patch_accelerate_state,
+    "accelerate.state": patch_state_module,
     "transformers.training_args": patch_training_args,
 }
 
