@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from deepshard.accelerator import Accelerator, get_accelerator
+from deepshard.accelerator import DeviceAccelerator as Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source

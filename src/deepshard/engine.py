@@ -12,8 +12,9 @@ from typing import Any, Iterator
 
 import torch
 
-from deepshard.accelerator import Accelerator as DeviceKind
+from deepshard.accelerator import DeviceAccelerator as DeviceKind
 from deepshard.compile import compile_module, module_is_compiled
+from deepshard.config.view import ConfigView
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.profiling.engine_tools import EngineTools
 from deepshard.step import TrainState, optimizer_step
@@ -103,8 +104,9 @@ class DeepShardEngine(torch.nn.Module):
                                  f"{type(module).__name__}) has no attribute '{name}'") from None
 
     @property
-    def config(self) -> Any:
-        return self._config
+    def config(self) -> ConfigView:
+        """DeepSpeed's ``engine.config``: the config dict as given; attributes read the validated config."""
+        return ConfigView(self._config)
 
     @property
     def device(self) -> torch.device:

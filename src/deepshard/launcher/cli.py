@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         from deepshard.utils.env_report import main as report_main
 
         return report_main(argv[1:])
+    if argv[0] in ("launch", "config"):  # Accelerate's front end: deepshard.launcher.accelerate_cli
+        from deepshard.launcher.accelerate_cli import SUBCOMMANDS
+
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
