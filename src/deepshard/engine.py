@@ -24,6 +24,19 @@ from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
 
 
+class _StateField:
+    """An engine attribute that reads and writes one counter of ``engine.state``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Any = None) -> Any:
+        return self if engine is None else getattr(engine.state, self.name)
+
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine.state, self.name, int(value))
+
+
 class DeepShardEngine(torch.nn.Module):
     """Returned by ``deepshard.initialize``; DeepSpeed's ``DeepSpeedEngine`` contract.
 
@@ -59,38 +72,11 @@ class DeepShardEngine(torch.nn.Module):
         self._last_loss: torch.Tensor | None = None
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
 
-    # --------------------------------------------------------------------------------- counters
-    @property
-    def global_steps(self) -> int:
-        return self.state.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.state.global_steps = int(value)
-
-    @property
-    def global_samples(self) -> int:
-        return self.state.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.state.global_samples = int(value)
-
-    @property
-    def micro_steps(self) -> int:
-        return self.state.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.state.micro_steps = int(value)
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.state.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.state.skipped_steps = int(value)
+    # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
+    global_steps = _StateField("global_steps")
+    global_samples = _StateField("global_samples")
+    micro_steps = _StateField("micro_steps")
+    skipped_steps = _StateField("skipped_steps")
 
     # ------------------------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:
