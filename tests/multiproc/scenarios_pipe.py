@@ -114,21 +114,18 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     return out
 
 
-def check_against_reference(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None:
+def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None:
+    """Losses and this stage's parameters as the reference's; eval_batch's logits of every micro-batch
+    and its mean loss as the reference's forward."""
+    from deepshard.pipe import PipelineModule
+
     ref_losses, ref_params = reference(steps, m, result["dp"], clip)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert result["params"], "this stage holds no parameters"
     for name, value in result["params"].items():
         torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
-
-
-def check_eval(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None:
-    """eval_batch: the logits of every micro-batch and the mean loss, as the reference's forward gives."""
-    from deepshard.pipe import PipelineModule
-
-    ref = PipelineModule(layers(), num_stages=1, stage_id=0, loss_fn=lm_loss, seed_layers=True)
-    _, params = reference(steps, m, result["dp"], clip)
-    ref.load_state_dict(params, strict=False)
+    ref = PipelineModule(layers(), num_stages=1, stage_id=0, loss_fn=lm_loss)
+    ref.load_state_dict(ref_params, strict=False)
     with torch.no_grad():
         outs = [ref(x) for x, _ in result["eval_inputs"]]
         losses = [lm_loss(o, y) for o, (_, y) in zip(outs, result["eval_inputs"])]
@@ -136,40 +133,35 @@ def check_eval(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) ->
         assert len(result["logits"]) == m
         for got, want in zip(result["logits"], outs):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        if result["dp"] == 1:
-            assert abs(result["eval_loss"] - float(torch.stack(losses).mean())) < 1e-5
     else:
         assert result["logits"] is None
+    if result["dp"] == 1:  # with dp > 1 the loss is also averaged over the other ranks' micro-batches
+        assert abs(result["eval_loss"] - float(torch.stack(losses).mean())) < 1e-5
 
 
-CONFIGS_2 = [("1f1b", 0, 4), ("1f1b", 1, 3), ("1f1b", 2, 4), ("gpipe", 0, 3), ("gpipe", 2, 2),
-             ("zb-h1", 0, 4), ("zb-h1", 1, 2), ("zb-h1", 2, 3), ("1f1b", 0, 1)]
+CONFIGS_2 = [("1f1b", 0, 4), ("1f1b", 1, 3), ("gpipe", 2, 2), ("zb-h1", 2, 3), ("zb-h1", 0, 1)]
+CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
 
 
 def pp2_world(rank: int, world: int) -> list[str]:
-    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts."""
+    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then the refusals."""
     done = []
     for schedule, zero, m in CONFIGS_2:
-        result = train_pipeline(2, schedule, zero, m, steps=3)
-        check_against_reference(result, m, 3)
-        check_eval(result, m, 3)
+        check(train_pipeline(2, schedule, zero, m, steps=2), m, 2)
         done.append(f"{schedule}-z{zero}-m{m}")
-    return done
+    return done + errors(rank)
 
 
 def pp_dp_world(rank: int, world: int) -> list[str]:
-    """4 processes: pp=2 x dp=2 under each schedule and ZeRO 0/1/2, then pp=4."""
+    """4 processes: pp=2 x dp=2 under 1F1B and ZB-H1 with ZeRO 2 and 1, then pp=4."""
     done = []
-    for pp, schedule, zero, m in [(2, "1f1b", 0, 3), (2, "1f1b", 2, 2), (2, "zb-h1", 1, 4), (2, "gpipe", 2, 2),
-                                  (4, "1f1b", 1, 4), (4, "zb-h1", 2, 5)]:
-        result = train_pipeline(pp, schedule, zero, m, steps=2)
-        check_against_reference(result, m, 2)
-        check_eval(result, m, 2)
+    for pp, schedule, zero, m in CONFIGS_4:
+        check(train_pipeline(pp, schedule, zero, m, steps=2), m, 2)
         done.append(f"pp{pp}-{schedule}-z{zero}-m{m}")
     return done
 
 
-def errors_world(rank: int, world: int) -> list[str]:
+def errors(rank: int) -> list[str]:
     """What a pipeline engine refuses, with DeepSpeed's error, and a shape mismatch named, not hung."""
     import pytest
 
