@@ -183,3 +183,48 @@ def errors(rank: int) -> list[str]:
         engine.train_batch(iter([]))
     engine.destroy()
     return ["ok"]
+
+
+def _engine(pp: int, m: int, zero: int, seed_layers: bool = True):
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=seed_layers)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": zero}}
+    return model, deepshard.initialize(model=model, config=cfg)[0]
+
+
+def _step_data(step: int, m: int, dp: int, dp_rank: int):
+    """Global batch ``step`` of ``batches`` as this rank's micro-batches for an (m, dp) split."""
+    data = _data(step + 1, m, dp, dp_rank)
+    for _ in range(step * m):
+        next(data)
+    return data
+
+
+def resume_world(rank: int, world: int, directory: str) -> list[str]:
+    """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
+    uninterrupted run's next loss and parameters; no conversion step."""
+    model, engine = _engine(2, 2, zero=2)
+    engine.train_batch(_step_data(0, 2, 1, 0))
+    engine.save_checkpoint(directory, tag="t")
+    want_loss = float(engine.train_batch(_step_data(1, 2, 1, 0)))
+    mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    engine.destroy()
+    stages: list[Any] = [None] * world
+    torch.distributed.all_gather_object(stages, mine)
+    want = {k: v for stage in stages for k, v in stage.items()}  # the whole model
+    done = []
+    for pp, m, zero in [(2, 2, 2), (1, 1, 1)]:  # (stages, micro-batches per rank), dp = 2 / pp
+        model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
+        engine.load_checkpoint(directory, tag="t")
+        got_loss = float(engine.train_batch(_step_data(1, m, 2 // pp, engine.topology.coord.dp)))
+        assert abs(got_loss - want_loss) < 1e-5, (pp, got_loss, want_loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(engine.strategy.full_fp32_param(p), want[name], rtol=1e-4, atol=1e-5)
+        assert engine.global_steps == 2
+        engine.destroy()
+        done.append(f"pp{pp}")
+    return done

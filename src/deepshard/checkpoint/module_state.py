@@ -58,6 +58,8 @@ def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool
                              f"{tuple(value.shape)}; the checkpoint was saved from a different model")
         value.data.copy_(src)
     known = set(own) | set(full.aliases)
+    # a pipeline stage loads from a checkpoint of the whole model: the other stages' keys are expected
+    known |= set(getattr(module, "pipeline_state_keys", lambda: ())())
     unexpected = [k for k in list(full.params) + list(full.module_extra) if k not in known]
     if strict and (missing or unexpected):
         raise KeyError(f"checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "

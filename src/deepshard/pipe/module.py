@@ -195,6 +195,24 @@ class PipelineModule(nn.Module):
     def get_additional_losses(self) -> Any:
         return None
 
+    def pipeline_state_keys(self) -> set[str]:
+        """The state-dict keys of the whole model, every stage's (built on the ``meta`` device): what a
+        checkpoint of this model may hold besides this stage's own keys."""
+        keys: set[str] = set()
+        state = torch.get_rng_state()
+        for index, entry in enumerate(self._layer_specs):
+            if isinstance(entry, LayerSpec):
+                with torch.device("meta"):
+                    module = entry.build()
+                prefix = f"tied_modules.{entry.key}." if isinstance(entry, TiedLayerSpec) else f"{index}."
+            elif isinstance(entry, nn.Module):
+                module, prefix = entry, f"{index}."
+            else:
+                continue
+            keys.update(prefix + k for k in module.state_dict())
+        torch.set_rng_state(state)
+        return keys
+
     def tied_stages(self) -> dict[str, list[int]]:
         """Each tied key and the stages holding a copy of it (the same on every process)."""
         out: dict[str, list[int]] = {}
