@@ -149,7 +149,30 @@ def pp2_world(rank: int, world: int) -> list[str]:
     for schedule, zero, m in CONFIGS_2:
         check(train_pipeline(2, schedule, zero, m, steps=2), m, 2)
         done.append(f"{schedule}-z{zero}-m{m}")
-    return done + errors(rank)
+    return done + mixed_precision() + errors(rank)
+
+
+def mixed_precision() -> list[str]:
+    """bf16 (ZeRO-2, fp32 masters) and fp16 (ZeRO-0, loss scaling) pipelines track the fp32 reference's
+    losses to 16-bit precision, with no skipped step."""
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    done = []
+    ref, _ = reference(3, 3, 1, 0.5)
+    for section, zero in [({"bf16": {"enabled": True}}, 2), ({"fp16": {"enabled": True, "initial_scale_power": 8}}, 0)]:
+        model = PipelineModule(layers(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": zero}, **section}
+        engine = deepshard.initialize(model=model, config=cfg)[0]
+        it = _data(3, 3, 1, 0)
+        losses = [float(engine.train_batch(it)) for _ in range(3)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-2, atol=0)
+        assert engine.skipped_steps == 0
+        engine.destroy()
+        done.append(next(iter(section)))
+    return done
 
 
 def pp_dp_world(rank: int, world: int) -> list[str]:

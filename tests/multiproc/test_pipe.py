@@ -11,7 +11,7 @@ from tests.multiproc.scenarios_pipe import CONFIGS_2, CONFIGS_4, pp2_world, pp_d
 
 def test_pp2_matches_single_process_under_every_schedule_and_zero_stage() -> None:
     results = run_world(pp2_world, 2, timeout=300)
-    assert results[0] == results[1] and len(results[0]) == len(CONFIGS_2) + 1
+    assert results[0] == results[1] and len(results[0]) == len(CONFIGS_2) + 3
 
 
 def test_pp2_dp2_and_pp4_match_single_process() -> None:
