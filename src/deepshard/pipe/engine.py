@@ -23,6 +23,7 @@ from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta, metas_of
 from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
 from deepshard.pipe.tied import TiedWeights, build_tied_weights
+from deepshard.pipe.weight_grad import DeferWeightGrads, WeightGradStore
 from deepshard.step import optimizer_step
 from deepshard.topology import Topology
 
@@ -42,6 +43,8 @@ class _Unit:
     loss: torch.Tensor | None = None
     grad_out: list[torch.Tensor] | None = None
     grad_in: list[torch.Tensor] | None = None
+    store: WeightGradStore | None = None
+    """The deferred weight-gradient work of a split backward (zero-bubble schedules)."""
 
 
 @dataclass
@@ -56,6 +59,7 @@ class _BatchRun:
     train: bool = True
     compute_loss: bool = True
     keep_outputs: bool = False
+    split_backward: bool = False
 
 
 def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> TiedWeights:
@@ -134,9 +138,13 @@ class PipelineEngine(DeepShardEngine):
                                 "use eval_batch() for forward-only passes")
         self.module.train()
         m = self.gradient_accumulation_steps()
-        run = _BatchRun(self._iterator(data_iter), m)
+        name = schedule_name(self._config.pipeline.schedule)
+        # operator-level split (weight_grad.py); with activation checkpointing the recomputed forward
+        # would not record, so the split falls back to two autograd traversals
+        split = name == "zb-h1" and not self.module.activation_checkpoint_interval
+        run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
         start = time.perf_counter()
-        for action in self._schedule(schedule_name(self._config.pipeline.schedule), m):
+        for action in self._schedule(name, m):
             self._dispatch[action.kind](run, action)
         self.link.wait_sends()
         self.reduce_gradients()
@@ -227,7 +235,12 @@ class PipelineEngine(DeepShardEngine):
                 inputs = _to_device(self.precision.cast_inputs(inputs), self.device)
                 unit.inputs, unit.input_tuple = _as_list(inputs)
         x = tuple(unit.inputs) if unit.input_tuple else unit.inputs[0]
-        out = self.module(x)
+        if run.split_backward:
+            unit.store = WeightGradStore()
+            with DeferWeightGrads(unit.store):
+                out = self.module(x)
+        else:
+            out = self.module(x)
         unit.outputs = out
         unit.out_tensors = _as_list(out)[0]
         if self.is_last_stage():
@@ -294,8 +307,17 @@ class PipelineEngine(DeepShardEngine):
             run.units.pop(a.micro_batch, None)
 
     def _backward_input(self, run: _BatchRun, a: Action) -> None:
-        """ZB-H1's first half: gradients of the stage inputs only; the graph is kept for the weight pass."""
+        """ZB-H1's first half: the input gradients (and the cheap non-linear parameters' gradients); the
+        linear layers' weight GEMMs wait in ``unit.store``. Without a store: gradients of the stage inputs
+        only, the graph kept for a second traversal in the weight pass."""
         unit = run.units[a.micro_batch]
+        if unit.store is not None:
+            roots, grads = self._roots(unit)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            unit.grad_in = self._input_grads(unit) if not self.is_first_stage() else []
+            unit.out_tensors, unit.loss, unit.grad_out = [], None, None
+            return
         inputs = [t for t in unit.inputs if t.is_floating_point() and t.requires_grad]
         roots, grads = self._roots(unit)
         unit.grad_out = grads
@@ -312,7 +334,9 @@ class PipelineEngine(DeepShardEngine):
         """ZB-H1's second half: parameter gradients, accumulated locally (reduced once per batch)."""
         unit = run.units[a.micro_batch]
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if unit.out_tensors:
+        if unit.store is not None:
+            unit.store.run()
+        elif unit.out_tensors:
             torch.autograd.backward(unit.out_tensors, unit.grad_out, inputs=params)
         run.units.pop(a.micro_batch, None)  # its input gradient was sent right after the input pass
 
