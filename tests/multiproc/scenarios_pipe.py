@@ -90,7 +90,8 @@ def _data(steps: int, m: int, dp: int, dp_rank: int):
             yield xs[dp_rank * m + i], ys[dp_rank * m + i]
 
 
-def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: float = 0.5) -> dict[str, Any]:
+def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: float = 0.5,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import deepshard
     from deepshard.pipe import PipelineModule
 
@@ -98,6 +99,8 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "zero_optimization": {"stage": zero}, "gradient_clipping": clip, "pipeline": {"schedule": schedule}}
+    for key, value in (extra or {}).items():
+        cfg[key] = {**cfg.get(key, {}), **value}
     engine, _, _, _ = deepshard.initialize(model=model, config=cfg)
     dp = engine.dp_world_size
     it = _data(steps, m, dp, engine.topology.coord.dp)
@@ -139,16 +142,18 @@ def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None
         assert abs(result["eval_loss"] - float(torch.stack(losses).mean())) < 1e-5
 
 
-CONFIGS_2 = [("1f1b", 0, 4), ("1f1b", 1, 3), ("gpipe", 2, 2), ("zb-h1", 2, 3), ("zb-h1", 0, 1)]
+RECOMPUTE = {"pipeline": {"activation_checkpoint_interval": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
+CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), ("zb-h1", 2, 3, None),
+             ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE)]
 CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
 
 
 def pp2_world(rank: int, world: int) -> list[str]:
     """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then the refusals."""
     done = []
-    for schedule, zero, m in CONFIGS_2:
-        check(train_pipeline(2, schedule, zero, m, steps=2), m, 2)
-        done.append(f"{schedule}-z{zero}-m{m}")
+    for schedule, zero, m, extra in CONFIGS_2:
+        check(train_pipeline(2, schedule, zero, m, steps=2, extra=extra), m, 2)
+        done.append(f"{schedule}-z{zero}-m{m}{'-recompute' if extra else ''}")
     return done + mixed_precision() + errors(rank)
 
 

@@ -78,6 +78,12 @@ def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> Ti
                           "PipelineModule does not build yet; use '1f1b', 'gpipe' or 'zb-h1'")
     if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
         module.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
+    if module.activation_checkpoint_func is None:  # the config's activation_checkpointing section acts
+        from functools import partial
+
+        from deepshard.checkpointing import checkpoint, options_from_config
+
+        module.activation_checkpoint_func = partial(checkpoint, options=options_from_config(cfg.activation_checkpointing))
     tied = build_tied_weights(module, topology)
     tied.broadcast()
     return tied
