@@ -20,11 +20,10 @@ import torch
 from deepshard.config import ConfigError
 from deepshard.engine import DeepShardEngine
 from deepshard.pipe.module import PipelineModule
-from deepshard.pipe.p2p import StageLink, TensorMeta, metas_of
+from deepshard.pipe.p2p import StageLink, TensorMeta
 from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
 from deepshard.pipe.tied import TiedWeights, build_tied_weights
 from deepshard.pipe.weight_grad import DeferWeightGrads, WeightGradStore
-from deepshard.step import optimizer_step
 from deepshard.topology import Topology
 
 
@@ -72,8 +71,7 @@ def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> Ti
         raise ConfigError(f"zero_optimization.stage={cfg.zero_optimization.stage} cannot be combined with "
                           "pipeline parallelism (each stage already holds only its layers; ZeRO-3 would gather "
                           "them again for every micro-batch): use stage 0, 1 or 2")
-    schedule_name(cfg.pipeline.schedule)
-    if schedule_name(cfg.pipeline.schedule) == "interleaved":
+    if schedule_name(cfg.pipeline.schedule) == "interleaved":  # an unknown name raises here, naming the choices
         raise ConfigError("pipeline.schedule='interleaved' needs several model chunks per rank, which "
                           "PipelineModule does not build yet; use '1f1b', 'gpipe' or 'zb-h1'")
     if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
@@ -339,10 +337,10 @@ class PipelineEngine(DeepShardEngine):
     def _backward_weight(self, run: _BatchRun, a: Action) -> None:
         """ZB-H1's second half: parameter gradients, accumulated locally (reduced once per batch)."""
         unit = run.units[a.micro_batch]
-        params = [p for p in self.module.parameters() if p.requires_grad]
         if unit.store is not None:
             unit.store.run()
         elif unit.out_tensors:
+            params = [p for p in self.module.parameters() if p.requires_grad]
             torch.autograd.backward(unit.out_tensors, unit.grad_out, inputs=params)
         run.units.pop(a.micro_batch, None)  # its input gradient was sent right after the input pass
 
