@@ -148,13 +148,14 @@ CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), 
 CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
 
 
-def pp2_world(rank: int, world: int) -> list[str]:
-    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then the refusals."""
+def pp2_world(rank: int, world: int, directory: str) -> list[str]:
+    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then 16-bit
+    precision, the refusals and a checkpoint resumed on other grids (in ``directory``)."""
     done = []
     for schedule, zero, m, extra in CONFIGS_2:
         check(train_pipeline(2, schedule, zero, m, steps=2, extra=extra), m, 2)
         done.append(f"{schedule}-z{zero}-m{m}{'-recompute' if extra else ''}")
-    return done + mixed_precision() + errors(rank)
+    return done + mixed_precision() + errors(rank) + resume(world, directory)
 
 
 def mixed_precision() -> list[str]:
@@ -232,7 +233,7 @@ def _step_data(step: int, m: int, dp: int, dp_rank: int):
     return data
 
 
-def resume_world(rank: int, world: int, directory: str) -> list[str]:
+def resume(world: int, directory: str) -> list[str]:
     """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
     uninterrupted run's next loss and parameters; no conversion step."""
     model, engine = _engine(2, 2, zero=2)
