@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from deepshard.accelerator import Accelerator, get_accelerator
+from deepshard.accelerator import DeviceAccelerator as Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
@@ -71,6 +71,8 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     precision = precision_policy(cfg)
     client_optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
     strategy = build_strategy(model, client_optimizer, cfg, topology, precision, accelerator)
+    if client_optimizer is not None:
+        client_optimizer.overflow = False  # type: ignore[attr-defined]  # set at every step (step.py)
     if client_optimizer is not None and strategy.stage >= 1:
         guard(client_optimizer, strategy)  # a direct optimizer.step() would update nothing: say so
     scheduler = build_lr_scheduler(cfg, client_optimizer, lr_scheduler)
