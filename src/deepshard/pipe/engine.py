@@ -11,7 +11,6 @@ Seams for 3D composition: ``engine.module`` is this stage's module, ``engine.top
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -147,16 +146,19 @@ class PipelineEngine(DeepShardEngine):
         # would not record, so the split falls back to two autograd traversals
         split = name == "zb-h1" and not self.module.activation_checkpoint_interval
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
-        start = time.perf_counter()
-        for action in self._schedule(name, m):
-            self._dispatch[action.kind](run, action)
-        self.link.wait_sends()
-        self.reduce_gradients()
-        self._timers["backward"] += time.perf_counter() - start
+        self.tools.throughput.start()
+        with self.tools.time("backward"):  # the whole schedule: forwards, backwards, transfers, reduction
+            for action in self._schedule(name, m):
+                self._dispatch[action.kind](run, action)
+            self.link.wait_sends()
+            self.reduce_gradients()
         loss = self._batch_loss(run, average=True)
         self._last_loss = loss
+        with self.tools.time("step"):
+            self._take_model_step(None)
         self.micro_steps += m
-        self._take_model_step(None)
+        self.tools.after_step(self, True)
+        self._report_step()
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
