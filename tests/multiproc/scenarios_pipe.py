@@ -210,6 +210,7 @@ def errors(rank: int) -> list[str]:
             call(torch.zeros(1))
     with pytest.raises(PipelineError, match="gradients disabled"), torch.no_grad():
         engine.train_batch(iter([]))
+    _transfers(rank)
     engine.destroy()
     return ["ok"]
 
@@ -257,3 +258,30 @@ def resume(world: int, directory: str) -> list[str]:
         engine.destroy()
         done.append(f"pp{pp}")
     return done
+
+
+def _transfers(rank: int) -> None:
+    """Stage-to-stage messages: shapes and tuple arity change from one message to the next with no
+    set-up; a gradient whose shape does not match is an error naming both stages and both shapes."""
+    import pytest
+
+    from deepshard.pipe.p2p import PipeCommError, StageLink, TensorMeta
+
+    link = StageLink(stage=rank, rank=rank, device=torch.device("cpu"))
+    shapes = [(2, 3), (5,), (1, 4, 2)]
+    if rank == 0:
+        for shape in shapes:
+            link.send(torch.ones(shape), 1)
+        link.send((torch.zeros(2, 2), torch.arange(3)), 1)
+        link.send(torch.zeros(2, 3), 1)
+        link.wait_sends()
+        return
+    for shape in shapes:
+        tensors, metas, is_tuple = link.recv(0, "activations")
+        assert not is_tuple and tuple(tensors[0].shape) == shape and bool(tensors[0].eq(1).all())
+    tensors, metas, is_tuple = link.recv(0, "activations")
+    assert is_tuple and tensors[1].dtype == torch.int64 and tensors[1].tolist() == [0, 1, 2]
+    with pytest.raises(PipeCommError, match=r"stage 1 \(rank 1\) expected output gradients shaped .*\(2, 4\).* from "
+                                            r"stage 0 \(rank 0\) but received .*\(2, 3\)"):
+        link.recv(0, "output gradients", [TensorMeta((2, 4), torch.float32, False)], src_stage=0)
+    torch.distributed.recv(torch.empty(2, 3), 0)  # drain the refused payload so the sender can finish
