@@ -29,7 +29,7 @@ _LAZY = {
     "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
-               "launcher", "accelerator", "data", "profiling", "ops", "pipe"}
+               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

@@ -90,7 +90,8 @@ def _data(steps: int, m: int, dp: int, dp_rank: int):
             yield xs[dp_rank * m + i], ys[dp_rank * m + i]
 
 
-def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: float = 0.5) -> dict[str, Any]:
+def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: float = 0.5,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import deepshard
     from deepshard.pipe import PipelineModule
 
@@ -98,6 +99,8 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "zero_optimization": {"stage": zero}, "gradient_clipping": clip, "pipeline": {"schedule": schedule}}
+    for key, value in (extra or {}).items():
+        cfg[key] = {**cfg.get(key, {}), **value}
     engine, _, _, _ = deepshard.initialize(model=model, config=cfg)
     dp = engine.dp_world_size
     it = _data(steps, m, dp, engine.topology.coord.dp)
@@ -139,17 +142,20 @@ def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None
         assert abs(result["eval_loss"] - float(torch.stack(losses).mean())) < 1e-5
 
 
-CONFIGS_2 = [("1f1b", 0, 4), ("1f1b", 1, 3), ("gpipe", 2, 2), ("zb-h1", 2, 3), ("zb-h1", 0, 1)]
+RECOMPUTE = {"pipeline": {"activation_checkpoint_interval": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
+CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), ("zb-h1", 2, 3, None),
+             ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE)]
 CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
 
 
-def pp2_world(rank: int, world: int) -> list[str]:
-    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then the refusals."""
+def pp2_world(rank: int, world: int, directory: str) -> list[str]:
+    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then 16-bit
+    precision, the refusals and a checkpoint resumed on other grids (in ``directory``)."""
     done = []
-    for schedule, zero, m in CONFIGS_2:
-        check(train_pipeline(2, schedule, zero, m, steps=2), m, 2)
-        done.append(f"{schedule}-z{zero}-m{m}")
-    return done + mixed_precision() + errors(rank)
+    for schedule, zero, m, extra in CONFIGS_2:
+        check(train_pipeline(2, schedule, zero, m, steps=2, extra=extra), m, 2)
+        done.append(f"{schedule}-z{zero}-m{m}{'-recompute' if extra else ''}")
+    return done + mixed_precision() + errors(rank) + resume(world, directory)
 
 
 def mixed_precision() -> list[str]:
@@ -204,6 +210,7 @@ def errors(rank: int) -> list[str]:
             call(torch.zeros(1))
     with pytest.raises(PipelineError, match="gradients disabled"), torch.no_grad():
         engine.train_batch(iter([]))
+    _transfers(rank)
     engine.destroy()
     return ["ok"]
 
@@ -227,7 +234,7 @@ def _step_data(step: int, m: int, dp: int, dp_rank: int):
     return data
 
 
-def resume_world(rank: int, world: int, directory: str) -> list[str]:
+def resume(world: int, directory: str) -> list[str]:
     """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
     uninterrupted run's next loss and parameters; no conversion step."""
     model, engine = _engine(2, 2, zero=2)
@@ -251,3 +258,30 @@ def resume_world(rank: int, world: int, directory: str) -> list[str]:
         engine.destroy()
         done.append(f"pp{pp}")
     return done
+
+
+def _transfers(rank: int) -> None:
+    """Stage-to-stage messages: shapes and tuple arity change from one message to the next with no
+    set-up; a gradient whose shape does not match is an error naming both stages and both shapes."""
+    import pytest
+
+    from deepshard.pipe.p2p import PipeCommError, StageLink, TensorMeta
+
+    link = StageLink(stage=rank, rank=rank, device=torch.device("cpu"))
+    shapes = [(2, 3), (5,), (1, 4, 2)]
+    if rank == 0:
+        for shape in shapes:
+            link.send(torch.ones(shape), 1)
+        link.send((torch.zeros(2, 2), torch.arange(3)), 1)
+        link.send(torch.zeros(2, 3), 1)
+        link.wait_sends()
+        return
+    for shape in shapes:
+        tensors, metas, is_tuple = link.recv(0, "activations")
+        assert not is_tuple and tuple(tensors[0].shape) == shape and bool(tensors[0].eq(1).all())
+    tensors, metas, is_tuple = link.recv(0, "activations")
+    assert is_tuple and tensors[1].dtype == torch.int64 and tensors[1].tolist() == [0, 1, 2]
+    with pytest.raises(PipeCommError, match=r"stage 1 \(rank 1\) expected output gradients shaped .*\(2, 4\).* from "
+                                            r"stage 0 \(rank 0\) but received .*\(2, 3\)"):
+        link.recv(0, "output gradients", [TensorMeta((2, 4), torch.float32, False)], src_stage=0)
+    torch.distributed.recv(torch.empty(2, 3), 0)  # drain the refused payload so the sender can finish

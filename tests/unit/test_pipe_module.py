@@ -107,6 +107,15 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
     ckpt(x).sum().backward()
     for a, b in zip(plain.parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+    # DeepSpeed's function, inputs kept in host memory
+    from deepshard.checkpointing import CheckpointOptions
+
+    cpu = deepspeed.checkpointing.checkpoint
+    ckpt.activation_checkpoint_func = lambda fn, *a: cpu(fn, *a, options=CheckpointOptions(cpu_checkpointing=True))
+    ckpt.zero_grad()
+    ckpt(x).sum().backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_errors_and_deepspeed_import_path() -> None:

@@ -11,7 +11,6 @@ Seams for 3D composition: ``engine.module`` is this stage's module, ``engine.top
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -20,11 +19,10 @@ import torch
 from deepshard.config import ConfigError
 from deepshard.engine import DeepShardEngine
 from deepshard.pipe.module import PipelineModule
-from deepshard.pipe.p2p import StageLink, TensorMeta, metas_of
+from deepshard.pipe.p2p import StageLink, TensorMeta
 from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
 from deepshard.pipe.tied import TiedWeights, build_tied_weights
 from deepshard.pipe.weight_grad import DeferWeightGrads, WeightGradStore
-from deepshard.step import optimizer_step
 from deepshard.topology import Topology
 
 
@@ -72,12 +70,17 @@ def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> Ti
         raise ConfigError(f"zero_optimization.stage={cfg.zero_optimization.stage} cannot be combined with "
                           "pipeline parallelism (each stage already holds only its layers; ZeRO-3 would gather "
                           "them again for every micro-batch): use stage 0, 1 or 2")
-    schedule_name(cfg.pipeline.schedule)
-    if schedule_name(cfg.pipeline.schedule) == "interleaved":
+    if schedule_name(cfg.pipeline.schedule) == "interleaved":  # an unknown name raises here, naming the choices
         raise ConfigError("pipeline.schedule='interleaved' needs several model chunks per rank, which "
                           "PipelineModule does not build yet; use '1f1b', 'gpipe' or 'zb-h1'")
     if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
         module.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
+    if module.activation_checkpoint_func is None:  # the config's activation_checkpointing section acts
+        from functools import partial
+
+        from deepshard.checkpointing import checkpoint, options_from_config
+
+        module.activation_checkpoint_func = partial(checkpoint, options=options_from_config(cfg.activation_checkpointing))
     tied = build_tied_weights(module, topology)
     tied.broadcast()
     return tied
@@ -143,16 +146,19 @@ class PipelineEngine(DeepShardEngine):
         # would not record, so the split falls back to two autograd traversals
         split = name == "zb-h1" and not self.module.activation_checkpoint_interval
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
-        start = time.perf_counter()
-        for action in self._schedule(name, m):
-            self._dispatch[action.kind](run, action)
-        self.link.wait_sends()
-        self.reduce_gradients()
-        self._timers["backward"] += time.perf_counter() - start
+        self.tools.throughput.start()
+        with self.tools.time("backward"):  # the whole schedule: forwards, backwards, transfers, reduction
+            for action in self._schedule(name, m):
+                self._dispatch[action.kind](run, action)
+            self.link.wait_sends()
+            self.reduce_gradients()
         loss = self._batch_loss(run, average=True)
         self._last_loss = loss
+        with self.tools.time("step"):
+            self._take_model_step(None)
         self.micro_steps += m
-        self._take_model_step(None)
+        self.tools.after_step(self, True)
+        self._report_step()
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
@@ -333,10 +339,10 @@ class PipelineEngine(DeepShardEngine):
     def _backward_weight(self, run: _BatchRun, a: Action) -> None:
         """ZB-H1's second half: parameter gradients, accumulated locally (reduced once per batch)."""
         unit = run.units[a.micro_batch]
-        params = [p for p in self.module.parameters() if p.requires_grad]
         if unit.store is not None:
             unit.store.run()
         elif unit.out_tensors:
+            params = [p for p in self.module.parameters() if p.requires_grad]
             torch.autograd.backward(unit.out_tensors, unit.grad_out, inputs=params)
         run.units.pop(a.micro_batch, None)  # its input gradient was sent right after the input pass
 

@@ -118,6 +118,3 @@ class StageLink:
                 w.wait()
         self._pending.clear()
 
-
-def metas_of(tensors: Sequence[torch.Tensor]) -> list[TensorMeta]:
-    return [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]

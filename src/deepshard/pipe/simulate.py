@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepshard.pipe.schedule import COMPUTE, SENDS, Action, Costs, Kind, Schedule, ScheduleError
+from deepshard.pipe.schedule import SENDS, Action, Costs, Kind, Schedule, ScheduleError
 
 
 @dataclass
