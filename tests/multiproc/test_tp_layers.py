@@ -1,0 +1,77 @@
+"""Megatron layers at tp=2 and tp=4 (with and without sequence parallelism) against the plain model:
+initial parameters, losses, gradients, the clipped norm and the parameters after three SGD steps;
+the tp traffic of one block against the analytic volume; the vocab-parallel cross-entropy; dropout
+streams. One spawned world of 4 ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_world
+from tests.multiproc.scenarios_tp import tp_layers_world
+
+TOL = 2e-5  # fp32 round-off of a differently ordered sum (the tp all-reduce)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_world(tp_layers_world, 4, timeout=240)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sp", [0, 1])
+def test_training_matches_plain_model(results: list[dict], t: int, sp: int) -> None:
+    for res in results:
+        diffs = res[f"train_tp{t}_sp{sp}"]
+        assert diffs["init"] == 0.0, f"rank {res['rank']}: the layers do not start from the plain init: {diffs}"
+        for key in ("loss", "grad", "norm", "params"):
+            assert diffs[key] <= TOL, f"rank {res['rank']} tp={t} sp={sp}: {key} differs by {diffs[key]}"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_block_traffic_is_the_analytic_volume(results: list[dict], t: int) -> None:
+    """Per block per micro-batch: 2 all-reduces of X=b*s*h forward and 2 backward (4X elements, logged
+    volume 8X, i.e. 8(t-1)/t*X sent by a ring); with sequence parallelism 4 all-gathers and 4
+    reduce-scatters of X, plus the gradient sums of the replicated norm and bias parameters (6h)."""
+    for res in results:
+        plain = res[f"traffic_tp{t}_sp0"]
+        X = plain["X"]
+        assert set(plain["ops"]) == {"tp:all_reduce"}, plain["ops"]
+        assert plain["ops"]["tp:all_reduce"]["calls"] == 4
+        assert plain["ops"]["tp:all_reduce"]["elements"] == 4 * X
+        assert plain["ops"]["tp:all_reduce"]["volume_elements"] == 8 * X
+        sp = res[f"traffic_tp{t}_sp1"]["ops"]
+        assert sp["tp:all_gather"] == {"calls": 4, "elements": 4 * X, "bytes": 16 * X, "volume_elements": 4 * X}
+        assert sp["tp:reduce_scatter"]["elements"] == 4 * X and sp["tp:reduce_scatter"]["calls"] == 4
+        assert sp["tp:all_reduce"]["elements"] == 6 * plain["h"]
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_cross_entropy(results: list[dict], t: int) -> None:
+    for res in results:
+        ce = res[f"ce_tp{t}"]
+        assert max(ce.values()) <= 1e-12, ce  # float64
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_gathered_column_and_scattered_row(results: list[dict], t: int) -> None:
+    for res in results:
+        assert max(res[f"linear_tp{t}"].values()) <= 1e-5, res[f"linear_tp{t}"]
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_dropout_streams(results: list[dict], t: int) -> None:
+    groups = [[0, 1], [2, 3]] if t == 2 else [[0, 1, 2, 3]]
+    for ranks in groups:
+        draws = [results[r][f"dropout_tp{t}"] for r in ranks]
+        # inside a TP region every tp rank draws differently
+        assert not torch.equal(draws[0]["inside"], draws[1]["inside"])
+        assert not torch.equal(draws[0]["inside"], draws[0]["inside_again"])  # the stream advances
+        for d in draws:
+            # the fork leaves the shared stream untouched: outside, every rank draws the same
+            assert torch.equal(d["outside"], draws[0]["outside"])
+            assert torch.equal(d["outside"], d["no_fork"])
+    # tp rank 0 of both dp groups shares the seed offset: same draws (seed + 2718 + tp_rank)
+    if t == 2:
+        assert torch.equal(results[0]["dropout_tp2"]["inside"], results[2]["dropout_tp2"]["inside"])
+    assert results[0]["labels"] == "tp"
