@@ -14,6 +14,7 @@ from deepshard.topology import ParallelDims, Topology
 from deepshard.tp import (ColumnParallelLinear, RowParallelLinear, clip_tp_grad_norm_, shard_of,
                           tensor_parallel_rng, vocab_parallel_cross_entropy)
 from deepshard.tp.params import tp_split_dim
+from tests.multiproc.scenarios_autotp import autotp_checks
 from tests.multiproc.tp_models import GPTConfig, PlainGPT, TPBlock, TPGPT, make_tokens, plain_name
 
 
@@ -122,7 +123,7 @@ def _dropout_streams(group: CommGroup) -> dict[str, torch.Tensor]:
 
 
 def tp_layers_world(rank: int, world: int) -> dict[str, Any]:
-    """Everything on tp=2 (a 2 x 2 grid's tp groups) and tp=4 (the world as the tp group)."""
+    """Layers and automatic TP on tp=2 (a 2 x 2 grid's tp groups) and tp=4 (the world as the tp group)."""
     topo = Topology.build(ParallelDims(dp=2, tp=2), logger=CommsLogger())
     tp4 = CommGroup(group=None, logger=CommsLogger(), name="tp")
     cfg = GPTConfig()
@@ -136,5 +137,6 @@ def tp_layers_world(rank: int, world: int) -> dict[str, Any]:
         out[f"ce_tp{t}"] = _cross_entropy(group)
         out[f"linear_tp{t}"] = _linear_pair(group)
         out[f"dropout_tp{t}"] = _dropout_streams(group)
+        out[f"autotp_tp{t}"] = autotp_checks(group, dp_rank)
     out["seconds"] = time.perf_counter() - t0
     return out

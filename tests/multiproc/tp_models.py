@@ -120,3 +120,85 @@ def make_tokens(cfg: GPTConfig, batch: int, steps: int, seed: int = 3) -> list[t
         ids = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
         out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
     return out
+
+
+# ----------------------------------------------------------------------- a hand-written LLaMA-style model
+@dataclass
+class LlamaLikeConfig:
+    """Carries the Hugging Face attribute names automatic TP reads."""
+
+    vocab_size: int = 32
+    hidden_size: int = 16
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 24
+    num_hidden_layers: int = 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaLikeConfig) -> None:
+        super().__init__()
+        h, self.head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+        kv = cfg.num_key_value_heads * self.head_dim
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.q_proj, self.k_proj = nn.Linear(h, h, bias=False), nn.Linear(h, kv, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(h, kv, bias=False), nn.Linear(h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # local heads: -1
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.groups, 1)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaLikeConfig) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: LlamaLikeConfig) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(cfg.hidden_size), LlamaAttention(cfg)
+        self.post_attention_layernorm, self.mlp = RMSNorm(cfg.hidden_size), LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLike(nn.Module):
+    """Unmodified user code: automatic TP must shard it as it is."""
+
+    def __init__(self, cfg: LlamaLikeConfig | None = None) -> None:
+        super().__init__()
+        self.config = cfg or LlamaLikeConfig()
+        c = self.config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

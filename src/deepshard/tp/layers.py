@@ -62,17 +62,20 @@ class ColumnParallelLinear(nn.Module):
         self._setup(full.weight, full.bias, group, gather_output, sequence_parallel, sequence_dim, parts)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: CommGroup, gather_output: bool = False,
+    def from_linear(cls, linear: nn.Module, group: CommGroup, gather_output: bool = False,
                     sequence_parallel: bool = False, sequence_dim: int = 1,
-                    parts: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
-        """This rank's slice of an existing ``nn.Linear`` (its ``weight`` is ``[out, in]``)."""
+                    parts: Optional[Sequence[int]] = None, transposed: bool = False) -> "ColumnParallelLinear":
+        """This rank's slice of an existing ``nn.Linear`` (``weight`` ``[out, in]``), or with
+        ``transposed`` of a layer storing ``weight`` as ``[in, out]`` (GPT-2's ``Conv1D``), kept so."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(linear.weight, linear.bias, group, gather_output, sequence_parallel, sequence_dim, parts)
+        layer._setup(linear.weight, linear.bias, group, gather_output, sequence_parallel, sequence_dim, parts,
+                     transposed)
         return layer
 
     def _setup(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: CommGroup, gather_output: bool,
-               sequence_parallel: bool, sequence_dim: int, parts: Optional[Sequence[int]]) -> None:
+               sequence_parallel: bool, sequence_dim: int, parts: Optional[Sequence[int]],
+               transposed: bool = False) -> None:
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True and sequence_parallel=True do not combine "
                              "(the output would be full-sequence and full-width); gather in the caller instead")
@@ -81,12 +84,13 @@ class ColumnParallelLinear(nn.Module):
                              "order; split the parts before gathering")
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        self.transposed = transposed
+        out_dim = 1 if transposed else 0
+        self.out_features, self.in_features = weight.shape[out_dim], weight.shape[1 - out_dim]
         if not parts:
             _check_divides("ColumnParallelLinear out_features", self.out_features, group)
-        self.weight = _parameter(shard_of(weight, 0, group.rank, group.size, parts), weight.requires_grad)
-        mark_tp_split(self.weight, 0, parts)
+        self.weight = _parameter(shard_of(weight, out_dim, group.rank, group.size, parts), weight.requires_grad)
+        mark_tp_split(self.weight, out_dim, parts)
         self.bias: Optional[nn.Parameter] = None
         if bias is not None:
             self.bias = _parameter(shard_of(bias, 0, group.rank, group.size, parts), bias.requires_grad)
@@ -97,12 +101,13 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel(x, self.group, self.sequence_dim)
         else:
             x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         return gather_from_tp_region(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (local "
-                f"{self.weight.shape[0]}), tp={self.group.size}, gather_output={self.gather_output}, "
+        local = self.weight.shape[1 if self.transposed else 0]
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {local}), "
+                f"tp={self.group.size}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -119,27 +124,32 @@ class RowParallelLinear(nn.Module):
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         full = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(full.weight, full.bias, group, input_is_parallel, sequence_parallel, sequence_dim)
+        self._setup(full.weight, full.bias, group, input_is_parallel, sequence_parallel, sequence_dim, False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: CommGroup, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False, sequence_dim: int = 1) -> "RowParallelLinear":
-        """This rank's slice of an existing ``nn.Linear``."""
+    def from_linear(cls, linear: nn.Module, group: CommGroup, input_is_parallel: bool = True,
+                    sequence_parallel: bool = False, sequence_dim: int = 1,
+                    transposed: bool = False) -> "RowParallelLinear":
+        """This rank's slice of an existing ``nn.Linear`` (``transposed``: ``weight`` is ``[in, out]``)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(linear.weight, linear.bias, group, input_is_parallel, sequence_parallel, sequence_dim)
+        layer._setup(linear.weight, linear.bias, group, input_is_parallel, sequence_parallel, sequence_dim,
+                     transposed)
         return layer
 
     def _setup(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: CommGroup,
-               input_is_parallel: bool, sequence_parallel: bool, sequence_dim: int) -> None:
+               input_is_parallel: bool, sequence_parallel: bool, sequence_dim: int,
+               transposed: bool = False) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.out_features, self.in_features = weight.shape
+        self.transposed = transposed
+        in_dim = 0 if transposed else 1
+        self.in_features, self.out_features = weight.shape[in_dim], weight.shape[1 - in_dim]
         _check_divides("RowParallelLinear in_features", self.in_features, group)
-        self.weight = _parameter(shard_of(weight, 1, group.rank, group.size), weight.requires_grad)
-        mark_tp_split(self.weight, 1)
+        self.weight = _parameter(shard_of(weight, in_dim, group.rank, group.size), weight.requires_grad)
+        mark_tp_split(self.weight, in_dim)
         self.bias: Optional[nn.Parameter] = None
         if bias is not None:
             self.bias = _parameter(bias, bias.requires_grad)
@@ -149,7 +159,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, -1)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.group, self.sequence_dim)
         else:
@@ -161,7 +171,8 @@ class RowParallelLinear(nn.Module):
         return y + bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+        local = self.weight.shape[0 if self.transposed else 1]
+        return (f"in_features={self.in_features} (local {local}), out_features={self.out_features}, "
                 f"tp={self.group.size}, sequence_parallel={self.sequence_parallel}")
 
 

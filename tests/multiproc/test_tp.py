@@ -75,3 +75,33 @@ def test_dropout_streams(results: list[dict], t: int) -> None:
     if t == 2:
         assert torch.equal(results[0]["dropout_tp2"]["inside"], results[2]["dropout_tp2"]["inside"])
     assert results[0]["labels"] == "tp"
+
+
+# ------------------------------------------------------------------------------------------ automatic TP
+def _check_autotp(res: dict, t: int, key: str, split: int) -> None:
+    got = res[f"autotp_tp{t}"][key]
+    assert got["same_keys"], f"{key}: automatic TP changed the state dict's keys"
+    assert got["split"] == split, f"{key}: {got['split']} layers split, expected {split}"
+    for what in ("loss", "grad", "norm", "params"):
+        assert got[what] <= TOL, f"rank {res['rank']} tp={t} {key}: {what} differs by {got[what]}"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_autotp_hand_written_llama_trains_as_the_plain_model(results: list[dict], t: int) -> None:
+    # 2 layers x 7 linears + the vocab-parallel embedding + the gathered lm_head
+    for res in results:
+        _check_autotp(res, t, "llama_like", 16)
+
+
+@pytest.mark.parametrize("key,split", [("hf_llama", 16), ("hf_gpt2", 8)])
+def test_autotp_transformers_models(results: list[dict], key: str, split: int) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed: the Hugging Face models are "
+                                               "built from their configs only when it is")
+    # GPT-2: c_attn (fused qkv, split per part), c_proj, c_fc, c_proj per layer; wte/lm_head tied: replicated
+    for res in results:
+        _check_autotp(res, 2, key, split)
+
+
+def test_autotp_refuses_different_inputs_on_tp_ranks(results: list[dict]) -> None:
+    for res in results:
+        assert "received different inputs" in res["autotp_tp2"]["input_check"], res["autotp_tp2"]["input_check"]
