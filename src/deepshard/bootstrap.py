@@ -8,13 +8,18 @@ from typing import Any, Callable, Iterable
 import torch
 
 from deepshard.accelerator import Accelerator, get_accelerator
-from deepshard.comm.group import CommGroup
+from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.config.loader import read_config_source
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
+from deepshard.grid import build_topology
 from deepshard.precision import PrecisionPolicy
+from deepshard.topology import Topology
 from deepshard.utils.logging import logger
 from deepshard.zero.master import check_optimizer_params, trainable_params
+from deepshard.zero.optimizer_guard import guard
+from deepshard.zero.placement import set_copies
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
@@ -35,46 +40,48 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     """
     if model is None:
         raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("mpu= / mesh_param= (model parallelism) are not supported yet; "
-                                  "deepshard currently trains with data parallelism only")
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
     source = resolve_config_source(args, config if config is not None else config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
-    import torch.distributed as dist
-
-    accelerator = get_accelerator()
-    comm = CommGroup(group=None)
-    cfg = load_config(source, dp_world_size=comm.size)
-    engine = _build_engine(model, cfg, accelerator, comm, dist.get_rank(), optimizer, model_parameters,
-                           lr_scheduler)
+    raw, _ = read_config_source(source)
+    topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
+    cfg = load_config(source, dp_world_size=topology.dp.size)
+    engine = _build_engine(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accelerator, comm: CommGroup,
-                  global_rank: int, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None,
+def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accelerator, topology: Topology,
+                  optimizer: OptimizerArg, model_parameters: Iterable[Any] | None,
                   lr_scheduler: Any) -> DeepShardEngine:
+    """Every part first, then the engine, complete: precision, optimizer, strategy (over the data-parallel
+    group), scheduler, monitor."""
     import os
 
     model.to(accelerator.device)
-    broadcast_module(model, comm)
-    engine = DeepShardEngine(model, cfg, accelerator, comm, world_size=comm.size, global_rank=global_rank,
+    broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
+    set_copies(model.parameters(), topology.tp.size)
+    precision = precision_policy(cfg)
+    client_optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
+    strategy = build_strategy(model, client_optimizer, cfg, topology, precision, accelerator)
+    if client_optimizer is not None and strategy.stage >= 1:
+        guard(client_optimizer, strategy)  # a direct optimizer.step() would update nothing: say so
+    scheduler = build_lr_scheduler(cfg, client_optimizer, lr_scheduler)
+    monitor = build_monitor(cfg, topology.rank)
+    logger_ = topology.world.logger
+    logger_.enabled = bool(cfg.comms_logger.enabled)
+    logger_.verbose = bool(cfg.comms_logger.verbose)
+    logger_.reset()  # count training traffic only, not the initial broadcast
+    engine = DeepShardEngine(model, cfg, accelerator, topology, strategy, optimizer=client_optimizer,
+                             precision=precision, lr_scheduler=scheduler, monitor=monitor,
                              local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    engine.precision = precision_policy(cfg)
-    engine.optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
-    engine.strategy = build_strategy(model, engine.optimizer, cfg, comm, engine.precision, accelerator)
-    engine.lr_scheduler = build_lr_scheduler(cfg, engine.optimizer, lr_scheduler)
-    engine.monitor = build_monitor(cfg, global_rank)
-    comm.logger.enabled = bool(cfg.comms_logger.enabled)
-    comm.logger.verbose = bool(cfg.comms_logger.verbose)
-    comm.logger.reset()  # count training traffic only, not the initial broadcast
-    if global_rank == 0:
-        logger.info("deepshard engine: ZeRO stage %d, %d data-parallel process(es), %s on %s, micro batch %d x "
-                    "accumulation %d = global batch %d", cfg.zero_optimization.stage, comm.size,
-                    engine.precision.param_dtype, accelerator.device, cfg.train_micro_batch_size_per_gpu,
+    if topology.rank == 0:
+        grid = "" if topology.is_data_parallel_only else f", {topology.dims}"
+        logger.info("deepshard engine: ZeRO stage %d, %d data-parallel process(es)%s, %s on %s, micro batch %d x "
+                    "accumulation %d = global batch %d", cfg.zero_optimization.stage, topology.dp.size, grid,
+                    precision.param_dtype, accelerator.device, cfg.train_micro_batch_size_per_gpu,
                     cfg.gradient_accumulation_steps, cfg.train_batch_size)
     return engine
 
@@ -129,12 +136,13 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
 
 
 def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
-                   comm: CommGroup, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
+                   topology: Topology, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
+    """The ZeRO strategy of ``cfg``'s stage, sharding and reducing over the data-parallel group only."""
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = check_offload(cfg, accelerator)
     step_in_backward = check_step_in_backward(cfg, optimizer_offload, param_offload)
-    ctx = StrategyContext(comm=comm, precision=precision, zero_config=cfg.zero_optimization,
-                          device=accelerator.device,
+    ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
+                          zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                           prescale_gradients=bool(cfg.prescale_gradients),
                           average_gradients=cfg.gradient_allreduce_op != "sum")

@@ -7,17 +7,17 @@ gradients are reduced to one strategy object per ZeRO stage (``deepshard.zero``)
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from deepshard.accelerator import Accelerator
-from deepshard.comm.group import CommGroup
+from deepshard.accelerator import Accelerator as DeviceKind
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.utils.logging import logger
+from deepshard.step import TrainState, optimizer_step
+from deepshard.topology import Topology
 from deepshard.zero.strategy import ZeroStrategy
 
 
@@ -27,35 +27,67 @@ class DeepShardEngine(torch.nn.Module):
     Unknown attributes fall through to the wrapped ``module``.
     """
 
-    def __init__(self, module: torch.nn.Module, config: Any, accelerator: Accelerator, comm: CommGroup,
-                 world_size: int, global_rank: int, local_rank: int) -> None:
+    def __init__(self, module: torch.nn.Module, config: Any, accelerator: DeviceKind, topology: Topology,
+                 strategy: ZeroStrategy, optimizer: torch.optim.Optimizer | None = None,
+                 precision: PrecisionPolicy | None = None, lr_scheduler: Any = None, monitor: Any = None,
+                 local_rank: int = 0) -> None:
+        """Built complete by ``deepshard.initialize`` (``bootstrap.py``): every part is given here."""
         super().__init__()
         self.module = module
         self._config = config
         self.accelerator = accelerator
-        self.comm = comm
-        self.comms_logger = comm.logger
-        self.world_size = world_size
-        self.global_rank = global_rank
+        self.topology = topology
+        self.comm = topology.dp  # the data-parallel group: ZeRO, the dataloader and rank-0 duties of a replica
+        self.comms_logger = topology.world.logger
+        self.world_size = topology.dims.world_size
+        self.global_rank = topology.rank
         self.local_rank = local_rank
-        self.dp_world_size = comm.size
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.lr_scheduler: Any = None
+        self.dp_world_size = topology.dp.size
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
         self.training_dataloader: Any = None
-        self.strategy: ZeroStrategy | None = None
-        self.precision = PrecisionPolicy()
+        self.strategy: ZeroStrategy | None = strategy
+        self.precision = precision if precision is not None else PrecisionPolicy()
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
-        self.monitor: Any = None
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        self._step_applied = False
+        self.monitor = monitor
+        self.state = TrainState()
         self._no_sync_depth = 0
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
         self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    # --------------------------------------------------------------------------------- counters
+    @property
+    def global_steps(self) -> int:
+        return self.state.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.state.global_steps = int(value)
+
+    @property
+    def global_samples(self) -> int:
+        return self.state.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.state.global_samples = int(value)
+
+    @property
+    def micro_steps(self) -> int:
+        return self.state.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.state.micro_steps = int(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.state.skipped_steps = int(value)
 
     # ------------------------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:
@@ -126,10 +158,10 @@ class DeepShardEngine(torch.nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
-        return self._global_grad_norm
+        return self.state.grad_norm
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        return self.state.step_applied
 
     @property
     def loss_scale(self) -> float:
@@ -214,43 +246,15 @@ class DeepShardEngine(torch.nn.Module):
                                "for the micro-step that should synchronize and step")
         start = time.perf_counter()
         self._strategy().end_backward()
-        self._step_applied = False
+        self.state.step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self._timers["step"] += time.perf_counter() - start
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        strategy = self._strategy()
-        scale = self.loss_scaler.scale
-        norm = strategy.global_grad_norm(scale)
-        self._global_grad_norm = norm
-        if not math.isfinite(norm) and strategy.steps_in_backward:
-            logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
-                           "was already applied during backward and cannot be skipped", self.global_rank,
-                           self.global_steps, norm)
-        if not math.isfinite(norm) and not strategy.steps_in_backward:
-            old = scale
-            self.loss_scaler.update(True)
-            self.skipped_steps += 1
-            logger.warning("rank %d: step %d skipped: gradient overflow (norm %s); loss scale %g -> %g "
-                           "(%d steps skipped so far)", self.global_rank, self.global_steps, norm, old,
-                           self.loss_scaler.scale, self.skipped_steps)
-        else:
-            multiplier = 1.0 / scale
-            clip = float(self._config.gradient_clipping or 0.0)
-            if clip > 0:
-                coef = clip / (norm + 1e-6)
-                if coef < 1.0:
-                    multiplier *= coef
-            strategy.step(multiplier)
-            self.loss_scaler.update(False)
-            self._step_applied = True
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        strategy.zero_grad()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        optimizer_step(self._strategy(), self.state, self.loss_scaler, float(self._config.gradient_clipping or 0.0),
+                       self.lr_scheduler, self.train_batch_size(), self.global_rank, lr_kwargs)
         self._report_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -275,7 +279,7 @@ class DeepShardEngine(torch.nn.Module):
         if every and self.global_steps % every == 0 and self.global_rank == 0:
             lr = ", ".join(f"{x:.4g}" for x in self.get_lr())
             logger.info("step=%d skipped=%d lr=[%s] loss=%.4f grad_norm=%.4g%s", self.global_steps,
-                        self.skipped_steps, lr, loss, self._global_grad_norm or 0.0,
+                        self.skipped_steps, lr, loss, self.state.grad_norm or 0.0,
                         f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
             if self._config.wall_clock_breakdown:
                 t = self._timers
@@ -349,11 +353,12 @@ class DeepShardEngine(torch.nn.Module):
                                 num_workers=num_local_io_workers or 0)
 
     def destroy(self) -> None:
-        """Remove the strategy's hooks and close monitors; the engine is unusable afterwards."""
-        if self.strategy is not None and hasattr(self.strategy, "remove_hooks"):
-            self.strategy.remove_hooks()
-        elif self.strategy is not None and hasattr(self.strategy, "reducer"):
-            self.strategy.reducer.remove_hooks()
+        """Release what the engine holds (DeepSpeed's name): the strategy's hooks and files, the
+        parameters' ownership, the monitors. The module keeps its current values; the engine is unusable
+        afterwards. Safe to call twice."""
+        if self.strategy is not None:
+            self.strategy.release()
         self.strategy = None
         if self.monitor is not None:
             self.monitor.close()
+            self.monitor = None

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 ENGINE_JSON = "engine.json"
 ENGINE_TENSORS = "engine.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the grid is recorded and fragments may be tensor-parallel parts (layout.py)
 
 
 def _rng_file(rank: int) -> str:
@@ -41,7 +41,8 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
                            client_state: dict[str, Any], save_latest: bool,
                            exclude_frozen_parameters: bool) -> bool:
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-    comm, rank = engine.comm, engine.comm.rank
+    # every rank of the grid writes its files (named by global rank); global rank 0 commits
+    comm, rank = engine.topology.world, engine.topology.rank
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         ckpt_io.staging_dir(save_dir, tag)  # created empty by one rank, before the others write
@@ -91,10 +92,11 @@ def _write_zero_to_fp32_script(save_dir: Path) -> None:
 def _gather_file_lists(engine: "DeepShardEngine", files: list[str]) -> list[str]:
     import torch.distributed as dist
 
-    if engine.comm.size == 1:
+    world = engine.topology.world
+    if world.size == 1:
         return files
-    gathered: list[Any] = [None] * engine.comm.size
-    dist.all_gather_object(gathered, files, group=engine.comm.group)
+    gathered: list[Any] = [None] * world.size
+    dist.all_gather_object(gathered, files, group=world.group)
     return [f for part in gathered for f in part]
 
 
@@ -111,6 +113,7 @@ def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state:
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
+        "grid": {"pp": engine.topology.dims.pp, "dp": engine.topology.dims.dp, "tp": engine.topology.dims.tp},
         "param_dtype": str(engine.precision.param_dtype),
         "state": skeleton,
     }
@@ -146,13 +149,16 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    rng_path = path / _rng_file(engine.comm.rank)
-    if rng_path.exists() and int(meta.get("dp_world_size", -1)) == engine.dp_world_size:
+    rng_path = path / _rng_file(engine.topology.rank)
+    dims = engine.topology.dims
+    same_grid = meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1}) == {
+        "pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    if rng_path.exists() and same_grid:
         rng = ckpt_io.load_tensors(rng_path)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and engine.accelerator.kind == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
-    engine.comm.barrier()
+    engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
 
 

@@ -24,6 +24,17 @@ from deepshard.checkpoint import io as ckpt_io
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
+_EXTRA = re.compile(r"^module_extra(_rank\d+)?\.safetensors$")
+FORMAT_VERSION = 2
+"""1: fragments of whole tensors. 2: a fragment may be of a tensor-parallel part: the rank file's
+``splits`` maps a name to ``[dim, index, parts]`` and ``shapes`` holds the part's shape; ``coord``
+records the writer's grid coordinate. Version-1 files have neither and load as before."""
+
+
+def extra_file(rank: int) -> str:
+    """Buffers and frozen weights of one model slice: written by the first data-parallel rank of each
+    (pipeline, tensor) slice; global rank 0 keeps the version-1 name."""
+    return MODULE_EXTRA if rank == 0 else f"module_extra_rank{rank}.safetensors"
 
 
 def rank_files(rank: int) -> tuple[str, str]:
@@ -58,8 +69,10 @@ class FullState:
 def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord],
                         shapes: dict[str, tuple[int, ...]], param_groups: list[dict[str, Any]] | None,
                         aliases: dict[str, str], module_extra: dict[str, torch.Tensor] | None,
-                        meta: dict[str, Any]) -> list[str]:
-    """Write this rank's fragments; returns the file names written."""
+                        meta: dict[str, Any], splits: dict[str, list[int]] | None = None,
+                        coord: dict[str, int] | None = None) -> list[str]:
+    """Write this rank's fragments (``rank``: the global rank, the file name); returns the file names.
+    ``splits``: the tensor-parallel parts among them, ``name -> [dim, index, parts]``."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for rec in records:
@@ -81,15 +94,16 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
                     "per-layer state cannot be partitioned by ZeRO stages 1-3: use stage 0")
     tensor_file, json_file = rank_files(rank)
     ckpt_io.save_tensors(directory / tensor_file, tensors)
-    info = {"rank": rank, "fragments": [[r.name, r.start, r.numel] for r in records], "scalars": scalars,
-            "shapes": {k: list(v) for k, v in shapes.items()}, "aliases": aliases, "meta": meta}
+    info = {"rank": rank, "version": FORMAT_VERSION, "fragments": [[r.name, r.start, r.numel] for r in records],
+            "scalars": scalars, "shapes": {k: list(v) for k, v in shapes.items()}, "aliases": aliases,
+            "meta": meta, "splits": splits or {}, "coord": coord or {}}
     if param_groups is not None:
         info["param_groups"] = param_groups
     ckpt_io.save_json(directory / json_file, info)
     files = [tensor_file, json_file]
     if module_extra is not None:
-        ckpt_io.save_tensors(directory / MODULE_EXTRA, module_extra)
-        files.append(MODULE_EXTRA)
+        ckpt_io.save_tensors(directory / extra_file(rank), module_extra)
+        files.append(extra_file(rank))
     return files
 
 
@@ -100,37 +114,37 @@ def _numel(shape: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def load_full_state(directory: Path, with_optimizer: bool = True) -> FullState:
-    """Reassemble full fp32 parameters (and optimizer state) from every rank's fragment files."""
+def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
+    """Reassemble full fp32 parameters (and optimizer state) from the rank files.
+
+    Tensor-parallel parts are put back together along their split dimension (global tensors). With
+    ``module``, only the files holding tensors that module has are read (a pipeline stage reads its own
+    stage's files; replicated copies are read once), and the result is cut back to ``module``'s own
+    tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its slices."""
+    from deepshard.checkpoint.layout import Reassembly, localize, wanted_names
+
     json_files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_JSON.match(p.name)))
     if not json_files:
         raise ckpt_io.CheckpointError(
             f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
             "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
-    shapes: dict[str, tuple[int, ...]] = {}
-    params: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, Any]] = {}
-    kinds: dict[str, dict[str, str]] = {}
+    wanted = wanted_names(module) if module is not None else None
+    parts = Reassembly(with_optimizer)
     groups, aliases, meta = None, {}, {}
     for rank, path in json_files:
         info = ckpt_io.load_json(path)
-        shapes.update({k: tuple(v) for k, v in info["shapes"].items()})
         aliases.update(info.get("aliases", {}))
         meta = info.get("meta", meta) if rank == 0 else meta
         groups = info.get("param_groups", groups)
-        tensors = ckpt_io.load_tensors(directory / rank_files(rank)[0])
-        for name, start, numel in info["fragments"]:
-            full = params.setdefault(name, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
-            full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
-            for key, value in info["scalars"].get(f"{name}@{start}", {}).items():
-                optim.setdefault(name, {})[key] = value
-                kinds.setdefault(name, {})[key] = "python"
-        if with_optimizer:
-            _collect_optimizer_tensors(tensors, shapes, optim, kinds)
-    params = {k: v.view(shapes[k]) for k, v in params.items()}
-    extra_path = directory / MODULE_EXTRA
-    module_extra = ckpt_io.load_tensors(extra_path) if extra_path.exists() else {}
-    return FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
+        if not parts.needs(info, wanted):
+            continue
+        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]))
+    params, optim, kinds, shapes = parts.finish()
+    module_extra: dict[str, torch.Tensor] = {}
+    for extra in sorted(p for p in directory.iterdir() if _EXTRA.match(p.name)):
+        module_extra.update(ckpt_io.load_tensors(extra))
+    full = FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
+    return localize(full, module) if module is not None else full
 
 
 def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],

@@ -15,8 +15,10 @@ from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups,
                                             restore_param_groups, save_rank_fragments, slice_state)
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
+from deepshard.checkpoint.layout import module_splits
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
+from deepshard.zero.placement import norm_weight
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 
@@ -53,6 +55,8 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer.end_backward()
 
     # ---------------------------------------------------------------------------------------- step
+    grads_sharded = False
+
     def global_grad_norm(self, loss_scale: float) -> float:
         grads = self.reducer.grads()
         if not grads:
@@ -60,6 +64,16 @@ class Stage0Strategy(ZeroStrategy):
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         total = torch.linalg.vector_norm(torch.stack(norms)).item()
         return total / loss_scale
+
+    def remove_hooks(self) -> None:
+        """Detach from the module (``engine.destroy``): the gradient hooks go."""
+        self.reducer.remove_hooks()
+
+    def local_grad_sq(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for p, g in zip(self.params, self.reducer.grads_of(self.params)):
+            total += norm_weight(p) * g.float().pow(2).sum()
+        return total
 
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
@@ -88,8 +102,8 @@ class Stage0Strategy(ZeroStrategy):
         return p
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        if rank != 0:
-            return []  # every rank holds the same states: rank 0 writes them whole
+        if self.ctx.comm.rank != 0:
+            return []  # every data-parallel rank holds the same states: the first writes them whole
         records = []
         for p in self.params:
             target = self._master_or_param(p)
@@ -102,11 +116,12 @@ class Stage0Strategy(ZeroStrategy):
         return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
                                    param_aliases(self.module), module_extra_state(self.module, exclude_frozen),
                                    {"zero_stage": 0, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)})
+                                    "frozen_params": frozen_param_names(self.module)},
+                                   splits=module_splits(self.module))
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states)
+        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
         load_module_from_full(self.module, full, strict)
         for p in self.params:
             name = self.names[id(p)]

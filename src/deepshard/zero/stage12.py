@@ -19,6 +19,7 @@ from deepshard.checkpoint.fragments import (FragmentRecord, FullState, export_pa
                                             restore_param_groups, save_rank_fragments, slice_state)
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
+from deepshard.checkpoint.layout import module_splits
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.offload.factory import make_shard_states
@@ -26,6 +27,7 @@ from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
+from deepshard.zero.placement import norm_weight
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 
@@ -148,6 +150,13 @@ class Stage12Strategy(ZeroStrategy):
         total = self.ctx.comm.all_reduce_sum_scalar(local)
         return float(total.sqrt().item()) / loss_scale
 
+    def local_grad_sq(self) -> torch.Tensor:
+        named = dict(self.module.named_parameters())  # the pieces' own tensors carry no placement
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for f, g in zip(self.fragments, self.frag_grad_src):
+            total += norm_weight(named[f.name]) * squared_norm([g], self.ctx.device).reshape(())
+        return total
+
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
@@ -179,7 +188,7 @@ class Stage12Strategy(ZeroStrategy):
                                value.float(), state) for i, value, state in self.states.records()]
 
     def _param_groups_for_save(self, rank: int) -> list[dict] | None:
-        if rank != 0 or self.optimizer is None:
+        if self.ctx.comm.rank != 0 or self.optimizer is None:  # the first data-parallel rank of each slice
             return None
         return export_param_groups(self.optimizer, {id(self.frag_params[i]): f.name
                                                     for i, f in enumerate(self.fragments)})
@@ -188,9 +197,10 @@ class Stage12Strategy(ZeroStrategy):
         records = self._fragment_records()
         return save_rank_fragments(directory, rank, records, module_shapes(self.module),
                                    self._param_groups_for_save(rank), param_aliases(self.module),
-                                   module_extra_state(self.module, exclude_frozen) if rank == 0 else None,
+                                   module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                                    {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)})
+                                    "frozen_params": frozen_param_names(self.module)},
+                                   splits=module_splits(self.module))
 
     def _load_pieces(self, full: FullState, load_optimizer_states: bool) -> None:
         """Piece values (and optimizer state) from a reassembled checkpoint."""
@@ -209,7 +219,7 @@ class Stage12Strategy(ZeroStrategy):
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states)
+        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
         load_module_from_full(self.module, full, strict)
         self._load_pieces(full, load_optimizer_states)
 

@@ -20,12 +20,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-import weakref
 
 import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.precision.policy import PrecisionPolicy
+from deepshard.zero.placement import claim, norm_weight, release
 
 
 @dataclass
@@ -39,19 +39,16 @@ class StrategyContext:
     gradient_predivide_factor: float = 1.0
     prescale_gradients: bool = False
     average_gradients: bool = True
-
-
-# id(parameter) -> (weak ref to the parameter, weak ref to the strategy owning it); weak on both sides so
-# nothing is kept alive (tensors cannot be WeakKeyDictionary keys: their == is elementwise)
-PARAM_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+    model_parallel: CommGroup | None = None
+    """The ranks of one data-parallel replica (pipeline x tensor): the gradient norm and the overflow
+    flag are combined here after ``comm`` (the data-parallel group). None: no model parallelism."""
 
 
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
-    """The strategy that manages ``param``, if any."""
-    entry = PARAM_OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    """The strategy that manages ``param``, if any (kept on the parameter: ``zero/placement.py``)."""
+    from deepshard.zero.placement import owner_of as _owner_of
+
+    return _owner_of(param)
 
 
 class ZeroStrategy(ABC):
@@ -67,10 +64,8 @@ class ZeroStrategy(ABC):
         self.module = module
         self.optimizer = optimizer
         self.ctx = ctx
-        owner = weakref.ref(self)
-        for p in module.parameters():
-            # lets deepshard.utils.safe_get_full_* find the strategy from a bare parameter
-            PARAM_OWNERS[id(p)] = (weakref.ref(p), owner)
+        # lets deepshard.utils.safe_get_full_* find the strategy from a bare parameter
+        claim(module.parameters(), self)
 
     # ---------------------------------------------------------------------------------- backward
     @abstractmethod
@@ -82,9 +77,31 @@ class ZeroStrategy(ABC):
         """Finish every gradient reduction started by this backward. Safe to call twice."""
 
     # -------------------------------------------------------------------------------------- step
+    grads_sharded: bool = True
+    """True when this rank holds 1/dp of the reduced gradient (stages 1-3): its sum of squares is summed
+    over the data-parallel group; False when every dp rank holds all of it (stage 0)."""
+
     @abstractmethod
     def global_grad_norm(self, loss_scale: float) -> float:
-        """The L2 norm of the full (unscaled, reduced) gradient over all ranks; inf/nan on overflow."""
+        """The L2 norm of the full (unscaled, reduced) gradient over the data-parallel group; inf/nan on
+        overflow. With model parallelism, the engine calls ``model_grad_norm`` instead."""
+
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's sum of squared gradient elements, each parameter weighted by
+        ``1 / copies`` (``zero/placement.py``) so a replicated or tied parameter counts once."""
+        raise NotImplementedError(f"{type(self).__name__} does not support model parallelism")
+
+    def model_grad_norm(self, loss_scale: float) -> float:
+        """The norm of the whole model's gradient: summed over dp, then over the model-parallel group
+        (``ctx.model_parallel``). Without model parallelism this is ``global_grad_norm``."""
+        mp = self.ctx.model_parallel
+        if mp is None or mp.size == 1:
+            return self.global_grad_norm(loss_scale)
+        sq = self.local_grad_sq().float().reshape(1)
+        if self.grads_sharded:
+            sq = self.ctx.comm.all_reduce_sum_scalar(sq)
+        sq = mp.all_reduce_sum_scalar(sq)
+        return float(sq.sqrt().item()) / loss_scale
 
     @abstractmethod
     def step(self, grad_multiplier: float) -> None:
@@ -94,6 +111,18 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Clear accumulated gradients."""
+
+    def release(self) -> None:
+        """Detach from the module for good (``engine.destroy``): hooks removed, files closed, the
+        parameters no longer name this strategy as their owner."""
+        from deepshard.zero.optimizer_guard import unguard
+
+        self.remove_hooks()
+        release(self.module.parameters(), self)
+        unguard(self.optimizer)
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this strategy installed and release its files (overridden per stage)."""
 
     # ------------------------------------------------------------------------------- checkpoints
     @abstractmethod

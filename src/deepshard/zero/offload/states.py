@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from deepshard.zero.optimizer_guard import real_step
+
 from deepshard.zero.partition import Fragment
 
 # publish(shard_start, fp32 values): copy updated values of shard range [start, start + numel) to the model
@@ -129,7 +131,7 @@ class ResidentStates(ShardStates):
                 fp.grad = src
         if not mixed and multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
-        self.optimizer.step()  # type: ignore[union-attr]
+        real_step(self.optimizer)  # type: ignore[arg-type]
         if mixed:
             for fp in self.params:
                 fp.grad = None
@@ -142,7 +144,7 @@ class ResidentStates(ShardStates):
         for fp, src in zip(params, grads):
             g = src.to(torch.float32) if src.dtype != torch.float32 else src
             fp.grad = g.mul_(multiplier) if multiplier != 1.0 else g
-        self.optimizer.step()  # type: ignore[union-attr]
+        real_step(self.optimizer)  # type: ignore[arg-type]
         for fp in params:
             fp.grad = None
         if self.masters is not None:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from deepshard.zero.optimizer_guard import real_step
+
 from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
@@ -221,7 +223,7 @@ class SubGroupStates(ShardStates):
             group["params"] = params
         self._bind(slot)
         self._set_grads(slot.sg, grads, multiplier)
-        opt.step()  # type: ignore[union-attr]
+        real_step(opt)  # type: ignore[arg-type]
         self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
         if self.has_masters:
             publish(slot.sg.start, slot.tensors[MASTER])

@@ -50,7 +50,9 @@ class GatheredParameters:
         if init_params:
             from deepshard.comm.group import CommGroup
 
-            gather = _InitGather(init_params, CommGroup(), self.modifier_rank)
+            # the group zero.Init partitioned them over (recorded on the parameter), else the world
+            comm = getattr(init_params[0], "ds_comm", None) or CommGroup()
+            gather = _InitGather(init_params, comm, self.modifier_rank)
             gather.__enter__()
             self._init_gathers.append(gather)
         return self

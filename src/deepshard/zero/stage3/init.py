@@ -49,6 +49,7 @@ def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype |
     p.ds_tensor = flat[comm.rank * chunk:(comm.rank + 1) * chunk].clone()  # type: ignore[attr-defined]
     p.ds_shape = value.shape  # type: ignore[attr-defined]
     p.ds_numel = n  # type: ignore[attr-defined]
+    p.ds_comm = comm  # type: ignore[attr-defined]  # the group the shards live on (GatheredParameters)
     p.data = torch.empty(0, dtype=value.dtype, device=value.device)
 
 
@@ -97,6 +98,7 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.group = data_parallel_group
+        self.mpu = mpu
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
         # remote_device='nvme': the shards built here are this rank's 1/N in host memory; deepshard.initialize
@@ -114,6 +116,8 @@ class Init:
         from deepshard.distributed import init_distributed
 
         init_distributed(verbose=False)
+        if self.group is None and self.mpu is not None:  # Megatron-style: shard over its data-parallel group
+            self.group = self.mpu.get_data_parallel_group()
         self.comm = CommGroup(self.group)
 
     def _partition(self, module: torch.nn.Module) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
+from deepshard.checkpoint.layout import module_splits
 from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
 from deepshard.zero.offload.factory import make_param_store, make_shard_states
 from deepshard.zero.offload.param_store import ParamStore
@@ -271,15 +272,16 @@ class Stage3Strategy(Stage12Strategy):
         return extra if rank == 0 else None
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        extra = self.gathered_module_extra(rank, exclude_frozen)
+        extra = self.gathered_module_extra(self.ctx.comm.rank, exclude_frozen)
         return save_rank_fragments(directory, rank, self._fragment_records(), module_shapes(self.module),
-                                   self._param_groups_for_save(rank), param_aliases(self.module), extra,
-                                   {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)})
+                                   self._param_groups_for_save(self.ctx.comm.rank), param_aliases(self.module),
+                                   extra, {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
+                                           "frozen_params": frozen_param_names(self.module)},
+                                   splits=module_splits(self.module))
 
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states)
+        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
         names = {id(p): n for n, p in self.module.named_parameters()}
         missing = []
         for g in self.groups + self.frozen_groups:

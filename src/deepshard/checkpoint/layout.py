@@ -1,0 +1,162 @@
+"""Checkpoint fragments by grid coordinate (format version 2): which slice of which global tensor each
+fragment is, so a checkpoint written on one grid loads on any other.
+
+A rank file lists fragments ``[name, start, numel]`` of the tensor it holds. Under ZeRO that tensor is
+the whole parameter and ``start`` the data-parallel shard's offset (version 1 had only this). Under
+tensor parallelism it is one part of the global parameter: the file's ``splits`` say ``name -> [dim,
+index, parts]`` and its ``shapes`` give the part's shape. Loading puts the parts of each name back
+together (``Reassembly``), then cuts them again for the loading model's own split (``localize``), so
+tp=2 -> tp=1, tp=1 -> tp=2 and any data-parallel count work alike. Replicated copies (the same part on
+several tensor-parallel or data-parallel ranks) are read once: a file whose fragments are all known
+already is not opened.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from deepshard.checkpoint import io as ckpt_io
+from deepshard.zero.placement import split_of
+
+Key = tuple[str, int]  # (parameter name, tensor-parallel part index)
+
+
+def module_splits(module: torch.nn.Module) -> dict[str, list[int]]:
+    """``name -> [dim, index, parts]`` for the tensor-parallel parameters of ``module``."""
+    out: dict[str, list[int]] = {}
+    for name, p in module.named_parameters():
+        split = split_of(p)
+        if split is not None:
+            out[name] = [split.dim, split.index, split.parts]
+    return out
+
+
+def wanted_names(module: torch.nn.Module) -> Optional[set[str]]:
+    """The parameter names a model slice loads, when it says (a pipeline stage's
+    ``checkpoint_names()``); None: every name in the checkpoint is this model's."""
+    names = getattr(module, "checkpoint_names", None)
+    return set(names()) if callable(names) else None
+
+
+def _numel(shape: Any) -> int:
+    return int(torch.Size(shape).numel())
+
+
+class Reassembly:
+    """Collects rank files' fragments per (name, part) and joins the parts into global tensors."""
+
+    def __init__(self, with_optimizer: bool) -> None:
+        self.with_optimizer = with_optimizer
+        self.values: dict[Key, torch.Tensor] = {}
+        self.local_shapes: dict[Key, tuple[int, ...]] = {}
+        self.splits: dict[str, tuple[int, int]] = {}
+        self.optim: dict[Key, dict[str, Any]] = {}
+        self.kinds: dict[str, dict[str, str]] = {}
+        self.seen: set[tuple[str, int, int]] = set()
+
+    @staticmethod
+    def _index(info: dict[str, Any], name: str) -> int:
+        split = info.get("splits", {}).get(name)
+        return int(split[1]) if split else 0
+
+    def needs(self, info: dict[str, Any], wanted: Optional[set[str]]) -> bool:
+        """True when the file holds a fragment not read yet (of a wanted name)."""
+        return any((name, self._index(info, name), start) not in self.seen
+                   for name, start, _ in info["fragments"] if wanted is None or name in wanted)
+
+    def add(self, info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        from deepshard.checkpoint.fragments import _collect_optimizer_tensors
+
+        shapes = {k: tuple(v) for k, v in info["shapes"].items()}
+        file_optim: dict[str, dict[str, Any]] = {}
+        file_kinds: dict[str, dict[str, str]] = {}
+        if self.with_optimizer:
+            _collect_optimizer_tensors(tensors, shapes, file_optim, file_kinds)
+        for name, start, numel in info["fragments"]:
+            key = (name, self._index(info, name))
+            if name in info.get("splits", {}):
+                dim, _, parts = info["splits"][name]
+                self.splits[name] = (int(dim), int(parts))
+            self.local_shapes[key] = shapes[name]
+            full = self.values.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
+            full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
+            self.seen.add((name, key[1], start))
+            state = self.optim.setdefault(key, {})
+            for skey, value in info["scalars"].get(f"{name}@{start}", {}).items():
+                state[skey] = value
+                self.kinds.setdefault(name, {})[skey] = "python"
+            for skey, value in file_optim.get(name, {}).items():
+                kind = file_kinds[name][skey]
+                self.kinds.setdefault(name, {})[skey] = kind
+                if kind == "elementwise":
+                    dest = state.setdefault(skey, torch.zeros(_numel(shapes[name]), dtype=value.dtype))
+                    dest[start:start + numel] = value[start:start + numel]
+                else:
+                    state[skey] = value
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, dict[str, str]],
+                              dict[str, tuple[int, ...]]]:
+        """Global tensors: ``(params, optim, kinds, shapes)`` as ``FullState`` holds them."""
+        params: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, Any]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in sorted({n for n, _ in self.values}):
+            if name not in self.splits:
+                shape = self.local_shapes[(name, 0)]
+                params[name] = self.values[(name, 0)].view(shape)
+                if self.optim.get((name, 0)):
+                    optim[name] = self.optim[(name, 0)]
+                shapes[name] = shape
+                continue
+            dim, count = self.splits[name]
+            missing = [i for i in range(count) if (name, i) not in self.values]
+            if missing:
+                raise ckpt_io.CheckpointError(f"the checkpoint holds tensor-parallel parts {sorted(set(range(count)) - set(missing))} "
+                                              f"of '{name}' but not {missing}: a rank file is missing")
+            local = [self.values[(name, i)].view(self.local_shapes[(name, i)]) for i in range(count)]
+            params[name] = torch.cat(local, dim=dim)
+            shapes[name] = tuple(params[name].shape)
+            if self.optim.get((name, 0)):
+                optim[name] = self._join_states(name, dim, count)
+        return params, optim, self.kinds, shapes
+
+    def _join_states(self, name: str, dim: int, count: int) -> dict[str, Any]:
+        first = self.optim.get((name, 0), {})
+        out: dict[str, Any] = {}
+        for skey, value in first.items():
+            if self.kinds.get(name, {}).get(skey) == "elementwise":
+                pieces = [self.optim[(name, i)][skey].view(self.local_shapes[(name, i)]) for i in range(count)]
+                out[skey] = torch.cat(pieces, dim=dim).reshape(-1)
+            else:
+                out[skey] = value  # scalars (a step count) are the same on every part
+        return out
+
+
+def localize(full: Any, module: torch.nn.Module) -> Any:
+    """Cut ``full``'s global tensors to ``module``'s own tensor-parallel parts (values and elementwise
+    optimizer state), in place; returns ``full``."""
+    wanted = wanted_names(module)
+    if wanted is not None:  # a pipeline stage: other stages' tensors are not this model's
+        for table in (full.params, full.optim, full.shapes):
+            for name in [n for n in table if n not in wanted]:
+                del table[name]
+    for name, p in module.named_parameters():
+        split = split_of(p)
+        if split is None or name not in full.params:
+            continue
+        local_shape = tuple(getattr(p, "ds_shape", p.shape))
+        value = full.params[name]
+        if tuple(value.shape) == local_shape:
+            continue
+        if value.shape[split.dim] != local_shape[split.dim] * split.parts:
+            raise ckpt_io.CheckpointError(
+                f"checkpoint tensor '{name}' has shape {tuple(value.shape)}; the model's tensor-parallel part "
+                f"{split.index}/{split.parts} along dim {split.dim} has shape {local_shape}, which does not divide it")
+        full.params[name] = value.chunk(split.parts, dim=split.dim)[split.index].contiguous()
+        for skey, state in full.optim.get(name, {}).items():
+            if full.optim_kinds.get(name, {}).get(skey) == "elementwise":
+                part = state.view(value.shape).chunk(split.parts, dim=split.dim)[split.index]
+                full.optim[name][skey] = part.contiguous().reshape(-1)
+        full.shapes[name] = local_shape
+    return full

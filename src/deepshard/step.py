@@ -1,0 +1,68 @@
+"""The training counters and the one optimizer-step path, shared by ``DeepShardEngine`` and the pipeline
+engine.
+
+At an accumulation boundary a step is, in this order: the global gradient norm (summed over the
+data-parallel group, then the model-parallel group; inf/nan means an fp16 overflow, identical on every
+rank) -> skip the update on overflow (the loss scale backs off) -> otherwise clip (one multiplier folded
+into the unscaling) -> the optimizer update (the strategy's) -> the loss scale's growth -> the LR
+schedule -> zero the gradients -> the counters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from deepshard.precision import LossScaler
+from deepshard.utils.logging import logger
+from deepshard.zero.strategy import ZeroStrategy
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint restores and the monitors report."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    micro_steps: int = 0
+    skipped_steps: int = 0
+    grad_norm: Optional[float] = None
+    step_applied: bool = False
+
+
+def clip_multiplier(norm: float, clip: float) -> float:
+    """The factor that brings the gradient norm down to ``clip`` (1.0 when it is already below, or when
+    clipping is off: ``clip <= 0``)."""
+    if clip <= 0:
+        return 1.0
+    coef = clip / (norm + 1e-6)
+    return coef if coef < 1.0 else 1.0
+
+
+def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossScaler, clip: float,
+                   lr_scheduler: Any, samples: int, rank: int, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
+    """Run one optimizer step at the accumulation boundary; returns whether the update was applied."""
+    scale = loss_scaler.scale
+    norm = strategy.model_grad_norm(scale)
+    state.grad_norm = norm
+    state.step_applied = False
+    finite = math.isfinite(norm)
+    if not finite and strategy.steps_in_backward:
+        logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
+                       "was already applied during backward and cannot be skipped", rank, state.global_steps, norm)
+    if not finite and not strategy.steps_in_backward:
+        loss_scaler.update(True)
+        state.skipped_steps += 1
+        logger.warning("rank %d: step %d skipped: gradient overflow (norm %s); loss scale %g -> %g "
+                       "(%d steps skipped so far)", rank, state.global_steps, norm, scale, loss_scaler.scale,
+                       state.skipped_steps)
+    else:
+        strategy.step(clip_multiplier(norm, clip) / scale)
+        loss_scaler.update(False)
+        state.step_applied = True
+        if lr_scheduler is not None:
+            lr_scheduler.step(**(lr_kwargs or {}))
+    strategy.zero_grad()
+    state.global_steps += 1
+    state.global_samples += samples
+    return state.step_applied

@@ -1,0 +1,52 @@
+"""The optimizer ``initialize`` returns at ZeRO stages 1-3 is not a trap.
+
+Those stages rebind the optimizer's param groups to this rank's shard pieces, so a direct
+``optimizer.step()`` from a training loop written for plain PyTorch would update nothing (the pieces get
+their gradients only inside ``engine.step()``). deepshard makes the mistake loud instead: the returned
+optimizer's ``step()`` raises and says to call ``engine.step()``; its ``zero_grad()`` clears the
+accumulated gradients, as DeepSpeed's ZeRO optimizers do. The strategy itself steps through
+``real_step``. At stage 0 the optimizer holds the real parameters and is left as it is.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from deepshard.zero.strategy import ZeroStrategy
+
+
+def real_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer's own update (its class's ``step``, with torch's hooks), bypassing the guard."""
+    return type(optimizer).step(optimizer)
+
+
+def guard(optimizer: torch.optim.Optimizer, strategy: "ZeroStrategy") -> None:
+    """Replace ``optimizer.step`` / ``zero_grad`` on this instance (see the module docstring)."""
+    stage = strategy.stage
+    owner = weakref.ref(strategy)
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"optimizer.step() was called on the optimizer returned by deepshard.initialize; at ZeRO stage {stage} "
+            "its parameters are this process's shards and only the engine can give them their gradients. "
+            "Call engine.step() after engine.backward(loss) instead (it unscales, clips, updates and steps "
+            "the LR scheduler at the gradient accumulation boundary)")
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        live = owner()
+        if live is not None:
+            live.zero_grad()
+
+    optimizer.step = step  # type: ignore[method-assign]
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def unguard(optimizer: torch.optim.Optimizer | None) -> None:
+    """Give the optimizer back its own ``step`` and ``zero_grad`` (``engine.destroy``)."""
+    if optimizer is None:
+        return
+    for name in ("step", "zero_grad"):
+        optimizer.__dict__.pop(name, None)

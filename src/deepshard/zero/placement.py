@@ -1,0 +1,103 @@
+"""Where a parameter lives, recorded on the parameter itself (no process-global registry).
+
+A ``Placement`` says which strategy manages a parameter (weakly: the parameter never keeps an engine
+alive), how it is split across tensor-parallel ranks, and how many model-parallel ranks hold a copy of
+it. ``deepshard.utils.safe_get_full_*`` and ``GatheredParameters`` read it; ``engine.destroy()`` removes
+it, so two engines in one process never see each other's parameters.
+
+The copy count is what makes the global gradient norm count a parameter once: every model-parallel rank
+adds ``|g|^2 / copies`` of each parameter it holds, and the sum over the model-parallel group is then the
+norm of the model's gradient whether a parameter is split over tensor-parallel ranks (1 copy of each
+part), replicated over them (``tp`` copies) or tied across pipeline stages (one copy per stage).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from deepshard.zero.strategy import ZeroStrategy
+
+ATTR = "_deepshard_placement"
+
+
+@dataclass
+class TensorSplit:
+    """A tensor-parallel part: ``index`` of ``parts`` equal slices along ``dim`` of the global tensor."""
+
+    dim: int
+    index: int
+    parts: int
+
+
+@dataclass
+class Placement:
+    owner: Optional["weakref.ref[ZeroStrategy]"] = None
+    split: Optional[TensorSplit] = None
+    copies: int = 1
+    """Model-parallel ranks holding this same value (replicated over tp, tied across pp stages)."""
+    tied_stages: int = 1
+    """Pipeline stages holding a tied copy (set by the pipeline module)."""
+
+
+def placement_of(param: torch.Tensor, create: bool = False) -> Optional[Placement]:
+    found = getattr(param, ATTR, None)
+    if found is None and create:
+        found = Placement()
+        setattr(param, ATTR, found)
+    return found
+
+
+def owner_of(param: torch.Tensor) -> Optional["ZeroStrategy"]:
+    """The strategy that manages ``param``, if any (None once its engine was destroyed)."""
+    found = placement_of(param)
+    if found is None or found.owner is None:
+        return None
+    return found.owner()
+
+
+def claim(params: Any, strategy: "ZeroStrategy") -> None:
+    """Record ``strategy`` as the manager of ``params``."""
+    ref = weakref.ref(strategy)
+    for p in params:
+        placement_of(p, create=True).owner = ref  # type: ignore[union-attr]
+
+
+def release(params: Any, strategy: "ZeroStrategy") -> None:
+    """Forget ``strategy``'s ownership of ``params`` (the split and copy counts stay: they describe the
+    model, not the engine)."""
+    for p in params:
+        found = placement_of(p)
+        if found is not None and found.owner is not None and found.owner() in (strategy, None):
+            found.owner = None
+
+
+def mark_split(param: torch.Tensor, dim: int, index: int, parts: int) -> None:
+    """Declare ``param`` the ``index``-th of ``parts`` tensor-parallel slices along ``dim``."""
+    placement_of(param, create=True).split = TensorSplit(dim, index, parts)  # type: ignore[union-attr]
+
+
+def mark_tied(param: torch.Tensor, stages: int) -> None:
+    """Declare ``param`` held (tied) by ``stages`` pipeline stages."""
+    placement_of(param, create=True).tied_stages = int(stages)  # type: ignore[union-attr]
+
+
+def split_of(param: torch.Tensor) -> Optional[TensorSplit]:
+    found = placement_of(param)
+    return None if found is None else found.split
+
+
+def set_copies(params: Any, tp_size: int) -> None:
+    """Fill each parameter's copy count for a grid with ``tp_size`` tensor-parallel ranks."""
+    for p in params:
+        found = placement_of(p, create=True)
+        found.copies = (1 if found.split is not None else tp_size) * found.tied_stages  # type: ignore[union-attr]
+
+
+def norm_weight(param: torch.Tensor) -> float:
+    """``1 / copies``: the share of ``|grad|^2`` this rank adds to the global norm."""
+    found = placement_of(param)
+    return 1.0 if found is None else 1.0 / found.copies

@@ -1,0 +1,152 @@
+"""What each rank runs for the process-grid tests: the groups of a 2 x 2 x 2 grid, a Megatron-style
+``mpu`` (dp=2 x tp=2, a data-parallel model replicated over tp) against single-process PyTorch with its
+checkpoint loaded back on dp=4, and engines created and destroyed in a loop."""
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import deepshard
+from deepshard.topology import ParallelDims, Topology
+from deepshard.zero.placement import owner_of
+from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
+from tests.multiproc.scenarios_stage0 import full_weights
+
+GLOBAL_BATCH = 8
+
+
+def grid_groups(rank: int, world: int) -> dict[str, Any]:
+    """Every group's members as torch sees them, and a sum over each group that proves it is one."""
+    topo = Topology.build(ParallelDims(pp=2, dp=2, tp=2))
+    out: dict[str, Any] = {"coord": (topo.coord.pp, topo.coord.dp, topo.coord.tp)}
+    for name in ("dp", "tp", "pp", "model_parallel"):
+        group = getattr(topo, name)
+        value = torch.tensor([float(rank)])
+        group.all_reduce(value)
+        out[name] = (list(group.peers), group.rank, float(value.item()))
+    out["labels"] = sorted(topo.world.logger.summary())
+    return out
+
+
+class GridMPU:
+    """A Megatron-style model-parallel unit over dp x tp with tensor-parallel peers adjacent, built with
+    plain ``dist.new_group`` as a Megatron script would."""
+
+    def __init__(self, tp: int) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.dp = tp, world // tp
+        self._tp_group = self._dp_group = None
+        for start in range(0, world, tp):  # tensor groups [0,1] [2,3]
+            group = dist.new_group(list(range(start, start + tp)))
+            if rank in range(start, start + tp):
+                self._tp_group = group
+        for offset in range(tp):  # data groups [0,2] [1,3]
+            ranks = list(range(offset, world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp_group = group
+
+    def get_data_parallel_group(self) -> Any:
+        return self._dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank() // self.tp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_model_parallel_group(self) -> Any:
+        return self._tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank() % self.tp
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+
+def _config(stage: int, micro: int, gas: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "optimizer": optimizer_config(), "gradient_clipping": 0.5,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500}}
+
+
+def mpu_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """dp=2 x tp=2: stages 0-3 trained with the mpu (each tp pair sees the same data), then each
+    checkpoint loaded into a plain 4-process data-parallel engine."""
+    mpu = GridMPU(tp=2)
+    dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    micro, gas = 2, GLOBAL_BATCH // (2 * dp)
+    batches = make_batches(5, GLOBAL_BATCH)
+    out: dict[str, Any] = {}
+    for stage in (0, 1, 2, 3):
+        engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage, micro, gas), mpu=mpu)
+        assert engine.dp_world_size == 2 and engine.topology.tp.size == 2
+        losses = []
+        for batch in batches:
+            total = torch.zeros(1)
+            for k in range(gas):
+                x, y = micro_slice(batch, micro, k, dp_rank, dp)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach()
+            dist.all_reduce(total)  # every rank: 2 tp copies of each dp rank's loss
+            losses.append(float(total) / (gas * world))
+        saved = full_weights(engine)
+        path = os.path.join(tmp, f"stage{stage}")
+        engine.save_checkpoint(path, tag="t")
+        engine.destroy()
+        plain, *_ = deepshard.initialize(model=make_model(seed=7), config=_config(stage, 2, 1))
+        assert plain.dp_world_size == 4
+        plain.load_checkpoint(path, tag="t")
+        loaded = full_weights(plain)
+        out[stage] = {"losses": losses, "weights": saved,
+                      "reload_err": max(float((loaded[k] - saved[k]).abs().max()) for k in saved),
+                      "global_steps": plain.global_steps}
+        plain.destroy()
+    return out
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    count = 0
+    for m in model.modules():
+        count += len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        count += len(getattr(m, "_backward_pre_hooks", {}))
+    for p in model.parameters():
+        count += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+        count += len(p._backward_hooks or {})
+    return count
+
+
+def destroy_cycles(rank: int, world: int, cycles: int = 50) -> dict[str, Any]:
+    """Two engines (stage 2 and stage 3) created, trained one step and destroyed ``cycles`` times."""
+    import psutil
+
+    proc = psutil.Process()
+    batch = make_batches(1, 4 * world)[0]
+    refs: list[weakref.ref] = []
+    fds_before, leftovers = None, []
+    for cycle in range(cycles):
+        models = [make_model(), make_model()]
+        engines = [deepshard.initialize(model=m, config=_config(stage, 4, 1))[0] for m, stage in zip(models, (2, 3))]
+        for engine in engines:
+            x, y = micro_slice(batch, 4, 0, rank, world)
+            engine.backward(engine(x, y))
+            engine.step()
+        for engine, model in zip(engines, models):
+            engine.destroy()
+            leftovers.append(_hook_count(model) + sum(owner_of(p) is not None for p in model.parameters()))
+            refs.append(weakref.ref(engine))
+        del engines, models, engine, model
+        gc.collect()
+        if cycle == 1:  # after the first cycles: lazily opened files (imports, stores) are open
+            fds_before = proc.num_fds()
+    gc.collect()
+    return {"alive": sum(r() is not None for r in refs), "leftovers": max(leftovers),
+            "fds_before": fds_before, "fds_after": proc.num_fds()}
