@@ -31,7 +31,8 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
                               "remove pipeline.stages or make them equal")
         pp = stages
     tp_section = config.get("tensor_parallel") if isinstance(config.get("tensor_parallel"), dict) else {}
-    tp = _positive(tp_section.get("autotp_size", 1) or 1, "tensor_parallel.autotp_size")
+    recorded = getattr(model, "_deepshard_tp_model_init", None) or {}  # deepshard.tp_model_init's size
+    tp = _positive(tp_section.get("autotp_size") or recorded.get("autotp_size") or 1, "tensor_parallel.autotp_size")
     dp: Optional[int] = None
     if mesh_param is not None:
         try:

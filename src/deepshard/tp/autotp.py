@@ -278,3 +278,25 @@ def split_names(decisions: dict[str, Decision]) -> list[str]:
     """The layers a plan splits (for logs and tests)."""
     return [n for n, d in decisions.items() if d.kind != "skip"]
 
+
+
+def apply_tensor_parallel(model: nn.Module, section: Any, topology: Any) -> Optional[dict[str, Decision]]:
+    """``initialize``'s tensor-parallel step: shard ``model`` over ``topology.tp`` when the config's
+    ``tensor_parallel`` section (or ``tp_model_init``) asks for automatic TP; None when it does not
+    (a model built with the Megatron layers, or no TP at all, is left as it is)."""
+    from deepshard.tp.autotp_config import resolve_tp_config
+    from deepshard.utils.logging import logger
+
+    config = resolve_tp_config(model, section)
+    if not config.enabled:
+        return None
+    if topology.dims.pp > 1:
+        raise NotImplementedError(
+            f"automatic TP (tensor_parallel.autotp_size={config.tp_size}) with pipeline parallelism "
+            f"({topology.dims.pp} stages) is not supported (nor by DeepSpeed): build the pipeline stages with "
+            "deepshard.tp's ColumnParallelLinear/RowParallelLinear instead, or drop one of the two")
+    decisions = autotp_model(model, topology.tp, config)
+    if topology.rank == 0:
+        logger.info("automatic tensor parallelism over %d ranks: %d layers split, %d replicated", config.tp_size,
+                    len(split_names(decisions)), len(decisions) - len(split_names(decisions)))
+    return decisions

@@ -90,11 +90,11 @@ class ColumnParallelLinear(nn.Module):
         if not parts:
             _check_divides("ColumnParallelLinear out_features", self.out_features, group)
         self.weight = _parameter(shard_of(weight, out_dim, group.rank, group.size, parts), weight.requires_grad)
-        mark_tp_split(self.weight, out_dim, parts)
+        mark_tp_split(self.weight, out_dim, group.rank, group.size, parts)
         self.bias: Optional[nn.Parameter] = None
         if bias is not None:
             self.bias = _parameter(shard_of(bias, 0, group.rank, group.size, parts), bias.requires_grad)
-            mark_tp_split(self.bias, 0, parts)
+            mark_tp_split(self.bias, 0, group.rank, group.size, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[in_dim], weight.shape[1 - in_dim]
         _check_divides("RowParallelLinear in_features", self.in_features, group)
         self.weight = _parameter(shard_of(weight, in_dim, group.rank, group.size), weight.requires_grad)
-        mark_tp_split(self.weight, in_dim)
+        mark_tp_split(self.weight, in_dim, group.rank, group.size)
         self.bias: Optional[nn.Parameter] = None
         if bias is not None:
             self.bias = _parameter(bias, bias.requires_grad)
@@ -206,7 +206,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = group.rank * local, (group.rank + 1) * local
         self.padding_idx = padding_idx
         self.weight = _parameter(shard_of(weight, 0, group.rank, group.size), weight.requires_grad)
-        mark_tp_split(self.weight, 0)
+        mark_tp_split(self.weight, 0, group.rank, group.size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -12,12 +12,17 @@ from typing import Optional, Sequence
 import torch
 
 
-def mark_tp_split(param: torch.nn.Parameter, dim: int, parts: Optional[Sequence[int]] = None) -> None:
-    """Record that ``param`` is this rank's slice along ``dim`` (of each of ``parts``, when fused)."""
+def mark_tp_split(param: torch.nn.Parameter, dim: int, index: int, size: int,
+                  parts: Optional[Sequence[int]] = None) -> None:
+    """Record that ``param`` is slice ``index`` of ``size`` along ``dim`` (of each of ``parts``, when
+    fused), on the parameter's attributes and on its placement (the norm and the checkpoints read it)."""
+    from deepshard.zero.placement import mark_split
+
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
     param.partition_stride = 1  # type: ignore[attr-defined]
     param.tp_fused_parts = tuple(parts) if parts else None  # type: ignore[attr-defined]
+    mark_split(param, dim, index, size, fused=param.tp_fused_parts)  # type: ignore[attr-defined]
 
 
 def mark_sequence_parallel(param: torch.nn.Parameter) -> None:
