@@ -116,4 +116,101 @@ def tp_engine_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["reload_tp4"] = reload(os.path.join(tmp, "stage1"), 1, 4)
     out["reload_plain"] = reload(os.path.join(tmp, "stage2"), 2, 1)
     out["reload_tp2_z3"] = reload(os.path.join(tmp, "stage3"), 3, 2)
+    out["megatron_gpt"] = megatron_gpt(tmp)
+    out["hf_llama"] = hf_llama(tmp)
     return out
+
+
+# ------------------------------------------------------- a model written with the Megatron layers; HF LLaMA
+def _run(engine: Any, loss_of: Any) -> list[float]:
+    dp_rank, losses = engine.topology.coord.dp, []
+    for ids in batches():
+        total = torch.zeros(1)
+        for k in range(GAS):
+            start = (k * 2 + dp_rank) * MICRO
+            loss = loss_of(engine, ids[start:start + MICRO])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(float(total) / (GAS * dist.get_world_size()))
+    return losses
+
+
+def _reference(model: torch.nn.Module, loss_of: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for ids in batches():
+        loss = loss_of(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gpt_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids[:, :-1], ids[:, 1:])
+
+
+def _compare_full(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    if set(state) != set(ref):
+        return float("inf")
+    return max(float((state[k].float() - ref[k].float()).abs().max()) for k in ref)
+
+
+def megatron_gpt(tmp: str) -> dict[str, Any]:
+    """A GPT written with deepshard.tp's layers (fused qkv, tied vocab-parallel embedding) at tp=2 x dp=2,
+    ZeRO-1, built on a grid the script creates and passes as ``mpu``; reloaded at tp=4; its
+    ``save_16bit_model`` file against the plain model's state dict."""
+    from deepshard.topology import ParallelDims, Topology
+    from tests.multiproc.tp_models import GPTConfig, PlainGPT, TPGPT
+
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    ref_losses, ref = _reference(PlainGPT(cfg), _gpt_loss)
+    topo = Topology.build(ParallelDims(dp=2, tp=2))
+    torch.manual_seed(0)
+    engine, *_ = deepshard.initialize(model=TPGPT(cfg, topo.tp), config=config(1, 1), mpu=topo)
+    losses = _run(engine, lambda e, ids: e(ids[:, :-1], ids[:, 1:]))
+    path = os.path.join(tmp, "gpt")
+    engine.save_checkpoint(path, tag="t")
+    engine.save_16bit_model(path, "full.bin")
+    engine.destroy()
+    saved = torch.load(os.path.join(path, "full.bin")) if dist.get_rank() == 0 else ref
+    topo4 = Topology.build(ParallelDims(dp=1, tp=4))
+    torch.manual_seed(3)
+    engine4, *_ = deepshard.initialize(model=TPGPT(cfg, topo4.tp), config=config(1, 1), mpu=topo4)
+    engine4.load_checkpoint(path, tag="t")
+    mine, want = local_weights(engine4), {}
+    for name, p in engine4.module.named_parameters():
+        dim = tp_split_dim(p)
+        want[name] = ref[name] if dim is None else shard_of(ref[name], dim, topo4.tp.rank, 4, p.tp_fused_parts)
+    engine4.destroy()
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "full_16bit": _compare_full(saved, ref),
+            "reload_tp4": max(float((mine[k] - want[k]).abs().max()) for k in want)}
+
+
+def hf_llama(tmp: str) -> dict[str, Any]:
+    """A transformers LLaMA under automatic TP (tp=2 x dp=2, ZeRO-0) vs single-process; its
+    ``save_16bit_model`` output loaded by ``from_pretrained``."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, bos_token_id=0, eos_token_id=1, attn_implementation="eager")
+    loss_of = (lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    torch.manual_seed(0)
+    ref_losses, ref = _reference(LlamaForCausalLM(cfg), loss_of)
+    torch.manual_seed(0)
+    engine, *_ = deepshard.initialize(model=LlamaForCausalLM(cfg), config=config(0, 2))
+    losses = _run(engine, lambda e, ids: e(input_ids=ids, labels=ids).loss)
+    path = os.path.join(tmp, "hf")
+    if dist.get_rank() == 0:
+        cfg.save_pretrained(path)
+    engine.save_16bit_model(path, "model.safetensors")
+    engine.destroy()
+    loaded = LlamaForCausalLM.from_pretrained(path).state_dict() if dist.get_rank() == 0 else ref
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "from_pretrained": _compare_full(loaded, ref)}

@@ -36,3 +36,20 @@ def test_checkpoint_loads_at_another_tp_size(results: list[dict], key: str) -> N
 def test_reference_is_not_trivial() -> None:
     losses, _ = reference()
     assert losses[0] > losses[-1] and len(set(losses)) == len(losses)
+
+
+def test_megatron_layer_gpt_in_the_engine(results: list[dict]) -> None:
+    """Fused qkv and a tied vocab-parallel embedding: trains as the plain GPT, reloads at tp=4 (fused parts
+    re-split per part), and save_16bit_model writes the plain model's state dict."""
+    for rank, res in enumerate(results):
+        got = res["megatron_gpt"]
+        assert got["loss"] <= TOL and got["reload_tp4"] <= TOL, f"rank {rank}: {got}"
+        assert got["full_16bit"] <= TOL, f"rank {rank}: {got}"
+
+
+def test_transformers_llama_under_autotp_in_the_engine(results: list[dict]) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    for rank, res in enumerate(results):
+        got = res["hf_llama"]
+        assert got["loss"] <= TOL, f"rank {rank}: {got}"
+        assert got["from_pretrained"] <= TOL, f"rank {rank}: from_pretrained of save_16bit_model: {got}"
