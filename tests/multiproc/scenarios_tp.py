@@ -122,6 +122,16 @@ def _dropout_streams(group: CommGroup) -> dict[str, torch.Tensor]:
     return {"inside": inside, "inside_again": inside_again, "outside": after_fork, "no_fork": no_fork}
 
 
+def tp_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Layers and automatic TP (below), then the engine (``scenarios_tp_engine``): one spawned world pays
+    the interpreters' start-up once."""
+    from tests.multiproc.scenarios_tp_engine import tp_engine_world
+
+    out = tp_layers_world(rank, world)
+    out["engine"] = tp_engine_world(rank, world, tmp)
+    return out
+
+
 def tp_layers_world(rank: int, world: int) -> dict[str, Any]:
     """Layers and automatic TP on tp=2 (a 2 x 2 grid's tp groups) and tp=4 (the world as the tp group)."""
     topo = Topology.build(ParallelDims(dp=2, tp=2), logger=CommsLogger())

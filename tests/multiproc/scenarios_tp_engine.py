@@ -116,6 +116,9 @@ def tp_engine_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["reload_tp4"] = reload(os.path.join(tmp, "stage1"), 1, 4)
     out["reload_plain"] = reload(os.path.join(tmp, "stage2"), 2, 1)
     out["reload_tp2_z3"] = reload(os.path.join(tmp, "stage3"), 3, 2)
+    engine, losses = train(1, "bf16")
+    engine.destroy()
+    out["bf16"] = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     out["megatron_gpt"] = megatron_gpt(tmp)
     out["hf_llama"] = hf_llama(tmp)
     return out
@@ -188,7 +191,13 @@ def megatron_gpt(tmp: str) -> dict[str, Any]:
         dim = tp_split_dim(p)
         want[name] = ref[name] if dim is None else shard_of(ref[name], dim, topo4.tp.rank, 4, p.tp_fused_parts)
     engine4.destroy()
+    fp32 = ref
+    if dist.get_rank() == 0:
+        from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(path, tag="t")
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "full_16bit": _compare_full(saved, ref),
+            "zero_to_fp32": _compare_full(fp32, ref),
             "reload_tp4": max(float((mine[k] - want[k]).abs().max()) for k in want)}
 
 

@@ -1,21 +1,31 @@
 """Megatron layers at tp=2 and tp=4 (with and without sequence parallelism) against the plain model:
 initial parameters, losses, gradients, the clipped norm and the parameters after three SGD steps;
 the tp traffic of one block against the analytic volume; the vocab-parallel cross-entropy; dropout
-streams. One spawned world of 4 ranks."""
+streams; automatic TP; inside the engine: dp=2 x tp=2 with ZeRO 0-3 (ZeRO over dp only, the TP slices
+stay split, clipping over the whole model) against single-process PyTorch, checkpoints loaded at tp=4,
+into a plain dp=4 engine and at tp=2 again, save_16bit_model. One spawned world of 4 ranks."""
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_tp import tp_layers_world
+from tests.multiproc.scenarios_tp import tp_world
+from tests.multiproc.scenarios_tp_engine import reference
 
 TOL = 2e-5  # fp32 round-off of a differently ordered sum (the tp all-reduce)
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_world(tp_layers_world, 4, timeout=240)
+def results(tmp_path_factory: Any) -> list[dict]:
+    return run_world(tp_world, 4, str(tmp_path_factory.mktemp("tp")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def engine_results(results: list[dict]) -> list[dict]:
+    return [res["engine"] for res in results]
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -105,3 +115,50 @@ def test_autotp_transformers_models(results: list[dict], key: str, split: int) -
 def test_autotp_refuses_different_inputs_on_tp_ranks(results: list[dict]) -> None:
     for res in results:
         assert "received different inputs" in res["autotp_tp2"]["input_check"], res["autotp_tp2"]["input_check"]
+
+
+# ---------------------------------------------------------------------------------------- in the engine
+
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tp2_dp2_matches_single_process(engine_results: list[dict], stage: int) -> None:
+    for rank, res in enumerate(engine_results):
+        got = res[f"z{stage}"]
+        assert got["loss"] <= TOL and got["params"] <= TOL, f"rank {rank} stage {stage}: {got}"
+        assert got["tp_bytes"] > 0, "no tensor-parallel traffic was counted"
+
+
+@pytest.mark.parametrize("key", ["reload_tp4", "reload_plain", "reload_tp2_z3"])
+def test_checkpoint_loads_at_another_tp_size(engine_results: list[dict], key: str) -> None:
+    for rank, res in enumerate(engine_results):
+        assert res[key]["err"] <= TOL, f"rank {rank}: {key} {res[key]}"
+        assert res[key]["steps"] == 3
+
+
+def test_bf16_tracks_the_fp32_reference(engine_results: list[dict]) -> None:
+    # bf16 weights and activations (8 mantissa bits), fp32 masters: within 1% of the fp32 losses
+    for rank, res in enumerate(engine_results):
+        assert res["bf16"] <= 1e-2, f"rank {rank}: bf16 losses differ from fp32 by {res['bf16']:.3g} (relative)"
+
+
+def test_reference_is_not_trivial() -> None:
+    losses, _ = reference()
+    assert losses[0] > losses[-1] and len(set(losses)) == len(losses)
+
+
+def test_megatron_layer_gpt_in_the_engine(engine_results: list[dict]) -> None:
+    """Fused qkv and a tied vocab-parallel embedding: trains as the plain GPT, reloads at tp=4 (fused parts
+    re-split per part); save_16bit_model and zero_to_fp32 give the plain model's state dict."""
+    for rank, res in enumerate(engine_results):
+        got = res["megatron_gpt"]
+        assert got["loss"] <= TOL and got["reload_tp4"] <= TOL, f"rank {rank}: {got}"
+        assert got["full_16bit"] <= TOL and got["zero_to_fp32"] <= TOL, f"rank {rank}: {got}"
+
+
+def test_transformers_llama_under_autotp_in_the_engine(engine_results: list[dict]) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    for rank, res in enumerate(engine_results):
+        got = res["hf_llama"]
+        assert got["loss"] <= TOL, f"rank {rank}: {got}"
+        assert got["from_pretrained"] <= TOL, f"rank {rank}: from_pretrained of save_16bit_model: {got}"
