@@ -92,11 +92,24 @@ def _input_check(group: CommGroup) -> str:
     return ""
 
 
+def _traffic(group: CommGroup) -> dict[str, Any]:
+    """One forward/backward of the sharded LlamaLike (separate q/k/v and gate/up layers)."""
+    torch.manual_seed(0)
+    model = LlamaLike(LlamaLikeConfig(num_key_value_heads=4))
+    autotp_model(model, group, parse_tp_config({"autotp_size": group.size}))
+    ids = torch.randint(0, 32, (2, 9))
+    model(ids[:, :-1], ids[:, 1:])  # the first forward runs the identical-inputs check
+    group.logger.reset()
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    return group.logger.summary()
+
+
 def autotp_checks(group: CommGroup, dp_rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kv = 2 if group.size == 2 else 4
     out["llama_like"] = compare_training(lambda: LlamaLike(LlamaLikeConfig(num_key_value_heads=kv)),
                                          _llama_like_loss, group, 32, seed=5 + dp_rank)
+    out["traffic"] = _traffic(group)
     if group.size == 2:
         for name, make in _hf_models().items():
             out[name] = compare_training(make, _hf_loss, group, 64, seed=7 + dp_rank)

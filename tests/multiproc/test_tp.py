@@ -112,6 +112,19 @@ def test_autotp_transformers_models(results: list[dict], key: str, split: int) -
         _check_autotp(res, 2, key, split)
 
 
+@pytest.mark.parametrize("t", [2, 4])
+def test_autotp_traffic_is_four_all_reduces_per_layer(results: list[dict], t: int) -> None:
+    """q/k/v (and gate/up) share one all-reduce of their input gradient: 4 all-reduces of X = b*s*h per
+    layer (2 layers), one for the vocab-parallel embedding, one for the lm_head's input gradient, and the
+    gathered logits (b*s*V)."""
+    X, layers = 2 * 8 * 16, 2
+    for res in results:
+        ops = res[f"autotp_tp{t}"]["traffic"]
+        assert ops["tp:all_reduce"]["calls"] == 4 * layers + 2, ops
+        assert ops["tp:all_reduce"]["elements"] == (4 * layers + 2) * X, ops
+        assert ops["tp:all_gather"]["elements"] == 2 * 8 * 32 and ops["tp:all_gather"]["calls"] == 1, ops
+
+
 def test_autotp_refuses_different_inputs_on_tp_ranks(results: list[dict]) -> None:
     for res in results:
         assert "received different inputs" in res["autotp_tp2"]["input_check"], res["autotp_tp2"]["input_check"]

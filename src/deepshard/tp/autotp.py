@@ -32,7 +32,7 @@ from torch import nn
 
 from deepshard.comm.group import CommGroup
 from deepshard.tp.autotp_config import AutoTPConfig
-from deepshard.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from deepshard.tp.layers import ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding
 
 COLUMN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value", "fc1",
                           "c_fc", "w1", "w3", "wq", "wk", "wv", "dense_h_to_4h"})
@@ -215,10 +215,13 @@ def apply_plan(model: nn.Module, decisions: dict[str, Decision], group: CommGrou
     """Swap every split layer for its tensor-parallel form; returns how many were split."""
     split_parents: set[str] = set()
     count = 0
+    shared = SharedInput(group)  # q/k/v (gate/up) reading one tensor all-reduce its gradient once
     for name, decision in decisions.items():
         new = _parallel_module(model.get_submodule(name), decision, group)
         if new is None:
             continue
+        if isinstance(new, ColumnParallelLinear):
+            new.shared_input = shared
         _replace(model, name, new)
         count += 1
         if decision.kind == "column":

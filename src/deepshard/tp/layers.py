@@ -20,6 +20,7 @@ model written with plain layers. ``from_linear``/``from_embedding`` slice an exi
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +33,36 @@ from deepshard.tp.mappings import (copy_to_tp_region, gather_from_sequence_paral
                                    scatter_to_tp_region)
 from deepshard.tp.params import mark_sequence_parallel, mark_tp_split, shard_of
 from deepshard.tp.random import RngTracker, TP_STREAM
+
+
+class SharedInput:
+    """Lets column-parallel layers that read the same input tensor (q, k and v; gate and up) share one
+    ``f``: they then consume one identity node, autograd sums their input gradients into it, and the
+    all-reduce runs once instead of once per layer (the same sum, a third of the traffic for q/k/v).
+
+    The match is by identity (held weakly) and version of the input tensor; the shared node (a view of
+    the input, no copy) is dropped when its gradient has been computed."""
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+        self._input: Optional[weakref.ref] = None
+        self._version = -1
+        self._entered: Optional[torch.Tensor] = None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``copy_to_tp_region(x)``, reused while the same ``x`` is read again."""
+        if (self._entered is not None and self._input is not None and self._input() is x
+                and self._version == x._version):
+            return self._entered
+        entered = copy_to_tp_region(x, self.group)
+        if entered.requires_grad:
+            self._input, self._version, self._entered = weakref.ref(x), x._version, entered
+            entered.register_hook(self._forget)
+        return entered
+
+    def _forget(self, grad: torch.Tensor) -> None:
+        """Backward reached the shared node (every reader's gradient is in): nothing to keep."""
+        self._input, self._entered = None, None
 
 
 def _check_divides(what: str, size: int, group: CommGroup) -> int:
@@ -85,6 +116,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.transposed = transposed
+        self.shared_input: Optional[SharedInput] = None  # set by automatic TP on sibling layers
         out_dim = 1 if transposed else 0
         self.out_features, self.in_features = weight.shape[out_dim], weight.shape[1 - out_dim]
         if not parts:
@@ -99,6 +131,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel(x, self.group, self.sequence_dim)
+        elif self.shared_input is not None:
+            x = self.shared_input.enter(x)
         else:
             x = copy_to_tp_region(x, self.group)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
