@@ -21,6 +21,9 @@ from typing import Any, Optional
 import torch
 
 PARTITION_TYPES = ("column", "row", "skip")
+IGNORED_KEYS = ("tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "preset_model",
+                "keep_module_on_host", "injection_policy_tuple")
+"""DeepSpeed keys accepted but not acted on: said once, when set."""
 _INIT_ATTR = "_deepshard_tp_model_init"
 
 
@@ -87,6 +90,12 @@ def parse_tp_config(section: Any) -> AutoTPConfig:
     size = int(size or nested_size or 1)
     if size < 1:
         raise ValueError(f"tensor_parallel.autotp_size must be >= 0, got {size}")
+    ignored = [k for k in IGNORED_KEYS if section.get(k)]
+    if ignored:
+        from deepshard.utils.logging import logger
+
+        logger.warning("tensor_parallel: %s accepted but not used by deepshard (the naming rules and "
+                       "partition_config decide the splits; the lm_head's logits are gathered)", ", ".join(ignored))
     partition = section.get("partition_config") or {}
     specs = partition.get("layer_specs") or []
     dtype = section.get("dtype")
