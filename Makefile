@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test plain-install bench clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,12 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/deepshard --num_gpus $(NPROC) examples/train_gpt.py --deepspeed_config examples/ds_config.json
 
-test: install
+test: install plain-install
 	$(BIN)/python -m pytest -q tests
+
+# `pip install deepshard` with no extras in its own venv, then a real script end to end (~30 s after the first run)
+plain-install:
+	tests/e2e/plain_install/check.sh $(PY) .venv-plain $(TORCH)
 
 # deepshard against torch DDP, FSDP2 and DeepSpeed (~15 min on 2 cores); make bench BENCH_ARGS=--quick for 2 min
 bench: install
@@ -29,4 +33,4 @@ bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-plain build *.egg-info src/*.egg-info

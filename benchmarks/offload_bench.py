@@ -47,8 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--nvme-path", default="/tmp/deepshard-offload-bench")
-    p.add_argument("--sub-group-size", type=float, default=2.5e6)
-    p.add_argument("--buffer-count", type=int, default=6)
+    p.add_argument("--sub-group-size", type=float, default=0,
+                   help="zero_optimization.sub_group_size; 0 (default): left out, deepshard sizes it from memory")
+    p.add_argument("--buffer-count", type=int, default=0,
+                   help="offload_optimizer.buffer_count; 0 (default): left out, deepshard picks it")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="training precision")
+    p.add_argument("--no-init", action="store_true",
+                   help="build the whole model in every process (no zero.Init) before deepshard.initialize")
     p.add_argument("--aio-threads", type=int, default=2)
     p.add_argument("--aio-block-size", type=int, default=8 << 20)
     p.add_argument("--no-fused", action="store_true", help="torch's single-tensor AdamW instead of the fused kernel")
@@ -101,14 +106,17 @@ def build_model(hidden: int, blocks: int) -> Any:
 def ds_config(args: argparse.Namespace, mode: str, path: Path) -> dict[str, Any]:
     hidden, _ = model_shape(args)
     zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
-                            "stage3_prefetch_bucket_size": 4 * hidden * hidden,  # the next Linear
-                            "sub_group_size": int(args.sub_group_size)}
+                            "stage3_prefetch_bucket_size": 4 * hidden * hidden}  # the next Linear
+    if args.sub_group_size:
+        zero["sub_group_size"] = int(args.sub_group_size)
     if mode == "nvme":
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path), "buffer_count": args.buffer_count}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path)}
+        if args.buffer_count:
+            zero["offload_optimizer"]["buffer_count"] = args.buffer_count
         zero["offload_param"] = {"device": "nvme", "nvme_path": str(path)}
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "fused": not args.no_fused}},
-            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "bf16": {"enabled": args.dtype == "bf16"}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
             "zero_optimization": zero,
             "aio": {"block_size": args.aio_block_size, "queue_depth": 8, "thread_count": args.aio_threads}}
 
@@ -157,8 +165,11 @@ def _train(rank: int, args: argparse.Namespace, mode: str, path: Path) -> dict[s
     hidden, blocks = model_shape(args)
     t0 = time.perf_counter()
     torch.manual_seed(0)  # the same model in every mode
-    with deepshard.zero.Init(dtype=torch.bfloat16):
+    if args.no_init:
         model = build_model(hidden, blocks)
+    else:
+        with deepshard.zero.Init(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32):
+            model = build_model(hidden, blocks)
     psi = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     engine, *_ = deepshard.initialize(model=model, config=ds_config(args, mode, path))
     setup_s = time.perf_counter() - t0

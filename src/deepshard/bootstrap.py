@@ -9,7 +9,9 @@ import torch
 
 from deepshard.accelerator import Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
+from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
+from deepshard.config.inert import warn_unused_pipeline
 from deepshard.config.loader import read_config_source
 from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
@@ -40,6 +42,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     """
     if model is None:
         raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+    model = adopt_compiled(model)  # torch.compile(model): train the original, compiled in place
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
     source = resolve_config_source(args, config if config is not None else config_params)
@@ -47,6 +50,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     raw, _ = read_config_source(source)
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
+    warn_unused_pipeline(cfg, model)
     engine = _build_engine(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -110,7 +114,9 @@ def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
 def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
     param_dtype = cfg.model_dtype
     comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
-    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype)
+    buffer_dtype = dtype_from_name(cfg.data_types.buffer_dtype) if cfg.data_types.buffer_dtype else None
+    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype,
+                           buffer_dtype=buffer_dtype)
 
 
 def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,
@@ -144,6 +150,9 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = check_offload(cfg, accelerator)
     step_in_backward = check_step_in_backward(cfg, optimizer_offload, param_offload)
+    if step_in_backward and topology.model_parallel.size > 1:
+        raise ConfigError(f"zero_optimization.optimizer_step_in_backward=true cannot be used on {topology.dims}: "
+                          "each update would need the norm over the model-parallel ranks first; set it to false")
     ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),

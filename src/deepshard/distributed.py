@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deepshard.utils.logging import log_rank0, logger
+from deepshard.utils.teardown import destroy_process_group_at_exit
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
 LOCAL_MASTER = "127.0.0.1"
@@ -318,6 +319,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
                                 world_size=env.world_size, timeout=timeout)
         where = init_method or f"{env.master_addr}:{env.master_port}"
+    destroy_process_group_at_exit()
     if verbose:
         log_rank0(f"initialized torch.distributed: backend={backend}, world_size={env.world_size}, "
                   f"master={where} (from {env.source})", env.rank)

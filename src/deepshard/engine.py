@@ -18,6 +18,8 @@ from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.utils.logging import logger
 from deepshard.step import TrainState, optimizer_step
 from deepshard.topology import Topology
+from deepshard.compile import compile_module, module_is_compiled
+from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
 
 
@@ -196,9 +198,25 @@ class DeepShardEngine(torch.nn.Module):
         start = time.perf_counter()
         inputs = self.precision.cast_inputs(inputs)
         kwargs = self.precision.cast_inputs(kwargs)
-        out = self.module(*inputs, **kwargs)
+        with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
+            out = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - start
         return out
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
+        """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
+        checkpoints are unchanged. At ZeRO stage 3 pass ``torch.compile(model)`` to ``initialize``
+        instead (see docs/compile-and-checkpointing.md)."""
+        if self._config.zero_optimization.stage == 3:
+            raise NotImplementedError(
+                "engine.compile() at ZeRO stage 3: the stage-3 hooks were set up for eager execution; "
+                "compile before initialize instead: deepshard.initialize(model=torch.compile(model), ...)")
+        compile_module(self.module, backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True when the module's calls go through ``torch.compile``."""
+        return module_is_compiled(self.module)
 
     def _prepare_backward(self) -> None:
         reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0

@@ -24,7 +24,8 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
     the config's grid keys. Conflicting sources raise, naming both."""
     pp = int(getattr(model, "num_stages", 1) or 1)
     stages = (config.get("pipeline") or {}).get("stages", "auto") if isinstance(config.get("pipeline"), dict) else "auto"
-    if stages != "auto" and stages is not None:
+    if stages != "auto" and stages is not None and hasattr(model, "num_stages"):
+        # (with a plain model the section changes nothing: config/inert.py says so)
         stages = _positive(stages, "pipeline.stages")
         if hasattr(model, "num_stages") and stages != pp:
             raise ConfigError(f"pipeline.stages is {stages} but the PipelineModule was built with num_stages={pp}; "

@@ -167,3 +167,13 @@ def test_init_distributed_without_launcher_is_world_of_one() -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "world_size=1 rank=0 backend=gloo sum=5.0" in result.stdout
+
+
+def test_ranks_in_different_collectives_end_with_the_watchdog_diagnosis_in_the_report(tmp_path: Path) -> None:
+    result = _launch(["--num_gpus", "2", str(SCRIPTS / "diverged_collective.py"), str(tmp_path)], timeout=90)
+    assert result.returncode != 0, result.stdout + result.stderr
+    report = result.stderr[result.stderr.find("deepshard: rank"):]
+    assert "CollectiveTimeout" in report, result.stderr
+    assert "is waiting in a different collective" in report or "did not arrive" in report, report
+    assert "save_checkpoint's barrier" in report or "all_reduce" in report, report
+    assert "finished without noticing" not in result.stdout

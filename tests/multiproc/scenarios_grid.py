@@ -150,3 +150,62 @@ def destroy_cycles(rank: int, world: int, cycles: int = 50) -> dict[str, Any]:
     gc.collect()
     return {"alive": sum(r() is not None for r in refs), "leftovers": max(leftovers),
             "fds_before": fds_before, "fds_after": proc.num_fds()}
+
+
+def _strip_to_v1(tag_dir: str) -> None:
+    """Rewrite a checkpoint as version 1 wrote it: no grid, no splits, no coordinates, no version keys."""
+    import json
+    from pathlib import Path
+
+    from deepshard.checkpoint import io as ckpt_io
+
+    root = Path(tag_dir)
+    for path in root.glob("zero_rank*.json"):
+        info = json.loads(path.read_text())
+        for key in ("version", "splits", "coord"):
+            info.pop(key)
+        path.write_text(json.dumps(info))
+    engine_json = root / "engine.json"
+    meta = json.loads(engine_json.read_text())
+    meta.pop("grid")
+    meta["version"] = 1
+    engine_json.write_text(json.dumps(meta))
+    files = sorted(p.name for p in root.iterdir() if p.name != ckpt_io.MANIFEST_NAME)
+    ckpt_io.write_manifest(root, files)
+
+
+def engine_seams(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The optimizer returned at stage 2 refuses a direct step; two engines in one process keep their own
+    parameters; a version-1 checkpoint still loads."""
+    out: dict[str, Any] = {}
+    batch = make_batches(1, 4 * world)[0]
+    a, opt_a, _, _ = deepshard.initialize(model=make_model(), config=_config(2, 4, 1))
+    b, _, _, _ = deepshard.initialize(model=make_model(seed=3), config=_config(1, 4, 1))
+    x, y = micro_slice(batch, 4, 0, rank, world)
+    a.backward(a(x, y))
+    try:
+        opt_a.step()
+        out["direct_step"] = "no error"
+    except RuntimeError as exc:
+        out["direct_step"] = str(exc)
+    opt_a.zero_grad()
+    out["grads_after_zero_grad"] = float(sum(g.abs().sum() for g in a.strategy.reducer.shard_grads()))
+    out["owners"] = (all(owner_of(p) is a.strategy for p in a.module.parameters()),
+                     all(owner_of(p) is b.strategy for p in b.module.parameters()))
+    a.backward(a(x, y))
+    a.step()
+    saved = full_weights(a)
+    a.save_checkpoint(os.path.join(tmp, "v1"), tag="t")
+    if rank == 0:
+        _strip_to_v1(os.path.join(tmp, "v1", "t"))
+    dist.barrier()
+    module_a = a.module
+    a.destroy()
+    out["after_destroy"] = (all(owner_of(p) is None for p in module_a.parameters()),
+                            all(owner_of(p) is b.strategy for p in b.module.parameters()))
+    fresh, *_ = deepshard.initialize(model=make_model(seed=5), config=_config(3, 4, 1))
+    fresh.load_checkpoint(os.path.join(tmp, "v1"), tag="t")
+    loaded = full_weights(fresh)
+    out["v1_reload_err"] = max(float((loaded[k] - saved[k]).abs().max()) for k in saved)
+    out["v1_steps"] = fresh.global_steps
+    return out

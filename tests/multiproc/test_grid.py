@@ -10,7 +10,7 @@ import pytest
 from deepshard.topology import ParallelDims
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_batches, reference_run, rel_err
-from tests.multiproc.scenarios_grid import GLOBAL_BATCH, destroy_cycles, grid_groups, mpu_world
+from tests.multiproc.scenarios_grid import GLOBAL_BATCH, destroy_cycles, engine_seams, grid_groups, mpu_world
 
 
 def test_2x2x2_grid_groups_on_8_processes() -> None:
@@ -46,7 +46,16 @@ def test_mpu_dp2_tp2_matches_single_process_and_loads_on_dp4(mpu_results: list, 
 
 
 def test_fifty_create_destroy_cycles_leave_nothing_behind() -> None:
-    for out in run_world(destroy_cycles, 2, timeout=400):
+    for out in run_world(destroy_cycles, 1, timeout=400):  # "in one process"
         assert out["alive"] == 0, "destroyed engines are still referenced"
         assert out["leftovers"] == 0, "hooks or parameter ownership survived destroy()"
         assert out["fds_after"] <= out["fds_before"], out
+
+
+def test_engine_seams_guarded_optimizer_two_engines_v1_checkpoint(tmp_path: Any) -> None:
+    for out in run_world(engine_seams, 2, str(tmp_path)):
+        assert "Call engine.step() after engine.backward(loss) instead" in out["direct_step"], out["direct_step"]
+        assert out["grads_after_zero_grad"] == 0.0
+        assert out["owners"] == (True, True)
+        assert out["after_destroy"] == (True, True)
+        assert out["v1_reload_err"] == 0.0 and out["v1_steps"] == 1

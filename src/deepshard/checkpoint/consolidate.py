@@ -236,7 +236,8 @@ def _write_one(path: Path, tensors: dict[str, torch.Tensor], safe: bool) -> None
     if safe:
         ckpt_io.save_tensors(path, tensors, metadata={"format": "pt"})
     else:  # package-internal use of io's atomic writer (temporary name, fsync, rename)
-        ckpt_io._atomic_write(path, lambda tmp: torch.save(tensors, tmp))
+        ckpt_io._atomic_write(path, lambda tmp: torch.save(tensors, tmp),
+                              sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def write_state_dict(state_dict: dict[str, torch.Tensor], output_dir: str | Path,

@@ -9,12 +9,14 @@ unpickles.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
 from deepshard.checkpoint.state import flatten_state, unflatten_state
 from deepshard.utils.logging import logger
 
@@ -40,30 +42,53 @@ def _rng_state(device_kind: str) -> dict[str, torch.Tensor]:
 def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str | None,
                            client_state: dict[str, Any], save_latest: bool,
                            exclude_frozen_parameters: bool) -> bool:
+    """Save in three failure-collective phases (``checkpoint/collective.py``): rank 0 prepares the staging
+    directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
+    the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-    # every rank of the grid writes its files (named by global rank); global rank 0 commits
+    # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_io.staging_dir(save_dir, tag)  # created empty by one rank, before the others write
-    comm.barrier()
     staging = ckpt_io.staging_path(save_dir, tag)
+    run_phase(comm, f"creating {staging}", lambda: _prepare_staging(save_dir, tag) if rank == 0 else None)
+    try:
+        files = run_phase(comm, f"writing the checkpoint files into {staging}",
+                          lambda: _write_rank_files(engine, staging, client_state, tag, exclude_frozen_parameters))
+        all_files = _gather_file_lists(engine, files or [])
+        run_phase(comm, f"publishing {save_dir / tag}",
+                  lambda: _publish(staging, save_dir, tag, all_files, save_latest) if rank == 0 else None)
+    except CheckpointSaveError:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True
+
+
+def _prepare_staging(save_dir: Path, tag: str) -> None:
+    """Rank 0, before anyone writes: clean what interrupted saves left behind, create an empty staging dir."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for change in ckpt_io.repair_save_dir(save_dir, keep=tag):
+        logger.info("%s: %s", save_dir, change)
+    ckpt_io.staging_dir(save_dir, tag)
+
+
+def _write_rank_files(engine: "DeepShardEngine", staging: Path, client_state: dict[str, Any], tag: str,
+                      exclude_frozen_parameters: bool) -> list[str]:
+    rank = engine.topology.rank
     files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
     ckpt_io.save_tensors(staging / _rng_file(rank), _rng_state(engine.accelerator.kind))
     files.append(_rng_file(rank))
     if rank == 0:
         files += _save_engine_state(engine, staging, client_state, tag)
-    all_files = _gather_file_lists(engine, files)
-    comm.barrier()
-    if rank == 0:
-        ckpt_io.write_manifest(staging, sorted(set(all_files)))
-        ckpt_io.commit_staging(staging, save_dir / tag)
-        if save_latest:
-            ckpt_io.write_latest(save_dir, tag)
-        _write_zero_to_fp32_script(save_dir)
-        logger.info("saved checkpoint %s", save_dir / tag)
-    comm.barrier()
-    return True
+    return files
+
+
+def _publish(staging: Path, save_dir: Path, tag: str, all_files: list[str], save_latest: bool) -> None:
+    ckpt_io.write_manifest(staging, sorted(set(all_files)))
+    ckpt_io.commit_staging(staging, save_dir / tag)
+    if save_latest:
+        ckpt_io.write_latest(save_dir, tag)
+    _write_zero_to_fp32_script(save_dir)
+    logger.info("saved checkpoint %s", save_dir / tag)
 
 
 _ZERO_TO_FP32_SCRIPT = '''#!/usr/bin/env python
@@ -132,6 +157,7 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
                            "checkpoint", load_dir)
             return None, None
     path = load_dir / str(tag)
+    _recover_interrupted_publication(engine, load_dir, str(tag))
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
@@ -160,6 +186,19 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
             torch.cuda.set_rng_state(rng["cuda"])
     engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
+
+
+def _recover_interrupted_publication(engine: "DeepShardEngine", load_dir: Path, tag: str) -> None:
+    """A save of an existing tag that crashed between its two renames left the intact copy aside
+    (``.old-<tag>-<n>``): rank 0 puts it back before anyone looks for ``<tag>``."""
+    if engine.topology.rank == 0 and load_dir.is_dir():
+        try:
+            if not (load_dir / tag).exists() and ckpt_io.recover_tag(load_dir, tag):
+                logger.warning("%s: restored checkpoint %s from the copy an interrupted save left aside",
+                               load_dir, tag)
+        except (OSError, ValueError) as err:
+            logger.warning("%s: could not restore %s from its aside copy: %s", load_dir, tag, err)
+    engine.topology.world.barrier(f"load_checkpoint({tag!r}): waiting for rank 0 to check {load_dir}")
 
 
 def consolidated_16bit_state_dict(engine: "DeepShardEngine", exclude_frozen_parameters: bool = False

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint.matching import check_coverage
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
@@ -131,14 +132,18 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     wanted = wanted_names(module) if module is not None else None
     parts = Reassembly(with_optimizer)
     groups, aliases, meta = None, {}, {}
+    saved_world = 0
     for rank, path in json_files:
         info = ckpt_io.load_json(path)
         aliases.update(info.get("aliases", {}))
         meta = info.get("meta", meta) if rank == 0 else meta
         groups = info.get("param_groups", groups)
+        saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
+        parts.declare(info, wanted)
         if not parts.needs(info, wanted):
             continue
         parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]))
+    check_coverage(directory, *parts.coverage(), [r for r, _ in json_files], saved_world or None)
     params, optim, kinds, shapes = parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
     for extra in sorted(p for p in directory.iterdir() if _EXTRA.match(p.name)):

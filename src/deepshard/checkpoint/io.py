@@ -21,6 +21,7 @@ between the two renames leaves ``<tag>`` absent and the old checkpoint whole und
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,9 +33,9 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "CheckpointError", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
+    "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
     "write_manifest", "verify_manifest", "staging_dir", "commit_staging", "recover_tag",
-    "write_latest", "read_latest", "validate_tag", "MANIFEST_NAME", "LATEST_NAME",
+    "repair_save_dir", "write_latest", "read_latest", "validate_tag", "MANIFEST_NAME", "LATEST_NAME",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -47,6 +48,11 @@ _MAX_TAG_LEN = 200
 
 class CheckpointError(RuntimeError):
     """A checkpoint (or one of its files) is missing, truncated, corrupted or malformed."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint file could not be written (disk full, no permission, ...); names the file, the
+    directory, the bytes needed and the bytes free."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,23 +81,57 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary name next to ``path``, fsync it, then rename it to ``path``."""
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged process may still write on the file system holding ``directory``."""
+    return shutil.disk_usage(directory).free
+
+
+def _write_failure(path: Path, needed: int, err: BaseException) -> CheckpointWriteError:
+    """The error for a file that could not be written: the file, its directory, bytes needed and free."""
+    directory = path.parent
+    try:
+        free = f"{free_bytes(directory):,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    reason = getattr(err, "strerror", None) or str(err)
+    if getattr(err, "errno", None) == errno.EACCES or isinstance(err, PermissionError):
+        fix = f"make {directory} writable by this user or save to another directory"
+    else:
+        fix = f"free at least {needed:,} bytes on that file system or save to another directory"
+    return CheckpointWriteError(
+        f"cannot write {path.name} in {directory}: {reason} (the file needs {needed:,} bytes; "
+        f"{free} there); {fix}")
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None], needed: int) -> None:
+    """Call ``write(tmp)`` on a temporary name next to ``path``, fsync it, then rename it to ``path``.
+
+    ``needed`` is the file's size (about); a file system with less free space is refused before a byte is
+    written, and any OS error while writing becomes a :class:`CheckpointWriteError` naming the file, its
+    directory and the bytes needed and free.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if free_bytes(path.parent) < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(err, OSError) or "No space left" in str(err):
+            raise _write_failure(path, needed, err) from err
         raise
     _fsync_dir(path.parent)
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    _atomic_write(path, lambda tmp: tmp.write_bytes(data), len(data))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +180,10 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
             raise TypeError(f"safetensors metadata must map str to str; offending entries: {bad!r}; "
                             "convert the values with str() or json.dumps()")
     prepared = _prepare_tensors(tensors)
-    _atomic_write(Path(path), lambda tmp: save_file(prepared, str(tmp), metadata=metadata))
+    header = 8 + 128 * (len(prepared) + 1) + sum(len(k) for k in prepared)  # an over-estimate
+    header += sum(len(k) + len(v) + 8 for k, v in (metadata or {}).items())
+    needed = header + sum(t.numel() * t.element_size() for t in prepared.values())
+    _atomic_write(Path(path), lambda tmp: save_file(prepared, str(tmp), metadata=metadata), needed)
 
 
 def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -386,6 +429,43 @@ def recover_tag(save_dir: Path, tag: str) -> bool:
     for aside in asides:
         shutil.rmtree(aside)
     return True
+
+
+def _aside_tags(save_dir: Path) -> set[str]:
+    """Tags that have aside copies ``.old-<tag>-<n>`` in ``save_dir``."""
+    tags = set()
+    for p in save_dir.glob(".old-*-*"):
+        body, _, n = p.name[len(".old-"):].rpartition("-")
+        if body and n.isdigit() and p.is_dir():
+            tags.add(body)
+    return tags
+
+
+def repair_save_dir(save_dir: Path, keep: str | None = None) -> list[str]:
+    """Undo what interrupted saves left in ``save_dir``; return what was done, one line per change.
+
+    Every tag whose publication was interrupted between its two renames gets its intact copy back
+    (:func:`recover_tag`), leftover aside copies next to a published tag are deleted, and hidden
+    staging directories ``.tmp-<tag>`` of saves that never committed are removed (except ``keep``'s,
+    the save under way). Call it from one process only, while no other save to ``save_dir`` runs.
+    """
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    done = []
+    for tag in sorted(_aside_tags(save_dir)):
+        try:
+            validate_tag(tag)
+        except ValueError:
+            continue
+        missing = not (save_dir / tag).exists()
+        if recover_tag(save_dir, tag):
+            done.append(f"restored {tag} from its aside copy" if missing else f"removed stale aside copies of {tag}")
+    for stale in sorted(save_dir.glob(".tmp-*")):
+        if stale.is_dir() and stale.name != f".tmp-{keep}":
+            shutil.rmtree(stale, ignore_errors=True)
+            done.append(f"removed the staging directory {stale.name} of an interrupted save")
+    return done
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

@@ -56,6 +56,24 @@ class Reassembly:
         self.optim: dict[Key, dict[str, Any]] = {}
         self.kinds: dict[str, dict[str, str]] = {}
         self.seen: set[tuple[str, int, int]] = set()
+        self.declared: dict[str, tuple[int, ...]] = {}
+        self.covered: dict[str, int] = {}
+
+    @staticmethod
+    def _label(name: str, index: int, info: dict[str, Any]) -> str:
+        """A tensor-parallel part's name in coverage messages (``w[tp 1/2]``); a whole tensor's own name."""
+        split = info.get("splits", {}).get(name)
+        return f"{name}[tp {index}/{split[2]}]" if split else name
+
+    def declare(self, info: dict[str, Any], wanted: Optional[set[str]]) -> None:
+        """Note the shapes a rank file says its model slice has (what must be covered in the end)."""
+        for name, shape in info["shapes"].items():
+            if wanted is None or name in wanted:
+                self.declared[self._label(name, self._index(info, name), info)] = tuple(shape)
+
+    def coverage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """``(declared shapes, elements found)`` per tensor or part, for ``matching.check_coverage``."""
+        return self.declared, self.covered
 
     @staticmethod
     def _index(info: dict[str, Any], name: str) -> int:
@@ -84,6 +102,9 @@ class Reassembly:
             self.local_shapes[key] = shapes[name]
             full = self.values.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
             full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
+            if (name, key[1], start) not in self.seen:
+                label = self._label(name, key[1], info)
+                self.covered[label] = self.covered.get(label, 0) + int(numel)
             self.seen.add((name, key[1], start))
             state = self.optim.setdefault(key, {})
             for skey, value in info["scalars"].get(f"{name}@{start}", {}).items():

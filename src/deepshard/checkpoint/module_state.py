@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
 from deepshard.checkpoint.fragments import FullState
+from deepshard.checkpoint.matching import check_names
 
 
 def trainable_names(module: torch.nn.Module) -> dict[int, str]:
@@ -39,11 +42,23 @@ def module_extra_state(module: torch.nn.Module, exclude_frozen: bool = False) ->
             if id(v) not in trainable and k not in frozen}
 
 
+def checkpoint_names_vs_model(module: torch.nn.Module, full: FullState) -> tuple[list[str], list[str]]:
+    """(missing, unexpected): the model's state-dict names absent from ``full``, and ``full``'s tensor
+    names the model does not have (tied-weight aliases count as present)."""
+    own = list(module.state_dict(keep_vars=True))
+    missing = [k for k in own if full.aliases.get(k, k) not in full.params and k not in full.module_extra]
+    known = set(own) | set(full.aliases)
+    unexpected = [k for k in list(full.params) + list(full.module_extra) if k not in known]
+    return missing, unexpected
+
+
 @torch.no_grad()
-def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool) -> None:
-    """Copy full fp32 values into the module's (whole, unsharded) parameters, buffers and frozen weights."""
+def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool, where: Path) -> None:
+    """Copy full fp32 values into the module's (whole, unsharded) parameters, buffers and frozen weights,
+    after :func:`check_names` accepted the checkpoint (nothing is changed when it refuses)."""
     own = module.state_dict(keep_vars=True)
-    missing, unexpected = [], []
+    missing, unexpected = checkpoint_names_vs_model(module, full)
+    check_names(list(own), missing, unexpected, strict, where)
     for key, value in own.items():
         source_name = full.aliases.get(key, key)
         if source_name in full.params:
@@ -51,14 +66,8 @@ def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool
         elif key in full.module_extra:
             src = full.module_extra[key]
         else:
-            missing.append(key)
             continue
         if tuple(src.shape) != tuple(value.shape):
             raise ValueError(f"checkpoint tensor '{key}' has shape {tuple(src.shape)} but the model's is "
                              f"{tuple(value.shape)}; the checkpoint was saved from a different model")
         value.data.copy_(src)
-    known = set(own) | set(full.aliases)
-    unexpected = [k for k in list(full.params) + list(full.module_extra) if k not in known]
-    if strict and (missing or unexpected):
-        raise KeyError(f"checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
-                       f"{unexpected[:10]}; load with load_module_strict=False to load the matching part")

@@ -9,13 +9,14 @@ tensor, an all-gather or reduce-scatter 1x the full (unsharded) tensor.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from deepshard.comm import pairwise
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.watchdog import Watchdog
 
 Work = Optional[dist.Work]
 
@@ -41,12 +42,22 @@ def _padded_concat(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
     return flat
 
 
-def _settle(work: pairwise.CollectiveWork, async_op: bool):
-    """Return the handle (async) or wait for it here (sync), as torch.distributed does."""
-    if async_op:
-        return work
-    work.wait()
-    return None
+class WatchedWork:
+    """An async handle whose plain ``wait()`` goes through the group's watchdog, so a collective that
+    never completes (a rank that diverged or vanished) ends with a diagnosis instead of hanging. A
+    ``wait(timeout=...)`` is passed through (the watchdog itself calls it); other attributes too."""
+
+    def __init__(self, work: Any, watchdog: Watchdog, what: str) -> None:
+        self._work, self._watchdog, self._what = work, watchdog, what
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is not None:
+            return self._work.wait(timeout=timeout)
+        self._watchdog.wait(self._work, self._what)
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 class CommGroup:
@@ -77,6 +88,34 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
+        self._watchdog: Optional[Watchdog] = None
+
+    @property
+    def watchdog(self) -> Watchdog:
+        """This group's collective watchdog (one sequence of collectives per group)."""
+        if self._watchdog is None:
+            self._watchdog = Watchdog(self)
+        return self._watchdog
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` under the watchdog: a hang or a lost peer becomes a ``CollectiveTimeout``."""
+        self.watchdog.wait(work, what)
+
+    def _settle(self, work: Any, async_op: bool, what: str) -> Any:
+        """The watched handle (async), or wait for it here under the watchdog (sync). NCCL keeps its
+        own handles: a timed wait would block the host, and NCCL has its own watchdog."""
+        if self.backend == "nccl":
+            if async_op:
+                return work
+            work.wait()
+            return None
+        if async_op:
+            return WatchedWork(work, self.watchdog, what)
+        self.watchdog.wait(work, what)
+        return None
+
+    def _what(self, op: str, tensor: torch.Tensor) -> str:
+        return f"{op} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} elements over {self.size} ranks"
 
     @classmethod
     def single(cls, logger: Optional[CommsLogger] = None, name: str = "single") -> "CommGroup":
@@ -103,7 +142,8 @@ class CommGroup:
         if self.size == 1:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._settle(work, async_op, self._what("all_reduce", tensor))
 
     def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Concatenate each rank's equally-sized ``shard`` into ``output`` (rank order)."""
@@ -112,9 +152,10 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
         if self.pairwise_for(output):
-            return _settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group,
-                                               self._next_tag()), async_op)
-        return _all_gather(output, shard, group=self.group, async_op=async_op)
+            return self._settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group,
+                                                    self._next_tag()), async_op, self._what("all_gather", output))
+        work = _all_gather(output, shard, group=self.group, async_op=True)
+        return self._settle(work, async_op, self._what("all_gather", output))
 
     def all_gather_inplace(self, buffer: torch.Tensor, async_op: bool = False):
         """Fill every chunk of ``buffer`` (N equal chunks) from its rank; chunk ``rank`` already holds
@@ -124,8 +165,8 @@ class CommGroup:
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
             self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
-            return _settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group,
-                                               self._next_tag()), async_op)
+            return self._settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group,
+                                                    self._next_tag()), async_op, self._what("all_gather", buffer))
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
         return self.all_gather_into_tensor(buffer, mine, async_op=async_op)
@@ -137,9 +178,11 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
         if self.pairwise_for(full):
-            return _settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group,
-                                                   self._next_tag()), async_op)
-        return _reduce_scatter(output, full, group=self.group, async_op=async_op)
+            return self._settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group,
+                                                        self._next_tag()), async_op,
+                                self._what("reduce_scatter", full))
+        work = _reduce_scatter(output, full, group=self.group, async_op=True)
+        return self._settle(work, async_op, self._what("reduce_scatter", full))
 
     def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int) -> pairwise.CollectiveWork:
         """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
@@ -157,12 +200,15 @@ class CommGroup:
         if self.pairwise_for(pieces[0]):
             tag = self._seq + 1
             self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
-            return pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
-        staging = _padded_concat(pieces, chunk * self.size)
-        out = torch.empty(chunk, dtype=dtype, device=device)
-        native = _reduce_scatter(out, staging, group=self.group, async_op=True)
-        return pairwise.CollectiveWork([native], lambda: out,
-                                       scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
+            work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
+        else:
+            staging = _padded_concat(pieces, chunk * self.size)
+            out = torch.empty(chunk, dtype=dtype, device=device)
+            native = _reduce_scatter(out, staging, group=self.group, async_op=True)
+            work = pairwise.CollectiveWork([native], lambda: out,
+                                           scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
+        what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
+        return self._settle(work, True, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""
@@ -170,11 +216,13 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
+        return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "barrier") -> None:
+        """Wait for every rank (under the watchdog; ``what`` names the barrier in its diagnosis)."""
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._settle(dist.barrier(group=self.group, async_op=True), False, what)
 
     # ------------------------------------------------------------------------------------- helpers
     def all_reduce_max_flag(self, flag: bool) -> bool:
@@ -183,7 +231,8 @@ class CommGroup:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self._device())
         self.logger.record(self._label("all_reduce(flag)"), 1, 4, 2.0)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._settle(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), False,
+                     "all_reduce of the overflow flag")
         return bool(t.item() > 0)
 
     def all_reduce_sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
@@ -192,7 +241,7 @@ class CommGroup:
             return value
         t = value.detach().clone().reshape(1)
         self.logger.record(self._label("all_reduce(scalar)"), 1, t.element_size(), 2.0)
-        dist.all_reduce(t, group=self.group)
+        self._settle(dist.all_reduce(t, group=self.group, async_op=True), False, "all_reduce of a scalar")
         return t.reshape(value.shape)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:

@@ -30,6 +30,48 @@ def reject_auto_params(params: dict[str, Any], section_path: str) -> None:
         raise exact_error(f"{', '.join(keys)} {verb} 'auto': {HF_AUTO_HINT}")
 
 
+# Hyperparameters torch's optimizers (and deepshard's Lamb / Lion) take as plain numbers, with the
+# smallest value that makes sense. Checked here so a bad value names its key instead of failing deep
+# inside the optimizer's constructor ("'<=' not supported between instances of 'float' and 'str'").
+NON_NEGATIVE_PARAMS = ("lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "lr_decay",
+                       "initial_accumulator_value", "max_coeff", "min_coeff", "rho")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(path: str, value: Any) -> None:
+    if not _is_number(value):
+        hint = f" (write {value} without quotes)" if isinstance(value, str) and _parses(value) else ""
+        raise exact_error(f"{path} = {value!r} ({type(value).__name__}) is invalid: expected a number{hint}")
+    if not value >= 0 or value == float("inf"):
+        raise exact_error(f"{path} = {value!r} is invalid: expected a finite number >= 0")
+
+
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_hyperparameters(params: dict[str, Any], section_path: str) -> None:
+    """Raise naming ``<section>.params.<key>`` for a non-numeric or negative learning rate, epsilon,
+    weight decay... and for ``betas`` that are not two numbers in [0, 1)."""
+    for key in NON_NEGATIVE_PARAMS:
+        if key in params:
+            _check_number(f"{section_path}.params.{key}", params[key])
+    if "betas" in params:
+        betas = params["betas"]
+        ok = (isinstance(betas, (list, tuple)) and len(betas) == 2
+              and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas))
+        if not ok:
+            raise exact_error(f"{section_path}.params.betas = {betas!r} is invalid: expected two numbers in "
+                              "[0, 1), e.g. [0.9, 0.999]")
+
+
 class _TypedParams(Section):
     type: str = Field(min_length=1)
     """The class name (``"AdamW"``, ``"WarmupLR"``...); see the engine for the names it knows."""
@@ -51,6 +93,12 @@ class OptimizerConfig(_TypedParams):
 
     legacy_fusion: bool = False
     """Accepted for DeepSpeed compatibility (it selected an old fused fp16 optimizer); no effect."""
+
+    @field_validator("params")
+    @classmethod
+    def _check_hyperparameters(cls, params: dict[str, Any]) -> dict[str, Any]:
+        check_hyperparameters(params, cls.section_path)
+        return params
 
     @field_validator("params")
     @classmethod

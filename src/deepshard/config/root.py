@@ -20,6 +20,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from deepshard.config.base import AUTO, ConfigError, DtypeName, Section, exact_error
 from deepshard.config.batch import BATCH_KEYS, resolve_batch_sizes
+from deepshard.config.inert import check_inert
 from deepshard.config.misc import (ActivationCheckpointingConfig, AIOConfig, CheckpointConfig,
                                    FlopsProfilerConfig, PipelineConfig)
 from deepshard.config.monitor import (CometConfig, CommsLoggerConfig, CSVConfig, TensorBoardConfig,
@@ -156,6 +157,7 @@ class DeepShardConfig(Section):
         try:
             model._resolve_batch(dp, auto_keys)
             model._check_sections()
+            check_inert(model)
         except ConfigError as exc:
             raise exact_error(str(exc)) from None
         warn_unimplemented({key: getattr(model, key) for key in UNIMPLEMENTED_KEYS})
@@ -171,6 +173,11 @@ class DeepShardConfig(Section):
         self.train_batch_size = tbs
         self.train_micro_batch_size_per_gpu = micro
         self.gradient_accumulation_steps = gas
+        for key in BATCH_KEYS:
+            if key in self._raw and self._raw[key] is None:
+                logger.warning("%s is null, which is read as not given: it was derived as %d (train_batch_size "
+                               "= train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel "
+                               "size %d); give a number or leave the key out", key, getattr(self, key), dp)
 
     def _check_sections(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:

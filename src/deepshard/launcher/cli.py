@@ -47,12 +47,14 @@ from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
     DEFAULT_MASTER_PORT,
     PID_FILE_DIR,
+    DefaultsHelpFormatter,
     LaunchError,
     add_multi_node_args,
     add_process_args,
     add_resource_args,
     add_script_args,
 )
+from deepshard.launcher.preflight import check_port_free, prepare_log_dir
 from deepshard.utils.logging import logger
 
 LOCAL_HOST = "localhost"
@@ -63,8 +65,13 @@ __all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_pars
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser (DeepSpeed's flags; the user's script and its arguments last)."""
+    from deepshard import __version__
+
     parser = argparse.ArgumentParser(
-        prog="deepshard", description="Launch a training script on this machine or on the hosts of a hostfile.")
+        prog="deepshard", formatter_class=DefaultsHelpFormatter,
+        description="Launch a training script on this machine or on the hosts of a hostfile.",
+        epilog="example: deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json")
+    parser.add_argument("--version", action="version", version=f"deepshard {__version__}")
     add_resource_args(parser)
     add_multi_node_args(parser)
     add_process_args(parser)
@@ -109,9 +116,14 @@ def _cpu_slot_count(args: argparse.Namespace, include: str) -> int:
     wanted = parse_node_spec(include).get(LOCAL_HOST) if include else None
     if wanted:
         return max(wanted) + 1
-    if not include:
-        logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
     return 1
+
+
+def _say_cpu_default(args: argparse.Namespace, hostfile: dict[str, int] | None,
+                     cuda_devices: list[str] | None) -> None:
+    """Log once, before anything starts, that a CPU machine with no slot count runs one process."""
+    if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
+        logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
 
 
 def _resources(args: argparse.Namespace, hostfile: dict[str, int] | None,
@@ -237,10 +249,14 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     cuda_devices = detect_cuda_devices(os.environ)
     names = local_hostnames()
     active = select_nodes(args, hostfile, cuda_devices, names)
+    _say_cpu_default(args, hostfile, cuda_devices)
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
     cores = sorted(os.sched_getaffinity(0))
     if mode == "local":
         plan_launch(args, os.environ, hostfile, cuda_devices, cores, names)  # errors surface now
+        check_port_free(args.master_addr or "127.0.0.1", args.master_port)
+        if args.enable_each_rank_log:
+            prepare_log_dir(args.enable_each_rank_log)
         return mode, lambda started: multinode.run_with_restarts(
             lambda k: plan_launch(args, _with_restart_count(os.environ, k), hostfile, cuda_devices, cores, names),
             args.max_restarts, args.enable_each_rank_log, started)
@@ -278,7 +294,11 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``deepshard`` console script; returns the exit status."""
+    """Entry point of the ``deepshard`` console script; returns the exit status. With no arguments
+    at all it prints the help (to stderr) and returns 2."""
+    if not (sys.argv[1:] if argv is None else argv):
+        build_parser().print_help(sys.stderr)
+        return 2
     args = parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())

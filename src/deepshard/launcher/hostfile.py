@@ -61,8 +61,19 @@ def read_hostfile(path: str) -> dict[str, int] | None:
     """Read and parse the hostfile at ``path``; ``None`` when no such file exists."""
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as handle:
-        return parse_hostfile(handle.read(), source=path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"hostfile {path} is not text (byte {err.start} is not UTF-8): it should hold lines "
+                         "like 'worker-0 slots=8'; pass the right file with -H/--hostfile") from err
+    except OSError as err:
+        raise ValueError(f"cannot read hostfile {path}: {err.strerror or err}; fix its permissions or pass "
+                         "another file with -H/--hostfile") from err
+    if "\x00" in text:
+        raise ValueError(f"hostfile {path} is not text (it contains NUL bytes): it should hold lines like "
+                         "'worker-0 slots=8'; pass the right file with -H/--hostfile")
+    return parse_hostfile(text, source=path)
 
 
 def _parse_slots(host: str, text: str, spec: str) -> list[int]:

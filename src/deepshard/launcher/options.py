@@ -11,6 +11,17 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 PID_FILE_DIR = "/tmp"
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default when it has a meaningful one (not None, "", False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, "", False, argparse.SUPPRESS) or "%(default)" in text
+        if quiet or not action.option_strings or "(default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class LaunchError(ValueError):
     """A command line or resource selection that cannot be launched; the message says why and how to fix."""
 
@@ -25,15 +36,16 @@ def add_resource_args(parser: argparse.ArgumentParser) -> None:
                         help="hostfile of '<host> slots=<n>' lines; missing means this machine only")
     parser.add_argument("-i", "--include", default="", help="NODE_SPEC[@NODE_SPEC...], e.g. 'worker-0@worker-1:0,2'")
     parser.add_argument("-e", "--exclude", default="", help="NODE_SPEC[@NODE_SPEC...] to leave out")
-    parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    parser.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile; -1: all")
     parser.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
-                        help="slots [0, N) per node; on a CPU machine, the number of processes")
-    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
+                        help="slots [0, N) per node; on a CPU machine, the number of processes; -1: every GPU, "
+                             "or 1 process on a CPU machine")
+    parser.add_argument("--master_port", type=_port_number, default=DEFAULT_MASTER_PORT,
                         help="rendezvous port; multi-node agents also use port+1 to coordinate")
     parser.add_argument("--master_addr", default="",
                         help="rendezvous address (default: 127.0.0.1 on one machine, else the first host)")
     parser.add_argument("--node_rank", type=int, default=-1,
-                        help="this machine's index in the selected hosts (with --no_ssh)")
+                        help="this machine's index in the selected hosts (with --no_ssh); -1: unset")
 
 
 def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +89,16 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="launcher logs warnings and errors only")
 
 
+def _port_number(text: str) -> int:
+    from deepshard.launcher.preflight import port_number
+
+    return port_number(text)
+
+
 def add_script_args(parser: argparse.ArgumentParser) -> None:
-    """The user's script and everything after it."""
+    """The user's script and everything after it. Launcher flags are matched exactly (no prefixes), so a
+    script flag such as ``--h`` or ``--n`` after the script is the script's, never taken for a launcher
+    flag it abbreviates."""
+    parser.allow_abbrev = False
     parser.add_argument("user_script", help="the training script (a module name with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")

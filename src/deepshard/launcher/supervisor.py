@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from deepshard.launcher.local import RankSpec
+from deepshard.launcher.preflight import prepare_log_dir
 from deepshard.utils.logging import logger
 
 TAIL_BYTES = 8192
@@ -377,7 +378,7 @@ def supervise_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
     the failure report (see :func:`format_failure`); ``noun`` names the children in messages.
     """
     if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
+        prepare_log_dir(log_dir)
     exits: queue.Queue = queue.Queue()
     out = _Output()
     hooks = _Hooks(watch, on_failure, report, settle_s, noun)

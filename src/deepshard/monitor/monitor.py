@@ -21,6 +21,19 @@ def _field(config: Any, name: str, default: Any) -> Any:
     return getattr(config, name, default)
 
 
+def _open_file_monitor(key: str, section: Any, backend: Any) -> Monitor:
+    """A file-based backend; a directory it cannot create is reported with the config key."""
+    output_path = _field(section, "output_path", "") or ""
+    job_name = _field(section, "job_name", DEFAULT_JOB_NAME)
+    try:
+        return backend(output_path, job_name)
+    except OSError as err:
+        where = err.filename or output_path or "."
+        raise ValueError(f"{key}.output_path = {output_path!r}: cannot create the log directory {where!r} "
+                         f"({err.strerror or err}); give a writable directory in {key}.output_path, or set "
+                         f"{key}.enabled to false") from err
+
+
 class MonitorMaster:
     """The engine's monitor: the ``tensorboard``, ``csv_monitor`` and ``wandb`` config sections.
 
@@ -35,14 +48,10 @@ class MonitorMaster:
         self.monitors: list[Monitor] = []
         if rank != 0:
             return
-        if _field(tensorboard, "enabled", False):
-            self.monitors.append(TensorBoardMonitor(
-                _field(tensorboard, "output_path", "") or "",
-                _field(tensorboard, "job_name", DEFAULT_JOB_NAME)))
-        if _field(csv_monitor, "enabled", False):
-            self.monitors.append(CSVMonitor(
-                _field(csv_monitor, "output_path", "") or "",
-                _field(csv_monitor, "job_name", DEFAULT_JOB_NAME)))
+        for key, section, backend in (("tensorboard", tensorboard, TensorBoardMonitor),
+                                      ("csv_monitor", csv_monitor, CSVMonitor)):
+            if _field(section, "enabled", False):
+                self.monitors.append(_open_file_monitor(key, section, backend))
         if _field(wandb, "enabled", False):
             self.monitors.append(WandbMonitor(
                 _field(wandb, "group", None), _field(wandb, "team", None),

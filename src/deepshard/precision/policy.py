@@ -11,11 +11,14 @@ import torch
 class PrecisionPolicy:
     """``param_dtype``: the dtype of the module's parameters (and so of its gradients);
     ``master_dtype``: the dtype the optimizer updates in (fp32 whenever params are 16-bit);
-    ``comm_dtype``: the dtype gradients are reduced in (``communication_data_type``)."""
+    ``comm_dtype``: the dtype gradients are reduced in (``communication_data_type``);
+    ``buffer_dtype``: the dtype floating-point buffers are cast to (``data_types.buffer_dtype``; None
+    keeps each buffer's own dtype, see ``precision/cast.py``)."""
 
     param_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
     comm_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
 
     @property
     def keeps_master_weights(self) -> bool:

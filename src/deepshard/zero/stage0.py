@@ -16,6 +16,7 @@ from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups,
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
 from deepshard.checkpoint.layout import module_splits
+from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.placement import norm_weight
@@ -39,7 +40,7 @@ class Stage0Strategy(ZeroStrategy):
             self.masters = MasterWeights(self.params, policy.master_dtype)
             if optimizer is not None:
                 self.masters.swap_into(optimizer)
-        module.to(policy.param_dtype)
+        cast_module(module, policy.param_dtype, policy.buffer_dtype)
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(ctx.comm.size)
@@ -122,7 +123,7 @@ class Stage0Strategy(ZeroStrategy):
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict)
+        load_module_from_full(self.module, full, strict, directory)
         for p in self.params:
             name = self.names[id(p)]
             if name in full.params and self.masters is not None:

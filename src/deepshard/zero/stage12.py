@@ -20,6 +20,7 @@ from deepshard.checkpoint.fragments import (FragmentRecord, FullState, export_pa
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
 from deepshard.checkpoint.layout import module_splits
+from deepshard.precision.cast import cast_module
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.offload.factory import make_shard_states
@@ -77,8 +78,7 @@ class Stage12Strategy(ZeroStrategy):
                                    policy.comm_dtype, predivide, ctx.average_gradients)
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
-            lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank),
-            int(ctx.zero_config.sub_group_size))
+            lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
         for lo, hi, off in self._owned:  # masters from the fp32 values, before the module was cast
             self.states.write_masters(off, flat32[lo:hi])
         self.states.flush()
@@ -96,7 +96,7 @@ class Stage12Strategy(ZeroStrategy):
         flat32 = torch.zeros(layout.total, dtype=torch.float32, device=self.ctx.device)
         for slot in layout.slots:
             flat32[slot.flat_start:slot.flat_start + slot.numel] = self.params[slot.param_index].reshape(-1)
-        module.to(policy.param_dtype)
+        cast_module(module, policy.param_dtype, policy.buffer_dtype)
         self.flat_param = flat32 if policy.param_dtype == torch.float32 else flat32.to(policy.param_dtype)
         for slot in layout.slots:
             p = self.params[slot.param_index]
@@ -220,7 +220,7 @@ class Stage12Strategy(ZeroStrategy):
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict)
+        load_module_from_full(self.module, full, strict, directory)
         self._load_pieces(full, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting

@@ -2,11 +2,14 @@
 policy it is."""
 from __future__ import annotations
 
+import psutil
 import torch
 
+from deepshard.utils.logging import logger
 from deepshard.zero.offload.backing import Backing, FileBacking, HostBacking
 from deepshard.zero.offload.param_store import OffloadedParamStore, ParamStore, ResidentParamStore
 from deepshard.zero.offload.policy import CpuOffload, NvmeOffload, OffloadPolicy
+from deepshard.zero.offload.sizing import StagingPlan, local_processes, plan_staging
 from deepshard.zero.offload.states import ResidentStates, ShardStates, StatesSpec
 from deepshard.zero.offload.subgroup_states import SubGroupStates
 from deepshard.zero.offload.swapper import AsyncSwapper
@@ -20,14 +23,27 @@ def _backing(policy: OffloadPolicy, rank: int) -> Backing | None:
     return None
 
 
-def make_shard_states(policy: OffloadPolicy, spec: StatesSpec, sub_group_size: int) -> ShardStates:
+def staging_plan(policy: OffloadPolicy, spec: StatesSpec) -> StagingPlan:
+    """Sub-group size and staging buffers: the config's values, the rest sized from memory (logged)."""
+    # host memory needs no staging: one buffer, only for tensors a backing cannot view
+    count = policy.buffer_count if isinstance(policy, NvmeOffload) else 1
+    plan = plan_staging(spec.shard_numel, spec.offloaded_masters, int(psutil.virtual_memory().available),
+                        local_processes(), getattr(policy, "sub_group_size", None), count)
+    if spec.rank == 0:
+        logger.info("zero_optimization.offload_optimizer (%s): sub-groups of %s elements, %d staging buffer(s), "
+                    "at most %.1f MiB resident (%s)", policy.device, f"{plan.sub_group_size:,}", plan.buffer_count,
+                    plan.pool_bytes / 2**20, plan.reason)
+    return plan
+
+
+def make_shard_states(policy: OffloadPolicy, spec: StatesSpec) -> ShardStates:
     """The optimizer side of a ZeRO 1-3 shard under ``policy``."""
     backing = _backing(policy, spec.rank)
     if backing is None:
         return ResidentStates(spec)
-    buffers = policy.buffer_count if isinstance(policy, NvmeOffload) else 1  # host memory needs no staging
+    plan = staging_plan(policy, spec)
     pin = bool(getattr(policy, "pin_memory", False))
-    return SubGroupStates(spec, backing, buffers, pin, sub_group_size, "offload_optimizer")
+    return SubGroupStates(spec, backing, plan.buffer_count, pin, plan.sub_group_size, "offload_optimizer")
 
 
 def make_param_store(policy: OffloadPolicy, numel: int, dtype: torch.dtype, device: torch.device,

@@ -68,6 +68,9 @@ class CpuOffload(OffloadPolicy):
     pin_memory: bool = True
     active: bool = True
     ratio: float = 1.0
+    sub_group_size: int | None = None
+    """``zero_optimization.sub_group_size`` when the config gives it; None: sized from memory
+    (``sizing.py``)."""
 
     @property
     def moves_states(self) -> bool:
@@ -84,14 +87,17 @@ class NvmeOffload(OffloadPolicy):
 
     ``buffer_count`` staging buffers bound what is resident: for the optimizer each buffer holds one
     tensor (master weights or one optimizer state) of one sub-group of ``sub_group_size`` elements.
+    Both are None where the config leaves them out: the optimizer's states then size them from the
+    shard and the host memory (``sizing.py``), because DeepSpeed's defaults (4 buffers of 1e9
+    elements) would stage the whole shard several times over.
     ``buffer_size`` and ``max_in_cpu`` are DeepSpeed's parameter-offload keys (see docs/offload.md)."""
 
     device: str = "nvme"
     path: Path = field(default_factory=lambda: Path("."))
-    buffer_count: int = 4
+    buffer_count: int | None = None
     pin_memory: bool = True
     aio: AioSettings = field(default_factory=AioSettings)
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int | None = None
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
 
@@ -110,6 +116,13 @@ def aio_settings(aio_config: Any) -> AioSettings:
                        thread_count=threads)
 
 
+def given(section: Any, key: str) -> int | None:
+    """The section's ``key`` when the config sets it (not left out, not "auto"), else None."""
+    if section is None or key not in getattr(section, "model_fields_set", ()):
+        return None
+    return int(getattr(section, key))
+
+
 def _policy(section: Any, key: str, zero_config: Any, aio_config: Any, accelerator_kind: str) -> OffloadPolicy:
     device = str(getattr(section, "device", "none") or "none").lower() if section is not None else "none"
     if device == "none":
@@ -123,16 +136,22 @@ def _policy(section: Any, key: str, zero_config: Any, aio_config: Any, accelerat
             raise NotImplementedError(
                 f"zero_optimization.{key}.ratio={ratio} (partial offload) is not implemented; use 1.0 to "
                 "offload all optimizer states")
-        return CpuOffload(pin_memory=pin and accelerator_kind == "cuda", active=active, ratio=ratio)
+        return CpuOffload(pin_memory=pin and accelerator_kind == "cuda", active=active, ratio=ratio,
+                          sub_group_size=given(zero_config, "sub_group_size"))
     if device == "nvme":
         path = getattr(section, "nvme_path", None)
         if not path:
             raise ValueError(f"zero_optimization.{key}.device is 'nvme' but nvme_path is not set; give the "
                              "directory to swap to, e.g. \"nvme_path\": \"/local_nvme\"")
+        ratio = float(getattr(section, "ratio", 1.0))
+        if ratio < 1.0:  # the same refusal as for cpu: never a silently ignored setting
+            raise NotImplementedError(
+                f"zero_optimization.{key}.ratio={ratio} (partial offload) is not implemented; use 1.0 to "
+                "offload all of it")
         return NvmeOffload(
-            path=Path(path), buffer_count=int(getattr(section, "buffer_count", 4)),
+            path=Path(path), buffer_count=given(section, "buffer_count"),
             pin_memory=pin and accelerator_kind == "cuda", aio=aio_settings(aio_config),
-            sub_group_size=int(zero_config.sub_group_size),
+            sub_group_size=given(zero_config, "sub_group_size"),
             buffer_size=int(getattr(section, "buffer_size", 100_000_000)),
             max_in_cpu=int(getattr(section, "max_in_cpu", 1_000_000_000)))
     raise ValueError(f"zero_optimization.{key}.device={device!r} is not one of 'none', 'cpu', 'nvme'")

@@ -42,6 +42,12 @@ class StatesSpec:
     values: Callable[[Fragment], torch.Tensor] | None
     rank: int
 
+    @property
+    def offloaded_masters(self) -> bool:
+        """Whether offloaded states keep fp32 master weights: in 16-bit training, when the parameters
+        are not resident, or when they are on an accelerator (the optimizer steps on the host)."""
+        return self.keeps_master_weights or self.values is None or self.device.type != "cpu"
+
 
 class ShardStates(ABC):
     """The optimizer's pieces, their master weights and optimizer state (see the module docstring)."""

@@ -69,7 +69,7 @@ class SubGroupStates(ShardStates):
                  sub_group_size: int, what: str = "offload_optimizer") -> None:
         self.backing = backing
         self.shard_numel = spec.shard_numel
-        self.has_masters = spec.keeps_master_weights or spec.values is None or spec.device.type != "cpu"
+        self.has_masters = spec.offloaded_masters
         self.pieces = split_fragments(spec.fragments, int(sub_group_size))
         self.subgroups = plan_subgroups(self.pieces, int(sub_group_size))
         self.params = [torch.nn.Parameter(_placeholder() if self.has_masters else spec.values(p),  # type: ignore[misc]

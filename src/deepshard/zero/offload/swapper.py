@@ -30,7 +30,9 @@ from typing import Callable
 
 import torch
 
+from deepshard.utils.logging import logger
 from deepshard.zero.offload.policy import AioSettings
+from deepshard.zero.offload.reclaim import LOCK_NAME, exit_on_sigterm, hold_lock, reclaim_stale
 
 
 class SwapError(RuntimeError):
@@ -115,12 +117,19 @@ class AsyncSwapper:
             raise ValueError(f"aio.block_size ({self.aio.block_size}), aio.queue_depth ({self.aio.queue_depth}) and "
                              f"aio.thread_count ({self.aio.thread_count}) must all be at least 1")
         self.root = Path(root)
+        self.reclaimed = reclaim_stale(self.root)
         self.directory = self.root / f"deepshard-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}"
+        missing = not self.root.exists()
         try:
             self.directory.mkdir(parents=True, exist_ok=False)
+            self._lock_fd = hold_lock(self.directory)
         except OSError as err:
             raise SwapError(f"cannot create the swap directory {self.directory}: {err.strerror or err}; point "
                             "nvme_path at a writable directory") from err
+        exit_on_sigterm()
+        if missing:
+            logger.warning("nvme_path %s did not exist; created it for the swap files (rank %d). Point "
+                           "nvme_path at a directory on a fast local disk if this is not one", self.root, rank)
         self._files: dict[str, _SwapFile] = {}
         self._executor = ThreadPoolExecutor(max_workers=self.aio.thread_count, thread_name_prefix="deepshard-aio")
         self._slots = threading.BoundedSemaphore(self.aio.queue_depth)
@@ -129,7 +138,8 @@ class AsyncSwapper:
         self.bytes_read = 0
         self.bytes_written = 0
         self.closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._files, self._executor)
+        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._files, self._executor,
+                                           self._lock_fd)
 
     # ------------------------------------------------------------------------------------ files
     def create(self, name: str, nbytes: int) -> Path:
@@ -286,7 +296,7 @@ def _io_error(kind: str, f: _SwapFile, offset: int, nbytes: int, err: OSError) -
                      f"{free_text}")
 
 
-def _cleanup(directory: Path, files: dict[str, _SwapFile], executor: ThreadPoolExecutor) -> None:
+def _cleanup(directory: Path, files: dict[str, _SwapFile], executor: ThreadPoolExecutor, lock_fd: int) -> None:
     executor.shutdown(wait=False)  # (may run in a worker thread when garbage collection ends the swapper)
     for f in list(files.values()):
         try:
@@ -295,6 +305,11 @@ def _cleanup(directory: Path, files: dict[str, _SwapFile], executor: ThreadPoolE
             pass
         f.path.unlink(missing_ok=True)
     files.clear()
+    (directory / LOCK_NAME).unlink(missing_ok=True)
+    try:
+        os.close(lock_fd)
+    except OSError:
+        pass
     try:
         directory.rmdir()
     except OSError:

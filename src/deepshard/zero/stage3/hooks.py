@@ -17,6 +17,7 @@ Three knobs bound what is gathered at once (persistent groups do not count, they
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -44,8 +45,8 @@ class Stage3Hooks:
         for m in module.modules():
             groups = groups_of.get(id(m))
             if groups:
-                self.handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
-                self.handles.append(m.register_forward_hook(functools.partial(self._post_forward, groups)))
+                self.handles.append(m.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, groups))))
+                self.handles.append(m.register_forward_hook(_eager(functools.partial(self._post_forward, groups))))
 
     # ----------------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
@@ -133,6 +134,17 @@ class Stage3Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _eager(hook: Any) -> Any:
+    """``hook`` run eagerly when a ``torch.compile``d module calls it: dynamo breaks the graph there
+    instead of tracing the gathers, releases and ``.data`` swaps (which compiled autograd would see as
+    in-place changes of tensors saved for backward). Only when ``torch._dynamo`` is already imported
+    (``torch.compile`` was called before ``initialize``): importing it costs seconds, and a model that
+    is never compiled does not need it."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return sys.modules["torch._dynamo"].disable(hook, recursive=True)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

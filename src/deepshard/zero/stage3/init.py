@@ -6,6 +6,12 @@ chunk is kept (``param.ds_tensor``); ``param.data`` becomes an empty placeholder
 keeps the real shape, as in DeepSpeed. Peak memory during construction is the shard plus the largest
 module's own parameters. ``deepshard.initialize`` with ZeRO stage 3 adopts these shards.
 
+Every ``nn.Module`` subclass's ``__init__`` is wrapped on entry; a class created while the context is
+open (defined in it, or first imported in it, as ``transformers`` does with its model classes) is
+wrapped as it is created, through ``nn.Module.__init_subclass__``. Without that, its own parameters
+would be built by an unwrapped ``__init__`` after its base class's wrapped one had already returned,
+and would stay whole on every rank. All of it is undone on exit.
+
 ``Module.apply`` is wrapped inside the context so initialization functions run on gathered parameters
 (DeepSpeed's ``override_module_apply``). Code that changes parameters of already-built submodules in any
 other way must do so inside ``GatheredParameters(params, modifier_rank=0)``.
@@ -106,6 +112,7 @@ class Init:
         self.remote_device = remote_device
         self._patched: dict[type, Callable[..., Any]] = {}
         self._orig_apply: Callable[..., Any] | None = None
+        self._orig_init_subclass: Any = None  # nn.Module's own __init_subclass__ entry, if it had one
         self.comm: CommGroup | None = None
         if module is not None and enabled:  # DeepSpeed also accepts an already-built module
             self._setup()
@@ -145,9 +152,8 @@ class Init:
             return wrapped
 
         for cls in _all_subclasses(torch.nn.Module) | {torch.nn.Module}:
-            if "__init__" in cls.__dict__:
-                self._patched[cls] = cls.__dict__["__init__"]
-                cls.__init__ = wrap(cls.__dict__["__init__"])  # type: ignore[misc]
+            self._wrap_class(cls, wrap)
+        self._hook_new_classes(wrap)
         self._orig_apply = torch.nn.Module.apply
         comm, orig_apply = self.comm, self._orig_apply
 
@@ -162,9 +168,35 @@ class Init:
         del orig_apply
         return self
 
+    def _wrap_class(self, cls: type, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        if "__init__" in cls.__dict__ and cls not in self._patched:
+            self._patched[cls] = cls.__dict__["__init__"]
+            cls.__init__ = wrap(cls.__dict__["__init__"])  # type: ignore[misc]
+
+    def _hook_new_classes(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Wrap the ``__init__`` of every ``nn.Module`` subclass created while the context is open."""
+        module_cls = torch.nn.Module
+        own = module_cls.__dict__.get("__init_subclass__")
+        self._orig_init_subclass = own
+        init_ctx = self
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            if own is not None:
+                own.__get__(None, cls)(**kwargs)
+            else:
+                super(module_cls, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+            init_ctx._wrap_class(cls, wrap)
+
+        module_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
+        if self._orig_init_subclass is not None:
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[method-assign]
+        elif "__init_subclass__" in torch.nn.Module.__dict__:
+            del torch.nn.Module.__init_subclass__
+        self._orig_init_subclass = None
         for cls, init in self._patched.items():
             cls.__init__ = init  # type: ignore[misc]
         self._patched.clear()

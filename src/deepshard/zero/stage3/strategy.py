@@ -19,7 +19,10 @@ import torch
 
 from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
 from deepshard.checkpoint.layout import module_splits
-from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
+from deepshard.checkpoint.matching import check_names
+from deepshard.checkpoint.module_state import (checkpoint_names_vs_model, frozen_param_names, module_shapes,
+                                               param_aliases)
+from deepshard.precision.cast import cast_buffers
 from deepshard.zero.offload.factory import make_param_store, make_shard_states
 from deepshard.zero.offload.param_store import ParamStore
 from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
@@ -31,7 +34,6 @@ from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
 from deepshard.zero.stage3.reduce import Stage3Reducer
-from deepshard.zero.stage3.watchdog import Watchdog
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 
@@ -64,7 +66,7 @@ class Stage3Strategy(Stage12Strategy):
         self.stage = 3
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
-        self.watchdog = Watchdog(comm)
+        self.watchdog = comm.watchdog
         discovered = discover_groups(module)
         trainable = [d for d in discovered if d[1][0].requires_grad]
         frozen = [d for d in discovered if not d[1][0].requires_grad]
@@ -84,8 +86,8 @@ class Stage3Strategy(Stage12Strategy):
         values = (lambda f: store.view(f.shard_start, f.numel)) if store.resident else None
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
-            comm.rank), int(zcfg.sub_group_size))
-        _cast_buffers(module, policy.param_dtype)
+            comm.rank))
+        cast_buffers(module, policy.buffer_dtype)
         self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states)
         self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None)
                               if frozen else [])
@@ -283,27 +285,35 @@ class Stage3Strategy(Stage12Strategy):
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
         names = {id(p): n for n, p in self.module.named_parameters()}
-        missing = []
+        missing, unexpected = checkpoint_names_vs_model(self.module, full)
+        check_names(list(self.module.state_dict(keep_vars=True)), missing, unexpected, strict, directory)
+        absent = set(missing)
         for g in self.groups + self.frozen_groups:
             values = []
-            for p, shape in zip(g.params, g.shapes):
+            current = self._current_values(g) if any(names[id(p)] in absent for p in g.params) else None
+            for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
                 name = names[id(p)]
                 src = full.params.get(name, full.module_extra.get(name))
-                if src is None:
-                    missing.append(name)
-                    src = torch.zeros(shape)
+                if src is None:  # non-strict: a tensor the checkpoint lacks keeps its value
+                    src = current[i] if current is not None else torch.zeros(shape)
                 elif tuple(src.shape) != tuple(shape):
                     raise ValueError(f"checkpoint tensor '{name}' has shape {tuple(src.shape)} but the model's is "
                                      f"{tuple(shape)}; the checkpoint was saved from a different model")
                 values.append(src)
             g.write_full(values)
-        if missing and strict:
-            raise KeyError(f"checkpoint does not match the model: missing {missing[:10]}; load with "
-                           "load_module_strict=False to load the matching part")
         for name, b in self.module.named_buffers():
             if name in full.module_extra:
                 b.copy_(full.module_extra[name])
         self._load_pieces(full, load_optimizer_states)
+
+    def _current_values(self, group: Any) -> list[torch.Tensor]:
+        """The full values of a group's parameters (a collective: every rank calls it for the same group)."""
+        was = group.state
+        group.unshard(async_op=False)
+        values = [p.detach().clone() for p in group.params]
+        if was is GroupState.SHARDED:
+            group.reshard()
+        return values
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, Any]:
@@ -413,8 +423,3 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point():
-                m._buffers[name] = b.to(dtype)

@@ -1,0 +1,27 @@
+"""DeepSpeed's launcher module path: ``deepshard.launcher.runner`` (``deepspeed.launcher.runner``).
+
+``python -m deepshard.launcher.runner ...`` and ``runner.main(argv)`` behave exactly as the
+``deepshard`` command (:func:`deepshard.launcher.cli.main`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from deepshard.launcher import cli
+
+
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a launcher command line (``sys.argv[1:]`` when ``args`` is None), as DeepSpeed's
+    ``runner.parse_args`` does."""
+    return cli.parse_args(args)
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Run the launcher on ``args`` (``sys.argv[1:]`` when None); returns the exit status."""
+    return cli.main(None if args is None else list(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Errors in a ZeRO-3 forward that come from reading a parameter outside its module's own call.
+
+Under ZeRO-3 a parameter's ``.data`` is an empty placeholder (shape ``[0]``) except while the module
+that owns it runs. A module whose forward reads a child's weights without calling the child
+(``x @ self.proj.weight.t()``) therefore hands a ``[0]`` tensor to an operator, and torch reports
+something like "mat2 must be a matrix, got 1-D tensor", which names neither the cause nor the fix.
+:func:`explain_sharded_parameter_errors` re-raises such shape errors with both.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+SHAPE_WORDS = ("must be a matrix", "1-D", "shape", "size", "dimension", "mat1", "mat2", "elements", "numel")
+
+HINT = ("under ZeRO-3 a parameter outside its own module's call is an empty placeholder (shape [0], the "
+        "real shape in param.ds_shape). If a module's forward reads a child's parameters without calling "
+        "the child (e.g. x @ self.proj.weight.t()), gather that module as one unit: "
+        "deepshard.utils.set_z3_leaf_modules(model, [ThatModuleClass]) before deepshard.initialize; for a "
+        "parameter owned by an unrelated module use deepshard.zero.register_external_parameter(module, param)")
+
+
+@contextlib.contextmanager
+def explain_sharded_parameter_errors(stage: int) -> Iterator[None]:
+    """At ZeRO stage 3, re-raise a shape error of the forward as a RuntimeError that adds :data:`HINT`
+    (the original error is chained); anything else passes through unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if stage != 3 or not any(word in str(exc) for word in SHAPE_WORDS):
+            raise
+        raise RuntimeError(f"{exc}\n(deepshard) {HINT}") from exc

@@ -1,0 +1,145 @@
+"""What each rank runs for the failure-path tests: failed saves, wrong or damaged checkpoints, interrupted
+publications, and collectives that one rank never joins (importable by spawned processes)."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import deepshard
+from deepshard.checkpoint import io as ckpt_io
+from tests.multiproc.models import TinyNet, make_batches, make_model, optimizer_config
+from tests.multiproc.scenarios_stage0 import full_weights, run_steps
+
+
+class TinyNetPlus(TinyNet):
+    """TinyNet with one more parameter: its checkpoints hold a name TinyNet does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Parameter(torch.ones(3))
+
+
+class Wrapped(nn.Module):
+    """TinyNet under another prefix: none of its names match TinyNet's checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, y)
+
+
+def _config(stage: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": optimizer_config(), "zero_optimization": zero}
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _full_save_failure(engine: Any, rank: int, tmp: Path) -> dict[str, Any]:
+    """Rank 1's file system fills up while it writes: every rank raises the same error; 'good' survives."""
+    import safetensors.torch as st
+
+    real = st.save_file
+
+    def disk_full(tensors: Any, filename: str, metadata: Any = None) -> None:
+        with open(filename, "wb") as f:
+            f.write(b"x" * 64)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank == 1:
+        st.save_file = disk_full
+    start = time.monotonic()
+    try:
+        message = _error(lambda: engine.save_checkpoint(str(tmp), tag="good"))
+    finally:
+        st.save_file = real
+    return {"message": message, "seconds": time.monotonic() - start,
+            "leftovers": sorted(p.name for p in tmp.iterdir() if p.name.startswith("."))}
+
+
+def checkpoint_failures(rank: int, world: int, tmp_root: str) -> dict[int, dict[str, Any]]:
+    """Every check below, for ZeRO stages 2 and 3, in one world."""
+    return {stage: _checkpoint_failures(rank, world, tmp_root, stage) for stage in (2, 3)}
+
+
+def _checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tmp = Path(tmp_root) / f"stage{stage}"
+    warnings = _Warnings()
+    logging.getLogger("deepshard").addHandler(warnings)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage))
+    run_steps(engine, make_batches(1, 2 * world), 2, 1, rank, world)
+    engine.save_checkpoint(str(tmp), tag="good")
+    saved = full_weights(engine)
+    # a crash between the two renames of a same-tag save: the intact copy is aside, the tag is absent
+    dist.barrier()
+    if rank == 0:
+        os.rename(tmp / "good", tmp / ".old-good-0")
+        (tmp / ".tmp-crashed").mkdir()
+        (tmp / ".tmp-crashed" / "zero_rank0.safetensors").write_bytes(b"partial")
+    dist.barrier()
+    fresh, *_ = deepshard.initialize(model=make_model(seed=5), config=_config(stage))
+    out["recovered"] = _error(lambda: fresh.load_checkpoint(str(tmp)))
+    out["recovered_same"] = _same(full_weights(fresh), saved)
+    engine.save_checkpoint(str(tmp), tag="other")
+    out["after_save"] = sorted(p.name for p in tmp.iterdir() if p.name.startswith("."))
+    # names that do not match
+    plus, *_ = deepshard.initialize(model=TinyNetPlus(), config=_config(stage))
+    plus.save_checkpoint(str(tmp), tag="plus")
+    out["unexpected_strict"] = _error(lambda: fresh.load_checkpoint(str(tmp), tag="plus"))
+    warnings.messages.clear()
+    out["unexpected_lenient"] = _error(lambda: fresh.load_checkpoint(str(tmp), tag="plus",
+                                                                     load_module_strict=False))
+    out["lenient_warnings"] = list(warnings.messages)
+    wrapped, *_ = deepshard.initialize(model=Wrapped(), config=_config(stage))
+    out["no_match_lenient"] = _error(lambda: wrapped.load_checkpoint(str(tmp), tag="good",
+                                                                     load_module_strict=False))
+    out["missing_rank_file"] = _missing_rank_file(fresh, rank, tmp)
+    out["disk_full"] = _full_save_failure(engine, rank, tmp)
+    logging.getLogger("deepshard").removeHandler(warnings)
+    return out
+
+
+def _missing_rank_file(engine: Any, rank: int, tmp: Path) -> str:
+    """A copy of 'good' without rank 1's files, whose manifest was rewritten to match."""
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(tmp / "good", tmp / "partial")
+        for name in ("zero_rank1.json", "zero_rank1.safetensors"):
+            (tmp / "partial" / name).unlink()
+        (tmp / "partial" / ckpt_io.MANIFEST_NAME).unlink()
+        ckpt_io.write_manifest(tmp / "partial", [p.name for p in (tmp / "partial").iterdir()])
+    dist.barrier()
+    return _error(lambda: engine.load_checkpoint(str(tmp), tag="partial"))

@@ -1,0 +1,62 @@
+"""Failure paths: a save that fails on one rank fails on all with one message; wrong, damaged or
+half-published checkpoints never load silently; interrupted saves are cleaned up."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.multiproc.harness import run_world
+from tests.multiproc.scenarios_failure import checkpoint_failures
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: Any) -> list[dict[int, dict[str, Any]]]:
+    return run_world(checkpoint_failures, WORLD, str(tmp_path_factory.mktemp("fail")), timeout=240)
+
+
+@pytest.fixture(params=[2, 3], ids=["stage2", "stage3"])
+def ckpt(request: Any, worlds: list[dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [per_rank[request.param] for per_rank in worlds]
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_with_one_message(ckpt: list[dict[str, Any]]) -> None:
+    messages = [out["disk_full"]["message"] for out in ckpt]
+    assert messages[0] == messages[1], messages
+    msg = messages[0]
+    assert msg.startswith("CheckpointSaveError: save_checkpoint failed on rank(s) [1]"), msg
+    assert "zero_rank1" in msg and ".tmp-good" in msg, msg  # the file and its directory
+    assert "No space left on device" in msg and "bytes free" in msg and "needs" in msg, msg
+    assert all(out["disk_full"]["seconds"] < 30 for out in ckpt)
+    assert ckpt[0]["disk_full"]["leftovers"] == [], ckpt[0]["disk_full"]  # staging removed
+
+
+def test_an_interrupted_same_tag_publication_is_recovered_on_load(ckpt: list[dict[str, Any]]) -> None:
+    for out in ckpt:
+        assert out["recovered"] == "no error", out["recovered"]
+        assert out["recovered_same"] is True
+
+
+def test_stale_staging_directories_are_removed_by_the_next_save(ckpt: list[dict[str, Any]]) -> None:
+    assert ckpt[0]["after_save"] == [], ckpt[0]["after_save"]
+
+
+def test_unexpected_names_refuse_strict_loads_and_warn_lenient_ones(ckpt: list[dict[str, Any]]) -> None:
+    out = ckpt[0]
+    assert out["unexpected_strict"].startswith("KeyError") and "'extra'" in out["unexpected_strict"], out
+    assert out["unexpected_lenient"] == "no error", out["unexpected_lenient"]
+    assert any("'extra'" in m and "load_module_strict=False" in m for m in out["lenient_warnings"]), out
+
+
+def test_a_checkpoint_sharing_no_name_is_refused_even_when_lenient(ckpt: list[dict[str, Any]]) -> None:
+    msg = ckpt[0]["no_match_lenient"]
+    assert msg.startswith("CheckpointError") and "No name matches" in msg, msg
+
+
+def test_a_missing_rank_file_is_reported_as_damage_not_as_a_strictness_problem(
+        ckpt: list[dict[str, Any]]) -> None:
+    msg = ckpt[0]["missing_rank_file"]
+    assert msg.startswith("CheckpointError") and "is incomplete" in msg and "zero_rank1" in msg, msg
+    assert "pass load_module_strict=False" not in msg, msg
