@@ -96,7 +96,7 @@ def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, m
     """The process grid for this run (collective: every rank calls it)."""
     import torch.distributed as dist
 
-    if isinstance(mpu, Topology):  # a grid the caller built first, to construct a model with deepshard.tp's layers
+    if isinstance(mpu, Topology):  # a grid the caller built first (a model written with deepshard.tp layers)
         if mesh_param is not None:
             raise ConfigError("pass mpu= or mesh_param=, not both: each describes the whole grid")
         return mpu

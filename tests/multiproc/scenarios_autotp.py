@@ -50,7 +50,8 @@ def compare_training(make: Callable[[], nn.Module], loss_of: Callable[[nn.Module
             loss.backward()
         out["loss"] = max(out["loss"], abs(float(losses[0].detach()) - float(losses[1].detach())))
         out["grad"] = max(out["grad"], _worst(model, ref, group, grads=True))
-        norms = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5), clip_tp_grad_norm_(model.parameters(), 0.5, group)
+        norms = (torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
+                 clip_tp_grad_norm_(model.parameters(), 0.5, group))
         out["norm"] = max(out["norm"], abs(float(norms[0]) - float(norms[1])))
         for opt in opts:
             opt.step()
