@@ -191,6 +191,10 @@ def megatron_gpt(tmp: str) -> dict[str, Any]:
         dim = tp_split_dim(p)
         want[name] = ref[name] if dim is None else shard_of(ref[name], dim, topo4.tp.rank, 4, p.tp_fused_parts)
     engine4.destroy()
+    torch.manual_seed(0)  # sequence parallelism (SequenceParallel norms) under ZeRO-3
+    engine_sp, *_ = deepshard.initialize(model=TPGPT(cfg, topo.tp, sp=True), config=config(3, 1), mpu=topo)
+    sp_losses = _run(engine_sp, lambda e, ids: e(ids[:, :-1], ids[:, 1:]))
+    engine_sp.destroy()
     fp32 = ref
     if dist.get_rank() == 0:
         from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -198,6 +202,7 @@ def megatron_gpt(tmp: str) -> dict[str, Any]:
         fp32 = get_fp32_state_dict_from_zero_checkpoint(path, tag="t")
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "full_16bit": _compare_full(saved, ref),
             "zero_to_fp32": _compare_full(fp32, ref),
+            "sp_z3_loss": max(abs(a - b) for a, b in zip(sp_losses, ref_losses)),
             "reload_tp4": max(float((mine[k] - want[k]).abs().max()) for k in want)}
 
 

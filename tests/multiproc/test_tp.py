@@ -166,6 +166,7 @@ def test_megatron_layer_gpt_in_the_engine(engine_results: list[dict]) -> None:
     for rank, res in enumerate(engine_results):
         got = res["megatron_gpt"]
         assert got["loss"] <= TOL and got["reload_tp4"] <= TOL, f"rank {rank}: {got}"
+        assert got["sp_z3_loss"] <= TOL, f"rank {rank}: sequence parallel under ZeRO-3: {got}"
         assert got["full_16bit"] <= TOL and got["zero_to_fp32"] <= TOL, f"rank {rank}: {got}"
 
 
