@@ -30,7 +30,7 @@ _LAZY = {
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
-               "launcher", "accelerator", "data", "profiling", "tp"}
+               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "tp"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

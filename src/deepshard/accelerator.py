@@ -2,23 +2,35 @@
 
 Everything that differs between CPU and CUDA lives here so the engine and strategies are the same code
 on both (DESIGN.md principle: no `assert backend == "nccl"`).
+
+:func:`get_accelerator` is also DeepSpeed's ``deepspeed.accelerator.get_accelerator()``: the object it
+returns answers DeepSpeed's method names (``device_name(i)``, ``current_device_name()``,
+``communication_backend_name()``, ``is_bf16_supported()``, ``synchronize()``, ``manual_seed``,
+``empty_cache``, ``memory_allocated`` ...), for scripts and libraries (Accelerate, transformers) that
+call them. The class is :class:`DeviceAccelerator`; the name ``Accelerator`` belongs to the
+Accelerate-style training interface (``deepshard.accelerate``).
 """
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
 
+KINDS = ("cpu", "cuda")
+
 
 @dataclass(frozen=True)
-class Accelerator:
-    """One process's device. ``kind`` is ``"cpu"`` or ``"cuda"``."""
+class DeviceAccelerator:
+    """One process's device. ``kind`` is ``"cpu"`` or ``"cuda"``; ``index`` the CUDA device index."""
 
     kind: str
     index: int = 0
 
+    # ---------------------------------------------------------------------- deepshard's own names
     @property
     def device(self) -> torch.device:
         return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
@@ -27,41 +39,201 @@ class Accelerator:
     def backend(self) -> str:
         return "nccl" if self.kind == "cuda" else "gloo"
 
-    def synchronize(self) -> None:
+    def set_device(self, device_index: int | None = None) -> None:
+        """Make this process's CUDA device current (DeepSpeed's ``set_device(i)`` takes an index)."""
         if self.kind == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.set_device(self.index if device_index is None else int(device_index))
 
-    def set_device(self) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
+        """Wait for the device's queued work (a no-op on CPU, where work is synchronous)."""
         if self.kind == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.synchronize(self.index if device_index is None else int(device_index))
 
-    def memory_allocated(self) -> int:
+    # ------------------------------------------------------------------------- device naming
+    def device_name(self, device_index: int | str | None = None) -> str:
+        """``"cuda"`` or ``"cuda:<i>"``; ``"cpu"`` whatever the index (DeepSpeed's CPU accelerator)."""
+        if self.kind == "cpu" or device_index is None:
+            return self.kind
+        return f"{self.kind}:{int(device_index)}"
+
+    def current_device(self) -> int:
+        """The current device index (0 on CPU)."""
+        return torch.cuda.current_device() if self.kind == "cuda" else 0
+
+    def current_device_name(self) -> str:
+        return f"cuda:{torch.cuda.current_device()}" if self.kind == "cuda" else "cpu"
+
+    def device_count(self) -> int:
+        """CUDA devices visible, or 1 on CPU (the process's one device)."""
+        return torch.cuda.device_count() if self.kind == "cuda" else 1
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available() if self.kind == "cuda" else True
+
+    def communication_backend_name(self) -> str:
+        return self.backend
+
+    def is_synchronized_device(self) -> bool:
+        """True when kernels run synchronously with the host (CPU)."""
+        return self.kind == "cpu"
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    # --------------------------------------------------------------------------------- dtypes
+    def is_bf16_supported(self) -> bool:
+        """bf16 arithmetic: always on CPU (torch's kernels), on CUDA when the device supports it."""
+        return torch.cuda.is_bf16_supported() if self.kind == "cuda" else True
+
+    def is_fp16_supported(self) -> bool:
+        """fp16 training: CUDA devices. On CPU deepshard trains fp16 too, but slowly; DeepSpeed's CPU
+        accelerator answers False, and so does this."""
+        return self.kind == "cuda"
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        dtypes = [torch.float32]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        if self.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+
+    # ---------------------------------------------------------------------------------- seeds
+    def manual_seed(self, seed: int) -> None:
+        """Seed this device's generator (CPU: torch's default generator)."""
+        if self.kind == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        if self.kind == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed() if self.kind == "cuda" else torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        if self.kind == "cuda":
+            return torch.cuda.get_rng_state(self.index if device_index is None else int(device_index))
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        if self.kind == "cuda":
+            torch.cuda.set_rng_state(new_state, self.index if device_index is None else int(device_index))
+        else:
+            torch.set_rng_state(new_state)
+
+    def random(self) -> Any:
+        """The ``random`` module DeepSpeed's accelerators return here (Python's, shared by host code)."""
+        return random
+
+    # --------------------------------------------------------------------------------- memory
+    def empty_cache(self) -> None:
+        """Return cached allocator blocks to the device (nothing is cached on CPU)."""
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
         """Bytes currently held: CUDA allocator bytes, or this process's resident set size on CPU."""
         if self.kind == "cuda":
-            return int(torch.cuda.memory_allocated(self.device))
+            return int(torch.cuda.memory_allocated(self._index(device_index)))
         return int(psutil.Process().memory_info().rss)
 
-    def max_memory_allocated(self) -> int:
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
         """Peak bytes: CUDA allocator peak, or the process's peak resident set size on CPU."""
         if self.kind == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return int(torch.cuda.max_memory_allocated(self._index(device_index)))
         import resource
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        # the kernel's peak is updated lazily: never report a peak below the current resident size
+        return max(int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, self.memory_allocated())
 
-    def reset_peak_memory_stats(self) -> None:
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
         if self.kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(self._index(device_index))
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        self.reset_peak_memory_stats(device_index)
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        """Bytes the CUDA allocator holds (incl. cache); on CPU the resident set size."""
+        if self.kind == "cuda":
+            return int(torch.cuda.memory_reserved(self._index(device_index)))
+        return self.memory_allocated()
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        if self.kind == "cuda":
+            return int(torch.cuda.max_memory_reserved(self._index(device_index)))
+        return self.max_memory_allocated()
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """The device's memory: the CUDA device's total, or the machine's RAM on CPU."""
+        if self.kind == "cuda":
+            return int(torch.cuda.get_device_properties(self._index(device_index)).total_memory)
+        return int(psutil.virtual_memory().total)
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        """Free bytes: CUDA's free memory (``mem_get_info``), or available RAM on CPU."""
+        if self.kind == "cuda":
+            return int(torch.cuda.mem_get_info(self._index(device_index))[0])
+        return int(psutil.virtual_memory().available)
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, Any]:
+        if self.kind == "cuda":
+            return dict(torch.cuda.memory_stats(self._index(device_index)))
+        return {"allocated_bytes.all.current": self.memory_allocated(),
+                "allocated_bytes.all.peak": self.max_memory_allocated()}
+
+    # -------------------------------------------------------------------------------- tensors
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        """Page-locked copy of a host tensor when a CUDA device will read it; unchanged on CPU."""
+        return tensor.pin_memory() if self.kind == "cuda" else tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.is_pinned()) if self.kind == "cuda" else False
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.kind
+
+    def Stream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - DeepSpeed's name
+        if self.kind != "cuda":
+            raise NotImplementedError("streams exist on CUDA only; on CPU work is synchronous, no stream needed")
+        return torch.cuda.Stream(*args, **kwargs)
+
+    def stream(self, stream: Any) -> Any:
+        if self.kind != "cuda":
+            import contextlib
+
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def current_stream(self, device_index: int | None = None) -> Any:
+        return torch.cuda.current_stream(self._index(device_index)) if self.kind == "cuda" else None
+
+    def default_stream(self, device_index: int | None = None) -> Any:
+        return torch.cuda.default_stream(self._index(device_index)) if self.kind == "cuda" else None
+
+    def _index(self, device_index: int | None) -> int:
+        return self.index if device_index is None else int(device_index)
 
 
-def get_accelerator(local_rank: int | None = None) -> Accelerator:
+def get_accelerator(local_rank: int | None = None) -> DeviceAccelerator:
     """Pick the device: ``DEEPSHARD_ACCELERATOR`` (or DeepSpeed's ``DS_ACCELERATOR``) wins, else CUDA when
     available, else CPU. On CUDA the device index is the local rank."""
     forced = os.environ.get("DEEPSHARD_ACCELERATOR") or os.environ.get("DS_ACCELERATOR")
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if forced:
-        if forced not in ("cpu", "cuda"):
+        if forced not in KINDS:
             raise ValueError(
                 f"DEEPSHARD_ACCELERATOR={forced!r} is not a known accelerator; use 'cpu' or 'cuda'")
         if forced == "cuda" and not torch.cuda.is_available():
@@ -71,5 +243,5 @@ def get_accelerator(local_rank: int | None = None) -> Accelerator:
     else:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        return Accelerator("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return Accelerator("cpu", 0)
+        return DeviceAccelerator("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return DeviceAccelerator("cpu", 0)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from deepshard.accelerator import Accelerator, get_accelerator
+from deepshard.accelerator import DeviceAccelerator as Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.compile import adopt_compiled
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
@@ -69,6 +69,7 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     apply_tensor_parallel(model, cfg.tensor_parallel, topology)  # automatic TP: split before anything else
     model.to(accelerator.device)
     broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
+    extra = _prepare_pipeline(model, topology, cfg)
     set_copies(model.parameters(), topology.tp.size)
     precision = precision_policy(cfg)
     client_optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
@@ -81,9 +82,10 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     logger_.enabled = bool(cfg.comms_logger.enabled)
     logger_.verbose = bool(cfg.comms_logger.verbose)
     logger_.reset()  # count training traffic only, not the initial broadcast
-    engine = DeepShardEngine(model, cfg, accelerator, topology, strategy, optimizer=client_optimizer,
-                             precision=precision, lr_scheduler=scheduler, monitor=monitor,
-                             local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    engine_cls = extra.pop("engine_cls", DeepShardEngine)
+    engine = engine_cls(model, cfg, accelerator, topology, strategy, optimizer=client_optimizer,
+                        precision=precision, lr_scheduler=scheduler, monitor=monitor,
+                        local_rank=int(os.environ.get("LOCAL_RANK", "0")), **extra)
     if topology.rank == 0:
         grid = "" if topology.is_data_parallel_only else f", {topology.dims}"
         logger.info("deepshard engine: ZeRO stage %d, %d data-parallel process(es)%s, %s on %s, micro batch %d x "
@@ -91,6 +93,17 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
                     precision.param_dtype, accelerator.device, cfg.train_micro_batch_size_per_gpu,
                     cfg.gradient_accumulation_steps, cfg.train_batch_size)
     return engine
+
+
+def _prepare_pipeline(model: torch.nn.Module, topology: Topology, cfg: DeepShardConfig) -> dict[str, Any]:
+    """For a ``PipelineModule``: the pipeline engine class and its tied weights (``deepshard.pipe``)."""
+    from deepshard.pipe.module import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        return {}
+    from deepshard.pipe.engine import PipelineEngine, prepare_pipeline
+
+    return {"engine_cls": PipelineEngine, "tied": prepare_pipeline(model, topology, cfg)}
 
 
 @torch.no_grad()

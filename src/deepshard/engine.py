@@ -7,20 +7,34 @@ gradients are reduced to one strategy object per ZeRO stage (``deepshard.zero``)
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from deepshard.accelerator import Accelerator as DeviceKind
+from deepshard.accelerator import DeviceAccelerator as DeviceKind
+from deepshard.compile import compile_module, module_is_compiled
+from deepshard.config.view import ConfigView
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
-from deepshard.utils.logging import logger
+from deepshard.profiling.engine_tools import EngineTools
 from deepshard.step import TrainState, optimizer_step
 from deepshard.topology import Topology
-from deepshard.compile import compile_module, module_is_compiled
+from deepshard.utils.logging import logger
 from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
+
+
+class _StateField:
+    """An engine attribute that reads and writes one counter of ``engine.state``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Any = None) -> Any:
+        return self if engine is None else getattr(engine.state, self.name)
+
+    def __set__(self, engine: Any, value: int) -> None:
+        setattr(engine.state, self.name, int(value))
 
 
 class DeepShardEngine(torch.nn.Module):
@@ -56,40 +70,13 @@ class DeepShardEngine(torch.nn.Module):
         self._no_sync_depth = 0
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
-        self._timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
 
-    # --------------------------------------------------------------------------------- counters
-    @property
-    def global_steps(self) -> int:
-        return self.state.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.state.global_steps = int(value)
-
-    @property
-    def global_samples(self) -> int:
-        return self.state.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.state.global_samples = int(value)
-
-    @property
-    def micro_steps(self) -> int:
-        return self.state.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.state.micro_steps = int(value)
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.state.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.state.skipped_steps = int(value)
+    # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
+    global_steps = _StateField("global_steps")
+    global_samples = _StateField("global_samples")
+    micro_steps = _StateField("micro_steps")
+    skipped_steps = _StateField("skipped_steps")
 
     # ------------------------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:
@@ -103,8 +90,9 @@ class DeepShardEngine(torch.nn.Module):
                                  f"{type(module).__name__}) has no attribute '{name}'") from None
 
     @property
-    def config(self) -> Any:
-        return self._config
+    def config(self) -> ConfigView:
+        """DeepSpeed's ``engine.config``: the config dict as given; attributes read the validated config."""
+        return ConfigView(self._config)
 
     @property
     def device(self) -> torch.device:
@@ -194,14 +182,18 @@ class DeepShardEngine(torch.nn.Module):
             self._no_sync_depth -= 1
 
     # ------------------------------------------------------------------------------- training
+    @property
+    def flops_profiler(self) -> Any:
+        """The ``FlopsProfiler`` while the ``flops_profiler`` section's profile step runs, else None."""
+        return self.tools.flops_profiler
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        inputs = self.precision.cast_inputs(inputs)
-        kwargs = self.precision.cast_inputs(kwargs)
-        with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
-            out = self.module(*inputs, **kwargs)
-        self._timers["forward"] += time.perf_counter() - start
-        return out
+        self.tools.on_forward(self, inputs, kwargs)
+        with self.tools.time("forward"):
+            inputs = self.precision.cast_inputs(inputs)
+            kwargs = self.precision.cast_inputs(kwargs)
+            with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
+                return self.module(*inputs, **kwargs)
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
@@ -234,16 +226,17 @@ class DeepShardEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); gradients are
         reduced across data-parallel ranks at the accumulation boundary. Returns the scaled loss."""
-        start = time.perf_counter()
-        self._check_loss(loss)
-        self._last_loss = loss.detach()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            loss = loss / self.gradient_accumulation_steps()
-        scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
-        self._prepare_backward()
-        scaled.backward(retain_graph=retain_graph)
-        self._strategy().end_backward()
-        self._timers["backward"] += time.perf_counter() - start
+        with self.tools.time("backward"):
+            self._check_loss(loss)
+            self._last_loss = loss.detach()
+            if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+                loss = loss / self.gradient_accumulation_steps()
+            scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
+            self._prepare_backward()
+            with self.tools.time("backward_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self.tools.time("backward_allreduce"):
+                self._strategy().end_backward()
         return loss
 
     @staticmethod
@@ -262,18 +255,20 @@ class DeepShardEngine(torch.nn.Module):
         if self._no_sync_depth > 0:
             raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync() block "
                                "for the micro-step that should synchronize and step")
-        start = time.perf_counter()
-        self._strategy().end_backward()
-        self.state.step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.tools.time("step"):
+            self._strategy().end_backward()
+            self.state.step_applied = False
+            if boundary:
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
-        self._timers["step"] += time.perf_counter() - start
+        self.tools.after_step(self, boundary)
+        if boundary:
+            self._report_step()
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         optimizer_step(self._strategy(), self.state, self.loss_scaler, float(self._config.gradient_clipping or 0.0),
                        self.lr_scheduler, self.train_batch_size(), self.global_rank, lr_kwargs)
-        self._report_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""
@@ -292,6 +287,7 @@ class DeepShardEngine(torch.nn.Module):
                       ("Train/Samples/lr", self.get_lr()[0] if self.get_lr() else 0.0, self.global_samples)]
             if self.fp16_enabled():
                 events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
+            events += self.tools.events(self.global_samples, self.dp_world_size)
             self.monitor.write_events(events)
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0 and self.global_rank == 0:
@@ -299,11 +295,9 @@ class DeepShardEngine(torch.nn.Module):
             logger.info("step=%d skipped=%d lr=[%s] loss=%.4f grad_norm=%.4g%s", self.global_steps,
                         self.skipped_steps, lr, loss, self.state.grad_norm or 0.0,
                         f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
-            if self._config.wall_clock_breakdown:
-                t = self._timers
-                logger.info("time (ms) over the last %d steps: forward %.1f | backward %.1f | step %.1f", every,
-                            t["forward"] * 1e3, t["backward"] * 1e3, t["step"] * 1e3)
-                self._timers = {k: 0.0 for k in t}
+            for line in self.tools.print_lines(self.dp_world_size, self.accelerator.memory_allocated(),
+                                               self.accelerator.max_memory_allocated()):
+                logger.info(line)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this process holds per category (parameters, gradients, master_weights,

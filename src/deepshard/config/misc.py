@@ -63,6 +63,9 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     use_reentrant: bool = True
+    schedule: str = "1f1b"
+    """deepshard: the pipeline engine's schedule (``deepshard.pipe.schedule``): ``1f1b`` (default),
+    ``gpipe`` or ``zb-h1`` (zero bubble, split backward)."""
 
     @field_validator("stages", mode="plain")
     @classmethod

@@ -295,10 +295,19 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``deepshard`` console script; returns the exit status. With no arguments
-    at all it prints the help (to stderr) and returns 2."""
-    if not (sys.argv[1:] if argv is None else argv):
+    at all it prints the help (to stderr) and returns 2; ``deepshard report`` is the environment report."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
         build_parser().print_help(sys.stderr)
         return 2
+    if argv[:1] == ["report"]:  # ``deepshard report``: the environment report (ds_report_deepshard)
+        from deepshard.utils.env_report import main as report_main
+
+        return report_main(argv[1:])
+    if argv[0] in ("launch", "config"):  # Accelerate's front end: deepshard.launcher.accelerate_cli
+        from deepshard.launcher.accelerate_cli import SUBCOMMANDS
+
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())

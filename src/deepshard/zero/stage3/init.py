@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.utils.rank_order import refuse_collectives_here
 
 _LOCAL = threading.local()
 
@@ -135,6 +136,8 @@ class Init:
         if not self.enabled:
             return self
         self._setup()
+        if self.comm.size > 1:
+            refuse_collectives_here("deepshard.zero.Init (it partitions each module's parameters as it is built)")
         depth: dict[int, int] = {}
 
         def wrap(init: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,21 @@
+"""``deepspeed.checkpoint.utils``: helpers Accelerate calls when it saves a model's state dict."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
+    """A copy of ``item`` (tensors, nested in dicts / lists / tuples) whose tensors are fresh, compact
+    copies on ``device``, so saving one does not write the whole storage a view points into."""
+    if torch.is_tensor(item):
+        return item.detach().to(device).clone()
+    if isinstance(item, dict):
+        return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
+    return item
+
+
+__all__ = ["clone_tensors_for_torch_save"]

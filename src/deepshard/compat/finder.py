@@ -1,0 +1,107 @@
+"""The import machinery behind ``deepshard.compat``: a meta-path finder that answers ``import deepspeed``
+(and ``deepspeed.*``) with deepshard's modules, and the ``deepspeed`` distribution metadata Accelerate and
+transformers check before they import it.
+
+Each ``deepspeed.*`` module is a small alias module (:class:`AliasModule`) whose attributes are looked up
+on the deepshard module that implements it, so every name is deepshard's own object (``isinstance``
+and identity hold) while deepshard's modules keep their own names, specs and attributes untouched.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import os
+import types
+from pathlib import Path
+from typing import Any, Iterable
+
+from deepshard.compat.aliases import target_of
+
+DEEPSPEED_CONTRACT = "0.19.8"
+"""The DeepSpeed release whose public contract deepshard follows (what the shim reports as its version)."""
+
+
+def shim_version() -> str:
+    """``0.19.8+deepshard.<version>``: DeepSpeed's contract version, with deepshard's as the local label
+    so version checks pass and the string still says what is installed."""
+    from deepshard import __version__
+
+    return f"{DEEPSPEED_CONTRACT}+deepshard.{__version__}"
+
+
+class AliasModule(types.ModuleType):
+    """``deepspeed.<x>``: attribute reads go to the deepshard module ``target``."""
+
+    def __init__(self, name: str, target: types.ModuleType) -> None:
+        super().__init__(name, getattr(target, "__doc__", None))
+        self.__dict__["_deepshard_target"] = target
+        if getattr(target, "__file__", None):
+            self.__file__ = target.__file__  # error messages then point at deepshard's module
+        if name == "deepspeed":
+            self.__version__ = shim_version()
+
+    def __getattr__(self, name: str) -> Any:
+        target = self.__dict__["_deepshard_target"]
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            return getattr(target, name)
+        except AttributeError:
+            raise AttributeError(
+                f"module {self.__name__!r} (deepshard's {target.__name__}, via deepshard.compat) has no attribute "
+                f"{name!r}: deepshard does not implement DeepSpeed's {self.__name__}.{name}") from None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self.__dict__["_deepshard_target"])) | set(self.__dict__))
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: types.ModuleType) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return AliasModule(spec.name, self.target)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the implementation was imported when the spec was found."""
+
+
+class _ShimDistribution(importlib.metadata.Distribution):
+    """The ``deepspeed`` distribution as ``importlib.metadata`` reports it while the shim is installed."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {shim_version()}\n"
+                    "Summary: deepshard standing in for DeepSpeed (deepshard.compat)\n")
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path: str | os.PathLike[str]) -> Path:
+        import deepshard
+
+        return Path(deepshard.__file__).parent.parent / path
+
+
+class DeepSpeedFinder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path`` while installed: ``deepspeed`` and ``deepspeed.*`` resolve to deepshard."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
+            return None
+        impl_name = target_of(fullname)
+        try:
+            impl = importlib.import_module(impl_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (impl_name + ".").startswith(exc.name + "."):
+                return None  # deepshard has no such module: "No module named 'deepspeed.x'"
+            raise
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(impl), is_package=True)
+
+    def find_distributions(self, context: Any = None) -> Iterable[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("-", "_").lower() == "deepspeed":
+            return iter([_ShimDistribution()])
+        return iter([])

@@ -1,0 +1,28 @@
+"""``deepspeed.runtime.zero.partition_parameters``: the stage-3 construction API under DeepSpeed's path.
+
+``Init`` and ``GatheredParameters`` are deepshard's (:mod:`deepshard.zero`). DeepSpeed's ``Init`` also
+wraps torch's tensor constructors to place and cast new tensors; deepshard's does not (it partitions each
+module's parameters when the module's ``__init__`` returns), so the constructor hook that transformers
+swaps (``zero_wrapper_for_fp_tensor_constructor``) is the identity here, and ``_orig_torch_arange`` is
+torch's own ``arange``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from deepshard.accelerator import get_accelerator
+from deepshard.zero import GatheredParameters, Init, register_external_parameter
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dtype: torch.dtype | None = None,
+                                           target_device: Any = None) -> Callable[..., Any]:
+    """The constructor ``fn`` unchanged: deepshard's ``Init`` does not redirect tensor constructors."""
+    return fn
+
+
+__all__ = ["GatheredParameters", "Init", "get_accelerator", "register_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]

@@ -1,0 +1,287 @@
+"""Accelerate's launch configuration (its YAML file, its flags) turned into a deepshard launch.
+
+``deepshard launch --config_file cfg.yaml script.py`` reads the file ``accelerate config`` writes, lets
+command-line flags win over it, checks it (an unknown key or a conflicting pair is one error naming it),
+and plans: the ``deepshard`` launcher's arguments and the environment Accelerate's own launcher would give
+the script. Everything here is pure (no process is started), so tests read the plan directly.
+
+Differences from ``accelerate launch``, by design: DeepSpeed runs on CPU (``use_cpu: true`` keeps DeepSpeed
+on and sets ``DEEPSHARD_ACCELERATOR=cpu``: Accelerate would turn DeepSpeed off and start one process);
+an unknown ``deepspeed_config`` sub-key is an error (Accelerate ignores it); with no
+``distributed_type`` anywhere the type is ``DEEPSPEED``.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepshard.launcher.options import DEFAULT_HOSTFILE, LaunchError
+
+TOP_KEYS = frozenset({
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+    "machine_rank", "num_machines", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+    "same_network", "main_training_function", "enable_cpu_affinity", "fp8_config", "deepspeed_config",
+    "fsdp_config", "parallelism_config", "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name",
+    "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+    "dynamo_config", "ipex_config", "mpirun_config"})
+"""Top-level keys of Accelerate's cluster config (``accelerate config`` writes a subset)."""
+
+DS_KEYS = frozenset({
+    "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
+    "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping",
+    "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher", "deepspeed_hostfile",
+    "deepspeed_inclusion_filter", "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names"})
+"""``deepspeed_config`` sub-keys Accelerate knows (all honoured here)."""
+
+FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+                  "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                  "zero3_save_16bit_model")
+"""Sub-keys that a ``deepspeed_config_file`` already sets: giving both is a conflict."""
+
+DS_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+    "offload_param_nvme_path": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+}
+"""``deepspeed_config`` sub-key -> the variable Accelerate's ``DeepSpeedPlugin`` reads in the script."""
+
+DISTRIBUTED_TYPES = ("DEEPSPEED", "NO", "MULTI_CPU", "MULTI_GPU")
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+MULTINODE_LAUNCHERS = {"pdsh": ["--launcher", "pdsh"], "standard": ["--no_ssh"], "nossh": ["--no_ssh"],
+                       "openmpi": ["--launcher", "openmpi"], "mvapich": ["--launcher", "mvapich"],
+                       "mpich": ["--launcher", "mpich"], "slurm": ["--launcher", "slurm"]}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``deepshard launch`` runs: the ``deepshard`` launcher's argv and the variables it adds."""
+
+    launcher_argv: list[str]
+    env: dict[str, str]
+    num_processes: int
+    distributed_type: str
+
+
+def default_config_file(environ: Mapping[str, str]) -> Path:
+    """Accelerate's default location: ``$HF_HOME/accelerate/default_config.yaml`` (``HF_HOME`` defaults
+    to ``$XDG_CACHE_HOME/huggingface``, and that to ``~/.cache/huggingface``)."""
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = environ.get("HF_HOME") or os.path.join(cache, "huggingface")
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """An Accelerate config file (YAML, or JSON by extension) as a dict."""
+    text = Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".json"):
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise LaunchError(f"reading {path} needs PyYAML: pip install 'deepshard[accelerate]'") from None
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise LaunchError(f"{path}: an Accelerate config is a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _closest(unknown: list[str], known: frozenset[str]) -> str:
+    """`` (did you mean 'x'?)`` for the first unknown key that has a close known one, else ``""``."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        if close:
+            return f" (did you mean {close[0]!r} for {key!r}?)"
+    return ""
+
+
+def merge(config: Mapping[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every flag that was given (not None) put over it; DeepSpeed flags go under
+    ``deepspeed_config``. Unknown keys are refused with the list of known ones."""
+    merged = {k: v for k, v in config.items()}
+    unknown = sorted(set(merged) - TOP_KEYS)
+    if unknown:
+        raise LaunchError(f"unknown key(s) {unknown} in the Accelerate config{_closest(unknown, TOP_KEYS)}; "
+                          f"known top-level keys: {sorted(TOP_KEYS)}")
+    ds = dict(merged.get("deepspeed_config") or {})
+    unknown = sorted(set(ds) - DS_KEYS)
+    if unknown:
+        raise LaunchError(f"unknown deepspeed_config key(s) {unknown}{_closest(unknown, DS_KEYS)} (Accelerate would "
+                          f"silently ignore them); known: {sorted(DS_KEYS)}")
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in DS_KEYS:
+            ds[key] = value
+        else:
+            merged[key] = value
+    merged["deepspeed_config"] = ds
+    return merged
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", "none", ""):
+        return False
+    raise LaunchError(f"{key}={value!r} is not a boolean; use true or false")
+
+
+def _int(value: Any, key: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(f"{key}={value!r} is not an integer") from None
+
+
+def check(merged: Mapping[str, Any]) -> str:
+    """Validate the merged config; returns the distributed type."""
+    dtype = str(merged.get("distributed_type") or "DEEPSPEED").upper()
+    if dtype not in DISTRIBUTED_TYPES:
+        raise LaunchError(f"distributed_type={dtype}: deepshard launch runs {', '.join(DISTRIBUTED_TYPES)}; "
+                          "use `accelerate launch` for the others")
+    mp = str(merged.get("mixed_precision") or "no").lower()
+    if mp not in MIXED_PRECISION:
+        raise LaunchError(f"mixed_precision={mp!r}: choose one of {MIXED_PRECISION}")
+    ds = merged["deepspeed_config"]
+    if ds and dtype != "DEEPSPEED":
+        raise LaunchError(f"deepspeed_config {sorted(ds)} given with distributed_type={dtype}; set "
+                          "distributed_type: DEEPSPEED (or --use_deepspeed), or drop the DeepSpeed keys")
+    if ds.get("deepspeed_config_file"):
+        clash = [k for k in FILE_EXCLUSIVE if ds.get(k) is not None]
+        if merged.get("mixed_precision") not in (None, "no"):
+            clash.append("mixed_precision")
+        if clash:
+            raise LaunchError(f"deepspeed_config_file={ds['deepspeed_config_file']} sets these itself; {clash} "
+                              "would be ignored: put them in that JSON file (\"auto\" lets the script fill them) "
+                              "and remove them from the Accelerate config / command line")
+        if not os.path.isfile(ds["deepspeed_config_file"]):
+            raise LaunchError(f"deepspeed_config_file={ds['deepspeed_config_file']} does not exist")
+    for key in ("offload_optimizer_device", "offload_param_device"):
+        if ds.get(key) is not None and str(ds[key]).lower() not in OFFLOAD_DEVICES:
+            raise LaunchError(f"deepspeed_config.{key}={ds[key]!r}: choose one of {OFFLOAD_DEVICES}")
+    if ds.get("zero_stage") is not None and _int(ds["zero_stage"], "zero_stage") not in (0, 1, 2, 3):
+        raise LaunchError(f"deepspeed_config.zero_stage={ds['zero_stage']}: choose 0, 1, 2 or 3")
+    return dtype
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _processes(merged: Mapping[str, Any], dtype: str) -> tuple[int, int]:
+    """(total processes, machines); the total must split evenly over the machines."""
+    machines = _int(merged.get("num_machines") or 1, "num_machines")
+    total = _int(merged.get("num_processes") if merged.get("num_processes") not in (None, -1) else machines,
+                 "num_processes")
+    if dtype == "NO":
+        total = 1
+    if machines < 1 or total < machines or total % machines:
+        raise LaunchError(f"num_processes ({total}) must be a positive multiple of num_machines ({machines}): "
+                          f"{total} processes cannot be split evenly over {machines} machine(s)")
+    return total, machines
+
+
+AS_WRITTEN = frozenset({"deepspeed_config_file", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                        "deepspeed_moe_layer_cls_names"})
+
+
+def deepspeed_env(ds: Mapping[str, Any], file_keys: list[str]) -> dict[str, str]:
+    """The variables ``DeepSpeedPlugin`` reads: one per given sub-key (paths and class names as written,
+    the rest lower-case as Accelerate writes them), and ``ACCELERATE_CONFIG_DS_FIELDS``: the sub-keys
+    that came from the config file."""
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_CONFIG_DS_FIELDS": ",".join(file_keys).lower()}
+    for key, var in DS_ENV.items():
+        if ds.get(key) is not None:
+            env[var] = str(ds[key]) if key in AS_WRITTEN else str(ds[key]).lower()
+    return env
+
+
+def device_env(merged: Mapping[str, Any], dtype: str) -> dict[str, str]:
+    """Where the ranks compute. DeepSpeed with ``use_cpu`` stays DeepSpeed on the CPU (deepshard's device
+    and Accelerate's device set to cpu); the other types get Accelerate's ``ACCELERATE_USE_CPU``."""
+    env: dict[str, str] = {}
+    use_cpu = _bool(merged.get("use_cpu", False), "use_cpu")
+    if use_cpu and dtype == "DEEPSPEED":
+        env.update(DEEPSHARD_ACCELERATOR="cpu", ACCELERATE_TORCH_DEVICE="cpu")
+    elif use_cpu or dtype == "MULTI_CPU":
+        env.update(ACCELERATE_USE_CPU="true", DEEPSHARD_ACCELERATOR="cpu")
+    gpu_ids = merged.get("gpu_ids")
+    if gpu_ids not in (None, "", "all") and not use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    return env
+
+
+def _multinode_argv(ds: Mapping[str, Any], merged: Mapping[str, Any], machines: int) -> list[str]:
+    if machines == 1:
+        return []
+    runner = str(ds.get("deepspeed_multinode_launcher") or "pdsh").lower()
+    if runner not in MULTINODE_LAUNCHERS:
+        raise LaunchError(f"deepspeed_multinode_launcher={runner!r}: choose one of {sorted(MULTINODE_LAUNCHERS)}")
+    argv = ["--hostfile", str(ds.get("deepspeed_hostfile") or DEFAULT_HOSTFILE), "--num_nodes", str(machines),
+            *MULTINODE_LAUNCHERS[runner]]
+    if "--no_ssh" in argv:
+        argv += ["--node_rank", str(_int(merged.get("machine_rank") or 0, "machine_rank"))]
+    if not merged.get("main_process_ip"):
+        raise LaunchError(f"num_machines={machines} needs main_process_ip (the address of machine 0)")
+    return argv
+
+
+def plan(config: Mapping[str, Any], flags: Mapping[str, Any], script: str, script_args: list[str],
+         as_module: bool = False, replace_deepspeed: bool = False) -> LaunchPlan:
+    """The launch ``config`` (a parsed Accelerate config file) and ``flags`` (command-line values, None
+    when not given) describe, as the ``deepshard`` launcher's argv plus the script's environment."""
+    merged = merge(config, flags)
+    dtype = check(merged)
+    ds = merged["deepspeed_config"]
+    total, machines = _processes(merged, dtype)
+    given = merged.get("main_process_port")
+    port = _int(29500 if given is None else given, "main_process_port") or _free_port()  # 0: a free port
+    argv = ["--num_gpus", str(total // machines), "--master_port", str(port), "--no_local_rank",
+            "--max_restarts", str(_int(merged.get("max_restarts") or 0, "max_restarts"))]
+    if merged.get("main_process_ip"):
+        argv += ["--master_addr", str(merged["main_process_ip"])]
+    argv += _multinode_argv(ds, merged, machines)
+    if ds.get("deepspeed_inclusion_filter") or ds.get("deepspeed_exclusion_filter"):
+        argv = argv[2:]  # DeepSpeed's rule: a node filter and --num_gpus do not go together
+        for key, flag in (("deepspeed_inclusion_filter", "--include"), ("deepspeed_exclusion_filter", "--exclude")):
+            if ds.get(key):
+                argv += [flag, str(ds[key])]
+    env = {"ACCELERATE_MIXED_PRECISION": str(merged.get("mixed_precision") or "no").lower(),
+           **device_env(merged, dtype)}
+    if _bool(merged.get("debug", False), "debug"):
+        env["ACCELERATE_DEBUG_MODE"] = "true"
+    if _bool(merged.get("enable_cpu_affinity", False), "enable_cpu_affinity"):
+        env["ACCELERATE_CPU_AFFINITY"] = "1"
+    if merged.get("num_cpu_threads_per_process"):
+        env["OMP_NUM_THREADS"] = str(_int(merged["num_cpu_threads_per_process"], "num_cpu_threads_per_process"))
+    if dtype == "DEEPSPEED":
+        env.update(deepspeed_env(ds, sorted(set((config.get("deepspeed_config") or {})) & DS_KEYS)))
+        if replace_deepspeed:
+            env["DEEPSHARD_REPLACE_DEEPSPEED"] = "1"
+        target = ["--module", "deepshard.compat.run", *(["-m"] if as_module else []), script]
+    else:
+        target = ["--module", script] if as_module else [script]
+    return LaunchPlan(argv + target + list(script_args), env, total, dtype)

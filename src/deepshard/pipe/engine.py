@@ -1,0 +1,373 @@
+"""``PipelineEngine``: what ``deepshard.initialize`` returns for a ``PipelineModule``.
+
+``train_batch`` runs one schedule (``pipeline.schedule``: 1F1B by default) over
+``gradient_accumulation_steps`` micro-batches as a dispatch table over its actions, then, once: the tied
+weights' gradients summed over the stages that hold them, the data-parallel reduction (the ZeRO strategy
+of any stage 0-2 reduces the locally accumulated gradients once, after the last backward), and the
+one optimizer-step path (``deepshard.step``: the norm over dp then over the model-parallel group).
+
+Seams for 3D composition: ``engine.module`` is this stage's module, ``engine.topology`` the grid,
+``engine.reduce_gradients()`` the reduce-once hook.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from deepshard.config import ConfigError
+from deepshard.engine import DeepShardEngine
+from deepshard.pipe.module import PipelineModule
+from deepshard.pipe.p2p import StageLink, TensorMeta, metas_of
+from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
+from deepshard.pipe.tied import TiedWeights, build_tied_weights
+from deepshard.pipe.weight_grad import DeferWeightGrads, WeightGradStore
+from deepshard.step import optimizer_step
+from deepshard.topology import Topology
+
+
+class PipelineError(RuntimeError):
+    """DeepSpeed's error for calls a pipeline engine does not take."""
+
+
+@dataclass
+class _Unit:
+    """One micro-batch's buffers on this stage."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    input_tuple: bool = False
+    outputs: Any = None
+    out_tensors: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    grad_out: list[torch.Tensor] | None = None
+    grad_in: list[torch.Tensor] | None = None
+    store: WeightGradStore | None = None
+    """The deferred weight-gradient work of a split backward (zero-bubble schedules)."""
+
+
+@dataclass
+class _BatchRun:
+    """The state of one ``train_batch`` / ``eval_batch``."""
+
+    data: Iterator[Any] | None
+    micro_batches: int
+    units: dict[int, _Unit] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    train: bool = True
+    compute_loss: bool = True
+    keep_outputs: bool = False
+    split_backward: bool = False
+
+
+def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> TiedWeights:
+    """Before the strategy is built (collective): refuse what cannot work, apply the config's pipeline
+    keys to the module, create the tied groups, make the tied copies equal and mark them for the norm."""
+    if topology.dims.pp != module.num_stages:
+        raise ConfigError(f"the grid has pipeline size {topology.dims.pp} but the PipelineModule has "
+                          f"{module.num_stages} stages; build the module with num_stages={topology.dims.pp}")
+    if cfg.zero_optimization.stage >= 3:
+        raise ConfigError(f"zero_optimization.stage={cfg.zero_optimization.stage} cannot be combined with "
+                          "pipeline parallelism (each stage already holds only its layers; ZeRO-3 would gather "
+                          "them again for every micro-batch): use stage 0, 1 or 2")
+    schedule_name(cfg.pipeline.schedule)
+    if schedule_name(cfg.pipeline.schedule) == "interleaved":
+        raise ConfigError("pipeline.schedule='interleaved' needs several model chunks per rank, which "
+                          "PipelineModule does not build yet; use '1f1b', 'gpipe' or 'zb-h1'")
+    if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
+        module.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
+    tied = build_tied_weights(module, topology)
+    tied.broadcast()
+    return tied
+
+
+class PipelineEngine(DeepShardEngine):
+    """DeepSpeed's ``PipelineEngine`` contract: ``train_batch`` / ``eval_batch``; ``forward``, ``backward``
+    and ``step`` raise ``PipelineError``."""
+
+    def __init__(self, *args: Any, tied: TiedWeights, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tied = tied
+        dims, coord = self.topology.dims, self.topology.coord
+        self.num_stages, self.stage_id = dims.pp, coord.pp
+        self.prev_rank = dims.stage_rank(self.global_rank, self.stage_id - 1) if self.stage_id > 0 else -1
+        self.next_rank = dims.stage_rank(self.global_rank, self.stage_id + 1) if self.stage_id < dims.pp - 1 else -1
+        self.link = StageLink(self.stage_id, self.global_rank, self.device)
+        self._data_iter: Iterator[Any] | None = None
+        self._batch_fn: Callable[[Any], Any] | None = None
+        self._schedules: dict[tuple[str, int], list[Action]] = {}
+        self._dispatch: dict[Kind, Callable[[_BatchRun, Action], None]] = {
+            Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight, Kind.SEND_ACT: self._send_act, Kind.RECV_ACT: self._recv_act,
+            Kind.SEND_GRAD: self._send_grad, Kind.RECV_GRAD: self._recv_grad}
+
+    # ----------------------------------------------------------------------------------- public API
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator ``train_batch()`` pulls from when it is given none."""
+        self._data_iter = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Post-process every item pulled from the data iterator."""
+        self._batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """Shapes travel with every message here: nothing is cached, nothing to reset."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the loss averaged
+        over micro-batches and data-parallel ranks, on every stage."""
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() was called with gradients disabled (inside torch.no_grad()); "
+                                "use eval_batch() for forward-only passes")
+        self.module.train()
+        m = self.gradient_accumulation_steps()
+        name = schedule_name(self._config.pipeline.schedule)
+        # operator-level split (weight_grad.py); with activation checkpointing the recomputed forward
+        # would not record, so the split falls back to two autograd traversals
+        split = name == "zb-h1" and not self.module.activation_checkpoint_interval
+        run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
+        start = time.perf_counter()
+        for action in self._schedule(name, m):
+            self._dispatch[action.kind](run, action)
+        self.link.wait_sends()
+        self.reduce_gradients()
+        self._timers["backward"] += time.perf_counter() - start
+        loss = self._batch_loss(run, average=True)
+        self._last_loss = loss
+        self.micro_steps += m
+        self._take_model_step(None)
+        return loss
+
+    def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forward only over ``num_micro_batches`` (default: the accumulation steps). Returns the loss
+        (mean over micro-batches with ``reduce_output='avg'``, else the list; averaged over data-parallel
+        ranks and sent to every stage with ``bcast_loss``); with ``return_logits``, ``(loss, outputs)`` with
+        every micro-batch's outputs on the last stage (None elsewhere)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output={reduce_output!r}: use 'avg' or None")
+        self.module.eval()
+        m = num_micro_batches or self.gradient_accumulation_steps()
+        run = _BatchRun(self._iterator(data_iter), m, train=False, compute_loss=compute_loss,
+                        keep_outputs=return_logits)
+        with torch.no_grad():
+            for action in self._schedule("gpipe", m):
+                if action.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT):
+                    self._dispatch[action.kind](run, action)
+        self.link.wait_sends()
+        self.module.train()
+        loss: Any = None
+        if compute_loss:
+            loss = self._batch_loss(run, average=reduce_output == "avg", broadcast=bcast_loss)
+        if return_logits:
+            return loss, (run.outputs if self.is_last_stage() else None)
+        return loss
+
+    def reduce_gradients(self) -> None:
+        """The reduce-once hook: tied gradients summed over their stages, then the strategy reduces the
+        locally accumulated gradients over the data-parallel group."""
+        self.tied.all_reduce_grads()
+        strategy = self._strategy()
+        strategy.begin_backward(True)
+        strategy.end_backward()
+
+    # ------------------------------------------------------------------------------------- data
+    def _iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return None  # middle stages never read data
+        if data_iter is not None:
+            return data_iter
+        if self._data_iter is None and self.training_dataloader is not None:
+            from deepshard.data import RepeatingLoader
+
+            self._data_iter = RepeatingLoader(self.training_dataloader)
+        if self._data_iter is None:
+            raise PipelineError("train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
+                                "training_data= to deepshard.initialize")
+        return self._data_iter
+
+    def _next_item(self, run: _BatchRun, index: int) -> tuple[Any, Any]:
+        if run.data is None:
+            raise PipelineError("this stage has no data iterator")
+        try:
+            item = next(run.data)
+        except StopIteration:
+            raise PipelineError(f"the data iterator ran out at micro-batch {index} of {run.micro_batches}: a "
+                                "batch needs gradient_accumulation_steps items (wrap the loader in "
+                                "deepshard.utils.RepeatingLoader)") from None
+        if self._batch_fn is not None:
+            item = self._batch_fn(item)
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise PipelineError(f"pipeline data items must be (inputs, labels) pairs, got {type(item).__name__}")
+        return item[0], item[1]
+
+    def _schedule(self, name: str, m: int) -> list[Action]:
+        key = (name, m)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(name, self.num_stages, m)[self.stage_id]
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------------------------ actions
+    def _forward(self, run: _BatchRun, a: Action) -> None:
+        unit = run.units.setdefault(a.micro_batch, _Unit())
+        labels = None
+        if self.is_first_stage() or self.is_last_stage():
+            inputs, labels = self._next_item(run, a.micro_batch)
+            if self.is_first_stage():
+                inputs = _to_device(self.precision.cast_inputs(inputs), self.device)
+                unit.inputs, unit.input_tuple = _as_list(inputs)
+        x = tuple(unit.inputs) if unit.input_tuple else unit.inputs[0]
+        if run.split_backward:
+            unit.store = WeightGradStore()
+            with DeferWeightGrads(unit.store):
+                out = self.module(x)
+        else:
+            out = self.module(x)
+        unit.outputs = out
+        unit.out_tensors = _as_list(out)[0]
+        if self.is_last_stage():
+            if run.keep_outputs:
+                run.outputs.append(out.detach() if torch.is_tensor(out) else tuple(t.detach() for t in out))
+            if run.compute_loss or run.train:
+                fn = self.module.loss_fn
+                loss = fn(out, _to_device(labels, self.device)) if fn is not None else out
+                if not torch.is_tensor(loss) or loss.numel() != 1:
+                    raise PipelineError("the last stage must produce a scalar loss: give PipelineModule a "
+                                        "loss_fn(outputs, labels) or make the last layer return the loss")
+                unit.loss = loss
+                run.losses.append(loss.detach().float())
+        if not run.train and self.is_last_stage():
+            run.units.pop(a.micro_batch, None)  # forward only: nothing to keep
+
+    def _send_act(self, run: _BatchRun, a: Action) -> None:
+        unit = run.units[a.micro_batch]
+        self.link.send(unit.outputs, self.next_rank)
+        if not run.train:
+            run.units.pop(a.micro_batch, None)
+
+    def _recv_act(self, run: _BatchRun, a: Action) -> None:
+        tensors, _, is_tuple = self.link.recv(self.prev_rank, "activations", src_stage=self.stage_id - 1)
+        if run.train:
+            for t in tensors:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+        run.units[a.micro_batch] = _Unit(inputs=tensors, input_tuple=is_tuple)
+
+    def _recv_grad(self, run: _BatchRun, a: Action) -> None:
+        unit = run.units[a.micro_batch]
+        expect = [TensorMeta(tuple(t.shape), t.dtype, False) for t in unit.out_tensors if t.is_floating_point()]
+        unit.grad_out, _, _ = self.link.recv(self.next_rank, "output gradients", expect, src_stage=self.stage_id + 1)
+
+    def _send_grad(self, run: _BatchRun, a: Action) -> None:
+        unit = run.units[a.micro_batch]
+        self.link.send(tuple(unit.grad_in or []), self.prev_rank)
+        if unit.outputs is None:  # the weight pass (if any) is done too
+            run.units.pop(a.micro_batch, None)
+
+    def _roots(self, unit: _Unit) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What backward starts from: the scaled loss on the last stage, else the outputs that need a
+        gradient with the received gradients."""
+        if self.is_last_stage():
+            loss = unit.loss / self.gradient_accumulation_steps()
+            scale = self.loss_scaler.scale
+            return [loss * scale if scale != 1.0 else loss], [torch.ones_like(loss)]
+        floats = [t for t in unit.out_tensors if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floats, unit.grad_out or []) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def _input_grads(self, unit: _Unit) -> list[torch.Tensor]:
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.inputs if t.is_floating_point()]
+
+    def _backward(self, run: _BatchRun, a: Action) -> None:
+        unit = run.units[a.micro_batch]
+        roots, grads = self._roots(unit)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        unit.grad_in = self._input_grads(unit) if not self.is_first_stage() else []
+        unit.outputs, unit.out_tensors, unit.loss, unit.grad_out = None, [], None, None
+        if self.is_first_stage():
+            run.units.pop(a.micro_batch, None)
+
+    def _backward_input(self, run: _BatchRun, a: Action) -> None:
+        """ZB-H1's first half: the input gradients (and the cheap non-linear parameters' gradients); the
+        linear layers' weight GEMMs wait in ``unit.store``. Without a store: gradients of the stage inputs
+        only, the graph kept for a second traversal in the weight pass."""
+        unit = run.units[a.micro_batch]
+        if unit.store is not None:
+            roots, grads = self._roots(unit)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            unit.grad_in = self._input_grads(unit) if not self.is_first_stage() else []
+            unit.out_tensors, unit.loss, unit.grad_out = [], None, None
+            return
+        inputs = [t for t in unit.inputs if t.is_floating_point() and t.requires_grad]
+        roots, grads = self._roots(unit)
+        unit.grad_out = grads
+        if inputs and roots:
+            got = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+            by_id = {id(t): g for t, g in zip(inputs, got)}
+            unit.grad_in = [by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t)
+                            for t in unit.inputs if t.is_floating_point()]
+        else:
+            unit.grad_in = [torch.zeros_like(t) for t in unit.inputs if t.is_floating_point()]
+        unit.out_tensors = roots  # the weight pass starts from the same roots
+
+    def _backward_weight(self, run: _BatchRun, a: Action) -> None:
+        """ZB-H1's second half: parameter gradients, accumulated locally (reduced once per batch)."""
+        unit = run.units[a.micro_batch]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if unit.store is not None:
+            unit.store.run()
+        elif unit.out_tensors:
+            torch.autograd.backward(unit.out_tensors, unit.grad_out, inputs=params)
+        run.units.pop(a.micro_batch, None)  # its input gradient was sent right after the input pass
+
+    # ------------------------------------------------------------------------------------- losses
+    def _batch_loss(self, run: _BatchRun, average: bool = True, broadcast: bool = True) -> Any:
+        """The micro-batch losses averaged (or listed), averaged over dp, sent from the last stage to all."""
+        m = run.micro_batches
+        if self.is_last_stage():
+            values = torch.stack(run.losses) if run.losses else torch.zeros(m)
+        else:
+            values = torch.zeros(m, dtype=torch.float32)
+        values = values.to(self.device).float()
+        if self.dp_world_size > 1:
+            self.topology.dp.all_reduce(values)
+            values /= self.dp_world_size
+        if broadcast and self.num_stages > 1:
+            self.topology.pp.broadcast(values, src=self.num_stages - 1)
+        return values.mean() if average else list(values.unbind())
+
+
+def _as_list(value: Any) -> tuple[list[torch.Tensor], bool]:
+    if torch.is_tensor(value):
+        return [value], False
+    if isinstance(value, (tuple, list)):
+        return list(value), True
+    raise PipelineError(f"stage inputs and outputs must be tensors or tuples of tensors, got {type(value).__name__}")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value

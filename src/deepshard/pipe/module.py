@@ -1,0 +1,289 @@
+"""``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``: DeepSpeed's ``deepspeed.pipe`` model description.
+
+A pipeline model is a flat list of layers run as ``x = layer(x)``. Each process builds only the layers of
+its own stage: a ``LayerSpec`` is a recipe (class and arguments) built where it is needed, so a 20-layer
+model is never built whole on every process (parameter counts for partitioning come from a build on the
+``meta`` device, which allocates nothing). Layers given as built modules are kept only on their stage.
+
+``TiedLayerSpec(key, ...)`` layers share one module per stage per key (e.g. the embedding that also
+serves as the output head); the pipeline engine makes the copies equal at start and sums their gradients
+over the stages that hold them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from deepshard.pipe.partition import PartitionError, measure_layer_costs, parts_for
+
+
+class LayerSpec:
+    """A layer to build later, on its own stage only: ``LayerSpec(nn.Linear, 16, 16)``."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module subclass, got {typename!r}; wrap plain functions "
+                            "as a layer callable in the layers list instead")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self, log: bool = False) -> nn.Module:
+        """Construct the module."""
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose ``tied_weight_attr`` parameters are shared by every use of ``key`` (on any stage).
+    ``forward_fn(module, x)``, when given, replaces ``module(x)`` (e.g. logits from an embedding)."""
+
+    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
+                 tied_weight_attr: str | Sequence[str] = ("weight",), **module_kwargs: Any) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+    def __repr__(self) -> str:
+        return f"TiedLayerSpec({self.key!r}, {self.typename.__name__})"
+
+
+LayerEntry = Any  # nn.Module | LayerSpec | TiedLayerSpec | Callable
+
+
+class PipelineModule(nn.Module):
+    """The layers of one pipeline stage of a model described as a list of layers.
+
+    ``num_stages`` (must divide the world size: the rest is data parallelism) or ``topology`` (a
+    ``deepshard.topology.ParallelDims`` / ``Topology``) fixes the stage count; this process's stage comes
+    from its rank (pipeline-major order). ``stage_id`` (deepshard extension) picks the stage explicitly,
+    e.g. to build one stage in a test with no process group. ``partition_method``: ``parameters``
+    (default), ``uniform``, ``type:<regex>``, ``profile`` (times each layer on ``partition_sample``).
+    """
+
+    def __init__(self, layers: Sequence[LayerEntry], num_stages: int | None = None, topology: Any = None,
+                 loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
+                 base_seed: int = 1234, partition_method: str = "parameters",
+                 activation_checkpoint_interval: int = 0, activation_checkpoint_func: Callable | None = None,
+                 checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = False,
+                 stage_id: int | None = None, partition_sample: Any = None) -> None:
+        super().__init__()
+        self._layer_specs = list(layers)
+        if not self._layer_specs:
+            raise PartitionError("PipelineModule needs at least one layer")
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
+        self.dynamic_shape = dynamic_shape
+        self.partition_method = partition_method
+        self._topology = topology
+        self.num_stages, self.stage_id = _resolve_stage(num_stages, topology, stage_id)
+        self.parts = parts_for(partition_method, len(self._layer_specs), self.num_stages, self._param_counts,
+                               self._class_names, self._measured(partition_sample))
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.forward_funcs: list[Callable] = []
+        self._build_local()
+
+    # ------------------------------------------------------------------------------ construction
+    def _param_counts(self) -> list[int]:
+        counts = []
+        for entry in self._layer_specs:
+            if isinstance(entry, nn.Module):
+                counts.append(sum(p.numel() for p in entry.parameters() if p.requires_grad))
+            elif isinstance(entry, LayerSpec):
+                state = torch.get_rng_state()
+                with torch.device("meta"):
+                    module = entry.build()
+                torch.set_rng_state(state)
+                counts.append(sum(p.numel() for p in module.parameters() if p.requires_grad))
+            else:
+                counts.append(0)
+        return counts
+
+    def _class_names(self) -> list[str]:
+        names = []
+        for entry in self._layer_specs:
+            cls = entry.typename if isinstance(entry, LayerSpec) else type(entry)
+            names.append(getattr(cls, "__name__", type(entry).__name__))
+        return names
+
+    def _measured(self, sample: Any) -> Callable[[], list[float]] | None:
+        if sample is None:
+            return None
+        builders = [(lambda e=e: e.build() if isinstance(e, LayerSpec) else e) for e in self._layer_specs]
+        return lambda: measure_layer_costs(builders, sample)
+
+    def _build_local(self) -> None:
+        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        for index in range(lo, hi):
+            entry = self._layer_specs[index]
+            if isinstance(entry, (LayerSpec, nn.Module)) and self.seed_layers:
+                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+            if isinstance(entry, TiedLayerSpec):
+                if entry.key not in self.tied_modules:
+                    self.tied_modules[entry.key] = entry.build()
+                    self.tied_weight_attrs[entry.key] = entry.tied_weight_attr
+                self.forward_funcs.append(_TiedCall(self.tied_modules, entry.key, entry.forward_fn))
+            elif isinstance(entry, LayerSpec):
+                module = entry.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(entry, nn.Module):
+                self.add_module(str(index), entry)
+                self.forward_funcs.append(entry)
+            elif callable(entry):
+                self.forward_funcs.append(entry)
+            else:
+                raise TypeError(f"layer {index} is {type(entry).__name__}: use an nn.Module, a LayerSpec, a "
+                                "TiedLayerSpec or a callable")
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward(self, x: Any) -> Any:
+        """Run this stage's layers (blocks of ``activation_checkpoint_interval`` layers recomputed in
+        backward when they qualify)."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not self.training:
+            return _run(self.forward_funcs, x)
+        for start in range(0, len(self.forward_funcs), interval):
+            block = self.forward_funcs[start:start + interval]
+            if self._checkpointable(block):
+                fn = self.activation_checkpoint_func or _default_checkpoint
+                x = fn(lambda *a, b=block: _run(b, a[0] if len(a) == 1 else a), *_as_tuple(x))
+            else:
+                x = _run(block, x)
+        return x
+
+    def _checkpointable(self, block: list[Callable]) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in block)
+        return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in block)
+
+    # ------------------------------------------------------------------------- DeepSpeed methods
+    def partitions(self) -> list[int]:
+        """Stage boundaries: stage ``s`` holds layers ``parts[s]:parts[s + 1]``."""
+        return list(self.parts)
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The stage that holds layer ``layer_idx``."""
+        if not 0 <= layer_idx < len(self._layer_specs):
+            raise IndexError(f"layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
+        for stage in range(self.num_stages):
+            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
+                return stage
+        raise AssertionError("unreachable: parts cover every layer")
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def topology(self) -> Any:
+        return self._topology
+
+    def mpu(self) -> Any:
+        return None
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        self.activation_checkpoint_interval = int(interval)
+
+    def get_additional_losses(self) -> Any:
+        return None
+
+    def pipeline_state_keys(self) -> set[str]:
+        """The state-dict keys of the whole model, every stage's (built on the ``meta`` device): what a
+        checkpoint of this model may hold besides this stage's own keys."""
+        keys: set[str] = set()
+        state = torch.get_rng_state()
+        for index, entry in enumerate(self._layer_specs):
+            if isinstance(entry, LayerSpec):
+                with torch.device("meta"):
+                    module = entry.build()
+                prefix = f"tied_modules.{entry.key}." if isinstance(entry, TiedLayerSpec) else f"{index}."
+            elif isinstance(entry, nn.Module):
+                module, prefix = entry, f"{index}."
+            else:
+                continue
+            keys.update(prefix + k for k in module.state_dict())
+        torch.set_rng_state(state)
+        return keys
+
+    def tied_stages(self) -> dict[str, list[int]]:
+        """Each tied key and the stages holding a copy of it (the same on every process)."""
+        out: dict[str, list[int]] = {}
+        for index, entry in enumerate(self._layer_specs):
+            if isinstance(entry, TiedLayerSpec):
+                stage = self.stage_owner(index)
+                if stage not in out.setdefault(entry.key, []):
+                    out[entry.key].append(stage)
+        return out
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        """This stage's tied parameters of ``key`` (empty when the stage holds no copy)."""
+        if key not in self.tied_modules:
+            return []
+        module = self.tied_modules[key]
+        return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
+
+
+class _TiedCall:
+    """A tied layer's forward: ``forward_fn(module, x)`` or ``module(x)``; looks the module up each call."""
+
+    def __init__(self, modules: nn.ModuleDict, key: str, forward_fn: Callable | None) -> None:
+        self.modules, self.key, self.forward_fn = modules, key, forward_fn
+
+    def __call__(self, x: Any) -> Any:
+        module = self.modules[self.key]
+        return self.forward_fn(module, x) if self.forward_fn is not None else module(x)
+
+
+def _run(funcs: Sequence[Callable], x: Any) -> Any:
+    for f in funcs:
+        x = f(x)
+    return x
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, tuple) else (x,)
+
+
+def _default_checkpoint(fn: Callable, *args: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _resolve_stage(num_stages: int | None, topology: Any, stage_id: int | None) -> tuple[int, int]:
+    """``(num_stages, this process's stage)`` from the arguments and the process group."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    if stage_id is None and not initialized and (num_stages or getattr(getattr(topology, "dims", topology), "pp", 1)) > 1:
+        raise ValueError(f"a multi-stage PipelineModule needs torch.distributed initialized (call "
+                         "deepshard.init_distributed() first) or stage_id=<stage to build>")
+    if topology is not None:
+        dims = getattr(topology, "dims", topology)
+        if not hasattr(dims, "pp"):
+            raise TypeError(f"topology= must be a deepshard.topology.ParallelDims or Topology, got "
+                            f"{type(topology).__name__}")
+        if num_stages is not None and num_stages != dims.pp:
+            raise ValueError(f"num_stages={num_stages} disagrees with topology pp={dims.pp}; give one of them")
+        num_stages = dims.pp
+        default_stage = dims.coord(rank).pp if dims.world_size == world else 0
+    elif num_stages is None:
+        raise ValueError("PipelineModule needs num_stages=<pipeline stages> or topology=<ParallelDims>")
+    else:
+        if num_stages < 1 or (world % num_stages != 0 and stage_id is None):
+            raise ValueError(f"num_stages={num_stages} must divide the world size {world} (the rest is data "
+                             f"parallelism); launch a multiple of {num_stages} processes")
+        default_stage = rank // max(1, world // num_stages) if world % num_stages == 0 else 0
+    stage = default_stage if stage_id is None else int(stage_id)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage_id={stage} is outside 0..{num_stages - 1}")
+    return num_stages, stage

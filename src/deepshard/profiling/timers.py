@@ -1,0 +1,109 @@
+"""Step timers (``wall_clock_breakdown``) and the throughput timer (``steps_per_print``).
+
+The names follow DeepSpeed's log and monitor events: per micro-step ``fwd_microstep``,
+``bwd_microstep``, ``bwd_inner_microstep`` (autograd), ``bwd_allreduce_microstep`` (waiting for the
+gradient reduction after autograd) and ``step_microstep``; per print window the sums ``fwd``, ``bwd``,
+``bwd_inner``, ``bwd_allreduce`` and ``step``, sent to the monitors as
+``Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+TIMER_NAMES: tuple[str, ...] = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
+_SHORT = {"forward": "fwd", "backward": "bwd", "backward_inner": "bwd_inner",
+          "backward_allreduce": "bwd_allreduce", "step": "step"}
+
+
+class StepTimers:
+    """Wall time per phase, for the current micro-step and summed over the print window.
+
+    With ``synchronize`` the device is synchronized at each edge so the time is the device's, not the
+    launch's (on by ``wall_clock_breakdown``; off, the timers still run, unsynchronized and cheap)."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None) -> None:
+        self._sync = synchronize
+        self.micro: dict[str, float] = dict.fromkeys(TIMER_NAMES, 0.0)
+        self.window: dict[str, float] = dict.fromkeys(TIMER_NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        """Add the block's wall time to ``name``."""
+        if self._sync is not None:
+            self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            self.micro[name] += time.perf_counter() - start
+
+    def end_micro_step(self) -> dict[str, float]:
+        """Close the micro-step: its times (seconds) move into the window and are returned."""
+        done = dict(self.micro)
+        for name, value in done.items():
+            self.window[name] += value
+        self.micro = dict.fromkeys(TIMER_NAMES, 0.0)
+        return done
+
+    def take_window(self) -> dict[str, float]:
+        """The window's sums (seconds), and a fresh window."""
+        done, self.window = self.window, dict.fromkeys(TIMER_NAMES, 0.0)
+        return done
+
+    @staticmethod
+    def micro_line(times: dict[str, float]) -> str:
+        """DeepSpeed's per-micro-step line: ``time (ms) | fwd_microstep: .. | bwd_microstep: ..``."""
+        cells = " | ".join(f"{_SHORT[n]}_microstep: {times[n] * 1e3:.2f}" for n in TIMER_NAMES)
+        return f"time (ms) | {cells}"
+
+    @staticmethod
+    def window_line(times: dict[str, float]) -> str:
+        """DeepSpeed's per-window line: ``time (ms) | fwd: .. | bwd: .. | .. | step: ..``."""
+        return "time (ms) | " + " | ".join(f"{_SHORT[n]}: {times[n] * 1e3:.2f}" for n in TIMER_NAMES)
+
+
+class ThroughputTimer:
+    """Samples/s over optimizer steps, timed from the first forward of a step to its boundary.
+
+    The first ``skip`` steps (start-up, allocator warm-up) are left out of the running average, as
+    DeepSpeed does; ``curr`` is the last step's rate."""
+
+    def __init__(self, samples_per_step: int, synchronize: Callable[[], None], skip: int = 2) -> None:
+        self.samples_per_step = samples_per_step
+        self._sync = synchronize
+        self.skip = skip
+        self._start: float | None = None
+        self.steps = 0
+        self.total_time = 0.0
+        self.total_samples = 0
+        self.last_step_time = 0.0
+
+    def start(self) -> None:
+        """Mark the start of a step (no-op while a step is already being timed)."""
+        if self._start is None:
+            self._sync()
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark the optimizer-step boundary."""
+        if self._start is None:
+            return
+        self._sync()
+        self.last_step_time = time.perf_counter() - self._start
+        self._start = None
+        self.steps += 1
+        if self.steps > self.skip:
+            self.total_time += self.last_step_time
+            self.total_samples += self.samples_per_step
+
+    @property
+    def avg_samples_per_sec(self) -> float:
+        return self.total_samples / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def curr_samples_per_sec(self) -> float:
+        return self.samples_per_step / self.last_step_time if self.last_step_time > 0 else 0.0

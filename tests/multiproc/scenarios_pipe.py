@@ -1,0 +1,253 @@
+"""Pipeline-parallel oracle scenarios: a tiny GPT-style model (token embedding tied to the output head,
+causal attention + MLP blocks) trained by ``PipelineEngine`` against the same model in one process (same
+seed, same global batch): the same losses and the same parameters, to fp32 round-off.
+
+Each world runs many configurations (schedule x ZeRO stage x micro-batch count) one after another."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+VOCAB, HIDDEN, BLOCKS, MICRO = 13, 8, 4, 2
+
+
+class Embed(nn.Embedding):
+    """Token embedding; as the tied head, ``head`` serves logits from the same weight."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, HIDDEN)
+
+
+def head(module: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight.t()
+
+
+class Block(nn.Module):
+    """Pre-norm single-head causal attention and an MLP, both residual. No qkv bias: the key bias has a
+    zero gradient in exact arithmetic, and Adam would turn its round-off into full-size updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN)
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def layers() -> list:
+    from deepshard.pipe import LayerSpec, TiedLayerSpec
+
+    return ([TiedLayerSpec("embed", Embed)] + [LayerSpec(Block) for _ in range(BLOCKS)]
+            + [TiedLayerSpec("embed", Embed, forward_fn=head)])
+
+
+def batches(steps: int, rows: int, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches whose sequence length changes from step to step (shapes are never cached)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        tokens = torch.randint(0, VOCAB, (rows, 5 + s % 3 + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def reference(steps: int, m: int, dp: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model trained in this process on the whole global batch."""
+    from deepshard.pipe import PipelineModule
+
+    model = PipelineModule(layers(), num_stages=1, stage_id=0, loss_fn=lm_loss, seed_layers=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for x, y in batches(steps, MICRO * m * dp):
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.split(MICRO), y.split(MICRO)):
+            loss = lm_loss(model(xs), ys)
+            (loss / (m * dp)).backward()
+            total += loss.item() / (m * dp)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _data(steps: int, m: int, dp: int, dp_rank: int):
+    """This data-parallel rank's (inputs, labels) micro-batches, in order."""
+    for x, y in batches(steps, MICRO * m * dp):
+        xs, ys = x.split(MICRO), y.split(MICRO)
+        for i in range(m):
+            yield xs[dp_rank * m + i], ys[dp_rank * m + i]
+
+
+def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: float = 0.5) -> dict[str, Any]:
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=True)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": zero}, "gradient_clipping": clip, "pipeline": {"schedule": schedule}}
+    engine, _, _, _ = deepshard.initialize(model=model, config=cfg)
+    dp = engine.dp_world_size
+    it = _data(steps, m, dp, engine.topology.coord.dp)
+    losses = [float(engine.train_batch(it)) for _ in range(steps)]
+    params = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    # eval: every micro-batch's logits on the last stage, loss on every stage
+    x, y = batches(1, MICRO * m * dp, seed=11)[0]
+    mine = [(a, b) for a, b in zip(x.split(MICRO), y.split(MICRO))][engine.topology.coord.dp * m:][:m]
+    eval_loss, logits = engine.eval_batch(iter(mine), return_logits=True)
+    out = {"losses": losses, "params": params, "eval_loss": float(eval_loss), "logits": logits,
+           "stage": engine.stage_id, "dp": dp, "first": engine.is_first_stage(), "last": engine.is_last_stage(),
+           "eval_inputs": mine}
+    engine.destroy()
+    return out
+
+
+def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None:
+    """Losses and this stage's parameters as the reference's; eval_batch's logits of every micro-batch
+    and its mean loss as the reference's forward."""
+    from deepshard.pipe import PipelineModule
+
+    ref_losses, ref_params = reference(steps, m, result["dp"], clip)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert result["params"], "this stage holds no parameters"
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    ref = PipelineModule(layers(), num_stages=1, stage_id=0, loss_fn=lm_loss)
+    ref.load_state_dict(ref_params, strict=False)
+    with torch.no_grad():
+        outs = [ref(x) for x, _ in result["eval_inputs"]]
+        losses = [lm_loss(o, y) for o, (_, y) in zip(outs, result["eval_inputs"])]
+    if result["last"]:
+        assert len(result["logits"]) == m
+        for got, want in zip(result["logits"], outs):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    else:
+        assert result["logits"] is None
+    if result["dp"] == 1:  # with dp > 1 the loss is also averaged over the other ranks' micro-batches
+        assert abs(result["eval_loss"] - float(torch.stack(losses).mean())) < 1e-5
+
+
+CONFIGS_2 = [("1f1b", 0, 4), ("1f1b", 1, 3), ("gpipe", 2, 2), ("zb-h1", 2, 3), ("zb-h1", 0, 1)]
+CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
+
+
+def pp2_world(rank: int, world: int) -> list[str]:
+    """pp=2 (dp=1) under every schedule and ZeRO 0/1/2 for several micro-batch counts; then the refusals."""
+    done = []
+    for schedule, zero, m in CONFIGS_2:
+        check(train_pipeline(2, schedule, zero, m, steps=2), m, 2)
+        done.append(f"{schedule}-z{zero}-m{m}")
+    return done + mixed_precision() + errors(rank)
+
+
+def mixed_precision() -> list[str]:
+    """bf16 (ZeRO-2, fp32 masters) and fp16 (ZeRO-0, loss scaling) pipelines track the fp32 reference's
+    losses to 16-bit precision, with no skipped step."""
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    done = []
+    ref, _ = reference(3, 3, 1, 0.5)
+    for section, zero in [({"bf16": {"enabled": True}}, 2), ({"fp16": {"enabled": True, "initial_scale_power": 8}}, 0)]:
+        model = PipelineModule(layers(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": zero}, **section}
+        engine = deepshard.initialize(model=model, config=cfg)[0]
+        it = _data(3, 3, 1, 0)
+        losses = [float(engine.train_batch(it)) for _ in range(3)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-2, atol=0)
+        assert engine.skipped_steps == 0
+        engine.destroy()
+        done.append(next(iter(section)))
+    return done
+
+
+def pp_dp_world(rank: int, world: int) -> list[str]:
+    """4 processes: pp=2 x dp=2 under 1F1B and ZB-H1 with ZeRO 2 and 1, then pp=4."""
+    done = []
+    for pp, schedule, zero, m in CONFIGS_4:
+        check(train_pipeline(pp, schedule, zero, m, steps=2), m, 2)
+        done.append(f"pp{pp}-{schedule}-z{zero}-m{m}")
+    return done
+
+
+def errors(rank: int) -> list[str]:
+    """What a pipeline engine refuses, with DeepSpeed's error, and a shape mismatch named, not hung."""
+    import pytest
+
+    import deepshard
+    from deepshard.config import ConfigError
+    from deepshard.pipe import PipelineModule
+    from deepshard.pipe.engine import PipelineError
+
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    with pytest.raises(ConfigError, match="stage=3 cannot be combined with pipeline"):
+        deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss),
+                             config={**cfg, "zero_optimization": {"stage": 3}})
+    engine, _, _, _ = deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss), config=cfg)
+    for call in (engine.forward, engine.backward, engine.step):
+        with pytest.raises(PipelineError, match="Only train_batch"):
+            call(torch.zeros(1))
+    with pytest.raises(PipelineError, match="gradients disabled"), torch.no_grad():
+        engine.train_batch(iter([]))
+    engine.destroy()
+    return ["ok"]
+
+
+def _engine(pp: int, m: int, zero: int, seed_layers: bool = True):
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=seed_layers)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": zero}}
+    return model, deepshard.initialize(model=model, config=cfg)[0]
+
+
+def _step_data(step: int, m: int, dp: int, dp_rank: int):
+    """Global batch ``step`` of ``batches`` as this rank's micro-batches for an (m, dp) split."""
+    data = _data(step + 1, m, dp, dp_rank)
+    for _ in range(step * m):
+        next(data)
+    return data
+
+
+def resume_world(rank: int, world: int, directory: str) -> list[str]:
+    """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
+    uninterrupted run's next loss and parameters; no conversion step."""
+    model, engine = _engine(2, 2, zero=2)
+    engine.train_batch(_step_data(0, 2, 1, 0))
+    engine.save_checkpoint(directory, tag="t")
+    want_loss = float(engine.train_batch(_step_data(1, 2, 1, 0)))
+    mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    engine.destroy()
+    stages: list[Any] = [None] * world
+    torch.distributed.all_gather_object(stages, mine)
+    want = {k: v for stage in stages for k, v in stage.items()}  # the whole model
+    done = []
+    for pp, m, zero in [(2, 2, 2), (1, 1, 1)]:  # (stages, micro-batches per rank), dp = 2 / pp
+        model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
+        engine.load_checkpoint(directory, tag="t")
+        got_loss = float(engine.train_batch(_step_data(1, m, 2 // pp, engine.topology.coord.dp)))
+        assert abs(got_loss - want_loss) < 1e-5, (pp, got_loss, want_loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(engine.strategy.full_fp32_param(p), want[name], rtol=1e-4, atol=1e-5)
+        assert engine.global_steps == 2
+        engine.destroy()
+        done.append(f"pp{pp}")
+    return done

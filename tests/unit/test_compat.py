@@ -1,0 +1,144 @@
+"""``deepshard.compat``: ``import deepspeed`` resolves to deepshard's own objects, with distribution
+metadata; features deepshard lacks fail by name; a real DeepSpeed is never shadowed unasked."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import deepshard.compat as compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def shim():
+    compat.uninstall()
+    saved = sys.modules.pop("deepspeed", None)
+    compat.install(replace_installed=True)  # the bench extra may have installed a real DeepSpeed here
+    yield
+    compat.uninstall()
+    if saved is not None:
+        sys.modules["deepspeed"] = saved
+
+
+def test_deepspeed_names_are_deepshards_objects(shim: None) -> None:
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    import deepshard
+    import deepshard.comm
+    import deepshard.ops.adam
+    import deepshard.zero
+
+    assert deepspeed.initialize is deepshard.initialize and deepspeed.DeepSpeedEngine is deepshard.DeepShardEngine
+    assert dist.get_rank is deepshard.comm.get_rank and dist.init_distributed is deepshard.init_distributed
+    assert get_accelerator is deepshard.accelerator.get_accelerator
+    assert DeepSpeedCPUAdam is deepshard.ops.adam.DeepSpeedCPUAdam
+    assert deepspeed.zero.Init is deepshard.zero.Init and pp.GatheredParameters is deepshard.zero.GatheredParameters
+    assert pp.zero_wrapper_for_fp_tensor_constructor(torch.zeros) is torch.zeros
+    assert "WarmupLR" in VALID_LR_SCHEDULES
+    base = torch.arange(10.0)
+    cloned = clone_tensors_for_torch_save({"a": [base[:2]]})
+    assert cloned["a"][0].tolist() == [0.0, 1.0] and cloned["a"][0].untyped_storage().nbytes() == 8
+    assert not hasattr(deepshard.zero, "partition_parameters")  # deepshard's modules are left as they were
+
+
+def test_distribution_metadata(shim: None) -> None:
+    version = importlib.metadata.version("deepspeed")
+    assert version == compat.shim_version() and version.startswith(compat.DEEPSPEED_CONTRACT + "+deepshard.")
+    import deepspeed
+
+    assert deepspeed.__version__ == version
+    assert tuple(int(x) for x in version.split("+")[0].split(".")) >= (0, 9, 3)  # transformers' minimum
+
+
+def test_missing_features_fail_by_name(shim: None) -> None:
+    with pytest.raises(ImportError, match="Ulysses sequence parallelism"):
+        importlib.import_module("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    with pytest.raises(ImportError, match="parallel-group registry"):
+        exec("from deepspeed.utils import groups", {})
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("deepspeed.not_a_module")
+    import deepspeed
+
+    with pytest.raises(AttributeError, match="does not implement DeepSpeed's deepspeed.no_such_name"):
+        deepspeed.no_such_name  # noqa: B018
+
+
+def test_uninstall_forgets_the_aliases(shim: None) -> None:
+    import deepspeed  # noqa: F401
+
+    compat.uninstall()
+    assert not compat.is_installed() and "deepspeed" not in sys.modules
+
+
+def test_a_real_deepspeed_is_not_shadowed_unasked(tmp_path: Path) -> None:
+    fake = tmp_path / "deepspeed"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("REAL = True\n")
+    code = textwrap.dedent("""
+        import os, sys
+        import deepshard.compat as compat
+        try:
+            compat.install()
+        except RuntimeError as exc:
+            print("REFUSED", "replace_installed=True" in str(exc))
+        os.environ["DEEPSHARD_REPLACE_DEEPSPEED"] = "1"
+        compat.install()
+        import deepspeed
+        print("SHIM", deepspeed.initialize.__module__)
+        compat.uninstall()
+        import deepspeed
+        print("REAL", deepspeed.REAL)
+        try:
+            compat.install(replace_installed=True)
+        except RuntimeError as exc:
+            print("IMPORTED", "already imported" in str(exc))
+    """)
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin", "DEEPSHARD_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:4] == ["REFUSED True", "SHIM deepshard.bootstrap", "REAL True", "IMPORTED True"]
+
+
+def test_cpu_optimizers_are_torchs_updates() -> None:
+    from deepshard.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepshard.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepshard.ops.lion import DeepSpeedCPULion
+    from deepshard.optim.lion import Lion
+
+    cases = [(lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1, adamw_mode=True),
+              lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
+             (lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1, adamw_mode=False),
+              lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1)),
+             (lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
+             (lambda p: DeepSpeedCPUAdagrad(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
+             (lambda p: DeepSpeedCPULion(p, lr=0.1, weight_decay=0.1), lambda p: Lion(p, lr=0.1, weight_decay=0.1))]
+    for ours, theirs in cases:
+        results = []
+        for make in (ours, theirs):
+            torch.manual_seed(0)
+            w = torch.nn.Parameter(torch.randn(5))
+            start = w.detach().clone()
+            opt = make([w])
+            for _ in range(3):
+                opt.zero_grad()
+                (w ** 3).sum().backward()
+                opt.step()
+            results.append(w.detach().clone())
+        assert torch.equal(results[0], results[1]) and not torch.equal(results[0], start)  # same update, and one
+    with pytest.raises(NotImplementedError, match="bias_correction=True"):
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(1))], bias_correction=False)

@@ -1,0 +1,122 @@
+"""PipelineModule, LayerSpec, TiedLayerSpec and partitioning, with no process group (``stage_id=``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import deepshard as deepspeed
+from deepshard.pipe import LayerSpec, PartitionError, PipelineModule, TiedLayerSpec
+from deepshard.pipe.partition import balanced_parts, type_weights, uniform_parts
+
+
+class Counted(nn.Linear):
+    """A Linear that counts its constructions (to prove LayerSpecs are built on their stage only)."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.weight.device.type != "meta":
+            Counted.built += 1
+
+
+def test_balanced_parts_minimise_the_slowest_stage_and_never_leave_a_stage_empty() -> None:
+    assert balanced_parts([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert balanced_parts([10, 1, 1, 1, 1, 10], 3) == [0, 1, 5, 6]
+    assert balanced_parts([0, 0, 5, 0], 4) == [0, 1, 2, 3, 4]  # zero weights still get a stage each
+    # heavy head: the heaviest stage is as light as it can be (max 7), not an even spread of counts
+    parts = balanced_parts([1, 1, 1, 1, 1, 1, 7], 2)
+    assert parts == [0, 6, 7]
+    assert uniform_parts(7, 3) == [0, 3, 5, 7]
+    with pytest.raises(PartitionError, match="without an empty stage"):
+        balanced_parts([1, 1], 3)
+
+
+def test_type_regex_weights() -> None:
+    assert type_weights(["Embedding", "Block", "Block", "Head"], "block") == [0, 1, 1, 0]
+    with pytest.raises(PartitionError, match="matches none"):
+        type_weights(["Linear"], "Block")
+
+
+def _specs(n: int = 6) -> list:
+    return [LayerSpec(Counted, 4, 4) for _ in range(n)]
+
+
+def test_layer_specs_are_built_only_on_their_stage() -> None:
+    Counted.built = 0
+    module = PipelineModule(_specs(6), num_stages=3, stage_id=1, partition_method="uniform")
+    assert Counted.built == 2  # parameter counting builds on the meta device only
+    assert module.partitions() == [0, 2, 4, 6]
+    assert sorted(name.split(".")[0] for name, _ in module.named_parameters()) == ["2", "2", "3", "3"]
+    assert [module.stage_owner(i) for i in range(6)] == [0, 0, 1, 1, 2, 2]
+    Counted.built = 0
+    PipelineModule(_specs(6), num_stages=3, stage_id=0)  # default 'parameters' partitioning
+    assert Counted.built == 2
+
+
+def test_parameters_method_balances_parameter_counts() -> None:
+    layers = [LayerSpec(nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2),
+              LayerSpec(nn.Linear, 16, 16)]
+    assert PipelineModule(layers, num_stages=2, stage_id=0).partitions() == [0, 3, 4]
+    assert PipelineModule(layers, num_stages=2, stage_id=0, partition_method="uniform").partitions() == [0, 2, 4]
+    typed = [LayerSpec(nn.Embedding, 8, 4)] + [LayerSpec(nn.Linear, 4, 4) for _ in range(4)]
+    mod = PipelineModule(typed, num_stages=2, stage_id=0, partition_method="type:linear")
+    assert mod.partitions() == [0, 3, 5]
+
+
+def test_profile_partitioning_times_layers() -> None:
+    layers = [LayerSpec(nn.Linear, 8, 8) for _ in range(3)] + [LayerSpec(nn.Linear, 8, 512), LayerSpec(nn.Linear, 512, 8)]
+    with pytest.raises(PartitionError, match="partition_sample"):
+        PipelineModule(layers, num_stages=2, stage_id=0, partition_method="profile")
+    mod = PipelineModule(layers, num_stages=2, stage_id=0, partition_method="profile",
+                         partition_sample=torch.randn(64, 8))
+    parts = mod.partitions()
+    assert parts[0] == 0 and parts[-1] == 5 and 1 <= parts[1] <= 4
+
+
+def test_seed_layers_make_any_stage_build_the_same_values_as_the_whole_model() -> None:
+    whole = PipelineModule(_specs(4), num_stages=1, seed_layers=True)
+    last = PipelineModule(_specs(4), num_stages=2, stage_id=1, seed_layers=True, partition_method="uniform")
+    for name, p in last.named_parameters():
+        torch.testing.assert_close(p, dict(whole.named_parameters())[name], rtol=0, atol=0)
+
+
+def test_tied_layers_share_one_module_and_forward_fn() -> None:
+    layers = [TiedLayerSpec("embed", nn.Embedding, 10, 4), LayerSpec(nn.Linear, 4, 4),
+              TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda m, x: x @ m.weight.t())]
+    whole = PipelineModule(layers, num_stages=1)
+    assert len(list(whole.parameters())) == 3  # one embedding, one linear
+    out = whole(torch.tensor([[1, 2]]))
+    assert out.shape == (1, 2, 10)
+    assert whole.tied_stages() == {"embed": [0]}
+    split = PipelineModule(layers, num_stages=2, stage_id=1, partition_method="uniform")
+    assert split.partitions() == [0, 2, 3]
+    assert split.tied_stages() == {"embed": [0, 1]}
+    assert [p.shape for p in split.tied_parameters("embed")] == [torch.Size([10, 4])]
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    plain = PipelineModule([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()], num_stages=1)
+    ckpt = PipelineModule([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()], num_stages=1,
+                          activation_checkpoint_interval=2)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    ckpt(x).sum().backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_errors_and_deepspeed_import_path() -> None:
+    assert deepspeed.pipe.PipelineModule is PipelineModule
+    assert deepspeed.pipe.LayerSpec is LayerSpec and deepspeed.pipe.TiedLayerSpec is TiedLayerSpec
+    with pytest.raises(ValueError, match="num_stages"):
+        PipelineModule(_specs(2))
+    with pytest.raises(ValueError, match="torch.distributed"):
+        PipelineModule(_specs(2), num_stages=2)
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        LayerSpec(lambda: None)
+    with pytest.raises(PartitionError, match="not known"):
+        PipelineModule(_specs(2), num_stages=1, partition_method="best-effort")
