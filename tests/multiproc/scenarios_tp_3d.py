@@ -113,14 +113,15 @@ def three_d_world(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = deepshard.initialize(model=model, config=_config(), mpu=topo)
     it = _data(topo.dims.dp, topo.coord.dp)
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
+    traffic = topo.world.logger.summary()
     ref_losses, ref = _reference(topo.dims.dp)
     worst = 0.0
     for name, p in model.named_parameters():
         mine = engine.strategy.full_fp32_param(p)
         dim = tp_split_dim(p)
-        want = ref[name] if dim is None else shard_of(ref[name], dim, tp.rank, tp.size)
+        want = ref[name] if dim is None else shard_of(ref[name], dim, tp.rank, tp.size, p.tp_fused_parts)
         worst = max(worst, float((mine - want).abs().max()))
     engine.destroy()
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "params": worst,
             "stage": topo.coord.pp, "n_params": sum(1 for _ in model.parameters()),
-            "tp_traffic": topo.world.logger.summary().get("tp:all_reduce", {}).get("calls", 0)}
+            "tp_traffic": traffic.get("tp:all_reduce", {}).get("calls", 0), "traffic": traffic}

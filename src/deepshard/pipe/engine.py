@@ -11,7 +11,6 @@ Seams for 3D composition: ``engine.module`` is this stage's module, ``engine.top
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -143,12 +142,11 @@ class PipelineEngine(DeepShardEngine):
         # would not record, so the split falls back to two autograd traversals
         split = name == "zb-h1" and not self.module.activation_checkpoint_interval
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
-        start = time.perf_counter()
-        for action in self._schedule(name, m):
-            self._dispatch[action.kind](run, action)
-        self.link.wait_sends()
-        self.reduce_gradients()
-        self._timers["backward"] += time.perf_counter() - start
+        with self.tools.time("backward"):  # the engine's timers (profiling/engine_tools.py)
+            for action in self._schedule(name, m):
+                self._dispatch[action.kind](run, action)
+            self.link.wait_sends()
+            self.reduce_gradients()
         loss = self._batch_loss(run, average=True)
         self._last_loss = loss
         self.micro_steps += m
