@@ -74,6 +74,8 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     precision = precision_policy(cfg)
     client_optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)
     strategy = build_strategy(model, client_optimizer, cfg, topology, precision, accelerator)
+    if client_optimizer is not None:
+        client_optimizer.overflow = False  # type: ignore[attr-defined]  # set at every step (step.py)
     if client_optimizer is not None and strategy.stage >= 1:
         guard(client_optimizer, strategy)  # a direct optimizer.step() would update nothing: say so
     scheduler = build_lr_scheduler(cfg, client_optimizer, lr_scheduler)

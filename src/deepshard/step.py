@@ -47,6 +47,8 @@ def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossS
     state.grad_norm = norm
     state.step_applied = False
     finite = math.isfinite(norm)
+    if strategy.optimizer is not None:  # DeepSpeed's optimizers say it; Accelerate reads it (step_was_skipped)
+        strategy.optimizer.overflow = not finite  # type: ignore[attr-defined]
     if not finite and strategy.steps_in_backward:
         logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
                        "was already applied during backward and cannot be skipped", rank, state.global_steps, norm)

@@ -110,7 +110,8 @@ def overflow_world(rank: int, world: int) -> dict[str, Any]:
         after = full_weights(engine)
         changed = any(not torch.equal(before[k], after[k]) for k in before)
         record.append({"scale_before": scale_before, "scale_after": engine.loss_scale, "changed": changed,
-                       "skipped": engine.skipped_steps, "applied": engine.was_step_applied()})
+                       "skipped": engine.skipped_steps, "applied": engine.was_step_applied(),
+                       "overflow_attr": engine.optimizer.overflow})
     return {"record": record, "global_steps": engine.global_steps}
 
 

@@ -94,6 +94,7 @@ def test_fp16_overflow_skips_exactly_one_step_and_halves_scale() -> None:
         rec = rank_out["record"]
         assert [r["changed"] for r in rec] == [True, True, False, True]
         assert [r["applied"] for r in rec] == [True, True, False, True]
+        assert [r["overflow_attr"] for r in rec] == [False, False, True, False]  # optimizer.overflow (Accelerate)
         assert rec[2]["scale_after"] == rec[2]["scale_before"] / 2
         assert rec[1]["scale_after"] == rec[1]["scale_before"]
         assert rec[-1]["skipped"] == 1

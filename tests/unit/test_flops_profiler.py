@@ -152,3 +152,18 @@ def test_get_model_profile_modes_strings_and_file(tmp_path: Path) -> None:
     assert all(p.grad is None for p in model.parameters())  # the profile leaves no gradients behind
     with pytest.raises(ValueError, match="mode='generate'"):
         get_model_profile(model, input_shape=(3, 8), mode="generate")
+
+
+def test_module_attribution_across_micro_steps() -> None:
+    """An embedding (input needs no gradient) must not keep collecting the next micro-step's FLOPs."""
+    model = Tied()
+    ids = torch.randint(0, 50, (2, 5))
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    for _ in range(2):
+        model(ids).sum().backward()
+    prof.stop_profile()
+    stats = {s.name: s for s in prof.module_stats()}
+    head = linear_flops(10, 8, 50)
+    assert stats["embed"].fwd_flops == 0 and stats["head"].fwd_flops == 2 * head
+    assert stats["head"].bwd_flops == 2 * 2 * head and stats[""].bwd_flops == 2 * 2 * head

@@ -93,3 +93,30 @@ def test_model_states_follow_the_zero_table() -> None:
         assert sum(model_state_bytes(facts, stage, 4, 2, 8).values()) == bf16
     stage3 = model_state_bytes(facts, 3, 4, 2, 8, persistence_threshold=0)
     assert abs(sum(stage3.values()) - 16 * psi // 4) <= 16 * 4  # padding to a multiple of 4 per group
+
+
+def tiny_model() -> nn.Module:
+    return nn.Sequential(Block(32, False), Block(32, True))
+
+
+def tiny_inputs(micro: int) -> tuple[torch.Tensor]:
+    return (torch.randn(micro, 32),)
+
+
+def test_estimate_command(tmp_path, capsys) -> None:
+    import json
+
+    from deepshard.profiling.estimate_cli import main
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                               "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    here = "tests.unit.test_memory_estimators"
+    assert main(["--config", str(cfg), "--model", f"{here}:tiny_model", "--inputs", f"{here}:tiny_inputs",
+                 "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 2, torch.bfloat16, 2 data-parallel" in out and "estimated peak" in out
+    assert out.count("per CPU  |  per GPU |   Options") == 2
+    assert main(["--config", str(cfg), "--model", "no_colon", "--inputs", f"{here}:tiny_inputs"]) == 2
+    assert "package.module:function" in capsys.readouterr().err

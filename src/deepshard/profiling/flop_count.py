@@ -118,6 +118,7 @@ class FlopCounter:
         self._grad_handles: list[Any] = []
         self._mode: _CountMode | None = None
         self._priming = False
+        self._reset_queued = False
 
     # ---------------------------------------------------------------- window
     def start(self) -> None:
@@ -169,8 +170,17 @@ class FlopCounter:
 
     def _enter(self, name: str) -> Callable[..., None]:
         def fn(*_: Any) -> None:
+            if not self._reset_queued:
+                # a module whose inputs need no gradient (an embedding) never signals its backward's end:
+                # clear the stack when this backward finishes
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._reset_queued = True
             self._active.append(name)
         return fn
+
+    def _end_backward(self) -> None:
+        self._active.clear()
+        self._reset_queued = False
 
     def _leave(self, name: str) -> Callable[..., None]:
         def fn(*_: Any) -> None:

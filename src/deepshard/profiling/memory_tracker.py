@@ -70,6 +70,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def __enter__(self) -> "TensorMemoryTracker":
+        gc.collect()  # tensors only kept alive by unreachable cycles are not live memory
         with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
