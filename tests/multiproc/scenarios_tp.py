@@ -138,8 +138,6 @@ def tp_layers_world(rank: int, world: int) -> dict[str, Any]:
     tp4 = CommGroup(group=None, logger=CommsLogger(), name="tp")
     cfg = GPTConfig()
     out: dict[str, Any] = {"rank": rank, "labels": topo.tp.name}
-    import time
-    t0 = time.perf_counter()
     for t, group, dp_rank in ((2, topo.tp, topo.coord.dp), (4, tp4, 0)):
         for sp in (False, True):
             out[f"train_tp{t}_sp{int(sp)}"] = _train_pair(cfg, group, sp, dp_rank)
@@ -148,5 +146,4 @@ def tp_layers_world(rank: int, world: int) -> dict[str, Any]:
         out[f"linear_tp{t}"] = _linear_pair(group)
         out[f"dropout_tp{t}"] = _dropout_streams(group)
         out[f"autotp_tp{t}"] = autotp_checks(group, dp_rank)
-    out["seconds"] = time.perf_counter() - t0
     return out
