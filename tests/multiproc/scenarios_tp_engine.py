@@ -70,7 +70,13 @@ def slice_of(full: dict[str, torch.Tensor], engine: Any, tp: Any) -> dict[str, t
 
 def train(stage: int, dtype: str = "fp32") -> tuple[Any, list[float]]:
     torch.manual_seed(0)
-    engine, *_ = deepshard.initialize(model=LlamaLike(model_config()), config=config(stage, 2, dtype))
+    model = LlamaLike(model_config())
+    if stage == 2:  # DeepSpeed's API instead of the config key: the grid and the split come from it
+        engine, *_ = deepshard.initialize(model=deepshard.tp_model_init(model, tp_size=2, dtype=None),
+                                          config=config(stage, 1, dtype))
+    else:
+        engine, *_ = deepshard.initialize(model=model, config=config(stage, 2, dtype))
+    assert engine.topology.dims.tp == 2 and engine.dp_world_size == 2
     dp_rank, losses = engine.topology.coord.dp, []
     for ids in batches():
         total = torch.zeros(1)
