@@ -27,7 +27,7 @@ test: install plain-install
 plain-install:
 	tests/e2e/plain_install/check.sh $(PY) .venv-plain $(TORCH)
 
-# deepshard against torch DDP, FSDP2 and DeepSpeed (~15 min on 2 cores); make bench BENCH_ARGS=--quick for 2 min
+# deepshard against torch DDP, FSDP2 and DeepSpeed (~13 min on 2 cores); make bench BENCH_ARGS=--quick for 2 min
 bench: install
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 import deepshard
-from tests.multiproc.models import make_batches, make_model, optimizer_config
+from torch.utils.checkpoint import checkpoint
+
+from tests.multiproc.models import CLASSES, TinyNet, make_batches, make_model, optimizer_config
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
 GLOBAL_BATCH, STEPS = 8, 3
@@ -69,6 +71,30 @@ def leaf_module_hint(world: int) -> dict[str, Any]:
     return out
 
 
+class CheckpointedNet(TinyNet):
+    """TinyNet with its block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + torch.tanh(self.frozen(h))
+        h = h + checkpoint(self.block, h, use_reentrant=False)
+        logits = self.head(h * self.scale) + self.odd[:CLASSES]
+        return torch.nn.functional.cross_entropy(logits.float(), y)
+
+
+def checkpointed_stages(rank: int, world: int) -> dict[Any, Any]:
+    """Activation checkpointing (``use_reentrant=False``) at stages 0-3: losses and weights."""
+    out: dict[Any, Any] = {}
+    batches = make_batches(STEPS, GLOBAL_BATCH)
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = CheckpointedNet()
+        engine, *_ = deepshard.initialize(model=model, config=_config(stage, world))
+        losses = run_steps(engine, batches, GLOBAL_BATCH // world, 1, rank, world)
+        out[stage] = {"losses": losses, "weights": full_weights(engine)}
+    return out
+
+
 def compiled_stages(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Losses and weights of a compiled model at stages 0-3 (stage 2 through ``engine.compile()``),
     and checkpoint round trips at stage 3 (partitioned parameters): compiled -> plain and plain -> compiled, each
@@ -89,6 +115,7 @@ def compiled_stages(rank: int, world: int, tmp: str) -> dict[str, Any]:
     except NotImplementedError as exc:
         out["stage3_engine_compile"] = str(exc)
     out["leaf_hint"] = leaf_module_hint(world)
+    out["checkpointed"] = checkpointed_stages(rank, world)
     for stage in (3,):
         for save_compiled in (True, False):
             save_dir = Path(tmp) / f"s{stage}-{save_compiled}"

@@ -1,6 +1,6 @@
 """torch.compile at every ZeRO stage against the uncompiled single-process reference, checkpoints keyed
 by the original module's names whether the saving or the loading model was compiled, and (in the same
-world) the ZeRO-3 error that points to set_z3_leaf_modules."""
+world) the ZeRO-3 error that points to set_z3_leaf_modules and activation checkpointing at stages 0-3."""
 from __future__ import annotations
 
 from typing import Any
@@ -51,3 +51,8 @@ def test_a_module_reading_a_child_weight_points_to_set_z3_leaf_modules(results: 
     plain, as_leaf = results["leaf_hint"][False], results["leaf_hint"][True]
     assert "set_z3_leaf_modules(model, [ThatModuleClass])" in plain and "shape [0]" in plain
     assert as_leaf == "trained"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_activation_checkpointing_trains_like_the_reference(results: dict[Any, Any], stage: int) -> None:
+    _assert_matches(results["checkpointed"][stage], reference_run(make_batches(STEPS, GLOBAL_BATCH), clip=0.5))
