@@ -27,9 +27,10 @@ _LAZY = {
     "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
     "DeepSpeedEngine": ("deepshard.engine", "DeepShardEngine"),  # DeepSpeed's class name
     "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
+    "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
-               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing"}
+               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

@@ -64,6 +64,9 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     group), scheduler, monitor."""
     import os
 
+    from deepshard.tp.autotp import apply_tensor_parallel
+
+    apply_tensor_parallel(model, cfg.tensor_parallel, topology)  # automatic TP: split before anything else
     model.to(accelerator.device)
     broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
     extra = _prepare_pipeline(model, topology, cfg)

@@ -32,7 +32,8 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
                               "remove pipeline.stages or make them equal")
         pp = stages
     tp_section = config.get("tensor_parallel") if isinstance(config.get("tensor_parallel"), dict) else {}
-    tp = _positive(tp_section.get("autotp_size", 1) or 1, "tensor_parallel.autotp_size")
+    recorded = getattr(model, "_deepshard_tp_model_init", None) or {}  # deepshard.tp_model_init's size
+    tp = _positive(tp_section.get("autotp_size") or recorded.get("autotp_size") or 1, "tensor_parallel.autotp_size")
     dp: Optional[int] = None
     if mesh_param is not None:
         try:
@@ -95,6 +96,10 @@ def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, m
     """The process grid for this run (collective: every rank calls it)."""
     import torch.distributed as dist
 
+    if isinstance(mpu, Topology):  # a grid the caller built first (a model written with deepshard.tp layers)
+        if mesh_param is not None:
+            raise ConfigError("pass mpu= or mesh_param=, not both: each describes the whole grid")
+        return mpu
     logger = CommsLogger()
     if mpu is not None:
         if mesh_param is not None:

@@ -220,8 +220,11 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
                        "in zero_optimization (gathering the full model costs memory); nothing was saved. "
                        "Alternatively consolidate a checkpoint with deepshard.utils.zero_to_fp32")
         return False
+    from deepshard.tp.consolidate import gather_tensor_parallel
+
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
-    if engine.comm.rank == 0:
+    state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
+    if engine.comm.rank == 0 and engine.topology.coord.tp == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         target = save_dir / filename
         if filename.endswith(".safetensors"):

@@ -4,7 +4,8 @@ fragment is, so a checkpoint written on one grid loads on any other.
 A rank file lists fragments ``[name, start, numel]`` of the tensor it holds. Under ZeRO that tensor is
 the whole parameter and ``start`` the data-parallel shard's offset (version 1 had only this). Under
 tensor parallelism it is one part of the global parameter: the file's ``splits`` say ``name -> [dim,
-index, parts]`` and its ``shapes`` give the part's shape. Loading puts the parts of each name back
+index, parts]`` (plus the part sizes of a fused qkv or gate_up matrix, split part by part) and its
+``shapes`` give the part's shape. Loading puts the parts of each name back
 together (``Reassembly``), then cuts them again for the loading model's own split (``localize``), so
 tp=2 -> tp=1, tp=1 -> tp=2 and any data-parallel count work alike. Replicated copies (the same part on
 several tensor-parallel or data-parallel ranks) are read once: a file whose fragments are all known
@@ -17,18 +18,19 @@ from typing import Any, Optional
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.tp.params import shard_of, unshard
 from deepshard.zero.placement import split_of
 
 Key = tuple[str, int]  # (parameter name, tensor-parallel part index)
 
 
 def module_splits(module: torch.nn.Module) -> dict[str, list[int]]:
-    """``name -> [dim, index, parts]`` for the tensor-parallel parameters of ``module``."""
-    out: dict[str, list[int]] = {}
+    """``name -> [dim, index, parts]`` (``+ [fused part sizes]``) for the tensor-parallel parameters."""
+    out: dict[str, list[Any]] = {}
     for name, p in module.named_parameters():
         split = split_of(p)
         if split is not None:
-            out[name] = [split.dim, split.index, split.parts]
+            out[name] = [split.dim, split.index, split.parts] + ([list(split.fused)] if split.fused else [])
     return out
 
 
@@ -50,7 +52,7 @@ class Reassembly:
         self.with_optimizer = with_optimizer
         self.values: dict[Key, torch.Tensor] = {}
         self.local_shapes: dict[Key, tuple[int, ...]] = {}
-        self.splits: dict[str, tuple[int, int]] = {}
+        self.splits: dict[str, tuple[int, int, Optional[tuple[int, ...]]]] = {}
         self.optim: dict[Key, dict[str, Any]] = {}
         self.kinds: dict[str, dict[str, str]] = {}
         self.seen: set[tuple[str, int, int]] = set()
@@ -94,8 +96,9 @@ class Reassembly:
         for name, start, numel in info["fragments"]:
             key = (name, self._index(info, name))
             if name in info.get("splits", {}):
-                dim, _, parts = info["splits"][name]
-                self.splits[name] = (int(dim), int(parts))
+                split = info["splits"][name]
+                fused = tuple(int(s) for s in split[3]) if len(split) > 3 else None
+                self.splits[name] = (int(split[0]), int(split[2]), fused)
             self.local_shapes[key] = shapes[name]
             full = self.values.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=torch.float32))
             full[start:start + numel] = tensors[f"param/{name}@{start}"].float()
@@ -130,25 +133,25 @@ class Reassembly:
                     optim[name] = self.optim[(name, 0)]
                 shapes[name] = shape
                 continue
-            dim, count = self.splits[name]
+            dim, count, fused = self.splits[name]
             missing = [i for i in range(count) if (name, i) not in self.values]
             if missing:
                 raise ckpt_io.CheckpointError(f"the checkpoint holds tensor-parallel parts {sorted(set(range(count)) - set(missing))} "
                                               f"of '{name}' but not {missing}: a rank file is missing")
             local = [self.values[(name, i)].view(self.local_shapes[(name, i)]) for i in range(count)]
-            params[name] = torch.cat(local, dim=dim)
+            params[name] = unshard(local, dim, fused)
             shapes[name] = tuple(params[name].shape)
             if self.optim.get((name, 0)):
-                optim[name] = self._join_states(name, dim, count)
+                optim[name] = self._join_states(name, dim, count, fused)
         return params, optim, self.kinds, shapes
 
-    def _join_states(self, name: str, dim: int, count: int) -> dict[str, Any]:
+    def _join_states(self, name: str, dim: int, count: int, fused: Optional[tuple[int, ...]]) -> dict[str, Any]:
         first = self.optim.get((name, 0), {})
         out: dict[str, Any] = {}
         for skey, value in first.items():
             if self.kinds.get(name, {}).get(skey) == "elementwise":
                 pieces = [self.optim[(name, i)][skey].view(self.local_shapes[(name, i)]) for i in range(count)]
-                out[skey] = torch.cat(pieces, dim=dim).reshape(-1)
+                out[skey] = unshard(pieces, dim, fused).reshape(-1)
             else:
                 out[skey] = value  # scalars (a step count) are the same on every part
         return out
@@ -174,10 +177,10 @@ def localize(full: Any, module: torch.nn.Module) -> Any:
             raise ckpt_io.CheckpointError(
                 f"checkpoint tensor '{name}' has shape {tuple(value.shape)}; the model's tensor-parallel part "
                 f"{split.index}/{split.parts} along dim {split.dim} has shape {local_shape}, which does not divide it")
-        full.params[name] = value.chunk(split.parts, dim=split.dim)[split.index].contiguous()
+        full.params[name] = shard_of(value, split.dim, split.index, split.parts, split.fused).contiguous()
         for skey, state in full.optim.get(name, {}).items():
             if full.optim_kinds.get(name, {}).get(skey) == "elementwise":
-                part = state.view(value.shape).chunk(split.parts, dim=split.dim)[split.index]
+                part = shard_of(state.view(value.shape), split.dim, split.index, split.parts, split.fused)
                 full.optim[name][skey] = part.contiguous().reshape(-1)
         full.shapes[name] = local_shape
     return full

@@ -91,12 +91,13 @@ class DeepShardConfig(Section):
     aio: AIOConfig = Field(default_factory=AIOConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tensor_parallel: Any = None
+    """Automatic TP, read by ``deepshard.tp.autotp_config.parse_tp_config`` (None = not given)."""
 
     # accepted as given, not implemented (see unimplemented.py); None = not given
     autotuning: Any = None
     elasticity: Any = None
     compile: Any = None
-    tensor_parallel: Any = None
     expert_parallel: Any = None
     hybrid_engine: Any = None
     compression_training: Any = None

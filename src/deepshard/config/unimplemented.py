@@ -23,7 +23,7 @@ UNIMPLEMENTED_SCALARS: dict[str, Any] = {
 
 # Section keys (dicts): on when "enabled" is truthy, unless a rule below says otherwise.
 UNIMPLEMENTED_SECTIONS: tuple[str, ...] = (
-    "autotuning", "elasticity", "compile", "tensor_parallel", "expert_parallel", "hybrid_engine",
+    "autotuning", "elasticity", "compile", "expert_parallel", "hybrid_engine",
     "compression_training", "data_efficiency", "curriculum_learning", "eigenvalue",
     "progressive_layer_drop", "sparse_attention", "nebula", "datastates", "weight_quantization",
     "quantize_training", "timers", "zenflow", "trackio",
@@ -41,22 +41,11 @@ def _any_enabled(value: Any) -> bool:
     return any(_any_enabled(sub) for sub in value.values())
 
 
-def _tensor_parallel_on(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return False
-    sizes = [value.get("autotp_size"), value.get("tp_size")]
-    tp = value.get("tp")
-    if isinstance(tp, dict):
-        sizes.append(tp.get("tp_size"))
-    return _any_enabled(value) or any(isinstance(s, int) and s > 1 for s in sizes)
-
-
 _SECTION_RULES: dict[str, Callable[[Any], bool]] = {
     # throughput timers are on by default in DeepSpeed; not having them is no loss worth a warning
     "timers": lambda value: False,
     "compile": lambda value: isinstance(value, dict) and bool(value.get("deepcompile")
                                                               or value.get("enabled")),
-    "tensor_parallel": _tensor_parallel_on,
     # these switch on by being present
     "sparse_attention": lambda value: bool(value),
     "zenflow": lambda value: bool(value),

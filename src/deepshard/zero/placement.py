@@ -31,6 +31,9 @@ class TensorSplit:
     dim: int
     index: int
     parts: int
+    fused: Optional[tuple[int, ...]] = None
+    """A fused matrix (qkv, gate_up) split part by part: the parts' global sizes along ``dim``; the
+    slice is then ``index`` of each part, concatenated (``deepshard.tp.params.shard_of``)."""
 
 
 @dataclass
@@ -75,9 +78,11 @@ def release(params: Any, strategy: "ZeroStrategy") -> None:
             found.owner = None
 
 
-def mark_split(param: torch.Tensor, dim: int, index: int, parts: int) -> None:
-    """Declare ``param`` the ``index``-th of ``parts`` tensor-parallel slices along ``dim``."""
-    placement_of(param, create=True).split = TensorSplit(dim, index, parts)  # type: ignore[union-attr]
+def mark_split(param: torch.Tensor, dim: int, index: int, parts: int,
+               fused: Optional[tuple[int, ...]] = None) -> None:
+    """Declare ``param`` the ``index``-th of ``parts`` tensor-parallel slices along ``dim`` (of each
+    of the ``fused`` parts, when given)."""
+    placement_of(param, create=True).split = TensorSplit(dim, index, parts, fused)  # type: ignore[union-attr]
 
 
 def mark_tied(param: torch.Tensor, stages: int) -> None:
