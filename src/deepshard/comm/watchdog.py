@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -93,12 +94,12 @@ class Watchdog:
         if peer_error is None:
             head = f"did not complete within {self.timeout_s:.0f}s."
         elif kind == "mismatch":
-            first = peer_error.strip().splitlines()[0] if peer_error.strip() else "size mismatch"
-            head = (f"failed: another rank sent data of a different size ({first[:200]}): the ranks issued "
+            first = _first_line(peer_error, "size mismatch")
+            head = (f"failed: another rank sent data of a different size ({first}): the ranks issued "
                     "different collectives at this point.")
         else:
-            first = peer_error.strip().splitlines()[0] if peer_error.strip() else "connection lost"
-            head = (f"failed: another rank closed its connection ({first[:200]}): it raised an error, "
+            first = _first_line(peer_error, "connection lost")
+            head = (f"failed: another rank closed its connection ({first}): it raised an error, "
                     "exited, or its own watchdog gave up on a collective.")
         lines = [f"rank {me}: {what} (collective #{seq} of this rank) {head}"]
         reports = self._exchange_positions(f"{seq}|{what}")
@@ -139,6 +140,12 @@ class Watchdog:
 
     def _global(self, group_rank: int) -> int:
         return self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank
+
+
+def _first_line(error: str, default: str) -> str:
+    """The backend's message without its source location (``[.../pair.cc:553] Connection closed ...``)."""
+    text = error.strip().splitlines()[0] if error.strip() else default
+    return re.sub(r"^\[[^\]]*\]\s*", "", text)[:160]
 
 
 def _default_store() -> Any:
