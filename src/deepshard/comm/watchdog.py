@@ -125,12 +125,12 @@ class Watchdog:
             return None
         me = self.comm.rank
         try:
-            self._store.set(f"{_KEY}{self._global(me)}", mine)
+            self._store.set(self._key(me), mine)
             deadline = time.monotonic() + GRACE_S
             reports: dict[int, str] = {}
             while time.monotonic() < deadline and len(reports) < self.comm.size - 1:
                 for r in range(self.comm.size):
-                    key = f"{_KEY}{self._global(r)}"
+                    key = self._key(r)
                     if r != me and r not in reports and self._store.check([key]):
                         reports[r] = self._store.get(key).decode()
                 time.sleep(0.1)
@@ -138,8 +138,10 @@ class Watchdog:
             return None
         return reports
 
-    def _global(self, group_rank: int) -> int:
-        return self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank
+    def _key(self, group_rank: int) -> str:
+        """Where a rank of this group publishes its position (the group's members name the group)."""
+        members = ",".join(map(str, self.comm.peers))
+        return f"{_KEY}{members}/{self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank}"
 
 
 def _first_line(error: str, default: str) -> str:
