@@ -169,3 +169,32 @@ def test_killed_node_agent_is_detected_and_takes_its_ranks_along(tmp_path: Path)
     assert _gone(rank1), "node 1's rank outlived its agent"
     pids = rank_pids(err0)
     assert pids and all(_gone(pid) for pid in pids)
+
+
+def test_a_killed_node_is_named_even_when_a_rank_elsewhere_fails_first(tmp_path: Path) -> None:
+    """Ranks in collectives: killing node 1's agent makes node 0's rank fail at once (its peer's
+    connection closed); the report must name the lost node, not that rank."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = free_port_pair()
+    script = [str(SCRIPTS / "allreduce_forever.py")]
+    env = {"DEEPSHARD_HEARTBEAT_TIMEOUT": "8"}
+    node1 = start_node(1, hostfile, port, script, **env)
+    node0 = start_node(0, hostfile, port, script, **env)
+    try:
+        while True:
+            line = node1.stdout.readline()  # type: ignore[union-attr]
+            assert line, "node 1 ended before its rank started"
+            if re.search(r"rank 1 pid=(\d+) sleeping", line):
+                break
+        time.sleep(0.5)
+        node1.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        (rc0, out0, err0), = finish([node0], 40)
+        took = time.monotonic() - killed
+    finally:
+        finish([node1], 5)
+    assert rc0 == 1, err0
+    headline = [line for line in err0.splitlines() if line.startswith("deepshard: ")][0]
+    assert "the node agent on host node-b (node 1) sent no heartbeat" in headline, err0
+    assert took < 25, f"node 0 needed {took:.1f} s"

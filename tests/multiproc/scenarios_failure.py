@@ -143,3 +143,25 @@ def _missing_rank_file(engine: Any, rank: int, tmp: Path) -> str:
         ckpt_io.write_manifest(tmp / "partial", [p.name for p in (tmp / "partial").iterdir()])
     dist.barrier()
     return _error(lambda: engine.load_checkpoint(str(tmp), tag="partial"))
+
+
+def asymmetric_zero3(rank: int, world: int, case: str) -> str:
+    """One rank runs code the other does not, under ZeRO-3; the error each rank ends with."""
+    from tests.multiproc.models import make_token_batches, make_transformer
+    from tests.multiproc.scenarios_stage3 import z3_config
+
+    os.environ["DEEPSHARD_WATCHDOG_TIMEOUT"] = "4"
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(4 // world, 1))
+    x, y = make_token_batches(1, 4)[0]
+    start = time.monotonic()
+    try:
+        if rank == 1 and case == "extra_no_grad_forward":
+            with torch.no_grad():
+                engine(x[:2], y[:2])
+        if not (rank == 1 and case == "skipped_forward"):
+            loss = engine(x[:2], y[:2])
+            engine.backward(loss)
+        engine.step()
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_failure import checkpoint_failures
+from tests.multiproc.scenarios_failure import asymmetric_zero3, checkpoint_failures
 
 WORLD = 2
 
@@ -60,3 +60,15 @@ def test_a_missing_rank_file_is_reported_as_damage_not_as_a_strictness_problem(
     msg = ckpt[0]["missing_rank_file"]
     assert msg.startswith("CheckpointError") and "is incomplete" in msg and "zero_rank1" in msg, msg
     assert "pass load_module_strict=False" not in msg, msg
+
+
+def test_rank_asymmetric_zero3_code_ends_naming_the_other_rank_and_module() -> None:
+    """Rank 1 runs an extra forward under no_grad: gloo used to abort rank 0 on a size mismatch (or the
+    ranks exchanged the wrong groups silently); now both ranks end in seconds with the positions."""
+    outs = run_world(asymmetric_zero3, WORLD, "extra_no_grad_forward", timeout=120)
+    for me, other in ((0, 1), (1, 0)):
+        msg = outs[me]
+        assert msg.startswith("CollectiveTimeout"), msg
+        assert f"Rank {other} is waiting in a different collective" in msg, msg
+        assert "all_gather of parameter group" in msg and ("(block." in msg or "(norm)" in msg), msg
+        assert float(msg.split(" after ")[1].split("s:")[0]) < 30, msg

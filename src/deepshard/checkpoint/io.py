@@ -103,7 +103,7 @@ def _write_failure(path: Path, needed: int, err: BaseException) -> CheckpointWri
         f"{free} there); {fix}")
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None], needed: int) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], None], needed: int = 0) -> None:
     """Call ``write(tmp)`` on a temporary name next to ``path``, fsync it, then rename it to ``path``.
 
     ``needed`` is the file's size (about); a file system with less free space is refused before a byte is

@@ -9,6 +9,7 @@ tensor, an all-gather or reduce-scatter 1x the full (unsharded) tensor.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -131,9 +132,14 @@ class CommGroup:
         """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
         return self.pairwise and tensor.device.type == "cpu"
 
-    def _next_tag(self) -> int:
-        self._seq = (self._seq + 1) % pairwise.TAG_MODULUS
-        return self._seq
+    def _next_tag(self, key: int, nbytes: int, count: int = 1) -> int:
+        """The tag (first of ``count``) of the next pairwise collective: the group's sequence number mixed
+        with what the collective is (``key``: e.g. a ZeRO-3 group's index; ``nbytes``: its size). Ranks
+        that issue different collectives at the same point (rank-asymmetric code) then use different
+        tags, so their messages never meet: they wait, and the watchdog names where each rank is,
+        instead of gloo aborting the process on a size mismatch or silently exchanging the wrong data."""
+        self._seq = (self._seq + count) % pairwise.TAG_MODULUS
+        return zlib.crc32(f"{self._seq}:{key}:{nbytes}".encode()) % pairwise.TAG_MODULUS
 
     # ----------------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
@@ -145,15 +151,18 @@ class CommGroup:
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_reduce", tensor))
 
-    def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """Concatenate each rank's equally-sized ``shard`` into ``output`` (rank order)."""
+    def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                               key: int = 0):
+        """Concatenate each rank's equally-sized ``shard`` into ``output`` (rank order). ``key`` names
+        what is gathered (see ``_next_tag``)."""
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
         self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
         if self.pairwise_for(output):
-            return self._settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group,
-                                                    self._next_tag()), async_op, self._what("all_gather", output))
+            tag = self._next_tag(key, output.numel() * output.element_size())
+            return self._settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag),
+                                async_op, self._what("all_gather", output))
         work = _all_gather(output, shard, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_gather", output))
 
@@ -165,8 +174,9 @@ class CommGroup:
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
             self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
-            return self._settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group,
-                                                    self._next_tag()), async_op, self._what("all_gather", buffer))
+            tag = self._next_tag(0, buffer.numel() * buffer.element_size())
+            return self._settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group, tag),
+                                async_op, self._what("all_gather", buffer))
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
         return self.all_gather_into_tensor(buffer, mine, async_op=async_op)
@@ -178,13 +188,13 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
         if self.pairwise_for(full):
-            return self._settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group,
-                                                        self._next_tag()), async_op,
-                                self._what("reduce_scatter", full))
+            tag = self._next_tag(0, full.numel() * full.element_size())
+            return self._settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag),
+                                async_op, self._what("reduce_scatter", full))
         work = _reduce_scatter(output, full, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("reduce_scatter", full))
 
-    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int) -> pairwise.CollectiveWork:
+    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int, key: int = 0) -> Any:
         """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
         returned work's ``result`` is this rank's reduced chunk after ``wait()``. Pairwise backends send
         the pieces as they are; others copy them into one staging buffer for the native collective."""
@@ -198,8 +208,8 @@ class CommGroup:
             return pairwise.CollectiveWork([], lambda: flat)
         self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
         if self.pairwise_for(pieces[0]):
-            tag = self._seq + 1
-            self._seq = (self._seq + len(pieces)) % pairwise.TAG_MODULUS
+            nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
+            tag = self._next_tag(key, nbytes, count=len(pieces))
             work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
         else:
             staging = _padded_concat(pieces, chunk * self.size)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -93,12 +94,12 @@ class Watchdog:
         if peer_error is None:
             head = f"did not complete within {self.timeout_s:.0f}s."
         elif kind == "mismatch":
-            first = peer_error.strip().splitlines()[0] if peer_error.strip() else "size mismatch"
-            head = (f"failed: another rank sent data of a different size ({first[:200]}): the ranks issued "
+            first = _first_line(peer_error, "size mismatch")
+            head = (f"failed: another rank sent data of a different size ({first}): the ranks issued "
                     "different collectives at this point.")
         else:
-            first = peer_error.strip().splitlines()[0] if peer_error.strip() else "connection lost"
-            head = (f"failed: another rank closed its connection ({first[:200]}): it raised an error, "
+            first = _first_line(peer_error, "connection lost")
+            head = (f"failed: another rank closed its connection ({first}): it raised an error, "
                     "exited, or its own watchdog gave up on a collective.")
         lines = [f"rank {me}: {what} (collective #{seq} of this rank) {head}"]
         reports = self._exchange_positions(f"{seq}|{what}")
@@ -124,12 +125,12 @@ class Watchdog:
             return None
         me = self.comm.rank
         try:
-            self._store.set(f"{_KEY}{self._global(me)}", mine)
+            self._store.set(self._key(me), mine)
             deadline = time.monotonic() + GRACE_S
             reports: dict[int, str] = {}
             while time.monotonic() < deadline and len(reports) < self.comm.size - 1:
                 for r in range(self.comm.size):
-                    key = f"{_KEY}{self._global(r)}"
+                    key = self._key(r)
                     if r != me and r not in reports and self._store.check([key]):
                         reports[r] = self._store.get(key).decode()
                 time.sleep(0.1)
@@ -137,8 +138,16 @@ class Watchdog:
             return None
         return reports
 
-    def _global(self, group_rank: int) -> int:
-        return self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank
+    def _key(self, group_rank: int) -> str:
+        """Where a rank of this group publishes its position (the group's members name the group)."""
+        members = ",".join(map(str, self.comm.peers))
+        return f"{_KEY}{members}/{self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank}"
+
+
+def _first_line(error: str, default: str) -> str:
+    """The backend's message without its source location (``[.../pair.cc:553] Connection closed ...``)."""
+    text = error.strip().splitlines()[0] if error.strip() else default
+    return re.sub(r"^\[[^\]]*\]\s*", "", text)[:160]
 
 
 def _default_store() -> Any:

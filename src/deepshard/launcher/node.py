@@ -230,6 +230,28 @@ class _Agent:
             logger.warning("could not tell the other nodes that %s failed: %s", mine.who, exc)
             box.append(mine)
 
+    def _blame_lost_node(self, failure: JobFailure) -> JobFailure:
+        """Node 0: a rank that failed because a peer's connection closed is usually the consequence of a
+        node that vanished (its agent killed, its machine down). Watch the heartbeats for one timeout;
+        if a node went silent, the job failed because of that node, and the report says so."""
+        if self.job.node_rank != 0 or failure.kind != "rank" or not _lost_a_peer(failure.tail):
+            return failure
+        deadline = time.monotonic() + self.channel.heartbeat_timeout_s + 2 * WATCH_INTERVAL_S + 1.0
+        try:
+            while time.monotonic() < deadline:
+                lost = self.channel.lost_nodes()
+                if lost:
+                    self.lost, n = lost, lost[0]
+                    return self._abort(JobFailure(
+                        "lost", n, self.job.hosts[n], "the node agent",
+                        f"sent no heartbeat for {self.channel.heartbeat_timeout_s:.0f} s (killed, or its machine "
+                        f"is unreachable); {failure.who} on host {failure.host} then lost its connection to "
+                        "that node's ranks", 1, restartable=False))
+                time.sleep(0.2)
+        except ChannelLost:
+            pass
+        return failure
+
     def _await_others(self, attempt: int, watch: _Watch) -> JobFailure | None:
         """This node's ranks succeeded: wait until every node's did, or the job failed elsewhere."""
         try:
@@ -257,7 +279,7 @@ class _Agent:
             local = failure_from_rank(self.job, result.failure)
             if self.job.node_rank != 0 and not self.job.report_on_node0:  # node 0 reports in report()
                 print(format_job_failure(local, full=True), file=sys.stderr, flush=True)
-            return box[0] if box else local
+            return self._blame_lost_node(box[0] if box else local)
         if result.stopped_by is not None:
             return watch.failure
         return self._await_others(attempt, watch)
@@ -306,6 +328,16 @@ class _Agent:
                 self.channel.mark_exited()
         except ChannelLost:
             pass
+
+
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "closed its connection",
+              "broken pipe")
+
+
+def _lost_a_peer(tail: str) -> bool:
+    """Does a failed rank's output say a peer's connection went away (rather than an error of its own)?"""
+    text = tail.lower()
+    return any(mark in text for mark in _PEER_GONE)
 
 
 def _env_float(environ: Mapping[str, str], key: str, default: float) -> float:

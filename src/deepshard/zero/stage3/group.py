@@ -66,7 +66,8 @@ class ShardedGroup:
         if self.state is not GroupState.SHARDED:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True)
+        self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True,
+                                                      key=2 * self.index + 1)
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_for_unshard()
