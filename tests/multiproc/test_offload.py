@@ -78,12 +78,14 @@ def test_memory_report_counts_offloaded_bytes_apart(acct: dict[Any, Any], stage:
     assert ref["offloaded"] == 0 and ref["master_weights"] == 4 * shard
     assert got["master_weights"] == 0
     assert got["optimizer_state"] < 0.05 * ref["optimizer_state"]  # only Adam's scalar step counters stay
-    expected = 12 * shard + (2 * shard if stage == 3 else 0)  # masters + 2 Adam states (+ the bf16 shard)
+    # masters + 2 Adam states (stage 3: + the bf16 parameter shard and the bf16 gradient shard)
+    expected = 12 * shard + (4 * shard if stage == 3 else 0)
     frozen = got["offloaded"] - expected
     assert 0 <= frozen <= 2 * 16 * 16, (got, shard)  # stage 3 also puts the frozen layer's shard on disk
     assert (frozen == 0) == (stage == 2)
     if stage == 3:
         assert got["parameters"] == 0 and ref["parameters"] > 0
+        assert got["gradients"] == 0 and ref["gradients"] == 2 * shard  # the gradient shard is on disk too
     assert 0 < got["offload_buffers"] <= 6 * 4 * 60  # buffer_count x sub-group elements x 4 bytes
 
 

@@ -97,3 +97,40 @@ def test_states_built_with_defaults_stage_a_fraction_of_the_shard(tmp_path: Path
         assert states.pool.nbytes == numel * 4  # type: ignore[attr-defined]
     finally:
         states.close()
+
+
+# ------------------------------------------------------------------------------ the gradient shard
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_shard_on_disk_gives_the_resident_bits(tmp_path: Path, dtype: torch.dtype,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same reduce sequence (two micro-batches, one group getting no gradient the first time)
+    leaves the same values, pieces and norm on disk as in memory; zero_ starts over."""
+    from deepshard.zero.offload.backing import FileBacking
+    from deepshard.zero.offload.grad_store import OffloadedGradShard, ResidentGradShard
+    from deepshard.zero.offload.swapper import AsyncSwapper
+    from deepshard.zero.stage12 import squared_norm
+
+    ranges = [(0, 40), (40, 25), (65, 35)]
+    chunk = 16  # the norm's chunks straddle the ranges, as NORM_CHUNK does in a real shard
+    monkeypatch.setattr("deepshard.zero.stage12.NORM_CHUNK", chunk)
+    backing = FileBacking(AsyncSwapper(tmp_path, 0, AioSettings(block_size=64, queue_depth=2, thread_count=2)))
+    disk = OffloadedGradShard(backing, 100, dtype, torch.device("cpu"), ranges, chunk)
+    mem = ResidentGradShard(100, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for micro, groups in enumerate(([0, 2], [2, 1, 0])):
+            for gi in groups:
+                start, numel = ranges[gi]
+                values = torch.randn(numel, generator=gen).to(dtype)
+                for store in (disk, mem):
+                    store.accumulate(start, values.clone(), 0.5 if micro else 1.0)
+            spans = [(3, 30), (40, 25), (90, 10)]
+            assert all(torch.equal(a, b) for a, b in zip(disk.pieces(spans), mem.pieces(spans)))
+            cpu = torch.device("cpu")
+            assert torch.equal(squared_norm(disk.norm_sources(), cpu), squared_norm(mem.norm_sources(), cpu))
+        assert mem.nbytes() == 100 * mem.tensor.element_size() and disk.nbytes() == 0
+        for store in (disk, mem):
+            store.zero_()
+        assert torch.equal(disk.pieces([(0, 100)])[0], torch.zeros(100, dtype=dtype))
+    finally:
+        backing.close()

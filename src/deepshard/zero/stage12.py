@@ -11,7 +11,7 @@ After the update each bucket is rebuilt on every rank with one all-gather of the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -35,7 +35,7 @@ from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 
 
-def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def squared_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of ``tensors`` in fp32 (a 1-element tensor), a chunk at a time so no fp32 copy of
     a whole (16-bit) gradient shard is ever made: that copy would be the largest allocation of an
     offloaded step."""
@@ -163,7 +163,7 @@ class Stage12Strategy(ZeroStrategy):
         self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
         self._after_update()
 
-    def _grad_shards(self) -> list[torch.Tensor]:
+    def _grad_shards(self) -> Iterable[torch.Tensor]:
         """This rank's reduced gradient ranges (what the global norm is taken over)."""
         return self.reducer.shard_grads()
 

@@ -7,6 +7,7 @@ import torch
 
 from deepshard.utils.logging import logger
 from deepshard.zero.offload.backing import Backing, FileBacking, HostBacking
+from deepshard.zero.offload.grad_store import GradShard, OffloadedGradShard, ResidentGradShard
 from deepshard.zero.offload.param_store import OffloadedParamStore, ParamStore, ResidentParamStore
 from deepshard.zero.offload.policy import CpuOffload, NvmeOffload, OffloadPolicy
 from deepshard.zero.offload.sizing import StagingPlan, local_processes, plan_staging
@@ -53,3 +54,13 @@ def make_param_store(policy: OffloadPolicy, numel: int, dtype: torch.dtype, devi
     if backing is None:
         return ResidentParamStore(numel, dtype, device)
     return OffloadedParamStore(numel, dtype, device, backing, bool(getattr(policy, "pin_memory", False)))
+
+
+def make_grad_shard(states: ShardStates, numel: int, dtype: torch.dtype, device: torch.device,
+                    ranges: list[tuple[int, int]], norm_chunk: int) -> GradShard:
+    """Where ZeRO-3's reduced gradients wait for the step: in the optimizer's swap files when its states
+    are on disk (the step reads them there, a sub-group at a time), else on the device."""
+    backing = getattr(states, "backing", None)
+    if isinstance(backing, FileBacking) and numel > 0:
+        return OffloadedGradShard(backing, numel, dtype, device, ranges, norm_chunk)
+    return ResidentGradShard(numel, dtype, device)

@@ -21,14 +21,15 @@ from deepshard.zero.stage3.group import ShardedGroup
 
 class Stage3Reducer:
     def __init__(self, groups: list[ShardedGroup], shard_offsets: list[int], comm: CommGroup,
-                 grad_shard: torch.Tensor, comm_dtype: torch.dtype | None, predivide: float, average: bool,
+                 accumulate: Callable[[int, torch.Tensor, float], None], comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
                  on_reduced: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        """``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk
-        instead of adding it into ``grad_shard`` (an optimizer step in backward)."""
+        """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
+        ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
+        (an optimizer step in backward)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
         self.on_reduced = on_reduced
-        self.grad_shard = grad_shard
+        self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
         self.post = averaging_factor(predivide, comm.size, average)
         self.waiter = waiter
@@ -73,8 +74,7 @@ class Stage3Reducer:
             chunk = item.work.result
             self.on_reduced(item.index, chunk.mul_(self.post) if self.post != 1.0 else chunk)
             return
-        off = self.offsets[item.index]
-        self.grad_shard[off:off + group.chunk].add_(item.work.result, alpha=self.post)
+        self.accumulate(self.offsets[item.index], item.work.result, self.post)
 
     def end_backward(self) -> None:
         for gi in range(len(self.groups)):

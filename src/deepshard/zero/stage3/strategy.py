@@ -13,7 +13,7 @@ release it after; gradients are reduce-scattered group by group (``reduce.py``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -23,13 +23,14 @@ from deepshard.checkpoint.matching import check_names
 from deepshard.checkpoint.module_state import (checkpoint_names_vs_model, frozen_param_names, module_shapes,
                                                param_aliases)
 from deepshard.precision.cast import cast_buffers
-from deepshard.zero.offload.factory import make_param_store, make_shard_states
+from deepshard.zero.offload.factory import make_grad_shard, make_param_store, make_shard_states
+from deepshard.zero.offload.grad_store import GradShard
 from deepshard.zero.offload.param_store import ParamStore
 from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.stage12 import Stage12Strategy, squared_norm
+from deepshard.zero.stage12 import NORM_CHUNK, Stage12Strategy, squared_norm
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -96,19 +97,22 @@ class Stage3Strategy(Stage12Strategy):
             if g.numel <= threshold:
                 g.persistent = True
                 g.unshard(async_op=False)
-        self.grad_shard = torch.zeros(0 if step_in_backward else self.layout.shard_numel, dtype=policy.param_dtype,
-                                      device=ctx.device)
+        offsets = [self.layout.shard_offset(b) for b in self.layout.buckets]
+        self.grads: GradShard = make_grad_shard(
+            self.states, 0 if step_in_backward else self.layout.shard_numel, policy.param_dtype, ctx.device,
+            [(off, g.chunk) for off, g in zip(offsets, self.groups)], NORM_CHUNK)
         self._fused_sq = torch.zeros(1, dtype=torch.float32, device=ctx.device)  # sum of squares, step in backward
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(comm.size)
-        offsets = [self.layout.shard_offset(b) for b in self.layout.buckets]
-        self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grad_shard, policy.comm_dtype, predivide,
+        self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grads.accumulate, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait,
                                      on_reduced=self._step_group if step_in_backward else None)
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance))
         self._build_fragments()
+        if not step_in_backward:
+            self.frag_grad_src = self.grads.pieces([(f.shard_start, f.numel) for f in self.fragments])
         self._pieces_of_group: list[list[int]] = [[] for _ in self.layout.buckets]
         for i, f in enumerate(self.fragments):
             self._pieces_of_group[self.layout.slots[f.slot].bucket].append(i)
@@ -189,9 +193,8 @@ class Stage3Strategy(Stage12Strategy):
         return out
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
-        if self.steps_in_backward:  # no gradient shard is kept
-            return self.grad_shard
-        return self.grad_shard[f.shard_start:f.shard_start + f.numel]
+        """A placeholder: the pieces' gradients come from ``self.grads`` (none with a step in backward)."""
+        return torch.zeros(0, dtype=self.ctx.precision.param_dtype, device=self.ctx.device)
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -220,8 +223,8 @@ class Stage3Strategy(Stage12Strategy):
             if g.users == 0:
                 g.reshard()
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shard]
+    def _grad_shards(self) -> Iterable[torch.Tensor]:
+        return self.grads.norm_sources()
 
     def global_grad_norm(self, loss_scale: float) -> float:
         if not self.steps_in_backward:
@@ -251,7 +254,7 @@ class Stage3Strategy(Stage12Strategy):
         self.param_store.write(start, values)
 
     def zero_grad(self) -> None:
-        self.grad_shard.zero_()
+        self.grads.zero_()
         self._fused_sq.zero_()
         for p in self.params:
             p.grad = None
@@ -321,7 +324,7 @@ class Stage3Strategy(Stage12Strategy):
         placed, shard, frozen = self.states.memory(), self.param_store.memory(), self.frozen_store.memory()
         return {
             "parameters": shard["parameters"] + frozen["parameters"],
-            "gradients": self.grad_shard.numel() * self.grad_shard.element_size(),
+            "gradients": self.grads.nbytes(),
             "master_weights": placed["master_weights"],
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "buffers": tensor_bytes(self.module.buffers()),

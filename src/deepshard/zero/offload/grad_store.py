@@ -1,0 +1,132 @@
+"""Where ZeRO-3 keeps this rank's reduced gradient shard between backward and the optimizer step.
+
+- :class:`ResidentGradShard`: one tensor on the compute device (ZeRO-3 without disk offload).
+- :class:`OffloadedGradShard`: the shard in the optimizer's swap backing, next to the master weights
+  and optimizer states (ZeRO-Infinity). Each group's reduced chunk is written as soon as its
+  reduce-scatter is done (added to what earlier micro-batches left there, when accumulating); the norm
+  reads it back in the same chunks the resident norm uses, so both give the same bits; the optimizer
+  reads each piece's gradient when its sub-group is updated. Nothing shard-sized stays in memory: in
+  fp32 training that is 4Ψ/N bytes, the largest resident tensor of an offloaded step.
+
+Ranges are the gradient groups' chunks (``ranges``): every backward writes each of them once, and a
+range not written since ``zero_`` reads as zeros.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.swapper import IOOp
+
+GRADS = "grads"
+
+
+class ResidentGradShard:
+    """The gradient shard as one device tensor."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device)
+
+    def accumulate(self, start: int, values: torch.Tensor, alpha: float) -> None:
+        """Add ``alpha * values`` to the range at ``start``."""
+        self.tensor[start:start + values.numel()].add_(values, alpha=alpha)
+
+    def pieces(self, spans: list[tuple[int, int]]) -> Sequence[torch.Tensor]:
+        """Views of the ``(start, numel)`` ranges."""
+        return [self.tensor[s:s + n] for s, n in spans]
+
+    def norm_sources(self) -> Iterator[torch.Tensor]:
+        """What the gradient norm is taken over."""
+        yield self.tensor
+
+    def zero_(self) -> None:
+        self.tensor.zero_()
+
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class OffloadedGradShard:
+    """The gradient shard in ``backing`` (see the module docstring)."""
+
+    def __init__(self, backing: Backing, numel: int, dtype: torch.dtype, device: torch.device,
+                 ranges: Sequence[tuple[int, int]], norm_chunk: int) -> None:
+        self.backing, self.numel, self.dtype, self.device = backing, numel, dtype, device
+        self.ranges = [(s, n) for s, n in ranges if n > 0]
+        self.norm_chunk = norm_chunk
+        self.written: set[int] = set()
+        self._pending: list[IOOp] = []
+        backing.create(GRADS, dtype, numel)
+
+    def _write(self, start: int, values: torch.Tensor) -> None:
+        self._pending = [op for op in self._pending if not op.done()]
+        self._pending.append(self.backing.write(GRADS, start, values))
+        self.written.add(start)
+
+    def _wait_writes(self) -> None:
+        """Wait for this shard's own writes (not the optimizer's, which overlap the step)."""
+        pending, self._pending = self._pending, []
+        for op in pending:
+            op.wait()
+
+    @torch.no_grad()
+    def accumulate(self, start: int, values: torch.Tensor, alpha: float) -> None:
+        """Add ``alpha * values`` to the range at ``start``; the first time since ``zero_``, to zeros
+        (the same arithmetic as the resident shard's ``add_``, so the same bits)."""
+        values = values.to("cpu", self.dtype)
+        if start in self.written:
+            self._wait_writes()
+            base = self.backing.read_copy(GRADS, start, values.numel())
+        else:
+            base = torch.zeros(values.numel(), dtype=self.dtype)
+        self._write(start, base.add_(values, alpha=alpha))
+
+    def _materialize(self) -> None:
+        """Zeros for the ranges no backward has written since ``zero_``; then wait for the writes."""
+        for start, numel in self.ranges:
+            if start not in self.written:
+                self._write(start, torch.zeros(numel, dtype=self.dtype))
+        self._wait_writes()
+
+    def piece(self, start: int, numel: int) -> torch.Tensor:
+        """A fresh copy of the range's gradient (read from the backing)."""
+        self._materialize()
+        return self.backing.read_copy(GRADS, start, numel).to(self.device)
+
+    def pieces(self, spans: list[tuple[int, int]]) -> Sequence[torch.Tensor]:
+        """The ``(start, numel)`` ranges, each read when indexed."""
+        return LazyPieces(self, spans)
+
+    def norm_sources(self) -> Iterator[torch.Tensor]:
+        """The shard in ``norm_chunk`` pieces, each read as the norm reaches it (the chunks the resident
+        norm squares, so the sum is the same)."""
+        self._materialize()
+        for lo in range(0, self.numel, self.norm_chunk):
+            yield self.backing.read_copy(GRADS, lo, min(self.norm_chunk, self.numel - lo)).to(self.device)
+
+    def zero_(self) -> None:
+        self._wait_writes()
+        self.written.clear()
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class LazyPieces(Sequence[torch.Tensor]):
+    """``pieces[i]``: piece ``i``'s gradient, read when asked for (the list-like the optimizer step and
+    ``safe_get_full_grad`` index)."""
+
+    def __init__(self, store: OffloadedGradShard, spans: list[tuple[int, int]]) -> None:
+        self.store, self.spans = store, spans
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        start, numel = self.spans[i]
+        return self.store.piece(start, numel)
+
+
+GradShard = ResidentGradShard | OffloadedGradShard
