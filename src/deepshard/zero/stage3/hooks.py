@@ -13,6 +13,15 @@ Three knobs bound what is gathered at once (persistent groups do not count, they
 - ``max_reuse`` (``stage3_max_reuse_distance``): at the end of forward, a group whose next use (in
   backward) is fewer than this many gathered elements away, and closer than the prefetch window, is
   kept instead of released and gathered again at once (so what is kept never exceeds the window).
+
+Activation checkpointing runs a module's forward again inside backward (the recompute). There the
+hooks gather what the recompute needs and release, when the module's forward returns, only what they
+gathered themselves: a group backward has already gathered (or prefetched) stays for backward. The
+recompute does not count as a user and prefetches nothing: PyTorch's non-reentrant checkpoint stops
+the recompute, by an exception, as soon as the last saved tensor is rebuilt, so the post-forward
+hook of the module it stops in never runs (a count would never come back down), and the groups
+that follow in forward order have finished their backward already. A group the stopped module
+gathered is released with the others once its gradients are reduced.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ class Stage3Hooks:
         self._position: dict[int, int] = {}
         self._after: list[int] = []  # per order position: gathered elements used after it in forward
         self.recording = True
+        # per module: the groups each of its recomputes (forward inside backward) gathered, to release
+        self._recomputed: dict[int, list[list[ShardedGroup]]] = {}
         self.handles: list[Any] = []
         for m in module.modules():
             groups = groups_of.get(id(m))
@@ -50,6 +61,9 @@ class Stage3Hooks:
 
     # ----------------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
+        if _in_backward():
+            self._pre_recompute(groups, module)
+            return
         for g in groups:
             g.users += 1
             g.unshard()
@@ -70,10 +84,36 @@ class Stage3Hooks:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
+        if _in_backward():
+            self._post_recompute(module)
+            return
         for g in groups:
             g.users -= 1
             if g.users == 0 and not (training and self._reused_soon(g)):
                 g.reshard()
+
+    # ----------------------------------------------------------------- recompute (checkpointing)
+    def _pre_recompute(self, groups: list[ShardedGroup], module: torch.nn.Module) -> None:
+        """Gather what the recompute of ``module`` needs; remember which groups this gathered."""
+        mine = [g for g in groups if g.state is GroupState.SHARDED]
+        for g in groups:
+            g.unshard()
+        for g in groups:
+            g.wait_for_unshard()
+        self._recomputed.setdefault(id(module), []).append(mine)
+
+    def _post_recompute(self, module: torch.nn.Module) -> None:
+        """Release what ``module``'s recompute gathered (unless something else uses it now)."""
+        stack = self._recomputed.get(id(module))
+        if not stack:
+            return
+        for g in stack.pop():
+            if g.users == 0:
+                g.reshard()
+
+    def end_backward(self) -> None:
+        """Forget recomputes that were stopped early (their groups are released by the caller)."""
+        self._recomputed.clear()
 
     def _reused_soon(self, g: ShardedGroup) -> bool:
         """Whether ``g``'s next use, in backward, comes within the reuse distance and the prefetch
@@ -134,6 +174,12 @@ class Stage3Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread: a module forward then is
+    activation checkpointing's recompute (reentrant or not)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _eager(hook: Any) -> Any:

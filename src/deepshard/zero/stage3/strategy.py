@@ -219,6 +219,7 @@ class Stage3Strategy(Stage12Strategy):
 
     def end_backward(self) -> None:
         self.reducer.end_backward()
+        self.hooks.end_backward()
         for g in self.groups + self.frozen_groups:
             if g.users == 0:
                 g.reshard()
