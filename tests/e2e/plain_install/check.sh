@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 PY="${1:-python3}"
-VENV="${2:-$ROOT/.venv-plain}"
+VENV="$(realpath -m "${2:-$ROOT/.venv-plain}")"  # absolute: the check runs from a scratch directory
 TORCH="${3:-torch==2.13.0}"
 STAMP="$VENV/.installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
