@@ -23,11 +23,12 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
     """The grid for ``world_size`` ranks from ``mesh_param=(dp, tp)``, the model's pipeline stages and
     the config's grid keys. Conflicting sources raise, naming both."""
     pp = int(getattr(model, "num_stages", 1) or 1)
-    stages = (config.get("pipeline") or {}).get("stages", "auto") if isinstance(config.get("pipeline"), dict) else "auto"
+    section = config.get("pipeline") if isinstance(config.get("pipeline"), dict) else {}
+    stages = section.get("stages", "auto")
     if stages != "auto" and stages is not None and hasattr(model, "num_stages"):
         # (with a plain model the section changes nothing: config/inert.py says so)
         stages = _positive(stages, "pipeline.stages")
-        if hasattr(model, "num_stages") and stages != pp:
+        if stages != pp:
             raise ConfigError(f"pipeline.stages is {stages} but the PipelineModule was built with num_stages={pp}; "
                               "remove pipeline.stages or make them equal")
         pp = stages
@@ -88,8 +89,8 @@ def topology_from_mpu(mpu: Any, logger: CommsLogger) -> Topology:
     pp = wrap(pp_group, pp_size, "pp")
     mp_group = _mpu_call(mpu, "get_model_parallel_group") if pp_size > 1 else tp_group
     mp = wrap(mp_group, pp_size * tp_size, "model_parallel")
-    return Topology(dims=dims, rank=dist.get_rank(), coord=coord, world=world, dp=CommGroup(dp_group, logger, name="dp"),
-                    tp=tp, pp=pp, model_parallel=mp)
+    dp = CommGroup(dp_group, logger, name="dp")
+    return Topology(dims=dims, rank=dist.get_rank(), coord=coord, world=world, dp=dp, tp=tp, pp=pp, model_parallel=mp)
 
 
 def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, mesh_param: Any = None) -> Topology:

@@ -136,8 +136,9 @@ class Reassembly:
             dim, count, fused = self.splits[name]
             missing = [i for i in range(count) if (name, i) not in self.values]
             if missing:
-                raise ckpt_io.CheckpointError(f"the checkpoint holds tensor-parallel parts {sorted(set(range(count)) - set(missing))} "
-                                              f"of '{name}' but not {missing}: a rank file is missing")
+                present = sorted(set(range(count)) - set(missing))
+                raise ckpt_io.CheckpointError(f"the checkpoint holds tensor-parallel parts {present} of '{name}' but not "
+                                              f"{missing}: a rank file is missing")
             local = [self.values[(name, i)].view(self.local_shapes[(name, i)]) for i in range(count)]
             params[name] = unshard(local, dim, fused)
             shapes[name] = tuple(params[name].shape)
