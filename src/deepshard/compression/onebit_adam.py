@@ -171,7 +171,14 @@ class OneBitAdam(CompressedCommOptimizer):
             denom = (state["exp_avg_sq"] / bc2_sqrt ** 2).add_(group["eps"]).sqrt_()
         else:
             denom = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
+        if step <= self.freeze_step:
+            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
+            return
+        # a coordinate with no gradient in the whole warm-up has v = 0: its compressed momentum is the sign
+        # compressor's noise (+-scale where the true value is 0), and dividing that by eps would throw the
+        # weight away, so such coordinates are held where they are
+        update = (state["exp_avg"] / denom).masked_fill_(state["exp_avg_sq"] == 0, 0.0)
+        p.add_(update, alpha=-group["lr"] / bc1)
 
     def _average_momenta(self, momenta: list[torch.Tensor]) -> None:
         if self.comm is None or self.comm.size == 1 or not momenta:
