@@ -12,6 +12,28 @@ from typing import Any
 from deepshard.autotuning.probe import ENV
 
 
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End a trial: SIGTERM to the launcher (it forwards it to its ranks), then SIGKILL to whatever of
+    the launcher and its descendants is still there after ``grace`` seconds."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def run_trial(launcher_args: list[str], script_args: list[str], exp_dir: Path, spec: dict[str, Any],
               timeout: float) -> tuple[str, dict[str, Any], str]:
     """Run ``deepshard <launcher_args> <script_args>`` with the probe spec; returns (status, metrics,
@@ -29,8 +51,7 @@ def run_trial(launcher_args: list[str], script_args: list[str], exp_dir: Path, s
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-            proc.wait()
+            stop(proc)
             return "timeout", {}, f"stopped after {timeout:.0f} s (log: {log_path})"
     if code != 0:
         tail = log_path.read_text(errors="replace")[-4000:]
