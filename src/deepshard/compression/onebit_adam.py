@@ -104,12 +104,8 @@ class OneBitAdam(CompressedCommOptimizer):
     @property
     def steps_done(self) -> int:
         """Optimizer steps applied so far (restored with the optimizer state from a checkpoint)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                step = self.state.get(p, {}).get("step")
-                if step is not None:
-                    return int(step)
-        return 0
+        steps = [int(state["step"]) for state in self.state.values() if "step" in state]
+        return max(steps, default=0)
 
     @property
     def reduces_gradients(self) -> bool:
@@ -135,16 +131,22 @@ class OneBitAdam(CompressedCommOptimizer):
             with torch.enable_grad():
                 loss = closure()
         compressed = self.reduces_gradients
-        pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if compressed:
+            # every rank must exchange the same tensors: a parameter without a gradient here contributes zero
+            # to the average, as it would to an all-reduced gradient
+            pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        else:
+            pairs = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p, group in pairs:
-            self._fold_gradient(p, group, frozen=compressed)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            self._fold_gradient(p, grad, group, frozen=compressed)
         if compressed:
             self._average_momenta([self.state[p]["exp_avg"] for p, _ in pairs])
         for p, group in pairs:
             self._update(p, group)
         return loss
 
-    def _fold_gradient(self, p: torch.Tensor, group: dict[str, Any], frozen: bool) -> None:
+    def _fold_gradient(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], frozen: bool) -> None:
         """Decay the weights, count the step, fold the gradient into ``m`` (and into ``v`` unless frozen)."""
         state = self.state[p]
         if not state:
@@ -154,9 +156,9 @@ class OneBitAdam(CompressedCommOptimizer):
         beta1, beta2 = group["betas"]
         state["step"] += 1
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        state["exp_avg"].lerp_(p.grad, 1 - beta1)
+        state["exp_avg"].lerp_(grad, 1 - beta1)
         if not frozen:
-            state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad.conj(), value=1 - beta2)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
