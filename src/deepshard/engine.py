@@ -267,12 +267,12 @@ class DeepShardEngine(torch.nn.Module):
         self.tools.after_step(self, boundary)
         if boundary:
             self._report_step()
-            if self._autotune is not None:
-                self._autotune.after_step(self)
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         optimizer_step(self._strategy(), self.state, self.loss_scaler, float(self._config.gradient_clipping or 0.0),
                        self.lr_scheduler, self.train_batch_size(), self.global_rank, lr_kwargs)
+        if self._autotune is not None:  # an autotuning trial: measure, and end the run at its last step
+            self._autotune.after_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""
