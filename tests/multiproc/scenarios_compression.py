@@ -114,9 +114,9 @@ def raw_exchange(rank: int, world: int, rounds: int = 60) -> dict[str, Any]:
             "summary": comm.logger.summary(), "wire": exchange.wire_bytes(), "state_bytes": exchange.state_bytes()}
 
 
-def onebit_world(rank: int, world: int) -> dict[str, Any]:
+def onebit_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Every 1-bit Adam check of one 2-process world."""
-    return {"raw": raw_exchange(rank, world), "exact": train_onebit(rank, world, exact=True),
+    return {"resume": resume(rank, world, tmp), "raw": raw_exchange(rank, world), "exact": train_onebit(rank, world, exact=True),
             "compressed": train_onebit(rank, world, exact=False),
             "bf16": train_onebit(rank, world, exact=False, dtype="bf16"),
             "teacher": teacher_world(rank, world), "refused": refused_stage(rank, world)}
@@ -131,3 +131,25 @@ def refused_stage(rank: int, world: int) -> str:
         return str(exc)
     return "not refused"
 
+
+
+def resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Save after a compressed step, load into a fresh engine: the state (momentum, frozen variance, step)
+    comes back, the compression errors start from zero, and training goes on compressed."""
+    config = onebit_config()
+    engine, _, _, _ = deepshard.initialize(model=make_model(), config=config)
+    batches = make_batches(6, 8)
+    run_steps(engine, batches[:5], 2, 2, rank, world)
+    engine.save_checkpoint(tmp, tag="t")
+    saved_state = {k: v.clone() for k, v in engine.optimizer.state[engine.optimizer.param_groups[0]["params"][0]].items()}
+    fresh, _, _, _ = deepshard.initialize(model=make_model(seed=7), config=config)
+    fresh.load_checkpoint(tmp, tag="t")
+    loaded = fresh.optimizer.state[fresh.optimizer.param_groups[0]["params"][0]]
+    same_state = all(torch.equal(saved_state[k], loaded[k]) for k in saved_state)
+    out = {"same_state": same_state, "errors_reset": fresh.optimizer.exchange is None,
+           "compressing": fresh.optimizer.reduces_gradients,
+           "same_weights": all(torch.equal(a, b) for a, b in zip(full_weights(engine).values(),
+                                                                  full_weights(fresh).values()))}
+    out["losses"] = run_steps(fresh, batches[5:], 2, 2, rank, world)
+    out["volume"] = fresh.comms_logger.summary()
+    return out

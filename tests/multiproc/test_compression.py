@@ -27,8 +27,8 @@ RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def world() -> list[dict[str, Any]]:
-    return run_world(onebit_world, 2, timeout=240)
+def world(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return run_world(onebit_world, 2, str(tmp_path_factory.mktemp("onebit")), timeout=240)
 
 
 def _frozen_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -99,3 +99,11 @@ def test_compressed_average_alone(world: list[dict[str, Any]]) -> None:
 
 def test_other_stages_are_refused_naming_the_key(world: list[dict[str, Any]]) -> None:
     assert "zero_optimization.stage 0, got 2" in world[0]["refused"]
+
+
+def test_checkpoint_resume_keeps_the_state_and_resets_the_errors(world: list[dict[str, Any]]) -> None:
+    resumed = world[0]["resume"]
+    assert resumed["same_state"] and resumed["same_weights"]  # exp_avg, the frozen exp_avg_sq, step
+    assert resumed["errors_reset"] and resumed["compressing"]  # not saved, as in DeepSpeed; still compressed
+    assert "all_to_all" in resumed["volume"] and "all_reduce" not in resumed["volume"]
+    assert all(loss == loss and loss < 10 for loss in resumed["losses"])
