@@ -10,6 +10,7 @@ import torch
 from deepshard.accelerator import DeviceAccelerator as Accelerator, get_accelerator
 from deepshard.comm.group import CommGroup  # noqa: F401  (broadcast_module's type)
 from deepshard.compile import adopt_compiled
+from deepshard.compression.onebit_adam import check_compressed_setup
 from deepshard.config import ConfigError, DeepShardConfig, dtype_from_name, load_config, resolve_config_source
 from deepshard.config.inert import warn_unused_pipeline
 from deepshard.config.loader import read_config_source
@@ -168,6 +169,7 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     if step_in_backward and topology.model_parallel.size > 1:
         raise ConfigError(f"zero_optimization.optimizer_step_in_backward=true cannot be used on {topology.dims}: "
                           "each update would need the norm over the model-parallel ranks first; set it to false")
+    check_compressed_setup(optimizer, stage, topology.model_parallel.size)
     ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from deepshard.accelerator import DeviceAccelerator as DeviceKind
+from deepshard.autotuning.probe import AutotuneProbe
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
@@ -71,6 +72,7 @@ class DeepShardEngine(torch.nn.Module):
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
+        self._autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
 
     # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
     global_steps = _StateField("global_steps")
@@ -269,6 +271,8 @@ class DeepShardEngine(torch.nn.Module):
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         optimizer_step(self._strategy(), self.state, self.loss_scaler, float(self._config.gradient_clipping or 0.0),
                        self.lr_scheduler, self.train_batch_size(), self.global_rank, lr_kwargs)
+        if self._autotune is not None:  # an autotuning trial: measure, and end the run at its last step
+            self._autotune.after_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""

@@ -246,7 +246,7 @@ def test_unimplemented_sections_warn_only_when_enabled(warnings_logged: list[str
                        "hybrid_engine": {"enabled": False}, "tensor_parallel": {"autotp_size": 2},
                        "compile": {"deepcompile": False}, "log_level": "info"}, 1)
     assert cfg.autotuning == {"enabled": True, "fast": True} and cfg.sequence_parallel_size == 2
-    expected = {"autotuning", "sequence_parallel_size"}  # tensor_parallel is implemented (deepshard.tp)
+    expected = {"sequence_parallel_size"}  # tensor_parallel: deepshard.tp; autotuning: the launcher's
     assert {m.split(" ")[0] for m in warnings_logged} == expected
     assert all(m.endswith("is not implemented by deepshard and is ignored") for m in warnings_logged)
     assert len(warnings_logged) == len(expected)

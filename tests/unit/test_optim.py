@@ -241,9 +241,9 @@ def test_params_without_grad_are_skipped() -> None:
 @pytest.mark.parametrize("type_name, params, fragments", [
     ("Adamm", {}, ["unknown optimizer type 'Adamm'", "did you mean 'Adam'", "Lion"]),
     ("Optimizer", {}, ["unknown optimizer type"]),
-    ("OneBitAdam", {}, ["not supported", "'Adam' or 'AdamW'"]),
-    ("ZeroOneAdam", {}, ["not supported", "'Adam'"]),
-    ("OneBitLamb", {}, ["not supported", "'Lamb'"]),
+    ("OneBitAdam", {"freeze_stepp": 10}, ["optimizer 'OneBitAdam'", "did you mean 'freeze_step'"]),
+    ("ZeroOneAdam", {}, ["not supported", "'OneBitAdam'", "'Adam'"]),
+    ("OneBitLamb", {}, ["not supported", "'OneBitAdam'", "'Lamb'"]),
     ("MuAdam", {}, ["not supported", "mup.MuAdam"]),
     ("MuAdamW", {}, ["not supported", "mup.MuAdamW"]),
     ("MuSGD", {}, ["not supported", "'SGD'"]),

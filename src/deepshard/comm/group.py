@@ -181,6 +181,20 @@ class CommGroup:
             mine = mine.clone()
         return self.all_gather_into_tensor(buffer, mine, async_op=async_op)
 
+    def all_to_all_single(self, output: torch.Tensor, data: torch.Tensor, async_op: bool = False):
+        """Send row ``k`` of ``data`` (``size`` equal rows) to rank ``k``; receive rank ``k``'s row for this
+        rank into row ``k`` of ``output``. Counted as ``all_to_all`` (1x the tensor)."""
+        if self.size == 1:
+            output.copy_(data)
+            return _DoneWork() if async_op else None
+        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size())
+        what = self._what("all_to_all", data)
+        if self.pairwise_for(data):
+            return self._settle(pairwise.all_to_all(output, data, self.rank, self.peers, self.group,
+                                                    self._next_tag()), async_op, what)
+        work = dist.all_to_all_single(output, data, group=self.group, async_op=True)
+        return self._settle(work, async_op, what)
+
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Sum ``full`` over ranks and leave this rank's equal slice in ``output``."""
         if self.size == 1:

@@ -20,6 +20,7 @@ class OpStats:
     elements: int = 0
     bytes: int = 0
     volume_elements: int = 0
+    volume_bytes: int = 0
 
 
 @dataclass
@@ -43,6 +44,7 @@ class CommsLogger:
         stats.elements += elements
         stats.bytes += elements * element_size
         stats.volume_elements += int(elements * volume_factor)
+        stats.volume_bytes += int(elements * element_size * volume_factor)
 
     def reset(self) -> None:
         self.ops.clear()
@@ -57,9 +59,13 @@ class CommsLogger:
         """Elements moved per process by the ZeRO paper's accounting (2x per all-reduce)."""
         return sum(s.volume_elements for s in self.ops.values())
 
+    def total_volume_bytes(self) -> int:
+        """Bytes moved per process by the same accounting (what compression reduces)."""
+        return sum(s.volume_bytes for s in self.ops.values())
+
     def summary(self) -> dict[str, dict[str, int]]:
         return {op: {"calls": s.calls, "elements": s.elements, "bytes": s.bytes,
-                     "volume_elements": s.volume_elements} for op, s in sorted(self.ops.items())}
+                     "volume_elements": s.volume_elements, "volume_bytes": s.volume_bytes} for op, s in sorted(self.ops.items())}
 
     def format_summary(self) -> str:
         lines = [f"{'collective':<22}{'calls':>8}{'elements':>16}{'MB':>12}"]

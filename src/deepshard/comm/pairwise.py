@@ -102,6 +102,23 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, rank: int, peers: list
     return CollectiveWork(works)
 
 
+def all_to_all(output: torch.Tensor, data: torch.Tensor, rank: int, peers: list[int],
+               group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
+    """Row ``k`` of ``data`` (``N`` equal rows) goes to rank ``k``; row ``k`` of ``output`` comes from rank
+    ``k``. Both must be contiguous; ``data`` must stay unchanged until ``wait()`` returns."""
+    size = len(peers)
+    if not (output.is_contiguous() and data.is_contiguous()) or output.shape != data.shape:
+        raise ValueError(f"all_to_all: input and output must be contiguous and of one shape, got "
+                         f"{tuple(data.shape)} and {tuple(output.shape)}")
+    rows_in, rows_out = data.reshape(size, -1), output.reshape(size, -1)
+    rows_out[rank].copy_(rows_in[rank])
+    works = []
+    for dst, src in _exchange(rank, size):
+        works.append(dist.isend(rows_in[dst], peers[dst], group=group, tag=tag))
+        works.append(dist.irecv(rows_out[src], peers[src], group=group, tag=tag))
+    return CollectiveWork(works)
+
+
 def piece_ranges(numels: list[int], begin: int, end: int) -> list[tuple[int, int, int]]:
     """(piece index, offset in the piece, length) of every piece overlapping ``[begin, end)`` of the
     pieces laid end to end, in piece order."""

@@ -44,6 +44,8 @@ def _any_enabled(value: Any) -> bool:
 _SECTION_RULES: dict[str, Callable[[Any], bool]] = {
     # throughput timers are on by default in DeepSpeed; not having them is no loss worth a warning
     "timers": lambda value: False,
+    # read by the launcher (`deepshard --autotuning tune|run`, deepshard.autotuning), not by the engine
+    "autotuning": lambda value: False,
     "compile": lambda value: isinstance(value, dict) and bool(value.get("deepcompile")
                                                               or value.get("enabled")),
     # these switch on by being present

@@ -155,7 +155,8 @@ def _single_node(active: dict[str, list[int]], names: set[str]) -> str:
 
 def _check_supported(args: argparse.Namespace) -> None:
     if args.autotuning:
-        raise LaunchError(f"--autotuning {args.autotuning} is not supported by deepshard; drop it")
+        raise LaunchError(f"--autotuning {args.autotuning} is run by deepshard.autotuning.tuner (the "
+                          "`deepshard` command), not by a node plan")
     if args.elastic_training:
         raise LaunchError("--elastic_training (a changing number of nodes) is not supported by deepshard; "
                           "drop it; --max_restarts N restarts a failed job on the same nodes")
@@ -311,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
+    if args.autotuning:  # trials through this launcher, then (run) the training: deepshard.autotuning
+        from deepshard.autotuning.tuner import main as autotune
+
+        try:
+            return autotune(args, argv)
+        except ValueError as exc:
+            print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     try:
         _, run = _prepare(args)
     except (LaunchError, ValueError) as exc:

@@ -64,7 +64,8 @@ def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_restarts", type=int, default=0,
                         help="restart every rank up to N times after a failure (the script resumes from "
                              "its checkpoint; DEEPSHARD_RESTART_COUNT tells it which attempt it is)")
-    parser.add_argument("--autotuning", default="", choices=["", "tune", "run"], help="not supported")
+    parser.add_argument("--autotuning", default="", choices=["", "tune", "run"],
+                        help="search ZeRO stage x micro batch with short trials (tune), then train with the best (run)")
     parser.add_argument("--elastic_training", action="store_true", help="not supported (see --max_restarts)")
     parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="not supported")
     parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="not supported")

@@ -12,8 +12,10 @@ Optimizers (the type is matched case-insensitively, as DeepSpeed does for its ow
   (0.9, 0.999)) where the config leaves them out.
 - ``Adagrad``, ``SGD`` and any other name: the ``torch.optim`` class of that name (exact, then
   case-insensitive).
-- OneBitAdam, ZeroOneAdam, OneBitLamb, MuAdam, MuAdamW, MuSGD (and Muon when torch has none):
-  a ValueError that names alternatives.
+- ``OneBitAdam`` -> :class:`deepshard.compression.OneBitAdam` (1-bit compressed momentum after
+  ``freeze_step``; ZeRO stage 0).
+- ZeroOneAdam, OneBitLamb, MuAdam, MuAdamW, MuSGD (and Muon when torch has none): a ValueError that
+  names alternatives.
 
 Schedulers: DeepSpeed's names (case-sensitive, as in DeepSpeed) from
 :mod:`deepshard.optim.lr_schedules`, else ``torch.optim.lr_scheduler.<type>`` with the params
@@ -43,10 +45,10 @@ DEEPSPEED_OPTIMIZERS: list[str] = ["adam", "adamw", "lamb", "onebitadam", "zeroo
                                    "musgd", "muon"]
 
 _UNSUPPORTED: dict[str, tuple[str, str]] = {
-    "onebitadam": ("OneBitAdam", "'Adam' or 'AdamW' (deepshard has no 1-bit compressed "
-                                 "communication optimizer)"),
-    "zerooneadam": ("ZeroOneAdam", "'Adam' or 'AdamW' (deepshard has no 0/1 Adam)"),
-    "onebitlamb": ("OneBitLamb", "'Lamb'"),
+    "zerooneadam": ("ZeroOneAdam", "'OneBitAdam' (1-bit compressed momentum, ZeRO stage 0) or 'Adam' "
+                                   "(deepshard has no 0/1 Adam)"),
+    "onebitlamb": ("OneBitLamb", "'OneBitAdam' (1-bit compressed momentum, ZeRO stage 0) or 'Lamb' "
+                                 "(deepshard has no 1-bit LAMB)"),
     "muadam": ("MuAdam", "'Adam', or build mup.MuAdam yourself and pass it as "
                          "initialize(optimizer=...)"),
     "muadamw": ("MuAdamW", "'AdamW', or build mup.MuAdamW yourself and pass it as "
@@ -105,6 +107,10 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None,
         cls = _adam_class(key, params)
     elif key == "lamb":
         cls = Lamb
+    elif key == "onebitadam":
+        from deepshard.compression.onebit_adam import OneBitAdam
+
+        cls = OneBitAdam
     elif key == "lion":
         cls = Lion
         params = {**_FUSED_LION_DEFAULTS, **params}

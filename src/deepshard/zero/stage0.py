@@ -16,6 +16,7 @@ from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups,
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
 from deepshard.checkpoint.layout import module_splits
+from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
@@ -44,13 +45,20 @@ class Stage0Strategy(ZeroStrategy):
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(ctx.comm.size)
+        self.compressed = optimizer if isinstance(optimizer, CompressedCommOptimizer) else None
+        if self.compressed is not None:  # e.g. OneBitAdam: after its warm-up it averages its momentum itself
+            self.compressed.attach(ctx.comm)
         self.reducer = BucketedAllReduce(
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients)
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
-        self.reducer.begin_backward(reduce and self.ctx.comm.size > 1)
+        self.reducer.begin_backward(reduce and self.ctx.comm.size > 1 and not self._local_gradients())
+
+    def _local_gradients(self) -> bool:
+        """True when the optimizer exchanges compressed state instead: gradients stay on this rank."""
+        return self.compressed is not None and self.compressed.reduces_gradients
 
     def end_backward(self) -> None:
         self.reducer.end_backward()
@@ -63,8 +71,12 @@ class Stage0Strategy(ZeroStrategy):
         if not grads:
             return 0.0
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms)).item()
-        return total / loss_scale
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if self._local_gradients():
+            # each rank holds its own gradient: the root mean square of the ranks' norms, an upper bound of
+            # the averaged gradient's norm (so clipping is never weaker) and inf on every rank if on any
+            total = (self.ctx.comm.all_reduce_sum_scalar(total.pow(2)) / self.ctx.comm.size).sqrt()
+        return total.item() / loss_scale
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): the gradient hooks go."""
@@ -130,6 +142,8 @@ class Stage0Strategy(ZeroStrategy):
                 m = self.masters.master_of(p)
                 if m is not None:
                     m.copy_(full.params[name])
+        if self.compressed is not None:
+            self.compressed.reset_exchange()
         if load_optimizer_states and self.optimizer is not None:
             restore_param_groups(self.optimizer, full.param_groups)
             self.optimizer.state.clear()
@@ -147,7 +161,7 @@ class Stage0Strategy(ZeroStrategy):
             "master_weights": self.masters.nbytes() if self.masters is not None else 0,
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "buffers": tensor_bytes(self.module.buffers()),
-            "comm_buckets": 0,
+            "comm_buckets": self.compressed.exchange_state_bytes() if self.compressed is not None else 0,
         }
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""The autotuner: ``deepshard --autotuning tune|run ...`` (see docs/tools.md#autotuner)."""

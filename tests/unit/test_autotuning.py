@@ -1,0 +1,61 @@
+"""The autotuner's pure parts: settings, the search space, pruning, and the command lines it builds."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepshard.autotuning.settings import AutotuningSettings
+from deepshard.autotuning.space import experiments, micro_batch_sizes, prune
+from deepshard.autotuning.tuner import best_of, split_argv, with_config
+from deepshard.launcher.cli import parse_args
+from deepshard.profiling.memory_estimator import ModelFacts
+
+
+def test_settings_errors_name_the_key() -> None:
+    with pytest.raises(ValueError, match="autotuning.metric = 'flops'"):
+        AutotuningSettings.from_config({"autotuning": {"metric": "flops"}})
+    with pytest.raises(ValueError, match="unknown key.*zero_stage"):
+        AutotuningSettings.from_config({"autotuning": {"zero_stage": [1]}})
+    with pytest.raises(ValueError, match="zero_stages"):
+        AutotuningSettings.from_config({"autotuning": {"zero_stages": [4]}})
+    with pytest.raises(ValueError, match="start_profile_step"):
+        AutotuningSettings.from_config({"autotuning": {"start_profile_step": 5, "end_profile_step": 5}})
+    assert AutotuningSettings.from_config({"autotuning": {"enabled": True, "fast": True}}).metric == "throughput"
+
+
+def test_micro_batches_divide_the_global_batch_largest_first() -> None:
+    settings = AutotuningSettings(min_train_micro_batch_size_per_gpu=1, max_train_micro_batch_size_per_gpu=8,
+                                  num_tuning_micro_batch_sizes=3)
+    assert micro_batch_sizes(settings, batch=24, dp=2) == [6, 4, 3]  # 12 per process
+    with pytest.raises(ValueError, match="divides the global batch 6 over 4"):
+        experiments({"train_batch_size": 6}, settings, dp=4)
+
+
+def test_pruning_uses_the_model_state_formulas() -> None:
+    facts = ModelFacts(trainable=1000, frozen=0, largest_tensor=1000, group_sizes=(1000,), frozen_group_sizes=(),
+                       buffer_bytes=0)
+    base = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+            "zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    trials = experiments(base, AutotuningSettings(zero_stages=(0, 1, 2, 3), max_train_micro_batch_size_per_gpu=2,
+                                                  num_tuning_micro_batch_sizes=1), dp=2)
+    prune(trials, facts, dp=2, limit_bytes=11_000)
+    # fp32 Adam per process: stage 0 16P, stage 1 8P + 8P/2, stage 2 4P + 12P/2, stage 3
+    # 16P/2 (PRODUCT.md's fp32 rows)
+    assert [t.estimate_bytes for t in trials] == [16_000, 12_000, 10_000, 8_000]  # stage 3: 16P/2
+    assert [t.status for t in trials] == ["pruned", "pruned", "pending", "pending"]
+    trials[2].status, trials[2].metrics = "ok", {"throughput": 5.0, "latency": 0.2}
+    trials[3].status, trials[3].metrics = "ok", {"throughput": 7.0, "latency": 0.1}
+    assert best_of(trials, "throughput") is trials[3] and best_of(trials, "latency") is trials[3]
+
+
+def test_trial_command_lines() -> None:
+    argv = ["--num_gpus", "2", "--autotuning", "run", "--master_port", "1234", "train.py", "--deepspeed",
+            "--deepspeed_config=ds.json", "--lr", "3"]
+    args = parse_args(argv)
+    launcher, script = split_argv(argv, args)
+    assert launcher == ["--num_gpus", "2", "--master_port", "1234"]
+    assert with_config(script, Path("/x/e.json")) == ["train.py", "--deepspeed", "--deepspeed_config=/x/e.json",
+                                                      "--lr", "3"]
+    with pytest.raises(ValueError, match="--deepspeed_config"):
+        with_config(["train.py"], Path("e.json"))
