@@ -48,6 +48,8 @@ def checkpoint_names_vs_model(module: torch.nn.Module, full: FullState) -> tuple
     own = list(module.state_dict(keep_vars=True))
     missing = [k for k in own if full.aliases.get(k, k) not in full.params and k not in full.module_extra]
     known = set(own) | set(full.aliases)
+    # earlier ZeRO-3 checkpoints also saved non-persistent buffers (e.g. rotary inv_freq): not unexpected
+    known |= {name for name, _ in module.named_buffers()}
     # a pipeline stage loads from a checkpoint of the whole model: the other stages' keys are expected
     known |= set(getattr(module, "pipeline_state_keys", lambda: ())())
     unexpected = [k for k in list(full.params) + list(full.module_extra) if k not in known]

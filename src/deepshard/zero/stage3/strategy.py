@@ -273,8 +273,10 @@ class Stage3Strategy(Stage12Strategy):
                     extra[frozen_names[id(p)]] = p.detach().clone()
             if was is GroupState.SHARDED:
                 g.reshard()
+        persistent = set(self.module.state_dict(keep_vars=True))  # non-persistent buffers are not state
         for name, b in self.module.named_buffers():
-            extra[name] = b.detach()
+            if name in persistent:
+                extra[name] = b.detach()
         return extra if rank == 0 else None
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
