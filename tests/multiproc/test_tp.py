@@ -51,7 +51,8 @@ def test_block_traffic_is_the_analytic_volume(results: list[dict], t: int) -> No
         assert plain["ops"]["tp:all_reduce"]["elements"] == 4 * X
         assert plain["ops"]["tp:all_reduce"]["volume_elements"] == 8 * X
         sp = res[f"traffic_tp{t}_sp1"]["ops"]
-        assert sp["tp:all_gather"] == {"calls": 4, "elements": 4 * X, "bytes": 16 * X, "volume_elements": 4 * X}
+        assert sp["tp:all_gather"] == {"calls": 4, "elements": 4 * X, "bytes": 16 * X, "volume_elements": 4 * X,
+                                       "volume_bytes": 16 * X}
         assert sp["tp:reduce_scatter"]["elements"] == 4 * X and sp["tp:reduce_scatter"]["calls"] == 4
         assert sp["tp:all_reduce"]["elements"] == 6 * plain["h"]
 
