@@ -190,8 +190,9 @@ class CommGroup:
         self.logger.record(self._label("all_to_all"), data.numel(), data.element_size())
         what = self._what("all_to_all", data)
         if self.pairwise_for(data):
-            return self._settle(pairwise.all_to_all(output, data, self.rank, self.peers, self.group,
-                                                    self._next_tag()), async_op, what)
+            tag = self._next_tag(0, data.numel() * data.element_size())
+            return self._settle(pairwise.all_to_all(output, data, self.rank, self.peers, self.group, tag),
+                                async_op, what)
         work = dist.all_to_all_single(output, data, group=self.group, async_op=True)
         return self._settle(work, async_op, what)
 
