@@ -15,7 +15,7 @@ import deepshard
 from deepshard.topology import ParallelDims, Topology
 from deepshard.zero.placement import owner_of
 from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
-from tests.multiproc.scenarios_stage0 import full_weights
+from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
 GLOBAL_BATCH = 8
 
@@ -87,17 +87,7 @@ def mpu_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     for stage in (0, 1, 2, 3):
         engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage, micro, gas), mpu=mpu)
         assert engine.dp_world_size == 2 and engine.topology.tp.size == 2
-        losses = []
-        for batch in batches:
-            total = torch.zeros(1)
-            for k in range(gas):
-                x, y = micro_slice(batch, micro, k, dp_rank, dp)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)  # every rank: 2 tp copies of each dp rank's loss
-            losses.append(float(total) / (gas * world))
+        losses = run_steps(engine, batches, micro, gas, dp_rank, dp, group=mpu.get_data_parallel_group())
         saved = full_weights(engine)
         path = os.path.join(tmp, f"stage{stage}")
         engine.save_checkpoint(path, tag="t")

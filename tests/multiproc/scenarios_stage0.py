@@ -38,7 +38,10 @@ def train(rank: int, world: int, micro: int, gas: int, steps: int, *, dtype: str
     return losses, full_weights(engine)
 
 
-def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world: int) -> list[float]:
+def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world: int,
+              group: Any = None) -> list[float]:
+    """Train ``batches``; ``rank`` / ``world`` (and ``group``, default the world) are the data-parallel
+    ones: each takes its micro-slices, and the mean loss is taken over them."""
     losses = []
     for batch in batches:
         total = torch.zeros(1)
@@ -48,7 +51,7 @@ def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         losses.append(float(total) / (gas * world))
     return losses
 

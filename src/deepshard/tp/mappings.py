@@ -93,56 +93,32 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's slice forward; all-gather the slices' gradients backward."""
+def _conjugate_pair(name: str, forward_op: Any, backward_op: Any, doc: str) -> type:
+    """An autograd function whose forward is ``forward_op(x, group, dim)`` and whose backward is its
+    conjugate ``backward_op(grad, group, dim)`` (the four slice/gather/reduce-scatter regions differ
+    only in that pair)."""
 
-    @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
+        return forward_op(x, group, dim)
 
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.group, ctx.dim), None, None
+        return backward_op(grad, ctx.group, ctx.dim), None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather the slices forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _split(grad, ctx.group, ctx.dim), None, None
-
-
-class _SequenceGather(torch.autograd.Function):
-    """Sequence-parallel ``f``: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _SequenceReduceScatter(torch.autograd.Function):
-    """Sequence-parallel ``g``: reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.group, ctx.dim), None, None
+_ScatterToRegion = _conjugate_pair("_ScatterToRegion", _split, _gather,
+                                   "Keep this rank's slice forward; all-gather the slices' gradients backward.")
+_GatherFromRegion = _conjugate_pair("_GatherFromRegion", _gather, _split,
+                                    "All-gather the slices forward; keep this rank's slice of the gradient backward.")
+_SequenceGather = _conjugate_pair("_SequenceGather", _gather, _reduce_scatter,
+                                  "Sequence-parallel ``f``: all-gather along the sequence forward, reduce-scatter "
+                                  "backward.")
+_SequenceReduceScatter = _conjugate_pair("_SequenceReduceScatter", _reduce_scatter, _gather,
+                                         "Sequence-parallel ``g``: reduce-scatter along the sequence forward, "
+                                         "all-gather backward.")
 
 
 # ------------------------------------------------------------------------------------ public API
