@@ -20,6 +20,7 @@ from deepshard.grid import build_topology
 from deepshard.precision import PrecisionPolicy
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
+from deepshard.utils.teardown import settle_backend_threads_at_exit
 from deepshard.zero.master import check_optimizer_params, trainable_params
 from deepshard.zero.optimizer_guard import guard
 from deepshard.zero.placement import set_copies
@@ -48,6 +49,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
     source = resolve_config_source(args, config if config is not None else config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    settle_backend_threads_at_exit()  # a group deepshard did not create: its threads still finish before exit
     raw, _ = read_config_source(source)
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
