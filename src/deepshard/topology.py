@@ -7,9 +7,9 @@ pipeline slowest, so tensor-parallel peers are neighbours (one node) and a pipel
     rank = pipe * (dp * tp) + data * tp + model
 
 ``ParallelDims`` is the arithmetic alone (unit-tested with no process group). ``Topology`` holds one
-``CommGroup`` per axis for this rank; ``Topology.build`` is the only caller of ``dist.new_group`` in
-deepshard and creates every group of every axis on every rank, in one fixed order (torch requires
-every rank to take part in every ``new_group`` call, in the same order).
+``CommGroup`` per axis for this rank; ``Topology.build`` creates every group of every axis on every rank,
+in one fixed order, through :func:`new_groups`, the only caller of ``dist.new_group`` in deepshard
+(torch requires every rank to take part in every ``new_group`` call, in the same order).
 
 Groups:
 
@@ -194,20 +194,31 @@ class Topology:
 def _axis_group(dims: ParallelDims, axis: Axis, rank: int, world: CommGroup, logger: CommsLogger) -> CommGroup:
     """Create all of ``axis``'s groups (every rank takes part in every ``new_group``) and return this
     rank's, as a counted ``CommGroup``."""
-    import torch.distributed as dist
-
     all_ranks = dims.group_ranks(axis)
     size = len(all_ranks[0])
     if size == 1:
         return CommGroup.single(logger=logger, name=axis)
     if size == dims.world_size:
         return CommGroup(group=None, logger=logger, name=axis, pairwise=world.pairwise)
-    own: Optional[CommGroup] = None
-    for ranks in all_ranks:
-        group = dist.new_group(ranks=ranks)
-        if rank in ranks:
-            own = CommGroup(group=group, logger=logger, name=axis, pairwise=world.pairwise)
+    own = new_groups(all_ranks, rank, logger=logger, name=axis, pairwise=world.pairwise)
     assert own is not None  # every rank is in exactly one group of each axis
+    return own
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]], rank: int, logger: CommsLogger, name: str,
+               pairwise: Optional[bool] = None) -> Optional[CommGroup]:
+    """Create one process group per rank list (collective: every rank calls it with the same lists, in the
+    same order) and return this rank's as a counted ``CommGroup`` (None when ``rank`` is in none).
+
+    The only caller of ``dist.new_group`` in deepshard: the grid's axes and the pipeline's tied-weight
+    groups come through here."""
+    import torch.distributed as dist
+
+    own: Optional[CommGroup] = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=list(ranks))
+        if rank in ranks:
+            own = CommGroup(group=group, logger=logger, name=name, pairwise=pairwise)
     return own
 
 

@@ -37,7 +37,7 @@ def test_engine_compile_at_stage_3_is_refused_with_the_fix(results: dict[Any, An
     assert "initialize(model=torch.compile(model)" in results["stage3_engine_compile"]
 
 
-@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("save_compiled", [True, False], ids=["compiled-to-plain", "plain-to-compiled"])
 def test_checkpoint_round_trip_between_compiled_and_plain(results: dict[Any, Any], stage: int,
                                                           save_compiled: bool) -> None:

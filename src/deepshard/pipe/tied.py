@@ -11,7 +11,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.pipe.module import PipelineModule
-from deepshard.topology import Coord, Topology
+from deepshard.topology import Coord, Topology, new_groups
 from deepshard.zero.placement import mark_tied
 
 
@@ -44,20 +44,16 @@ class TiedWeights:
 
 def build_tied_weights(module: PipelineModule, topology: Topology) -> TiedWeights:
     """Create the tied groups (collective: every rank, same order) and mark the tied parameters."""
-    import torch.distributed as dist
-
     dims = topology.dims
     tied = TiedWeights(module)
-    logger = topology.world.logger
     for key, stages in sorted(module.tied_stages().items()):
         for p in module.tied_parameters(key):
             mark_tied(p, len(stages))
         if len(stages) < 2:
             continue
-        for dp in range(dims.dp):
-            for tp in range(dims.tp):
-                ranks = [dims.rank(Coord(pp=s, dp=dp, tp=tp)) for s in stages]
-                group = dist.new_group(ranks=ranks)
-                if topology.rank in ranks:
-                    tied.groups[key] = CommGroup(group=group, logger=logger, name="pp")
+        rank_lists = [[dims.rank(Coord(pp=s, dp=dp, tp=tp)) for s in stages]
+                      for dp in range(dims.dp) for tp in range(dims.tp)]
+        group = new_groups(rank_lists, topology.rank, logger=topology.world.logger, name="pp")
+        if group is not None:
+            tied.groups[key] = group
     return tied
