@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import psutil  # noqa: E402
 
 GiB = 2**30
-DISK_BYTES_PER_PARAM = 14  # bf16 shard 2 + fp32 master 4 + Adam 8 (the bf16 gradient shard stays resident)
+DISK_BYTES_PER_PARAM = 16  # bf16: shard 2 + fp32 master 4 + Adam 8 + gradient shard 2 (grads.swp at stage 3
+#                            with nvme optimizer offload); fp32: shard 4 + Adam 8 + gradient shard 4
 STATE_BYTES_PER_PARAM = 16  # mixed-precision Adam model states (ZeRO paper)
 
 

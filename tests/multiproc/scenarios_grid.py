@@ -87,6 +87,9 @@ def mpu_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     for stage in (0, 1, 2, 3):
         engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage, micro, gas), mpu=mpu)
         assert engine.dp_world_size == 2 and engine.topology.tp.size == 2
+        if stage == 0:  # the dataloader shards over dp (2 shards of the 16 samples), not over the world (4)
+            samples = torch.utils.data.TensorDataset(torch.arange(16))
+            out["loader"] = {"dp_rank": dp_rank, "ids": [int(i) for (ids,) in engine.deepspeed_io(samples) for i in ids]}
         losses = run_steps(engine, batches, micro, gas, dp_rank, dp, group=mpu.get_data_parallel_group())
         saved = full_weights(engine)
         path = os.path.join(tmp, f"stage{stage}")

@@ -45,6 +45,14 @@ def test_mpu_dp2_tp2_matches_single_process_and_loads_on_dp4(mpu_results: list, 
         assert result["global_steps"] == 5
 
 
+def test_mpu_dataloader_shards_by_data_parallel_rank(mpu_results: list) -> None:
+    by_dp: dict[int, list[int]] = {}
+    for out in mpu_results:  # the two tp ranks of one dp index see the same samples
+        assert by_dp.setdefault(out["loader"]["dp_rank"], out["loader"]["ids"]) == out["loader"]["ids"]
+    assert sorted(by_dp) == [0, 1]
+    assert sorted(by_dp[0] + by_dp[1]) == list(range(16))  # two disjoint halves of the data set
+
+
 def test_fifty_create_destroy_cycles_leave_nothing_behind() -> None:
     for out in run_world(destroy_cycles, 1, timeout=400):  # "in one process"
         assert out["alive"] == 0, "destroyed engines are still referenced"

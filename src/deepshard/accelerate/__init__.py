@@ -6,7 +6,7 @@ is ``from accelerate import Accelerator, DeepSpeedPlugin`` with :func:`deepshard
 first, so the real Accelerate drives deepshard as its DeepSpeed (on CPU too). Nothing of Accelerate is
 re-implemented: the names below are Accelerate's own objects. Import this before ``transformers`` (which
 looks for DeepSpeed when it is first imported). ``deepshard launch --config_file`` starts scripts
-written either way (:mod:`deepshard.accelerate.launch`).
+written either way (:mod:`deepshard.launcher.accelerate_cli`).
 """
 from __future__ import annotations
 
