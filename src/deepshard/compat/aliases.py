@@ -26,7 +26,8 @@ MISSING: dict[str, str] = {
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.compression": "compression training",
-    "deepspeed.autotuning": "the autotuner",
+    "deepspeed.autotuning": "DeepSpeed's autotuner module API (deepshard's autotuner is the launcher's "
+                            "--autotuning tune|run and deepshard.autotuning)",
     "deepspeed.elasticity": "elastic training",
 }
 """DeepSpeed module paths deepshard has no counterpart for, and what they are."""

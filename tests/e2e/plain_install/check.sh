@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI step: `pip install deepshard` with no extras into its own venv, then a real script end to end
-# (training on 2 processes through the launcher, save_checkpoint, load_checkpoint, zero_to_fp32).
+# (training on 2 processes through the launcher, save_checkpoint, load_checkpoint, zero_to_fp32), and the
+# environment report (`deepshard report`) from that fresh venv.
 # The suite's venv holds the dev extras (numpy, pytest, ...), which would hide a missing runtime
 # dependency; this venv holds only what pyproject.toml's `dependencies` pull in.
 # Usage: tests/e2e/plain_install/check.sh [python] [venv dir] [torch requirement]
@@ -24,4 +25,7 @@ cd "$OUT"
 env -u PYTHONPATH "$VENV/bin/deepshard" --num_gpus 2 "$ROOT/tests/e2e/plain_install/train_save_load.py" \
     --out "$OUT" > "$OUT/log.txt" 2>&1 || { cat "$OUT/log.txt"; echo "plain-install check FAILED"; exit 1; }
 grep -q '"ok": true' "$OUT/log.txt" || { cat "$OUT/log.txt"; echo "plain-install check FAILED"; exit 1; }
+env -u PYTHONPATH "$VENV/bin/deepshard" report > "$OUT/report.txt" 2>&1 \
+    && grep -q "torch version" "$OUT/report.txt" \
+    || { cat "$OUT/report.txt"; echo "plain-install check FAILED: deepshard report"; exit 1; }
 echo "plain-install check passed: $(grep '"ok": true' "$OUT/log.txt" | sed 's/^.*\({.*}\).*$/\1/')"
