@@ -26,6 +26,13 @@ class AutotuningSettings:
     memory_per_process_mb: float | None = None
     """deepshard: the memory a process may use, for pruning (default: the device's, or the host's RAM
     shared by the processes)."""
+    bucket_sizes: tuple[int, ...] = (5_000_000, 50_000_000, 500_000_000)
+    """deepshard: gradient-reduction / all-gather bucket sizes (elements) tried on the best stage and micro
+    batch, in a second phase; [] skips them. 5e8 is the config's default."""
+    offload_devices: tuple[str, ...] | None = None
+    """deepshard: optimizer (and, at stage 3, parameter) offload devices tried on the best experiment of
+    stage >= 1, besides none. Default: ["cpu"] with a GPU, [] on a CPU-only machine (where offloading to
+    "cpu" moves nothing); "nvme" needs the config's nvme_path."""
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> "AutotuningSettings":
@@ -42,6 +49,10 @@ class AutotuningSettings:
         kwargs = {k: v for k, v in section.items() if k in cls.__dataclass_fields__}
         if "zero_stages" in kwargs:
             kwargs["zero_stages"] = tuple(int(s) for s in kwargs["zero_stages"])
+        if "bucket_sizes" in kwargs:
+            kwargs["bucket_sizes"] = tuple(int(float(b)) for b in kwargs["bucket_sizes"])
+        if kwargs.get("offload_devices") is not None:
+            kwargs["offload_devices"] = tuple(str(d) for d in kwargs["offload_devices"])
         settings = cls(**kwargs)
         settings.check()
         return settings
@@ -56,6 +67,13 @@ class AutotuningSettings:
             raise ValueError("autotuning.min_train_micro_batch_size_per_gpu "
                              f"({self.min_train_micro_batch_size_per_gpu}) must be >= 1 and <= "
                              f"max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu})")
+        if any(b < 1 for b in self.bucket_sizes):
+            raise ValueError(f"autotuning.bucket_sizes = {list(self.bucket_sizes)}: give positive element counts, "
+                             "e.g. [5e6, 5e7, 5e8], or [] to skip the bucket phase")
+        bad_devices = [d for d in self.offload_devices or () if d not in ("cpu", "nvme")]
+        if bad_devices:
+            raise ValueError(f"autotuning.offload_devices = {list(self.offload_devices or ())}: give devices among "
+                             "cpu, nvme (or [] to skip the offload phase)")
         bad = [s for s in self.zero_stages if s not in (0, 1, 2, 3)]
         if bad or not self.zero_stages:
             raise ValueError(f"autotuning.zero_stages = {list(self.zero_stages)}: give stages among 0, 1, 2, 3")

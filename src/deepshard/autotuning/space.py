@@ -1,5 +1,6 @@
 """The search space, with no process and no model: the experiments (ZeRO stage x micro batch, the
-accumulation derived so the global batch stays the base config's) and the memory pruning."""
+accumulation derived so the global batch stays the base config's), the memory pruning, and the second
+phase's refinements of the best experiment (bucket sizes, offload)."""
 from __future__ import annotations
 
 import copy
@@ -83,3 +84,29 @@ def prune(trials: list[Experiment], facts: ModelFacts, dp: int, limit_bytes: int
             trial.status = "pruned"
             trial.detail = (f"model states {trial.estimate_bytes / 2**20:.1f} MiB > "
                             f"{limit_bytes / 2**20:.1f} MiB per process")
+
+
+def refinements(best: Experiment, settings: AutotuningSettings, offload_devices: tuple[str, ...]) -> list[Experiment]:
+    """The second phase: ``best`` with each other bucket size, and (stage >= 1) with each offload device.
+
+    Buckets: ``reduce_bucket_size`` with ``allgather_bucket_size`` (stages 0-2) or the stage-3 prefetch
+    bucket. Offload: the optimizer states, and at stage 3 the parameters too."""
+    zero = best.config.get("zero_optimization") or {}
+    current = int(float(zero.get("reduce_bucket_size", 500_000_000)))
+    out = []
+    for size in settings.bucket_sizes:
+        if size == current:
+            continue
+        config = copy.deepcopy(best.config)
+        knobs = {"reduce_bucket_size": size}
+        knobs["stage3_prefetch_bucket_size" if best.stage == 3 else "allgather_bucket_size"] = size
+        config["zero_optimization"].update(knobs)
+        out.append(Experiment(f"{best.name}_bkt{size:.0e}".replace("+0", ""), best.stage, best.micro, best.gas, config))
+    for device in offload_devices if best.stage >= 1 else ():
+        config = copy.deepcopy(best.config)
+        zero = config["zero_optimization"]
+        zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), "device": device}
+        if best.stage == 3:
+            zero["offload_param"] = {**(zero.get("offload_param") or {}), "device": device}
+        out.append(Experiment(f"{best.name}_off{device}", best.stage, best.micro, best.gas, config))
+    return out

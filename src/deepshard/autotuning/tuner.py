@@ -6,7 +6,10 @@
 3. every other experiment is a short real run of the script through the launcher, in fresh processes,
    measured by the engine between ``start_profile_step`` and ``end_profile_step``; a failure or a hang
    (``trial_timeout``) is recorded and the search goes on;
-4. ``results_dir`` gets ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt`` (DeepSpeed's
+4. a second phase tries the best experiment with the other ``bucket_sizes`` and (stage >= 1) with
+   optimizer/parameter offload to each of ``offload_devices`` (default: cpu with a GPU, none on a
+   CPU-only machine); the best of both phases wins;
+5. ``results_dir`` gets ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt`` (DeepSpeed's
    names); ``run`` then launches the script with the best config.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from deepshard.autotuning.settings import AutotuningSettings
-from deepshard.autotuning.space import Experiment, experiments, prune
+from deepshard.autotuning.space import Experiment, experiments, prune, refinements
 from deepshard.autotuning.trial import run_trial
 from deepshard.profiling.memory_estimator import ModelFacts
 from deepshard.utils.logging import logger
@@ -69,6 +72,19 @@ def memory_limit(settings: AutotuningSettings, dp: int) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available // max(dp, 1))
+
+
+def offload_devices(settings: AutotuningSettings) -> tuple[str, ...]:
+    """The offload devices the second phase tries: the setting, else cpu with a GPU and none without one."""
+    if settings.offload_devices is not None:
+        return settings.offload_devices
+    import torch
+
+    if torch.cuda.is_available():
+        return ("cpu",)
+    logger.info("autotuning: offload not searched on a CPU-only machine (offloading to cpu moves nothing); "
+                "set autotuning.offload_devices to try it")
+    return ()
 
 
 def process_count(args: argparse.Namespace) -> int:
@@ -164,6 +180,12 @@ def tune(args: argparse.Namespace, argv: list[str]) -> tuple[Path | None, list[s
         if trial.status == "pending":
             _run(trial, settings, launcher, script)
     best = best_of(trials, settings.metric)
+    if best is not None:
+        second = refinements(best, settings, offload_devices(settings))
+        for trial in second:
+            _run(trial, settings, launcher, script)
+        trials += second
+        best = best_of(trials, settings.metric)
     optimal = write_results(trials, settings, best, launcher, script)
     print(summary_table(trials, settings.metric, best), flush=True)
     return optimal, launcher, script
