@@ -270,6 +270,11 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    # On CPU, DeepSpeed's torch backend JIT-compiles a shared-memory C++ op at start (minutes on a busy
+    # 2-core machine; a run stopped mid-build leaves a lock that hangs every later one). The op serves
+    # only inference_all_reduce; training's all-reduces go through torch.distributed (gloo), as here.
+    import deepspeed.comm.torch as ds_comm_torch
+    ds_comm_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group opened in _child
     model = PipelineModule(_specs(LayerSpec, TiedLayerSpec), num_stages=world, loss_fn=_parts()[2],
                            seed_layers=True, base_seed=BASE_SEED, partition_method="type:block")

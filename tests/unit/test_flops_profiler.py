@@ -167,3 +167,22 @@ def test_module_attribution_across_micro_steps() -> None:
     head = linear_flops(10, 8, 50)
     assert stats["embed"].fwd_flops == 0 and stats["head"].fwd_flops == 2 * head
     assert stats["head"].bwd_flops == 2 * 2 * head and stats[""].bwd_flops == 2 * 2 * head
+
+
+def test_mfu_against_a_given_peak() -> None:
+    """On CPU no peak is known (no MFU line); ``peak_tflops`` gives one: MFU = (fwd + bwd FLOPs) / time / peak."""
+    torch.manual_seed(0)
+    plain = profile_train(MLP(), torch.randn(6, 8)).summary()
+    assert plain.peak_flops is None
+    prof = FlopsProfiler(MLP(), peak_tflops=2.0)
+    prof.start_profile()
+    prof.model(torch.randn(6, 8)).sum().backward()
+    prof.stop_profile()
+    summary = prof.summary()
+    assert summary.peak_flops == 2e12
+    flops = summary.fwd_flops + summary.bwd_flops
+    summary.fwd_latency, summary.bwd_latency, summary.step_latency = flops / 2e12, flops / 2e12, 0.0
+    from deepshard.profiling.profile_report import summary_lines
+
+    text = "\n".join(summary_lines(summary))  # half of 2 TFLOP/s achieved
+    assert "MFU" in text and "50.0% of 2" in text, text

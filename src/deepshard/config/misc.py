@@ -34,6 +34,8 @@ class FlopsProfilerConfig(Section):
     top_modules: int = Field(1, ge=1)
     detailed: bool = True
     output_file: Optional[str] = None
+    peak_tflops: Optional[float] = Field(None, gt=0)
+    """deepshard: the device's peak TFLOP/s for the MFU line (default: known GPUs' dense 16-bit peak)."""
 
 
 class AIOConfig(Section):

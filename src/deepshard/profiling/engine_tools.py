@@ -59,7 +59,8 @@ class EngineTools:
         if (cfg.enabled and self.rank == 0 and self.flops_profiler is None and self.flops_per_step is None
                 and engine.global_steps == cfg.profile_step):
             self.flops_profiler = FlopsProfiler(engine.module, ds_engine=engine,
-                                                recompute_fwd_factor=cfg.recompute_fwd_factor)
+                                                recompute_fwd_factor=cfg.recompute_fwd_factor,
+                                                peak_tflops=cfg.peak_tflops)
             self.flops_profiler.start_profile()
 
     @contextlib.contextmanager

@@ -49,10 +49,13 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 class FlopsProfiler:
     """Counts FLOPs, MACs, parameters and latency of ``model`` between ``start_profile`` and
     ``stop_profile``. ``ds_engine`` (a deepshard engine) adds its batch size, world size and step timers
-    to the printed summary."""
+    to the printed summary. ``peak_tflops`` (deepshard): the device's peak for the MFU line, where the
+    device is not one of the known GPUs (or to quote MFU against another peak, e.g. a CPU's)."""
 
-    def __init__(self, model: torch.nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0) -> None:
+    def __init__(self, model: torch.nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0,
+                 peak_tflops: float | None = None) -> None:
         self.model = model
+        self.peak_tflops = peak_tflops
         self.ds_engine = ds_engine
         # Accepted for DeepSpeed compatibility: recomputation is measured here, so no factor is applied.
         self.recompute_fwd_factor = recompute_fwd_factor
@@ -133,7 +136,8 @@ class FlopsProfiler:
         summary = ProfileSummary(params=root.params, fwd_flops=root.fwd_flops, bwd_flops=root.bwd_flops,
                                  fwd_latency=root.fwd_latency, bwd_latency=self.backward_duration,
                                  step_latency=self.step_duration, samples=self.samples,
-                                 peak_flops=peak_flops_for_device(_device_of(self.model)))
+                                 peak_flops=(self.peak_tflops * 1e12 if self.peak_tflops
+                                             else peak_flops_for_device(_device_of(self.model))))
         if engine is not None:
             summary.world_size = int(getattr(engine, "world_size", 1))
             summary.extra = [("data parallel size", str(engine.dp_world_size)),
