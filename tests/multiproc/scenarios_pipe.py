@@ -95,7 +95,8 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     import deepshard
     from deepshard.pipe import PipelineModule
 
-    model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=True)
+    chunks = 2 if schedule == "interleaved" else 1  # 6 layers in 4 virtual stages at pp=2
+    model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=True, num_chunks=chunks)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "zero_optimization": {"stage": zero}, "gradient_clipping": clip, "pipeline": {"schedule": schedule}}
@@ -144,8 +145,9 @@ def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None
 
 RECOMPUTE = {"pipeline": {"activation_checkpoint_interval": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
 CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), ("zb-h1", 2, 3, None),
-             ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE)]
-CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4)]
+             ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE), ("interleaved", 1, 4, None),
+             ("interleaved", 2, 2, RECOMPUTE)]
+CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4), (2, "interleaved", 0, 2)]
 
 
 def pp2_world(rank: int, world: int, directory: str) -> list[str]:
@@ -204,6 +206,11 @@ def errors(rank: int) -> list[str]:
     with pytest.raises(ConfigError, match="stage=3 cannot be combined with pipeline"):
         deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss),
                              config={**cfg, "zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError, match="num_chunks=2"):
+        deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss),
+                             config={**cfg, "pipeline": {"schedule": "interleaved"}})
+    with pytest.raises(ConfigError, match="set pipeline.schedule to 'interleaved'"):
+        deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss, num_chunks=2), config=cfg)
     engine, _, _, _ = deepshard.initialize(model=PipelineModule(layers(), num_stages=2, loss_fn=lm_loss), config=cfg)
     for call in (engine.forward, engine.backward, engine.step):
         with pytest.raises(PipelineError, match="Only train_batch"):

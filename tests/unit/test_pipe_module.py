@@ -130,3 +130,20 @@ def test_errors_and_deepspeed_import_path() -> None:
         LayerSpec(lambda: None)
     with pytest.raises(PartitionError, match="not known"):
         PipelineModule(_specs(2), num_stages=1, partition_method="best-effort")
+
+
+def test_chunks_interleave_virtual_stages_over_the_stages() -> None:
+    """8 layers, 2 stages x 2 chunks: virtual stage vs on stage vs % 2; stage 1 holds layers 2-3 and 6-7."""
+    specs = [LayerSpec(nn.Linear, 4, 4) for _ in range(8)]
+    one = PipelineModule(specs, num_stages=2, stage_id=1, partition_method="uniform", num_chunks=2, seed_layers=True)
+    assert one.partitions() == [0, 2, 4, 6, 8]
+    assert sorted(int(name.split(".")[0]) for name, _ in one.named_parameters()) == [2, 2, 3, 3, 6, 6, 7, 7]
+    assert [one.stage_owner(i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    x = torch.randn(3, 4)
+    whole = PipelineModule(specs, num_stages=1, stage_id=0, seed_layers=True)
+    torch.testing.assert_close(one(whole.forward_funcs[1](whole.forward_funcs[0](x)), chunk=0),
+                               whole.forward_funcs[3](whole.forward_funcs[2](whole.forward_funcs[1](whole.forward_funcs[0](x)))))
+    with pytest.raises(ValueError, match="needs num_stages >= 2"):
+        PipelineModule(specs, num_stages=1, stage_id=0, num_chunks=2)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        PipelineModule(specs, num_stages=2, stage_id=0, num_chunks=0)

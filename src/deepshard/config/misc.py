@@ -67,7 +67,8 @@ class PipelineConfig(Section):
     use_reentrant: bool = True
     schedule: str = "1f1b"
     """deepshard: the pipeline engine's schedule (``deepshard.pipe.schedule``): ``1f1b`` (default),
-    ``gpipe`` or ``zb-h1`` (zero bubble, split backward)."""
+    ``gpipe``, ``zb-h1`` (zero bubble, split backward) or ``interleaved`` (a module built with
+    ``num_chunks`` >= 2)."""
 
     @field_validator("stages", mode="plain")
     @classmethod

@@ -32,8 +32,12 @@ class PipelineError(RuntimeError):
 
 @dataclass
 class _Unit:
-    """One micro-batch's buffers on this stage."""
+    """One micro-batch's buffers in one model chunk on this stage."""
 
+    first: bool = False
+    """This chunk is the model's first virtual stage (it reads the inputs, sends no input gradient)."""
+    last: bool = False
+    """This chunk is the model's last virtual stage (it computes the loss)."""
     inputs: list[torch.Tensor] = field(default_factory=list)
     input_tuple: bool = False
     outputs: Any = None
@@ -51,7 +55,8 @@ class _BatchRun:
 
     data: Iterator[Any] | None
     micro_batches: int
-    units: dict[int, _Unit] = field(default_factory=dict)
+    units: dict[tuple[int, int], _Unit] = field(default_factory=dict)
+    """Keyed by (micro-batch, chunk)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     train: bool = True
@@ -70,9 +75,14 @@ def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> Ti
         raise ConfigError(f"zero_optimization.stage={cfg.zero_optimization.stage} cannot be combined with "
                           "pipeline parallelism (each stage already holds only its layers; ZeRO-3 would gather "
                           "them again for every micro-batch): use stage 0, 1 or 2")
-    if schedule_name(cfg.pipeline.schedule) == "interleaved":  # an unknown name raises here, naming the choices
-        raise ConfigError("pipeline.schedule='interleaved' needs several model chunks per rank, which "
-                          "PipelineModule does not build yet; use '1f1b', 'gpipe' or 'zb-h1'")
+    name = schedule_name(cfg.pipeline.schedule)  # an unknown name raises here, naming the choices
+    if name == "interleaved" and module.num_chunks < 2:
+        raise ConfigError("pipeline.schedule='interleaved' runs several model chunks per stage: build the model "
+                          "with PipelineModule(..., num_chunks=2) (or more), or use '1f1b', 'gpipe' or 'zb-h1'")
+    if name != "interleaved" and module.num_chunks > 1:
+        raise ConfigError(f"the PipelineModule has num_chunks={module.num_chunks} (chunks interleaved over the "
+                          f"stages) and pipeline.schedule={cfg.pipeline.schedule!r} runs one chunk per stage: set "
+                          "pipeline.schedule to 'interleaved', or build the module with num_chunks=1")
     if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
         module.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
     if module.activation_checkpoint_func is None:  # the config's activation_checkpointing section acts
@@ -95,6 +105,7 @@ class PipelineEngine(DeepShardEngine):
         self.tied = tied
         dims, coord = self.topology.dims, self.topology.coord
         self.num_stages, self.stage_id = dims.pp, coord.pp
+        self.num_chunks = self.module.num_chunks
         self.prev_rank = dims.stage_rank(self.global_rank, self.stage_id - 1) if self.stage_id > 0 else -1
         self.next_rank = dims.stage_rank(self.global_rank, self.stage_id + 1) if self.stage_id < dims.pp - 1 else -1
         self.link = StageLink(self.stage_id, self.global_rank, self.device)
@@ -174,8 +185,8 @@ class PipelineEngine(DeepShardEngine):
         m = num_micro_batches or self.gradient_accumulation_steps()
         run = _BatchRun(self._iterator(data_iter), m, train=False, compute_loss=compute_loss,
                         keep_outputs=return_logits)
-        with torch.no_grad():
-            for action in self._schedule("gpipe", m):
+        with torch.no_grad():  # the forwards (and their transfers) of the training schedule's order
+            for action in self._schedule("gpipe" if self.num_chunks == 1 else "interleaved", m):
                 if action.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT):
                     self._dispatch[action.kind](run, action)
         self.link.wait_sends()
@@ -228,28 +239,39 @@ class PipelineEngine(DeepShardEngine):
     def _schedule(self, name: str, m: int) -> list[Action]:
         key = (name, m)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(name, self.num_stages, m)[self.stage_id]
+            self._schedules[key] = build_schedule(name, self.num_stages, m, self.num_chunks)[self.stage_id]
         return self._schedules[key]
+
+    def _peer(self, a: Action) -> int:
+        """The global rank of the action's peer stage (in this rank's data and tensor coordinates)."""
+        return self.topology.dims.stage_rank(self.global_rank, a.peer)
+
+    def _is_first(self, a: Action) -> bool:
+        return self.stage_id == 0 and a.chunk == 0
+
+    def _is_last(self, a: Action) -> bool:
+        return self.stage_id == self.num_stages - 1 and a.chunk == self.num_chunks - 1
 
     # ------------------------------------------------------------------------------------ actions
     def _forward(self, run: _BatchRun, a: Action) -> None:
-        unit = run.units.setdefault(a.micro_batch, _Unit())
+        unit = run.units.setdefault((a.micro_batch, a.chunk), _Unit())
+        unit.first, unit.last = self._is_first(a), self._is_last(a)
         labels = None
-        if self.is_first_stage() or self.is_last_stage():
+        if unit.first or unit.last:  # a rank reads each micro-batch once: at its first or last chunk
             inputs, labels = self._next_item(run, a.micro_batch)
-            if self.is_first_stage():
+            if unit.first:
                 inputs = _to_device(self.precision.cast_inputs(inputs), self.device)
                 unit.inputs, unit.input_tuple = _as_list(inputs)
         x = tuple(unit.inputs) if unit.input_tuple else unit.inputs[0]
         if run.split_backward:
             unit.store = WeightGradStore()
             with DeferWeightGrads(unit.store):
-                out = self.module(x)
+                out = self.module(x, chunk=a.chunk)
         else:
-            out = self.module(x)
+            out = self.module(x, chunk=a.chunk)
         unit.outputs = out
         unit.out_tensors = _as_list(out)[0]
-        if self.is_last_stage():
+        if unit.last:
             if run.keep_outputs:
                 run.outputs.append(out.detach() if torch.is_tensor(out) else tuple(t.detach() for t in out))
             if run.compute_loss or run.train:
@@ -260,38 +282,38 @@ class PipelineEngine(DeepShardEngine):
                                         "loss_fn(outputs, labels) or make the last layer return the loss")
                 unit.loss = loss
                 run.losses.append(loss.detach().float())
-        if not run.train and self.is_last_stage():
-            run.units.pop(a.micro_batch, None)  # forward only: nothing to keep
+        if not run.train and unit.last:
+            run.units.pop((a.micro_batch, a.chunk), None)  # forward only: nothing to keep
 
     def _send_act(self, run: _BatchRun, a: Action) -> None:
-        unit = run.units[a.micro_batch]
-        self.link.send(unit.outputs, self.next_rank)
+        unit = run.units[(a.micro_batch, a.chunk)]
+        self.link.send(unit.outputs, self._peer(a))
         if not run.train:
-            run.units.pop(a.micro_batch, None)
+            run.units.pop((a.micro_batch, a.chunk), None)
 
     def _recv_act(self, run: _BatchRun, a: Action) -> None:
-        tensors, _, is_tuple = self.link.recv(self.prev_rank, "activations", src_stage=self.stage_id - 1)
+        tensors, _, is_tuple = self.link.recv(self._peer(a), "activations", src_stage=a.peer)
         if run.train:
             for t in tensors:
                 if t.is_floating_point():
                     t.requires_grad_(True)
-        run.units[a.micro_batch] = _Unit(inputs=tensors, input_tuple=is_tuple)
+        run.units[(a.micro_batch, a.chunk)] = _Unit(inputs=tensors, input_tuple=is_tuple)
 
     def _recv_grad(self, run: _BatchRun, a: Action) -> None:
-        unit = run.units[a.micro_batch]
+        unit = run.units[(a.micro_batch, a.chunk)]
         expect = [TensorMeta(tuple(t.shape), t.dtype, False) for t in unit.out_tensors if t.is_floating_point()]
-        unit.grad_out, _, _ = self.link.recv(self.next_rank, "output gradients", expect, src_stage=self.stage_id + 1)
+        unit.grad_out, _, _ = self.link.recv(self._peer(a), "output gradients", expect, src_stage=a.peer)
 
     def _send_grad(self, run: _BatchRun, a: Action) -> None:
-        unit = run.units[a.micro_batch]
-        self.link.send(tuple(unit.grad_in or []), self.prev_rank)
+        unit = run.units[(a.micro_batch, a.chunk)]
+        self.link.send(tuple(unit.grad_in or []), self._peer(a))
         if unit.outputs is None:  # the weight pass (if any) is done too
-            run.units.pop(a.micro_batch, None)
+            run.units.pop((a.micro_batch, a.chunk), None)
 
     def _roots(self, unit: _Unit) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What backward starts from: the scaled loss on the last stage, else the outputs that need a
-        gradient with the received gradients."""
-        if self.is_last_stage():
+        """What backward starts from: the scaled loss on the last virtual stage, else the outputs that
+        need a gradient with the received gradients."""
+        if unit.last:
             loss = unit.loss / self.gradient_accumulation_steps()
             scale = self.loss_scaler.scale
             return [loss * scale if scale != 1.0 else loss], [torch.ones_like(loss)]
@@ -303,25 +325,25 @@ class PipelineEngine(DeepShardEngine):
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.inputs if t.is_floating_point()]
 
     def _backward(self, run: _BatchRun, a: Action) -> None:
-        unit = run.units[a.micro_batch]
+        unit = run.units[(a.micro_batch, a.chunk)]
         roots, grads = self._roots(unit)
         if roots:
             torch.autograd.backward(roots, grads)
-        unit.grad_in = self._input_grads(unit) if not self.is_first_stage() else []
+        unit.grad_in = self._input_grads(unit) if not unit.first else []
         unit.outputs, unit.out_tensors, unit.loss, unit.grad_out = None, [], None, None
-        if self.is_first_stage():
-            run.units.pop(a.micro_batch, None)
+        if unit.first:
+            run.units.pop((a.micro_batch, a.chunk), None)
 
     def _backward_input(self, run: _BatchRun, a: Action) -> None:
         """ZB-H1's first half: the input gradients (and the cheap non-linear parameters' gradients); the
         linear layers' weight GEMMs wait in ``unit.store``. Without a store: gradients of the stage inputs
         only, the graph kept for a second traversal in the weight pass."""
-        unit = run.units[a.micro_batch]
+        unit = run.units[(a.micro_batch, a.chunk)]
         if unit.store is not None:
             roots, grads = self._roots(unit)
             if roots:
                 torch.autograd.backward(roots, grads)
-            unit.grad_in = self._input_grads(unit) if not self.is_first_stage() else []
+            unit.grad_in = self._input_grads(unit) if not unit.first else []
             unit.out_tensors, unit.loss, unit.grad_out = [], None, None
             return
         inputs = [t for t in unit.inputs if t.is_floating_point() and t.requires_grad]
@@ -338,13 +360,13 @@ class PipelineEngine(DeepShardEngine):
 
     def _backward_weight(self, run: _BatchRun, a: Action) -> None:
         """ZB-H1's second half: parameter gradients, accumulated locally (reduced once per batch)."""
-        unit = run.units[a.micro_batch]
+        unit = run.units[(a.micro_batch, a.chunk)]
         if unit.store is not None:
             unit.store.run()
         elif unit.out_tensors:
             params = [p for p in self.module.parameters() if p.requires_grad]
             torch.autograd.backward(unit.out_tensors, unit.grad_out, inputs=params)
-        run.units.pop(a.micro_batch, None)  # its input gradient was sent right after the input pass
+        run.units.pop((a.micro_batch, a.chunk), None)  # its input gradient was sent right after the input pass
 
     # ------------------------------------------------------------------------------------- losses
     def _batch_loss(self, run: _BatchRun, average: bool = True, broadcast: bool = True) -> Any:

@@ -5,6 +5,10 @@ its own stage: a ``LayerSpec`` is a recipe (class and arguments) built where it 
 model is never built whole on every process (parameter counts for partitioning come from a build on the
 ``meta`` device, which allocates nothing). Layers given as built modules are kept only on their stage.
 
+``num_chunks`` (deepshard extension, Megatron's virtual pipeline size) cuts the model into
+``num_stages * num_chunks`` virtual stages; virtual stage ``vs`` lives on stage ``vs % num_stages`` as its
+chunk ``vs // num_stages``, for the interleaved 1F1B schedule (``pipeline.schedule: "interleaved"``).
+
 ``TiedLayerSpec(key, ...)`` layers share one module per stage per key (e.g. the embedding that also
 serves as the output head); the pipeline engine makes the copies equal at start and sums their gradients
 over the stages that hold them.
@@ -64,6 +68,7 @@ class PipelineModule(nn.Module):
     from its rank (pipeline-major order). ``stage_id`` (deepshard extension) picks the stage explicitly,
     e.g. to build one stage in a test with no process group. ``partition_method``: ``parameters``
     (default), ``uniform``, ``type:<regex>``, ``profile`` (times each layer on ``partition_sample``).
+    ``num_chunks``: model chunks per stage (interleaved schedule); ``forward(x, chunk=c)`` runs chunk ``c``.
     """
 
     def __init__(self, layers: Sequence[LayerEntry], num_stages: int | None = None, topology: Any = None,
@@ -71,7 +76,7 @@ class PipelineModule(nn.Module):
                  base_seed: int = 1234, partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func: Callable | None = None,
                  checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = False,
-                 stage_id: int | None = None, partition_sample: Any = None) -> None:
+                 stage_id: int | None = None, partition_sample: Any = None, num_chunks: int = 1) -> None:
         super().__init__()
         self._layer_specs = list(layers)
         if not self._layer_specs:
@@ -85,12 +90,20 @@ class PipelineModule(nn.Module):
         self.partition_method = partition_method
         self._topology = topology
         self.num_stages, self.stage_id = _resolve_stage(num_stages, topology, stage_id)
-        self.parts = parts_for(partition_method, len(self._layer_specs), self.num_stages, self._param_counts,
-                               self._class_names, self._measured(partition_sample))
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r}: give the model chunks per stage, an integer >= 1")
+        if num_chunks > 1 and self.num_stages < 2:
+            raise ValueError(f"num_chunks={num_chunks} interleaves chunks over stages and needs num_stages >= 2 "
+                             f"(got {self.num_stages}); use num_chunks=1")
+        self.num_chunks = num_chunks
+        self.parts = parts_for(partition_method, len(self._layer_specs), self.num_stages * num_chunks,
+                               self._param_counts, self._class_names, self._measured(partition_sample))
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable] = []
+        self.chunk_funcs: list[list[Callable]] = []
+        """This stage's layers, one list per chunk (chunk ``c`` is virtual stage ``c * num_stages + stage``)."""
         self._build_local()
+        self.forward_funcs: list[Callable] = [f for funcs in self.chunk_funcs for f in funcs]
 
     # ------------------------------------------------------------------------------ construction
     def _param_counts(self) -> list[int]:
@@ -122,38 +135,42 @@ class PipelineModule(nn.Module):
         return lambda: measure_layer_costs(builders, sample)
 
     def _build_local(self) -> None:
-        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        for index in range(lo, hi):
-            entry = self._layer_specs[index]
-            if isinstance(entry, (LayerSpec, nn.Module)) and self.seed_layers:
-                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
-            if isinstance(entry, TiedLayerSpec):
-                if entry.key not in self.tied_modules:
-                    self.tied_modules[entry.key] = entry.build()
-                    self.tied_weight_attrs[entry.key] = entry.tied_weight_attr
-                self.forward_funcs.append(_TiedCall(self.tied_modules, entry.key, entry.forward_fn))
-            elif isinstance(entry, LayerSpec):
-                module = entry.build()
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
-            elif isinstance(entry, nn.Module):
-                self.add_module(str(index), entry)
-                self.forward_funcs.append(entry)
-            elif callable(entry):
-                self.forward_funcs.append(entry)
-            else:
-                raise TypeError(f"layer {index} is {type(entry).__name__}: use an nn.Module, a LayerSpec, a "
-                                "TiedLayerSpec or a callable")
+        for chunk in range(self.num_chunks):
+            virtual = chunk * self.num_stages + self.stage_id
+            self.chunk_funcs.append([self._build_layer(i) for i in range(self.parts[virtual], self.parts[virtual + 1])])
+
+    def _build_layer(self, index: int) -> Callable:
+        """Layer ``index`` built (seeded by its index when ``seed_layers``) and registered; its forward."""
+        entry = self._layer_specs[index]
+        if isinstance(entry, (LayerSpec, nn.Module)) and self.seed_layers:
+            (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+        if isinstance(entry, TiedLayerSpec):
+            if entry.key not in self.tied_modules:
+                self.tied_modules[entry.key] = entry.build()
+                self.tied_weight_attrs[entry.key] = entry.tied_weight_attr
+            return _TiedCall(self.tied_modules, entry.key, entry.forward_fn)
+        if isinstance(entry, LayerSpec):
+            module = entry.build()
+            self.add_module(str(index), module)
+            return module
+        if isinstance(entry, nn.Module):
+            self.add_module(str(index), entry)
+            return entry
+        if callable(entry):
+            return entry
+        raise TypeError(f"layer {index} is {type(entry).__name__}: use an nn.Module, a LayerSpec, a "
+                        "TiedLayerSpec or a callable")
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, x: Any) -> Any:
-        """Run this stage's layers (blocks of ``activation_checkpoint_interval`` layers recomputed in
-        backward when they qualify)."""
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        """Run this stage's layers of ``chunk`` (blocks of ``activation_checkpoint_interval`` layers
+        recomputed in backward when they qualify)."""
+        funcs = self.chunk_funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval <= 0 or not self.training:
-            return _run(self.forward_funcs, x)
-        for start in range(0, len(self.forward_funcs), interval):
-            block = self.forward_funcs[start:start + interval]
+            return _run(funcs, x)
+        for start in range(0, len(funcs), interval):
+            block = funcs[start:start + interval]
             if self._checkpointable(block):
                 fn = self.activation_checkpoint_func or _default_checkpoint
                 x = fn(lambda *a, b=block: _run(b, a[0] if len(a) == 1 else a), *_as_tuple(x))
@@ -168,16 +185,17 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------------- DeepSpeed methods
     def partitions(self) -> list[int]:
-        """Stage boundaries: stage ``s`` holds layers ``parts[s]:parts[s + 1]``."""
+        """Virtual-stage boundaries (the stages themselves when ``num_chunks`` is 1): virtual stage ``vs``
+        holds layers ``parts[vs]:parts[vs + 1]``."""
         return list(self.parts)
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage that holds layer ``layer_idx``."""
         if not 0 <= layer_idx < len(self._layer_specs):
             raise IndexError(f"layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
-        for stage in range(self.num_stages):
-            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
-                return stage
+        for virtual in range(self.num_stages * self.num_chunks):
+            if self.parts[virtual] <= layer_idx < self.parts[virtual + 1]:
+                return virtual % self.num_stages
         raise AssertionError("unreachable: parts cover every layer")
 
     def num_pipeline_stages(self) -> int:
