@@ -4,6 +4,7 @@ DeepSpeed's own ``PipelineEngine`` on the same ``pp`` processes; each schedule's
 the analytic one; the peak activation memory of each stage against the schedule's in-flight count.
 
     python benchmarks/pipeline_bench.py [--pp 2] [--micro-batches 8] [--steps 5] [--json out.json]
+    .venv-bench/bin/python benchmarks/pipeline_bench.py ...   # with DeepSpeed (make bench's venv)
 
 - The measured bubble of a stage is ``1 - (its compute time) / (step time)``, averaged over stages; the
   analytic one is the simulator's (``deepshard.pipe.simulate``) with the pass costs measured on one
@@ -14,7 +15,8 @@ the analytic one; the peak activation memory of each stage against the schedule'
 - DeepSpeed: the same layers as ``deepspeed.pipe`` ``LayerSpec``/``TiedLayerSpec``, its ``TrainSchedule``
   (1F1B order), ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` as here, the same
   optimizer (torch AdamW, lr 1e-4, no weight decay). Skipped, with the reason printed, when
-  ``import deepspeed`` fails. ``DS_ACCELERATOR=cpu`` is set for it.
+  ``import deepspeed`` fails. ``DS_ACCELERATOR=cpu`` is set for it; its CPU shared-memory collective op
+  (a C++ build at start, used only by ``inference_all_reduce``) is not built.
 - Activation memory: bytes of the tensors autograd saves for backward (``saved_tensors_hooks``), counted
   once per storage from the moment they are saved until the graph holding them is freed, parameters left
   out; for ``zb-h1`` also the weight pass's records (layer inputs and output gradients) until the weight
@@ -32,6 +34,7 @@ import os
 import queue
 import socket
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -266,18 +269,21 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
     import logging
 
     import deepspeed
+    import torch
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
+    if os.path.basename(os.path.dirname(getattr(deepspeed, "__file__", None) or "")) != "deepspeed":
+        raise RuntimeError(f"`import deepspeed` gives {deepspeed!r}, not DeepSpeed (deepshard's stand-in?)")
     deepspeed.utils.logger.setLevel(logging.WARNING)
     # On CPU, DeepSpeed's torch backend JIT-compiles a shared-memory C++ op at start (minutes on a busy
     # 2-core machine; a run stopped mid-build leaves a lock that hangs every later one). The op serves
     # only inference_all_reduce; training's all-reduces go through torch.distributed (gloo), as here.
-    import deepspeed.comm.torch as ds_comm_torch
-    ds_comm_torch.build_shm_op = lambda: None
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group opened in _child
     model = PipelineModule(_specs(LayerSpec, TiedLayerSpec), num_stages=world, loss_fn=_parts()[2],
-                           seed_layers=True, base_seed=BASE_SEED, partition_method="type:block")
+                           seed_layers=True, base_seed=BASE_SEED, partition_method="type:block",
+                           seed_fn=lambda seed: torch.manual_seed(int(seed)))  # its default seeder rejects numpy ints
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
            "optimizer": {"type": OPTIM["type"], "params": {**OPTIM["params"], "torch_adam": True}},
            "steps_per_print": 10 ** 9}
@@ -377,6 +383,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     m, pp = args.micro_batches, args.pp
+    load_before = os.getloadavg()[0]
     base = run("deepshard", 1, "1f1b", m, args.steps, args.timeout)
     if "error" in base:
         raise SystemExit(f"the one-process run failed: {base['error']}")
@@ -389,7 +396,8 @@ def main() -> None:
     ddp = run("ddp", pp, "-", m, args.steps, args.timeout)
     if importlib.util.find_spec("deepspeed") is None:
         ds: dict[str, Any] = {"engine": "deepspeed", "pp": pp, "schedule": "TrainSchedule", "m": m,
-                              "error": "skipped: `import deepspeed` fails (not installed; pip install deepspeed)"}
+                              "error": "skipped: `import deepspeed` fails here (not installed: run this script "
+                                       "from make bench's .venv-bench, or pip install deepspeed)"}
     else:
         ds = run("deepspeed", pp, "TrainSchedule", m, args.steps, args.timeout)
         ds["schedule"] = "TrainSchedule"
@@ -409,7 +417,8 @@ def main() -> None:
     base["in_flight"] = simulate(build_schedule("1f1b", 1, m), m).peak_in_flight
     ddp["in_flight"] = [1] * pp  # each process: one micro-batch's forward and backward at a time
 
-    print(f"\nstep time (median of {args.steps} steps after one warm-up; pp={pp}, m={m} micro-batches of {MICRO})")
+    print(f"\nstep time (median of {args.steps} steps after one warm-up; pp={pp}, m={m} micro-batches of {MICRO}; "
+          f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, {os.cpu_count()} cores)")
     for r in rows + [ddp, ds]:
         if "error" in r:
             print(f"  {r['engine']:9s} pp={r['pp']} {r['schedule']:13s}: {r['error']}")
