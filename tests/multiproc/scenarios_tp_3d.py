@@ -71,10 +71,10 @@ def _batches(dp: int) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab, (MICRO * GAS * dp, CFG.seq + 1), generator=g) for _ in range(STEPS)]
 
 
-def _config() -> dict[str, Any]:
+def _config(stage: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "gradient_clipping": 0.5,
-            "zero_optimization": {"stage": 1}}
+            "zero_optimization": {"stage": stage}}
 
 
 def _reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -101,20 +101,27 @@ def _data(dp: int, dp_rank: int):
             yield row[:, :-1], row[:, 1:]
 
 
-def three_d_world(rank: int, world: int) -> dict[str, Any]:
-    import deepshard
-    from deepshard.pipe import PipelineModule
+def three_d_world(rank: int, world: int) -> dict[int, dict[str, Any]]:
+    """pp=2 x dp=2 x tp=2 trained at ZeRO-1 and ZeRO-2 (one grid, a fresh model each): worst loss and
+    parameter differences against the plain model, per stage."""
     from deepshard.topology import ParallelDims, Topology
 
     topo = Topology.build(ParallelDims(pp=2, dp=2, tp=2))
+    ref_losses, ref = _reference(topo.dims.dp)
+    return {stage: _train_3d(topo, stage, ref_losses, ref) for stage in (1, 2)}
+
+
+def _train_3d(topo: Any, stage: int, ref_losses: list[float], ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
     tp = topo.tp
     model = PipelineModule(_tp_layers(tp), topology=topo,
                            loss_fn=lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, tp))
-    engine, *_ = deepshard.initialize(model=model, config=_config(), mpu=topo)
+    engine, *_ = deepshard.initialize(model=model, config=_config(stage), mpu=topo)
     it = _data(topo.dims.dp, topo.coord.dp)
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
     traffic = topo.world.logger.summary()
-    ref_losses, ref = _reference(topo.dims.dp)
     worst = 0.0
     for name, p in model.named_parameters():
         mine = engine.strategy.full_fp32_param(p)
