@@ -78,11 +78,14 @@ def _specs(layer_spec: Any, tied_spec: Any) -> list[Any]:
             + [tied_spec("embed", Embed, forward_fn=_head)])
 
 
-def _model(pp: int) -> Any:
+CHUNKS = 2  # model chunks per stage for the interleaved schedule
+
+
+def _model(pp: int, chunks: int = 1) -> Any:
     from deepshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     return PipelineModule(_specs(LayerSpec, TiedLayerSpec), num_stages=pp, loss_fn=_parts()[2], seed_layers=True,
-                          base_seed=BASE_SEED, partition_method="type:block")
+                          base_seed=BASE_SEED, partition_method="type:block", num_chunks=chunks)
 
 
 def _whole_model() -> Any:
@@ -212,7 +215,7 @@ def _deepshard_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m, "optimizer": OPTIM,
            "pipeline": {"schedule": schedule}}
-    engine = deepshard.initialize(model=_model(world), config=cfg)[0]
+    engine = deepshard.initialize(model=_model(world, CHUNKS if schedule == "interleaved" else 1), config=cfg)[0]
     meter = SavedBytes(engine.module.parameters())
     busy = {"t": 0.0}
     per_kind: dict[str, list[float]] = {}
@@ -391,6 +394,9 @@ def main() -> None:
     costs = Costs(forward=f, backward_input=b / 2, backward_weight=b / 2)
 
     def analytic(schedule: str) -> Any:
+        if schedule == "interleaved":  # each chunk's passes cost 1/CHUNKS of the stage's
+            per_chunk = Costs(f / CHUNKS, b / 2 / CHUNKS, b / 2 / CHUNKS)
+            return simulate(build_schedule(schedule, pp, m, CHUNKS), m, CHUNKS, costs=per_chunk)
         return simulate(build_schedule(schedule, pp, m), m, costs=costs)
 
     ddp = run("ddp", pp, "-", m, args.steps, args.timeout)
@@ -405,7 +411,10 @@ def main() -> None:
         sim = analytic("1f1b")  # DeepSpeed's TrainSchedule runs the 1F1B order
         ds["bubble_analytic"], ds["in_flight"] = sim.bubble_fraction, sim.peak_in_flight
     rows = [base]
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"):
+        if schedule == "interleaved" and (pp < 2 or m % pp):
+            print("deepshard interleaved: skipped (needs pp >= 2 and micro-batches a multiple of pp)")
+            continue
         row = run("deepshard", pp, schedule, m, args.steps, args.timeout)
         if "error" in row:
             print(f"deepshard {schedule}: {row['error']}")
