@@ -147,7 +147,9 @@ RECOMPUTE = {"pipeline": {"activation_checkpoint_interval": 2}, "activation_chec
 CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), ("zb-h1", 2, 3, None),
              ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE), ("interleaved", 1, 4, None),
              ("interleaved", 2, 2, RECOMPUTE)]
-CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (4, "1f1b", 0, 4), (2, "interleaved", 0, 2)]
+CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (2, "gpipe", 0, 2), (2, "interleaved", 0, 2),
+             (4, "1f1b", 0, 4), (4, "gpipe", 1, 2), (4, "zb-h1", 2, 3)]
+# interleaved at pp=4 would need 8 virtual stages: the 6-layer model has too few layers
 
 
 def pp2_world(rank: int, world: int, directory: str) -> list[str]:
@@ -183,12 +185,57 @@ def mixed_precision() -> list[str]:
     return done
 
 
-def pp_dp_world(rank: int, world: int) -> list[str]:
-    """4 processes: pp=2 x dp=2 under 1F1B and ZB-H1 with ZeRO 2 and 1, then pp=4."""
+def pp_dp_world(rank: int, world: int, directory: str) -> list[str]:
+    """4 processes: pp=2 x dp=2 and pp=4 under the schedules of ``CONFIGS_4``, then a (2, 2) checkpoint
+    resumed on (4, 1) and (1, 4), and back."""
     done = []
     for pp, schedule, zero, m in CONFIGS_4:
         check(train_pipeline(pp, schedule, zero, m, steps=2), m, 2)
         done.append(f"pp{pp}-{schedule}-z{zero}-m{m}")
+    return done + resume_across_grids(world, directory)
+
+
+def _resumed(pp: int, zero: int, directory: str, tag: str, world: int) -> tuple[Any, Any, int]:
+    """An engine on (pp, world // pp) loaded from ``tag`` (the global batch kept: m = 8 rows / MICRO / dp),
+    and its next batch's loss."""
+    m = 8 // (MICRO * (world // pp))
+    model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
+    engine.load_checkpoint(directory, tag=tag)
+    return model, engine, m
+
+
+def resume_across_grids(world: int, directory: str) -> list[str]:
+    """(stages, dp) = (2, 2) at ZeRO-2 saved after one batch; resumed on (4, 1) and (1, 4) the next batch
+    gives the uninterrupted run's loss and parameters; each of those saves again and (2, 2) resumes from
+    it (back) with the same result."""
+    m = 2
+    model, engine = _engine(2, m, zero=2)
+    engine.train_batch(_step_data(0, m, 2, engine.topology.coord.dp))
+    engine.save_checkpoint(directory, tag="grid22")
+    want_loss = float(engine.train_batch(_step_data(1, m, 2, engine.topology.coord.dp)))
+    mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    engine.destroy()
+    stages: list[Any] = [None] * world
+    torch.distributed.all_gather_object(stages, mine)
+    want = {k: v for stage in stages for k, v in stage.items()}  # the whole model
+
+    def next_batch_matches(model: Any, engine: Any, m: int, what: str) -> None:
+        dp = engine.dp_world_size
+        got = float(engine.train_batch(_step_data(1, m, dp, engine.topology.coord.dp)))
+        assert abs(got - want_loss) < 1e-5, (what, got, want_loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(engine.strategy.full_fp32_param(p), want[name], rtol=1e-4, atol=1e-5)
+        assert engine.global_steps == 2, what
+        engine.destroy()
+
+    done = []
+    for pp, zero in ((4, 1), (1, 2)):
+        model, engine, m = _resumed(pp, zero, directory, "grid22", world)
+        engine.save_checkpoint(directory, tag=f"grid{pp}")  # before training: the same state, this grid's files
+        next_batch_matches(model, engine, m, f"pp{pp} from (2, 2)")
+        model, engine, m = _resumed(2, 2, directory, f"grid{pp}", world)
+        next_batch_matches(model, engine, m, f"(2, 2) back from pp{pp}")
+        done.append(f"pp{pp}-and-back")
     return done
 
 
