@@ -44,5 +44,6 @@ def test_exit_settles_once_however_the_handlers_were_registered() -> None:
 
 
 def test_settling_lets_a_thread_waiting_for_the_gil_finish_before_finalization() -> None:
+    """Without the handler the worker is starved ("none": checked by hand, not asserted here, because a
+    loaded machine may stall the main thread past the worker's 50 ms and let it run anyway)."""
     assert _python(STARVED_WORKER, "settle") == "worker ran"
-    assert _python(STARVED_WORKER, "none") == "worker starved"
