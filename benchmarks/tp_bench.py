@@ -161,21 +161,30 @@ def _deepspeed_autotp_setup(model: nn.Module, args: argparse.Namespace,
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
            "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 0},
            "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if hasattr(deepspeed, "tp_model_init"):
         model = deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    grad_bytes = [0]
 
     def step(ids: torch.Tensor) -> float:
         ids = mine(ids)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
+        # DeepSpeed frees the gradients in step(): count them here, where they are held
+        grad_bytes[0] = sum(p.grad.numel() * p.grad.element_size() for p in engine.module.parameters()
+                            if p.grad is not None)
         engine.step()
         return float(loss.detach())
-    inner = getattr(engine, "optimizer", opt)
-    inner = getattr(inner, "optimizer", inner) if not isinstance(inner, torch.optim.Optimizer) else inner
-    return {"step": step, "state": lambda: _torch_state_bytes(engine.module, inner),
-            "version": deepspeed.__version__}
+
+    def state() -> int:
+        held = sum(p.numel() * p.element_size() for p in engine.module.parameters()) + grad_bytes[0]
+        return held + sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                          if torch.is_tensor(v))
+    unsplit = [name for name, p in engine.module.named_parameters()
+               if p.dim() == 2 and tuple(p.shape) == shapes.get(name.removeprefix("module."))]
+    return {"step": step, "state": state, "version": deepspeed.__version__, "unsplit": unsplit}
 
 
 # ------------------------------------------------------------------ table 2: the same model as layers
@@ -382,7 +391,7 @@ def _worker(rank: int, world: int, port: int, table: str, case: str, args: argpa
                 times.append(time.perf_counter() - start)
         result.update(status="ok", times=times, losses=losses, state_bytes=run["state"](), idle_rss=idle,
                       peak_rss=_proc_status_bytes("VmHWM"), loss_is_global=run.get("loss_is_global", False))
-        for key in ("stage", "version"):
+        for key in ("stage", "version", "unsplit"):
             if key in run:
                 result[key] = run[key]
         if logger is not None:
@@ -552,7 +561,8 @@ def main() -> None:
                 print(f"| {op} | {got:.0f} | {want:.0f} | {got / want:.4f} |")
         for r in rows:
             if r["status"] == "ok" and "version" in r["ranks"][0]:
-                print(f"\n{r['case']}: DeepSpeed {r['ranks'][0]['version']}")
+                print(f"\n{r['case']}: DeepSpeed {r['ranks'][0]['version']}; 2-D parameters it left whole: "
+                      f"{r['ranks'][0].get('unsplit')}")
             if r["status"] != "ok":
                 print(f"\n{r['case']} did not run. Last lines of rank's traceback:\n"
                       + "\n".join(r.get("trace", "").strip().splitlines()[-6:]))
