@@ -26,6 +26,6 @@ env -u PYTHONPATH "$VENV/bin/deepshard" --num_gpus 2 "$ROOT/tests/e2e/plain_inst
     --out "$OUT" > "$OUT/log.txt" 2>&1 || { cat "$OUT/log.txt"; echo "plain-install check FAILED"; exit 1; }
 grep -q '"ok": true' "$OUT/log.txt" || { cat "$OUT/log.txt"; echo "plain-install check FAILED"; exit 1; }
 env -u PYTHONPATH "$VENV/bin/deepshard" report > "$OUT/report.txt" 2>&1 \
-    && grep -q "torch version" "$OUT/report.txt" \
+    && grep -q "^torch install path" "$OUT/report.txt" \
     || { cat "$OUT/report.txt"; echo "plain-install check FAILED: deepshard report"; exit 1; }
 echo "plain-install check passed: $(grep '"ok": true' "$OUT/log.txt" | sed 's/^.*\({.*}\).*$/\1/')"
