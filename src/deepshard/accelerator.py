@@ -245,3 +245,23 @@ def get_accelerator(local_rank: int | None = None) -> DeviceAccelerator:
     if kind == "cuda":
         return DeviceAccelerator("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return DeviceAccelerator("cpu", 0)
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 CPU features with bf16 arithmetic; without them torch emulates bf16 matmuls (measured on an AMD
+EPYC with AVX2 only: 28 s per demo step in bf16 against 1.7 s in fp32)."""
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this x86 CPU computes bf16 natively (``avx512_bf16`` or ``amx_bf16``); None where that
+    cannot be told (not Linux, not x86: an ARM CPU's bf16 support is not judged here)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)

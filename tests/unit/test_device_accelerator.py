@@ -74,3 +74,12 @@ def test_cuda_names(monkeypatch: pytest.MonkeyPatch) -> None:
     acc.empty_cache()
     acc.manual_seed(5)
     assert acc.initial_seed() == 5
+
+
+def test_native_bf16_is_read_from_the_cpu_flags() -> None:
+    from deepshard.accelerator import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n") is False
+    assert cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16\n") is True
+    assert cpu_has_native_bf16("flags\t\t: fpu amx_tile amx_bf16\n") is True
+    assert cpu_has_native_bf16("Features\t: fp asimd bf16\n") is None  # ARM: not judged
