@@ -195,50 +195,6 @@ def pp_dp_world(rank: int, world: int, directory: str) -> list[str]:
     return done + resume_across_grids(world, directory)
 
 
-def _resumed(pp: int, zero: int, directory: str, tag: str, world: int) -> tuple[Any, Any, int]:
-    """An engine on (pp, world // pp) loaded from ``tag`` (the global batch kept: m = 8 rows / MICRO / dp),
-    and its next batch's loss."""
-    m = 8 // (MICRO * (world // pp))
-    model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
-    engine.load_checkpoint(directory, tag=tag)
-    return model, engine, m
-
-
-def resume_across_grids(world: int, directory: str) -> list[str]:
-    """(stages, dp) = (2, 2) at ZeRO-2 saved after one batch; resumed on (4, 1) and (1, 4) the next batch
-    gives the uninterrupted run's loss and parameters; each of those saves again and (2, 2) resumes from
-    it (back) with the same result."""
-    m = 2
-    model, engine = _engine(2, m, zero=2)
-    engine.train_batch(_step_data(0, m, 2, engine.topology.coord.dp))
-    engine.save_checkpoint(directory, tag="grid22")
-    want_loss = float(engine.train_batch(_step_data(1, m, 2, engine.topology.coord.dp)))
-    mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
-    engine.destroy()
-    stages: list[Any] = [None] * world
-    torch.distributed.all_gather_object(stages, mine)
-    want = {k: v for stage in stages for k, v in stage.items()}  # the whole model
-
-    def next_batch_matches(model: Any, engine: Any, m: int, what: str) -> None:
-        dp = engine.dp_world_size
-        got = float(engine.train_batch(_step_data(1, m, dp, engine.topology.coord.dp)))
-        assert abs(got - want_loss) < 1e-5, (what, got, want_loss)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(engine.strategy.full_fp32_param(p), want[name], rtol=1e-4, atol=1e-5)
-        assert engine.global_steps == 2, what
-        engine.destroy()
-
-    done = []
-    for pp, zero in ((4, 1), (1, 2)):
-        model, engine, m = _resumed(pp, zero, directory, "grid22", world)
-        engine.save_checkpoint(directory, tag=f"grid{pp}")  # before training: the same state, this grid's files
-        next_batch_matches(model, engine, m, f"pp{pp} from (2, 2)")
-        model, engine, m = _resumed(2, 2, directory, f"grid{pp}", world)
-        next_batch_matches(model, engine, m, f"(2, 2) back from pp{pp}")
-        done.append(f"pp{pp}-and-back")
-    return done
-
-
 def errors(rank: int) -> list[str]:
     """What a pipeline engine refuses, with DeepSpeed's error, and a shape mismatch named, not hung."""
     import pytest
@@ -288,29 +244,66 @@ def _step_data(step: int, m: int, dp: int, dp_rank: int):
     return data
 
 
-def resume(world: int, directory: str) -> list[str]:
-    """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
-    uninterrupted run's next loss and parameters; no conversion step."""
-    model, engine = _engine(2, 2, zero=2)
-    engine.train_batch(_step_data(0, 2, 1, 0))
-    engine.save_checkpoint(directory, tag="t")
-    want_loss = float(engine.train_batch(_step_data(1, 2, 1, 0)))
+def _saved_then_next(pp: int, m: int, world: int, directory: str, tag: str) -> tuple[float, dict[str, Any]]:
+    """Train (pp, world // pp) at ZeRO-2 for one batch, save ``tag``, train the next: that batch's loss
+    and the whole model's parameters after it (every stage's, gathered): what a resume must reproduce."""
+    model, engine = _engine(pp, m, zero=2)
+    dp, dp_rank = world // pp, engine.topology.coord.dp
+    engine.train_batch(_step_data(0, m, dp, dp_rank))
+    engine.save_checkpoint(directory, tag=tag)
+    loss = float(engine.train_batch(_step_data(1, m, dp, dp_rank)))
     mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
     engine.destroy()
     stages: list[Any] = [None] * world
     torch.distributed.all_gather_object(stages, mine)
-    want = {k: v for stage in stages for k, v in stage.items()}  # the whole model
+    return loss, {k: v for stage in stages for k, v in stage.items()}
+
+
+def _resumed(pp: int, zero: int, directory: str, tag: str, world: int) -> tuple[Any, Any, int]:
+    """An engine on (pp, world // pp) loaded from ``tag``, and its micro-batch count (the global batch
+    kept at 2 x world rows)."""
+    m = 2 * world // (MICRO * (world // pp))
+    model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
+    engine.load_checkpoint(directory, tag=tag)
+    return model, engine, m
+
+
+def _next_batch_matches(model: Any, engine: Any, m: int, want: tuple[float, dict[str, Any]], what: str) -> None:
+    """The resumed engine's next batch gives the uninterrupted run's loss and parameters; then destroyed."""
+    want_loss, want_params = want
+    got = float(engine.train_batch(_step_data(1, m, engine.dp_world_size, engine.topology.coord.dp)))
+    assert abs(got - want_loss) < 1e-5, (what, got, want_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(engine.strategy.full_fp32_param(p), want_params[name], rtol=1e-4, atol=1e-5)
+    assert engine.global_steps == 2, what
+    engine.destroy()
+
+
+def resume(world: int, directory: str) -> list[str]:
+    """A pp=2 checkpoint (ZeRO-2: sharded optimizer state) resumed on pp=2 and on pp=1 x dp=2 gives the
+    uninterrupted run's next loss and parameters; no conversion step."""
+    want = _saved_then_next(2, 2, world, directory, "t")
     done = []
-    for pp, m, zero in [(2, 2, 2), (1, 1, 1)]:  # (stages, micro-batches per rank), dp = 2 / pp
-        model, engine = _engine(pp, m, zero, seed_layers=False)  # values come from the checkpoint
-        engine.load_checkpoint(directory, tag="t")
-        got_loss = float(engine.train_batch(_step_data(1, m, 2 // pp, engine.topology.coord.dp)))
-        assert abs(got_loss - want_loss) < 1e-5, (pp, got_loss, want_loss)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(engine.strategy.full_fp32_param(p), want[name], rtol=1e-4, atol=1e-5)
-        assert engine.global_steps == 2
-        engine.destroy()
+    for pp, zero in ((2, 2), (1, 1)):
+        model, engine, m = _resumed(pp, zero, directory, "t", world)
+        _next_batch_matches(model, engine, m, want, f"pp{pp}")
         done.append(f"pp{pp}")
+    return done
+
+
+def resume_across_grids(world: int, directory: str) -> list[str]:
+    """(stages, dp) = (2, 2) at ZeRO-2 saved after one batch; resumed on (4, 1) and (1, 4) the next batch
+    gives the uninterrupted run's loss and parameters; each of those saves again and (2, 2) resumes from
+    it (back) with the same result."""
+    want = _saved_then_next(2, 2, world, directory, "grid22")
+    done = []
+    for pp, zero in ((4, 1), (1, 2)):
+        model, engine, m = _resumed(pp, zero, directory, "grid22", world)
+        engine.save_checkpoint(directory, tag=f"grid{pp}")  # before training: the same state, this grid's files
+        _next_batch_matches(model, engine, m, want, f"pp{pp} from (2, 2)")
+        model, engine, m = _resumed(2, 2, directory, f"grid{pp}", world)
+        _next_batch_matches(model, engine, m, want, f"(2, 2) back from pp{pp}")
+        done.append(f"pp{pp}-and-back")
     return done
 
 
