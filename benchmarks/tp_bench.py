@@ -520,6 +520,14 @@ def print_table(title: str, rows: list[dict[str, Any]], psi: int, psi_r: int, wo
                   + ("" if r["peak_reset"] else " (peak not reset after setup: includes the model build)"))
 
 
+def print_failures(rows: list[dict[str, Any]]) -> None:
+    """For each case that did not run, the last lines of its rank's traceback."""
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"\n{r['case']} did not run. Last lines of rank's traceback:\n"
+                  + "\n".join(r.get("trace", "").strip().splitlines()[-6:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
@@ -563,9 +571,7 @@ def main() -> None:
             if r["status"] == "ok" and "version" in r["ranks"][0]:
                 print(f"\n{r['case']}: DeepSpeed {r['ranks'][0]['version']}; 2-D parameters it left whole: "
                       f"{r['ranks'][0].get('unsplit')}")
-            if r["status"] != "ok":
-                print(f"\n{r['case']} did not run. Last lines of rank's traceback:\n"
-                      + "\n".join(r.get("trace", "").strip().splitlines()[-6:]))
+        print_failures(rows)
         dump["hf"] = rows
 
     if not args.skip_3d:
@@ -588,10 +594,7 @@ def main() -> None:
                     got = rank["comm"].get("tp:all_reduce", {}).get("per_step", 0.0)
                     print(f"| {r['case']} | {rank['rank']} ({rank['stage']['stage']}) | {rank['stage']['blocks']} | "
                           f"{got:.0f} | {want:.0f} | {got / want:.4f} |")
-        for r in rows:
-            if r["status"] != "ok":
-                print(f"\n{r['case']} did not run. Last lines of rank's traceback:\n"
-                      + "\n".join(r.get("trace", "").strip().splitlines()[-6:]))
+        print_failures(rows)
         dump["layers"] = rows
     print(f"\nwall time {time.perf_counter() - started:.0f} s")
     if args.json:
