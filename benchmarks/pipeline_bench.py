@@ -6,10 +6,14 @@ the analytic one; the peak activation memory of each stage against the schedule'
     python benchmarks/pipeline_bench.py [--pp 2] [--micro-batches 8] [--steps 5] [--json out.json]
     .venv-bench/bin/python benchmarks/pipeline_bench.py ...   # with DeepSpeed (make bench's venv)
 
-- The measured bubble of a stage is ``1 - (its compute time) / (step time)``, averaged over stages; the
-  analytic one is the simulator's (``deepshard.pipe.simulate``) with the pass costs measured on one
-  process. Compute time is the forward and backward passes (``F``, ``B``, ``BI``, ``BW``; DeepSpeed's
-  ``ForwardPass`` and ``BackwardPass``): transfers and the optimizer step count as bubble.
+- The measured bubble is the idle fraction of the pipeline's time on its busiest stage (the one that sets
+  the pace): ``1 - (its compute time) / (step time - its optimizer step)``. Compute time is the forward and
+  backward passes (``F``, ``B``, ``BI``, ``BW``; DeepSpeed's ``ForwardPass`` and ``BackwardPass``);
+  transfers, waits and the gradient reduction count as bubble, the optimizer step (after the pipeline has
+  drained) does not. The idle time the other stages have on top, because they have less work, is reported
+  apart as imbalance (``1 - mean compute / busiest compute``); ``mean bubble`` is the idle fraction averaged
+  over all stages (the two together). The analytic bubble is ``(p-1)/(m+p-1)`` for GPipe and 1F1B and the
+  simulator's (``deepshard.pipe.simulate``) for the others, with the pass costs measured on one process.
 - DDP: the same layers (tied embedding/head) whole on every process, each process a slice of the global
   batch (``micro-batches / pp`` micro-batches of the same size, accumulated under ``no_sync`` but the last).
 - DeepSpeed: the same layers as ``deepspeed.pipe`` ``LayerSpec``/``TiedLayerSpec``, its ``TrainSchedule``
@@ -186,13 +190,14 @@ class SavedBytes:
 
 
 def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: dict[str, float]) -> dict[str, Any]:
-    """Step 0 warms up and measures activations (hooks on); steps 1..steps are timed (hooks off)."""
+    """Step 0 warms up and measures activations (hooks on); steps 1..steps are timed (hooks off).
+    ``busy["t"]`` is the compute time the step's passes add, ``busy["opt"]`` its optimizer step's time."""
     import torch.distributed as dist
 
-    times, bubbles = [], []
+    times, computes, spans = [], [], []
     for step in range(steps + 1):
         dist.barrier()
-        busy["t"] = 0.0
+        busy["t"] = busy["opt"] = 0.0
         meter.on = step == 0
         t0 = time.perf_counter()
         if meter.on:
@@ -203,9 +208,24 @@ def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: 
         dt = time.perf_counter() - t0
         if step:
             times.append(dt)
-            bubbles.append(1.0 - busy["t"] / dt)
+            computes.append(busy["t"])
+            spans.append(dt - busy["opt"])
     meter.on = False
-    return {"step_s": statistics.median(times), "bubble": statistics.mean(bubbles), "act_bytes": meter.peak}
+    return {"step_s": statistics.median(times), "compute_s": statistics.median(computes),
+            "span_s": statistics.median(spans), "act_bytes": meter.peak}
+
+
+def _timed_optimizer(owner: Any, name: str, busy: dict[str, float]) -> None:
+    """Wrap ``owner.name`` (the optimizer step) so its time lands in ``busy["opt"]``."""
+    fn = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            busy["opt"] += time.perf_counter() - t0
+    setattr(owner, name, timed)
 
 
 # ------------------------------------------------------------------------------------ the engines
@@ -217,7 +237,8 @@ def _deepshard_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
            "pipeline": {"schedule": schedule}}
     engine = deepshard.initialize(model=_model(world, CHUNKS if schedule == "interleaved" else 1), config=cfg)[0]
     meter = SavedBytes(engine.module.parameters())
-    busy = {"t": 0.0}
+    busy = {"t": 0.0, "opt": 0.0}
+    _timed_optimizer(engine, "_take_model_step", busy)
     per_kind: dict[str, list[float]] = {}
     for kind in COMPUTE:
         fn = engine._dispatch[kind]
@@ -254,7 +275,8 @@ def _ddp_rank(rank: int, world: int, schedule: str, m: int, steps: int) -> dict[
     k = m // world
     local = _data(m)[rank * k:(rank + 1) * k]  # this process's slice of the global batch
     meter = SavedBytes(model.parameters())
-    busy = {"t": 0.0}
+    busy = {"t": 0.0, "opt": 0.0}
+    _timed_optimizer(opt, "step", busy)
 
     def train() -> None:
         for i, (x, y) in enumerate(local):
@@ -293,15 +315,15 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                   config=cfg)[0]
     meter = SavedBytes(engine.module.parameters())
-    busy = {"t": 0.0}
+    busy = {"t": 0.0, "opt": 0.0}
     table = dict(engine._INSTRUCTION_MAP)  # the engine looks instructions up through the instance
-    for cls in (ds_schedule.ForwardPass, ds_schedule.BackwardPass):
+    for cls, key in ((ds_schedule.ForwardPass, "t"), (ds_schedule.BackwardPass, "t"), (ds_schedule.OptimizerStep, "opt")):
         fn = table[cls]
 
-        def timed(self: Any, fn: Any = fn, **kwargs: Any) -> None:
+        def timed(self: Any, fn: Any = fn, key: str = key, **kwargs: Any) -> None:
             t0 = time.perf_counter()
             fn(self, **kwargs)
-            busy["t"] += time.perf_counter() - t0
+            busy[key] += time.perf_counter() - t0
         table[cls] = timed
     engine._INSTRUCTION_MAP = table
     data = _data(m)
@@ -329,8 +351,9 @@ def _child(rank: int, world: int, port: int, engine: str, schedule: str, m: int,
 
 
 def run(engine: str, pp: int, schedule: str, m: int, steps: int, timeout: float = 600.0) -> dict[str, Any]:
-    """One engine on ``pp`` fresh processes; a dict of the slowest rank's step time, the mean bubble, each
-    stage's peak activation bytes, or ``error`` with the first rank's reason."""
+    """One engine on ``pp`` fresh processes; a dict of the slowest rank's step time, the busiest stage's
+    bubble, the imbalance and mean bubble, each stage's peak activation bytes, or ``error`` with the first
+    rank's reason."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
@@ -361,8 +384,12 @@ def run(engine: str, pp: int, schedule: str, m: int, steps: int, timeout: float 
     if error:
         return {**row, "error": error}
     res = [r for _, r in sorted(rows, key=lambda x: x[0])]
-    return {**row, "step_s": max(r["step_s"] for r in res), "bubble": statistics.mean(r["bubble"] for r in res),
-            "act_bytes": [r["act_bytes"] for r in res], "pass_s": res[0].get("pass_s", {})}
+    busiest = max(res, key=lambda r: r["compute_s"])
+    return {**row, "step_s": max(r["step_s"] for r in res), "bubble": 1.0 - busiest["compute_s"] / busiest["span_s"],
+            "mean_bubble": statistics.mean(1.0 - r["compute_s"] / r["span_s"] for r in res),
+            "imbalance": 1.0 - statistics.mean(r["compute_s"] for r in res) / busiest["compute_s"],
+            "compute_s": [r["compute_s"] for r in res], "act_bytes": [r["act_bytes"] for r in res],
+            "pass_s": res[0].get("pass_s", {})}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -432,7 +459,8 @@ def main() -> None:
         if "error" in r:
             print(f"  {r['engine']:9s} pp={r['pp']} {r['schedule']:13s}: {r['error']}")
             continue
-        bub = f"measured bubble {r['bubble']:.3f}" if r["engine"] != "ddp" else "(data parallel: no bubble)"
+        bub = (f"measured bubble {r['bubble']:.3f} (imbalance {r['imbalance']:.3f}, mean over stages "
+               f"{r['mean_bubble']:.3f})" if r["engine"] != "ddp" else "(data parallel: no bubble)")
         ana = f"  analytic {r['bubble_analytic']:.3f}" if "bubble_analytic" in r else ""
         print(f"  {r['engine']:9s} pp={r['pp']} {r['schedule']:13s}: step {_ms(r)} ms  {bub}{ana}"
               + (f"  speed-up vs pp=1 {r['speedup_vs_pp1']:.2f}" if "speedup_vs_pp1" in r else ""))

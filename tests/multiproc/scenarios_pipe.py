@@ -221,6 +221,7 @@ def errors(rank: int) -> list[str]:
     with pytest.raises(PipelineError, match="gradients disabled"), torch.no_grad():
         engine.train_batch(iter([]))
     _transfers(rank)
+    _posted_ahead(rank)
     engine.destroy()
     return ["ok"]
 
@@ -332,3 +333,40 @@ def _transfers(rank: int) -> None:
                                             r"stage 0 \(rank 0\) but received .*\(2, 3\)"):
         link.recv(0, "output gradients", [TensorMeta((2, 4), torch.float32, False)], src_stage=0)
     torch.distributed.recv(torch.empty(2, 3), 0)  # drain the refused payload so the sender can finish
+
+
+def _posted_ahead(rank: int) -> None:
+    """Batches with receives posted ahead (as the engine runs them): the payload lands in the posted buffers
+    while the shapes stay the same; a change of shape or arity is received after the sender's throwaway,
+    with the right values; the next batch posts for the last shapes; counts that do not match are errors."""
+    import pytest
+
+    from deepshard.pipe.p2p import PipeCommError, StageLink
+
+    link = StageLink(stage=rank, rank=rank, device=torch.device("cpu"), post_ahead=True)
+    batch1 = [torch.full((4, 3), 1.0), torch.full((4, 3), 2.0), torch.full((5,), 3.0),
+              (torch.full((2, 2), 4.0), torch.arange(3)), torch.full((5,), 5.0)]
+    batch2 = [torch.full((5,), 6.0), torch.full((5,), 7.0)]
+    if rank == 0:
+        for batch in (batch1, batch2, batch2):  # the third: one received, one into the receive left posted
+            link.begin({})
+            for value in batch:
+                link.send(value, 1)
+            link.end()
+        return
+    for batch in (batch1, batch2):
+        link.begin({0: len(batch)})
+        for value in batch:
+            tensors, _, is_tuple = link.recv(0, "activations")
+            want = list(value) if isinstance(value, tuple) else [value]
+            assert is_tuple == isinstance(value, tuple) and len(tensors) == len(want)
+            assert all(t.dtype == w.dtype and torch.equal(t, w) for t, w in zip(tensors, want))
+        link.end()
+    # batch 1: the first message posts its header only, then 1 hit and 3 changes; batch 2: 2 hits
+    assert (link.received_ahead, link.throwaways) == (3, 3)
+    link.begin({0: 2})  # one more than the sender's batch: the second receive stays posted
+    assert torch.equal(link.recv(0, "activations")[0][0], torch.full((5,), 6.0))
+    with pytest.raises(PipeCommError, match=r"announced but not received \(by rank: \{0: 1\}\)"):
+        link.end()
+    with pytest.raises(PipeCommError, match="out of step"):
+        link.begin({0: 1})

@@ -159,9 +159,11 @@ class PipelineEngine(DeepShardEngine):
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
         self.tools.throughput.start()
         with self.tools.time("backward"):  # the whole schedule: forwards, backwards, transfers, reduction
-            for action in self._schedule(name, m):
+            actions = self._schedule(name, m)
+            self.link.begin(self._receive_counts(actions))
+            for action in actions:
                 self._dispatch[action.kind](run, action)
-            self.link.wait_sends()
+            self.link.end()
             self.reduce_gradients()
         loss = self._batch_loss(run, average=True)
         self._last_loss = loss
@@ -186,10 +188,12 @@ class PipelineEngine(DeepShardEngine):
         run = _BatchRun(self._iterator(data_iter), m, train=False, compute_loss=compute_loss,
                         keep_outputs=return_logits)
         with torch.no_grad():  # the forwards (and their transfers) of the training schedule's order
-            for action in self._schedule("gpipe" if self.num_chunks == 1 else "interleaved", m):
-                if action.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT):
-                    self._dispatch[action.kind](run, action)
-        self.link.wait_sends()
+            actions = [a for a in self._schedule("gpipe" if self.num_chunks == 1 else "interleaved", m)
+                       if a.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)]
+            self.link.begin(self._receive_counts(actions))
+            for action in actions:
+                self._dispatch[action.kind](run, action)
+            self.link.end()
         self.module.train()
         loss: Any = None
         if compute_loss:
@@ -241,6 +245,15 @@ class PipelineEngine(DeepShardEngine):
         if key not in self._schedules:
             self._schedules[key] = build_schedule(name, self.num_stages, m, self.num_chunks)[self.stage_id]
         return self._schedules[key]
+
+    def _receive_counts(self, actions: list[Action]) -> dict[int, int]:
+        """How many messages ``actions`` receive from each peer rank (what the link posts ahead for)."""
+        counts: dict[int, int] = {}
+        for a in actions:
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                peer = self._peer(a)
+                counts[peer] = counts.get(peer, 0) + 1
+        return counts
 
     def _peer(self, a: Action) -> int:
         """The global rank of the action's peer stage (in this rank's data and tensor coordinates)."""

@@ -5,11 +5,21 @@ between micro-batches and batches and nothing hangs on a stale cached shape (Dee
 Sends are non-blocking (``isend``; the buffers are held until ``wait_sends``); receives block. Messages
 between two ranks are matched in posting order on both gloo and NCCL, which the schedules guarantee
 (``simulate.py`` checks it).
+
+Posted receives (CPU / gloo). gloo moves a message only once its receive is posted, and the sender's
+transport thread has to wake up to do it; on busy cores that costs milliseconds per message, in the
+pipeline's critical path. Between ``begin(counts)`` and ``end()`` (one batch, ``counts`` the messages it
+will receive from each rank) the next message's receives are therefore posted ahead: the header at once,
+and the payload into buffers shaped like the previous message on that channel. Both ends know that
+previous message, so they agree without asking: when the shapes change, the sender first sends a
+throwaway payload of the old shapes (received into the posted buffers and dropped), then the real one.
+On CUDA devices (NCCL) receives are not posted ahead: a send queued behind a pending receive to the same
+peer waits for it on the communicator's stream, and the schedule can need that send first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,28 +85,100 @@ def decode_header(header: torch.Tensor) -> tuple[list[TensorMeta], bool]:
     return metas, bool(h[1])
 
 
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
+"""A message's payload as (shape, dtype) per tensor: what a posted receive must match."""
+
+
+@dataclass
+class _Posted:
+    """The receives posted ahead for a channel's next message."""
+
+    header: torch.Tensor
+    header_work: Any
+    shapes: Shapes | None
+    """The previous message's shapes, into which ``buffers`` receive (None on a channel's first message:
+    only the header is posted)."""
+    buffers: list[torch.Tensor]
+    works: list[Any]
+
+
 class StageLink:
     """This rank's sends and receives to its pipeline neighbours (global ranks)."""
 
-    def __init__(self, stage: int, rank: int, device: torch.device) -> None:
+    def __init__(self, stage: int, rank: int, device: torch.device, post_ahead: bool | None = None) -> None:
         self.stage, self.rank, self.device = stage, rank, device
+        self.post_ahead = device.type == "cpu" if post_ahead is None else post_ahead
         self._pending: list[tuple[Any, list[torch.Tensor]]] = []
+        self._last_sent: dict[int, Shapes] = {}
+        self._last_received: dict[int, Shapes] = {}
+        self._posted: dict[int, _Posted] = {}
+        self._to_come: dict[int, int] = {}
+        self._in_batch = False
+        self.received_ahead = 0
+        """Messages whose payload arrived in buffers posted ahead."""
+        self.throwaways = 0
+        """Messages whose shapes changed, received after a throwaway payload."""
 
+    # ------------------------------------------------------------------------------------ batches
+    def begin(self, counts: Mapping[int, int]) -> None:
+        """Start a batch that will receive ``counts[src]`` messages from each global rank ``src``; with
+        ``post_ahead`` their first receives are posted now. Every stage of the batch must call it."""
+        if self._posted or any(self._to_come.values()):
+            raise PipeCommError(f"stage {self.stage} (rank {self.rank}): the previous batch stopped with transfers "
+                                f"still to come ({ {s: n for s, n in self._to_come.items() if n} } messages by rank); "
+                                "the stages are out of step after that error: restart the job (or rebuild the engine "
+                                "on every stage)")
+        self._to_come = {src: n for src, n in counts.items() if n > 0}
+        self._in_batch = self.post_ahead
+        if self._in_batch:
+            for src in self._to_come:
+                self._post(src)
+
+    def end(self) -> None:
+        """Finish a batch: wait for every send; leave no receive posted."""
+        self.wait_sends()
+        self._in_batch = False
+        left = {s: n for s, n in self._to_come.items() if n}
+        if left or self._posted:
+            raise PipeCommError(f"stage {self.stage} (rank {self.rank}) ended a batch with messages announced but "
+                                f"not received (by rank: {left}); the schedule's receive counts are wrong")
+
+    def _post(self, src: int) -> None:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header_work = dist.irecv(header, src)
+        shapes = self._last_received.get(src)
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes or []]
+        self._posted[src] = _Posted(header, header_work, shapes, buffers, [dist.irecv(b, src) for b in buffers])
+
+    # -------------------------------------------------------------------------------- transfers
     def send(self, value: Any, dst: int) -> None:
         """Post ``value`` (tensor or tuple) to global rank ``dst`` without waiting."""
         tensors, is_tuple = _as_list(value)
         header = encode_header(tensors, is_tuple, self.device)
         payload = [t.detach().contiguous() for t in tensors]
-        works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in payload]
+        shapes = [(tuple(int(d) for d in t.shape), t.dtype) for t in payload]
+        posted = self._last_sent.get(dst) if self._in_batch else None  # what the receiver posted for it
+        throwaway = ([torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in posted]
+                     if posted is not None and posted != shapes else [])
+        works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in throwaway + payload]
+        self._last_sent[dst] = shapes
         self._pending = [(w, held) for w, held in self._pending if not all(x.is_completed() for x in w)]
-        self._pending.append((works, [header] + payload))
+        self._pending.append((works, [header] + throwaway + payload))
 
     def recv(self, src: int, what: str, expect: Sequence[TensorMeta] | None = None,
              src_stage: int | None = None) -> tuple[list[torch.Tensor], list[TensorMeta], bool]:
         """Receive a message from global rank ``src``; with ``expect``, its shapes and dtypes must match
         (the error names both stages and both shape lists)."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
+        posted = self._posted.pop(src, None)
+        if self._in_batch and posted is None:
+            raise PipeCommError(f"stage {self.stage} (rank {self.rank}) receives more messages from rank {src} than "
+                                "the batch announced in begin(); the schedule's receive counts are wrong")
+        if posted is None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.recv(header, src)
+        else:
+            posted.header_work.wait()
+            header = posted.header
         metas, is_tuple = decode_header(header)
         if expect is not None:
             got = [(m.shape, m.dtype) for m in metas]
@@ -104,11 +186,27 @@ class StageLink:
             if got != want:
                 raise PipeCommError(f"stage {self.stage} (rank {self.rank}) expected {what} shaped {want} from "
                                     f"stage {src_stage} (rank {src}) but received {got}")
-        tensors = []
-        for m in metas:
-            t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            dist.recv(t, src)
-            tensors.append(t)
+        shapes = [(m.shape, m.dtype) for m in metas]
+        tensors: list[torch.Tensor] | None = None
+        if posted is not None and posted.shapes is not None:
+            for w in posted.works:
+                w.wait()
+            if posted.shapes == shapes:
+                tensors = posted.buffers
+                self.received_ahead += 1
+            else:  # a throwaway of the old shapes came first
+                self.throwaways += 1
+        if tensors is None:
+            tensors = []
+            for m in metas:
+                t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                dist.recv(t, src)
+                tensors.append(t)
+        self._last_received[src] = shapes
+        if self._in_batch:
+            self._to_come[src] -= 1
+            if self._to_come[src] > 0:
+                self._post(src)
         return tensors, metas, is_tuple
 
     def wait_sends(self) -> None:
@@ -117,4 +215,3 @@ class StageLink:
             for w in works:
                 w.wait()
         self._pending.clear()
-
