@@ -14,6 +14,10 @@ the analytic one; the peak activation memory of each stage against the schedule'
   apart as imbalance (``1 - mean compute / busiest compute``); ``mean bubble`` is the idle fraction averaged
   over all stages (the two together). The analytic bubble is ``(p-1)/(m+p-1)`` for GPipe and 1F1B and the
   simulator's (``deepshard.pipe.simulate``) for the others, with the pass costs measured on one process.
+  The replayed bubble is the simulator's for the busiest stage fed every pass's measured duration (the
+  stages as unequal, and each pass as slow, as they were): replayed over analytic is what the workload
+  and the machine's jitter add; measured over replayed is what the engine adds (transfers, the
+  reduction, Python between passes).
 - DDP: the same layers (tied embedding/head) whole on every process, each process a slice of the global
   batch (``micro-batches / pp`` micro-batches of the same size, accumulated under ``no_sync`` but the last).
 - DeepSpeed: the same layers as ``deepspeed.pipe`` ``LayerSpec``/``TiedLayerSpec``, its ``TrainSchedule``
@@ -189,15 +193,22 @@ class SavedBytes:
         self.peak = max(self.peak, self.now + self.extra)
 
 
-def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: dict[str, float]) -> dict[str, Any]:
+def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: dict[str, float],
+                 passes: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Step 0 warms up and measures activations (hooks on); steps 1..steps are timed (hooks off).
-    ``busy["t"]`` is the compute time the step's passes add, ``busy["opt"]`` its optimizer step's time."""
+    ``busy["t"]`` is the compute time the step's passes add, ``busy["opt"]`` its optimizer step's time;
+    ``passes`` (each pass's durations by kind) is emptied after the warm-up, and its means returned;
+    ``busy["passes"]`` collects each step's (kind, micro-batch, chunk, seconds), returned as ``trace``."""
+    passes = {} if passes is None else passes
     import torch.distributed as dist
 
-    times, computes, spans = [], [], []
+    times, computes, spans, trace = [], [], [], []
     for step in range(steps + 1):
         dist.barrier()
         busy["t"] = busy["opt"] = 0.0
+        busy["passes"] = []
+        if step == 1:
+            passes.clear()  # pass costs of the timed steps only (the warm-up's hooks slow it)
         meter.on = step == 0
         t0 = time.perf_counter()
         if meter.on:
@@ -210,9 +221,11 @@ def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: 
             times.append(dt)
             computes.append(busy["t"])
             spans.append(dt - busy["opt"])
+            trace.append(busy["passes"])
     meter.on = False
     return {"step_s": statistics.median(times), "compute_s": statistics.median(computes),
-            "span_s": statistics.median(spans), "act_bytes": meter.peak}
+            "span_s": statistics.median(spans), "act_bytes": meter.peak,
+            "pass_s": {kind: statistics.mean(v) for kind, v in passes.items()}, "trace": trace}
 
 
 def _timed_optimizer(owner: Any, name: str, busy: dict[str, float]) -> None:
@@ -248,14 +261,14 @@ def _deepshard_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
             fn(run, a)
             dt = time.perf_counter() - t0
             busy["t"] += dt
+            busy["passes"].append((kind.value, a.micro_batch, a.chunk, dt))
             per_kind.setdefault(kind.value, []).append(dt)
             if meter.on:  # the split backward's records wait outside autograd until the weight pass
                 meter.set_extra(t for u in run.units.values() if u.store is not None
                                 for rec in u.store.pending for t in rec[:2])
         engine._dispatch[kind] = timed
     data = _data(m)
-    res = _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy)
-    res["pass_s"] = {k: statistics.median(v) for k, v in per_kind.items()}
+    res = _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy, per_kind)
     engine.destroy()
     return res
 
@@ -317,17 +330,24 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
     meter = SavedBytes(engine.module.parameters())
     busy = {"t": 0.0, "opt": 0.0}
     table = dict(engine._INSTRUCTION_MAP)  # the engine looks instructions up through the instance
-    for cls, key in ((ds_schedule.ForwardPass, "t"), (ds_schedule.BackwardPass, "t"), (ds_schedule.OptimizerStep, "opt")):
+    per_kind: dict[str, list[float]] = {}
+    for cls, key, kind in ((ds_schedule.ForwardPass, "t", "F"), (ds_schedule.BackwardPass, "t", "B"),
+                           (ds_schedule.OptimizerStep, "opt", "")):
         fn = table[cls]
 
-        def timed(self: Any, fn: Any = fn, key: str = key, **kwargs: Any) -> None:
+        def timed(self: Any, fn: Any = fn, key: str = key, kind: str = kind, **kwargs: Any) -> None:
             t0 = time.perf_counter()
             fn(self, **kwargs)
-            busy[key] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            busy[key] += dt
+            if kind:  # its passes run each kind in micro-batch order (buffers are reused, ids are not kept)
+                micro = sum(1 for k, *_ in busy["passes"] if k == kind)
+                busy["passes"].append((kind, micro, 0, dt))
+                per_kind.setdefault(kind, []).append(dt)
         table[cls] = timed
     engine._INSTRUCTION_MAP = table
     data = _data(m)
-    return _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy)
+    return _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy, per_kind)
 
 
 ENGINES = {"deepshard": _deepshard_rank, "ddp": _ddp_rank, "deepspeed": _deepspeed_rank}
@@ -389,7 +409,8 @@ def run(engine: str, pp: int, schedule: str, m: int, steps: int, timeout: float 
             "mean_bubble": statistics.mean(1.0 - r["compute_s"] / r["span_s"] for r in res),
             "imbalance": 1.0 - statistics.mean(r["compute_s"] for r in res) / busiest["compute_s"],
             "compute_s": [r["compute_s"] for r in res], "act_bytes": [r["act_bytes"] for r in res],
-            "pass_s": res[0].get("pass_s", {})}
+            "pass_s": res[0].get("pass_s", {}), "stage_pass_s": [r.get("pass_s", {}) for r in res],
+            "busiest": res.index(busiest), "traces": [r["trace"] for r in res]}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -426,6 +447,21 @@ def main() -> None:
             return simulate(build_schedule(schedule, pp, m, CHUNKS), m, CHUNKS, costs=per_chunk)
         return simulate(build_schedule(schedule, pp, m), m, costs=costs)
 
+    def replayed(schedule: str, row: dict[str, Any]) -> float:
+        """The busiest stage's bubble in the simulator fed each timed step's measured pass durations (median
+        over steps): what the schedule alone leaves idle with the passes as long as they were, unequal
+        stages and jitter included, transfers and everything between passes left out."""
+        from deepshard.pipe.schedule import Kind
+
+        chunks = CHUNKS if schedule == "interleaved" else 1
+        bubbles = []
+        for step in range(len(row["traces"][0])):
+            durations = {(rank, Kind(kind), micro, chunk): dt for rank, trace in enumerate(row["traces"])
+                         for kind, micro, chunk, dt in trace[step]}
+            sim = simulate(build_schedule(schedule, pp, m, chunks), m, chunks, durations=durations)
+            bubbles.append(sim.stage_bubble(row["busiest"]))
+        return statistics.median(bubbles)
+
     ddp = run("ddp", pp, "-", m, args.steps, args.timeout)
     if importlib.util.find_spec("deepspeed") is None:
         ds: dict[str, Any] = {"engine": "deepspeed", "pp": pp, "schedule": "TrainSchedule", "m": m,
@@ -437,6 +473,7 @@ def main() -> None:
     if "error" not in ds:
         sim = analytic("1f1b")  # DeepSpeed's TrainSchedule runs the 1F1B order
         ds["bubble_analytic"], ds["in_flight"] = sim.bubble_fraction, sim.peak_in_flight
+        ds["bubble_replayed"] = replayed("1f1b", ds)
     rows = [base]
     for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"):
         if schedule == "interleaved" and (pp < 2 or m % pp):
@@ -448,6 +485,7 @@ def main() -> None:
             continue
         sim = analytic(schedule)
         row["bubble_analytic"], row["in_flight"] = sim.bubble_fraction, sim.peak_in_flight
+        row["bubble_replayed"] = replayed(schedule, row)
         row["speedup_vs_pp1"] = base["step_s"] / row["step_s"]
         rows.append(row)
     base["in_flight"] = simulate(build_schedule("1f1b", 1, m), m).peak_in_flight
@@ -465,14 +503,16 @@ def main() -> None:
         print(f"  {r['engine']:9s} pp={r['pp']} {r['schedule']:13s}: step {_ms(r)} ms  {bub}{ana}"
               + (f"  speed-up vs pp=1 {r['speedup_vs_pp1']:.2f}" if "speedup_vs_pp1" in r else ""))
 
-    print("\nratios per schedule (deepshard pp step / DDP step, / DeepSpeed PipelineEngine step; "
-          "measured / analytic bubble)")
+    print("\nratios per schedule (deepshard pp step / DDP step, / DeepSpeed PipelineEngine step; measured bubble / "
+          "analytic; measured / replayed: the simulator with this run's pass costs per stage)")
     for r in rows[1:]:
         print(f"  {r['schedule']:6s}: vs DDP {_ratio(r, ddp)}  vs DeepSpeed {_ratio(r, ds)}  bubble "
-              f"{r['bubble']:.3f} / {r['bubble_analytic']:.3f} = {r['bubble'] / r['bubble_analytic']:.2f}")
+              f"{r['bubble']:.3f} / {r['bubble_analytic']:.3f} = {r['bubble'] / r['bubble_analytic']:.2f}; "
+              f"/ {r['bubble_replayed']:.3f} = {r['bubble'] / r['bubble_replayed']:.2f}")
     if "error" not in ds:
         print(f"  DeepSpeed TrainSchedule: vs DDP {_ratio(ds, ddp)}  bubble {ds['bubble']:.3f} / "
-              f"{ds['bubble_analytic']:.3f} = {ds['bubble'] / ds['bubble_analytic']:.2f}")
+              f"{ds['bubble_analytic']:.3f} = {ds['bubble'] / ds['bubble_analytic']:.2f}; "
+              f"/ {ds['bubble_replayed']:.3f} = {ds['bubble'] / ds['bubble_replayed']:.2f}")
 
     print("\npeak activation memory per stage (autograd saved tensors; zb-h1 also its weight-pass records) "
           "against the simulator's peak in-flight micro-batches")

@@ -38,6 +38,30 @@ def test_one_f_one_b_bubble_is_p_minus_1_over_m_plus_p_minus_1() -> None:
         assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
 
 
+def test_unequal_stages_a_slower_last_stage_sets_the_pace() -> None:
+    """Costs per rank: with the last stage slower in both passes, GPipe and 1F1B take m of its passes plus
+    one of the first stage's (the fill and drain); its bubble is that one pass pair over the step."""
+    fast, slow = Costs(1, 1, 1), Costs(2, 1.5, 1.5)
+    for name, m in itertools.product(("gpipe", "1f1b"), MICRO):
+        result = simulate(build_schedule(name, 2, m), m, costs=[fast, slow])
+        assert result.makespan == pytest.approx(m * 5 + 3), (name, m)
+        assert result.busy == [pytest.approx(m * 3), pytest.approx(m * 5)]
+        assert result.stage_bubble(1) == pytest.approx(3 / (m * 5 + 3))
+    with pytest.raises(ScheduleError, match="costs for 3 ranks given to a schedule of 2 ranks"):
+        simulate(build_schedule("1f1b", 2, 4), 4, costs=[fast] * 3)
+
+
+def test_replayed_durations_override_the_costs_pass_by_pass() -> None:
+    """One slow pass (a measured run's jitter) holds up 1F1B's tight steady state on both stages: the
+    stage that waits for it idles by the delay, and the step grows by it."""
+    m = 4
+    plain = simulate(build_schedule("1f1b", 2, m), m)
+    slow = simulate(build_schedule("1f1b", 2, m), m, durations={(1, Kind.FORWARD, 1, 0): 1.5})
+    assert slow.makespan == pytest.approx(plain.makespan + 0.5)
+    assert slow.busy == [pytest.approx(plain.busy[0]), pytest.approx(plain.busy[1] + 0.5)]
+    assert slow.stage_bubble(0) == pytest.approx(1 - plain.busy[0] / (plain.makespan + 0.5))
+
+
 def test_interleaving_divides_the_bubble_by_the_chunk_count() -> None:
     p, m = 4, 8
     one = simulate(build_schedule("1f1b", p, m), m, costs=Costs(2, 2, 2))

@@ -54,22 +54,19 @@ def _as_list(value: Any) -> tuple[list[torch.Tensor], bool]:
 
 
 def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool, device: torch.device) -> torch.Tensor:
-    """The fixed-size int64 header describing ``tensors``."""
+    """The fixed-size int64 header describing ``tensors`` (built as one list: it is on every transfer's path)."""
     if len(tensors) > MAX_TENSORS:
         raise PipeCommError(f"{len(tensors)} tensors between stages; at most {MAX_TENSORS} are supported: pack "
                             "them into fewer tensors")
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0], header[1], header[2] = MAGIC, int(is_tuple), len(tensors)
+    values = [MAGIC, int(is_tuple), len(tensors)]
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS or t.dtype not in DTYPES:
             raise PipeCommError(f"tensor {i} between stages has shape {tuple(t.shape)} and dtype {t.dtype}; "
                                 f"supported: up to {MAX_DIMS} dims, dtypes {DTYPES}")
-        base = 3 + i * _PER_TENSOR
-        header[base] = DTYPES.index(t.dtype)
-        header[base + 1] = int(t.requires_grad)
-        header[base + 2] = t.dim()
-        header[base + 3:base + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return header.to(device)
+        values += [DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+        values += [0] * (MAX_DIMS - t.dim())
+    values += [0] * (HEADER_LEN - len(values))
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def decode_header(header: torch.Tensor) -> tuple[list[TensorMeta], bool]:
@@ -162,7 +159,8 @@ class StageLink:
                      if posted is not None and posted != shapes else [])
         works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in throwaway + payload]
         self._last_sent[dst] = shapes
-        self._pending = [(w, held) for w, held in self._pending if not all(x.is_completed() for x in w)]
+        if len(self._pending) >= 8:  # drop the buffers of completed sends now and then, not on every send
+            self._pending = [(w, held) for w, held in self._pending if not all(x.is_completed() for x in w)]
         self._pending.append((works, [header] + throwaway + payload))
 
     def recv(self, src: int, what: str, expect: Sequence[TensorMeta] | None = None,

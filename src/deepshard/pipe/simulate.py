@@ -17,9 +17,14 @@ activations a rank holds (a forward done and its backward, or weight pass, not y
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deepshard.pipe.schedule import SENDS, Action, Costs, Kind, Schedule, ScheduleError
+
+
+PassKey = tuple[int, Kind, int, int]
+"""A pass in one batch: (rank, kind, micro-batch, chunk)."""
 
 
 @dataclass
@@ -30,6 +35,10 @@ class SimResult:
     busy: list[float]
     peak_in_flight: list[int]
     finish: list[float] = field(default_factory=list)
+
+    def stage_bubble(self, rank: int) -> float:
+        """Idle share of rank ``rank``'s time over the step: ``1 - busy / makespan``."""
+        return 1.0 - self.busy[rank] / self.makespan if self.makespan > 0 else 0.0
 
     @property
     def bubble_fraction(self) -> float:
@@ -50,14 +59,19 @@ class _Rank:
         return self.cursor >= len(self.actions)
 
 
-def simulate(schedule: Schedule, micro_batches: int, chunks: int = 1, costs: Costs | None = None,
-             split_backward: bool | None = None) -> SimResult:
+def simulate(schedule: Schedule, micro_batches: int, chunks: int = 1, costs: Costs | Sequence[Costs] | None = None,
+             split_backward: bool | None = None, durations: Mapping[PassKey, float] | None = None) -> SimResult:
     """Run ``schedule`` (``schedule[rank]``) and return its measurements; see the module docstring.
 
-    ``costs`` are per-chunk pass durations; messages take no time. ``split_backward`` (default: whether
-    the schedule holds weight passes) says which backward actions a complete batch needs."""
-    costs = costs or Costs()
+    ``costs`` are per-chunk pass durations, the same on every rank or one ``Costs`` per rank (stages of
+    unequal work); ``durations`` overrides them pass by pass, keyed ``(rank, kind, micro_batch, chunk)``
+    (a measured run replayed); messages take no time. ``split_backward`` (default: whether the schedule
+    holds weight passes) says which backward actions a complete batch needs."""
     p = len(schedule)
+    per_rank = list(costs) if isinstance(costs, Sequence) else [costs or Costs()] * p
+    if len(per_rank) != p:
+        raise ScheduleError(f"costs for {len(per_rank)} ranks given to a schedule of {p} ranks")
+    exact = durations or {}
     if split_backward is None:
         split_backward = any(a.kind is Kind.BACKWARD_WEIGHT for acts in schedule for a in acts)
     ranks = [_Rank(r, acts, micro_batches) for r, acts in enumerate(schedule)]
@@ -65,7 +79,7 @@ def simulate(schedule: Schedule, micro_batches: int, chunks: int = 1, costs: Cos
     while not all(r.finished() for r in ranks):
         progressed = False
         for r in ranks:
-            while not r.finished() and _advance(r, channels, p, chunks, costs):
+            while not r.finished() and _advance(r, channels, p, chunks, per_rank[r.rank], exact):
                 progressed = True
         if not progressed:
             blocked = "; ".join(f"rank {r.rank} waits at {r.actions[r.cursor]}" for r in ranks if not r.finished())
@@ -79,7 +93,7 @@ def simulate(schedule: Schedule, micro_batches: int, chunks: int = 1, costs: Cos
                      peak_in_flight=[r.peak for r in ranks], finish=[r.clock for r in ranks])
 
 
-def _advance(r: _Rank, channels: dict, p: int, chunks: int, costs: Costs) -> bool:
+def _advance(r: _Rank, channels: dict, p: int, chunks: int, costs: Costs, durations: Mapping[PassKey, float]) -> bool:
     """Run rank ``r``'s next action if it can run now; False if it waits on a message."""
     a = r.actions[r.cursor]
     if a.kind in SENDS:
@@ -99,7 +113,7 @@ def _advance(r: _Rank, channels: dict, p: int, chunks: int, costs: Costs) -> boo
         r.clock = max(r.clock, at)
         r.arrived.add((a.kind, a.micro_batch, a.chunk))
     else:
-        _run_compute(r, a, p, chunks, costs)
+        _run_compute(r, a, p, chunks, durations.get((r.rank, a.kind, a.micro_batch, a.chunk), costs.of(a.kind)))
     r.cursor += 1
     return True
 
@@ -112,7 +126,7 @@ def _check_sent_done(r: _Rank, a: Action) -> None:
         raise ScheduleError(f"rank {r.rank} runs {a} before computing what it sends")
 
 
-def _run_compute(r: _Rank, a: Action, p: int, chunks: int, costs: Costs) -> None:
+def _run_compute(r: _Rank, a: Action, p: int, chunks: int, duration: float) -> None:
     vs, last = a.chunk * p + r.rank, p * chunks - 1
     key = (a.kind, a.micro_batch, a.chunk)
     if key in r.done:
@@ -135,8 +149,8 @@ def _run_compute(r: _Rank, a: Action, p: int, chunks: int, costs: Costs) -> None
             raise ScheduleError(f"rank {r.rank} runs {a} before its input-gradient pass")
         r.holding.discard(unit)
     r.done.add(key)
-    r.clock += costs.of(a.kind)
-    r.busy += costs.of(a.kind)
+    r.clock += duration
+    r.busy += duration
 
 
 def _check_complete(r: _Rank, m: int, chunks: int, p: int, split: bool) -> None:
