@@ -110,6 +110,9 @@ def _prepare_pipeline(model: torch.nn.Module, topology: Topology, cfg: DeepShard
     from deepshard.pipe.module import PipelineModule
 
     if not isinstance(model, PipelineModule):
+        from deepshard.config.inert import refuse_fp32_accumulation_outside_pipelines
+
+        refuse_fp32_accumulation_outside_pipelines(cfg)
         return {}
     from deepshard.pipe.engine import PipelineEngine, prepare_pipeline
 

@@ -37,12 +37,25 @@ def _load(**sections: Any) -> Any:
     ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, r"torch_autocast.enabled is true.*\"bf16\""),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, r"amp.enabled is true.*Apex"),
     ({"data_types": {"param_dtype": "fp16"}}, r"data_types.param_dtype is 'fp16'.*torch.float32"),
-    ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "data_types": {"grad_accum_dtype": "fp32"}},
-     r"data_types.grad_accum_dtype is 'fp32'.*4 micro-batches.*torch.bfloat16"),
+    ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "data_types": {"grad_accum_dtype": "fp16"}},
+     r"data_types.grad_accum_dtype is 'fp16'.*4 micro-batches.*torch.bfloat16\) or, in pipelines, in fp32"),
 ])
 def test_switched_on_sections_that_change_numerics_are_refused(sections: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _load(**sections)
+
+
+def test_fp32_accumulation_passes_the_config_and_is_refused_outside_pipelines() -> None:
+    from deepshard.config.inert import refuse_fp32_accumulation_outside_pipelines
+
+    cfg = _load(bf16={"enabled": True}, gradient_accumulation_steps=4, data_types={"grad_accum_dtype": "fp32"})
+    with pytest.raises(ConfigError, match=r"grad_accum_dtype is 'fp32'.*4 micro-batches in the training dtype "
+                                          r"\(torch.bfloat16\) outside pipelines"):
+        refuse_fp32_accumulation_outside_pipelines(cfg)
+    for quiet in (_load(bf16={"enabled": True}, gradient_accumulation_steps=4),
+                  _load(gradient_accumulation_steps=4, data_types={"grad_accum_dtype": "fp32"}),
+                  _load(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})):
+        refuse_fp32_accumulation_outside_pipelines(quiet)
 
 
 def test_matching_dtypes_and_switched_off_sections_are_quiet(warned: list[str]) -> None:

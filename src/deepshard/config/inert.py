@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from deepshard.config.base import ConfigError, dtype_from_name
 from deepshard.utils.logging import logger
 
@@ -36,11 +38,23 @@ def refused(cfg: Any) -> list[str]:
         problems.append(f"data_types.param_dtype is {param!r}, but the parameters train in {model_dtype} (set by the "
                         "fp16 / bf16 sections); remove the key or set it to that dtype")
     accum = cfg.data_types.grad_accum_dtype
-    if accum is not None and dtype_from_name(accum) != model_dtype and cfg.gradient_accumulation_steps > 1:
+    if accum is not None and dtype_from_name(accum) not in (model_dtype, torch.float32) \
+            and cfg.gradient_accumulation_steps > 1:
         problems.append(f"data_types.grad_accum_dtype is {accum!r}, but deepshard accumulates gradients over the "
-                        f"{cfg.gradient_accumulation_steps} micro-batches in the training dtype ({model_dtype}); "
-                        "remove the key or set it to that dtype")
+                        f"{cfg.gradient_accumulation_steps} micro-batches in the training dtype ({model_dtype}) or, "
+                        "in pipelines, in fp32; remove the key or set it to one of those")
     return problems
+
+
+def refuse_fp32_accumulation_outside_pipelines(cfg: Any) -> None:
+    """``grad_accum_dtype`` fp32 acts in pipelines only (``deepshard.pipe``); elsewhere it is refused."""
+    accum = cfg.data_types.grad_accum_dtype
+    if accum is not None and dtype_from_name(accum) == torch.float32 and cfg.model_dtype != torch.float32 \
+            and cfg.gradient_accumulation_steps > 1:
+        raise ConfigError(f"data_types.grad_accum_dtype is {accum!r}, but deepshard accumulates gradients over the "
+                          f"{cfg.gradient_accumulation_steps} micro-batches in the training dtype ({cfg.model_dtype}) "
+                          "outside pipelines (a PipelineModule sums them in fp32); remove the key or set it to that "
+                          "dtype")
 
 
 def _activation_checkpointing_set(cfg: Any) -> list[str]:

@@ -18,6 +18,8 @@ import torch
 
 from deepshard.config import ConfigError
 from deepshard.engine import DeepShardEngine
+from deepshard.config.base import dtype_from_name
+from deepshard.pipe.grad_accum import SIXTEEN_BIT, Fp32GradSums
 from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta
 from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
@@ -103,6 +105,7 @@ class PipelineEngine(DeepShardEngine):
     def __init__(self, *args: Any, tied: TiedWeights, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tied = tied
+        self.grad_sums = _fp32_grad_sums(self.module, self.precision.param_dtype, self._config)
         dims, coord = self.topology.dims, self.topology.coord
         self.num_stages, self.stage_id = dims.pp, coord.pp
         self.num_chunks = self.module.num_chunks
@@ -118,6 +121,12 @@ class PipelineEngine(DeepShardEngine):
             Kind.SEND_GRAD: self._send_grad, Kind.RECV_GRAD: self._recv_grad}
 
     # ----------------------------------------------------------------------------------- public API
+    def destroy(self) -> None:
+        if self.grad_sums is not None:
+            self.grad_sums.remove()
+            self.grad_sums = None
+        super().destroy()
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 
@@ -205,6 +214,8 @@ class PipelineEngine(DeepShardEngine):
     def reduce_gradients(self) -> None:
         """The reduce-once hook: tied gradients summed over their stages, then the strategy reduces the
         locally accumulated gradients over the data-parallel group."""
+        if self.grad_sums is not None:
+            self.grad_sums.flush()  # the fp32 sums of the micro-batches' gradients, rounded once
         self.tied.all_reduce_grads()
         strategy = self._strategy()
         strategy.begin_backward(True)
@@ -277,7 +288,7 @@ class PipelineEngine(DeepShardEngine):
                 unit.inputs, unit.input_tuple = _as_list(inputs)
         x = tuple(unit.inputs) if unit.input_tuple else unit.inputs[0]
         if run.split_backward:
-            unit.store = WeightGradStore()
+            unit.store = WeightGradStore(self.grad_sums.add if self.grad_sums is not None else None)
             with DeferWeightGrads(unit.store):
                 out = self.module(x, chunk=a.chunk)
         else:
@@ -396,6 +407,17 @@ class PipelineEngine(DeepShardEngine):
         if broadcast and self.num_stages > 1:
             self.topology.pp.broadcast(values, src=self.num_stages - 1)
         return values.mean() if average else list(values.unbind())
+
+
+def _fp32_grad_sums(module: PipelineModule, param_dtype: torch.dtype, cfg: Any) -> Fp32GradSums | None:
+    """16-bit stages sum their micro-batches' gradients in fp32 unless ``data_types.grad_accum_dtype``
+    names the training dtype (DeepSpeed's pipeline default is fp32 too)."""
+    if param_dtype not in SIXTEEN_BIT:
+        return None
+    accum = cfg.data_types.grad_accum_dtype
+    if accum is not None and dtype_from_name(accum) != torch.float32:
+        return None  # the training dtype itself (any other is refused with the config)
+    return Fp32GradSums(module.parameters())
 
 
 def _as_list(value: Any) -> tuple[list[torch.Tensor], bool]:

@@ -9,7 +9,7 @@ pass (``BACKWARD_WEIGHT``) is those GEMMs alone: no part of the backward is comp
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,19 +17,22 @@ from torch.overrides import TorchFunctionMode
 
 
 class WeightGradStore:
-    """One micro-batch's deferred weight-gradient work."""
+    """One micro-batch's deferred weight-gradient work. ``accumulate(param, grad)`` adds a computed
+    gradient where the batch's gradients are summed (default: into ``param.grad``; a 16-bit pipeline
+    passes its fp32 sums, ``grad_accum.Fp32GradSums.add``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.nn.Parameter, Any]] = []
+        self.accumulate = accumulate or _accumulate
 
     @torch.no_grad()
     def run(self) -> None:
         """Compute and accumulate every recorded weight (and bias) gradient, then forget the records."""
         for x, grad_out, weight, bias in self.pending:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            _accumulate(weight, g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype))
+            self.accumulate(weight, g2.t().mm(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype))
             if bias is not None and bias.requires_grad:
-                _accumulate(bias, g2.sum(0).to(bias.dtype))
+                self.accumulate(bias, g2.sum(0).to(bias.dtype))
         self.pending.clear()
 
 
