@@ -5,6 +5,8 @@ seed, same global batch): the same losses and the same parameters, to fp32 round
 Each world runs many configurations (schedule x ZeRO stage x micro-batch count) one after another."""
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import torch
@@ -113,7 +115,7 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     eval_loss, logits = engine.eval_batch(iter(mine), return_logits=True)
     out = {"losses": losses, "params": params, "eval_loss": float(eval_loss), "logits": logits,
            "stage": engine.stage_id, "dp": dp, "first": engine.is_first_stage(), "last": engine.is_last_stage(),
-           "eval_inputs": mine}
+           "eval_inputs": mine, "states": type(getattr(engine.strategy, "states", None)).__name__}
     engine.destroy()
     return out
 
@@ -144,9 +146,11 @@ def check(result: dict[str, Any], m: int, steps: int, clip: float = 0.5) -> None
 
 
 RECOMPUTE = {"pipeline": {"activation_checkpoint_interval": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
+OFFLOAD = "offload"  # optimizer states in files (offload_optimizer nvme under the world's directory): on
+# a CPU-only run "cpu" offload is a no-op, the states already are in host memory
 CONFIGS_2 = [("1f1b", 0, 4, None), ("1f1b", 1, 3, None), ("gpipe", 2, 2, None), ("zb-h1", 2, 3, None),
              ("zb-h1", 0, 1, None), ("zb-h1", 1, 3, RECOMPUTE), ("interleaved", 1, 4, None),
-             ("interleaved", 2, 2, RECOMPUTE)]
+             ("interleaved", 2, 2, RECOMPUTE), ("1f1b", 2, 3, OFFLOAD), ("zb-h1", 1, 2, OFFLOAD)]
 CONFIGS_4 = [(2, "1f1b", 2, 2), (2, "zb-h1", 1, 3), (2, "gpipe", 0, 2), (2, "interleaved", 0, 2),
              (4, "1f1b", 0, 4), (4, "gpipe", 1, 2), (4, "zb-h1", 2, 3)]
 # interleaved at pp=4 would need 8 virtual stages: the 6-layer model has too few layers
@@ -157,8 +161,14 @@ def pp2_world(rank: int, world: int, directory: str) -> list[str]:
     precision, the refusals and a checkpoint resumed on other grids (in ``directory``)."""
     done = []
     for schedule, zero, m, extra in CONFIGS_2:
-        check(train_pipeline(2, schedule, zero, m, steps=2, extra=extra), m, 2)
-        done.append(f"{schedule}-z{zero}-m{m}{'-recompute' if extra else ''}")
+        if extra is OFFLOAD:
+            nvme = {"device": "nvme", "nvme_path": os.path.join(directory, f"swap-{schedule}")}
+            out = train_pipeline(2, schedule, zero, m, steps=2, extra={"zero_optimization": {"offload_optimizer": nvme}})
+        else:
+            out = train_pipeline(2, schedule, zero, m, steps=2, extra=extra)
+        check(out, m, 2)
+        assert (out["states"] == "SubGroupStates") == (extra is OFFLOAD), out["states"]  # the states moved
+        done.append(f"{schedule}-z{zero}-m{m}{'' if extra is None else '-offload' if extra is OFFLOAD else '-recompute'}")
     return done + mixed_precision() + errors(rank) + resume(world, directory)
 
 
