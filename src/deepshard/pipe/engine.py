@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from deepshard.config import ConfigError
-from deepshard.engine import DeepShardEngine
 from deepshard.config.base import dtype_from_name
+from deepshard.engine import DeepShardEngine
 from deepshard.pipe.grad_accum import SIXTEEN_BIT, Fp32GradSums
 from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta

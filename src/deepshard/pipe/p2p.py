@@ -111,6 +111,8 @@ class StageLink:
         self._posted: dict[int, _Posted] = {}
         self._to_come: dict[int, int] = {}
         self._in_batch = False
+        self._abandoned: list[_Posted] = []
+        """Receives posted for a message refused on arrival, kept alive with the link."""
         self.received_ahead = 0
         """Messages whose payload arrived in buffers posted ahead."""
         self.throwaways = 0
@@ -182,6 +184,8 @@ class StageLink:
             got = [(m.shape, m.dtype) for m in metas]
             want = [(m.shape, m.dtype) for m in expect]
             if got != want:
+                if posted is not None:  # its payload receives may still be written into: never drop them
+                    self._abandoned.append(posted)
                 raise PipeCommError(f"stage {self.stage} (rank {self.rank}) expected {what} shaped {want} from "
                                     f"stage {src_stage} (rank {src}) but received {got}")
         shapes = [(m.shape, m.dtype) for m in metas]
