@@ -193,13 +193,11 @@ class SavedBytes:
         self.peak = max(self.peak, self.now + self.extra)
 
 
-def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: dict[str, float],
-                 passes: dict[str, list[float]] | None = None) -> dict[str, Any]:
+def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: dict[str, Any]) -> dict[str, Any]:
     """Step 0 warms up and measures activations (hooks on); steps 1..steps are timed (hooks off).
-    ``busy["t"]`` is the compute time the step's passes add, ``busy["opt"]`` its optimizer step's time;
-    ``passes`` (each pass's durations by kind) is emptied after the warm-up, and its means returned;
-    ``busy["passes"]`` collects each step's (kind, micro-batch, chunk, seconds), returned as ``trace``."""
-    passes = {} if passes is None else passes
+    ``busy["t"]`` is the compute time the step's passes add, ``busy["opt"]`` its optimizer step's time,
+    ``busy["passes"]`` its passes as (kind, micro-batch, chunk, seconds): returned as ``trace``, and their
+    mean per kind over the timed steps as ``pass_s``."""
     import torch.distributed as dist
 
     times, computes, spans, trace = [], [], [], []
@@ -207,8 +205,6 @@ def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: 
         dist.barrier()
         busy["t"] = busy["opt"] = 0.0
         busy["passes"] = []
-        if step == 1:
-            passes.clear()  # pass costs of the timed steps only (the warm-up's hooks slow it)
         meter.on = step == 0
         t0 = time.perf_counter()
         if meter.on:
@@ -225,7 +221,16 @@ def _timed_steps(train: Callable[[], Any], steps: int, meter: SavedBytes, busy: 
     meter.on = False
     return {"step_s": statistics.median(times), "compute_s": statistics.median(computes),
             "span_s": statistics.median(spans), "act_bytes": meter.peak,
-            "pass_s": {kind: statistics.mean(v) for kind, v in passes.items()}, "trace": trace}
+            "pass_s": _mean_per_kind(trace), "trace": trace}
+
+
+def _mean_per_kind(trace: list[list[tuple[str, int, int, float]]]) -> dict[str, float]:
+    """Each pass kind's mean duration over the timed steps (the warm-up, slowed by the hooks, left out)."""
+    per_kind: dict[str, list[float]] = {}
+    for step in trace:
+        for kind, _, _, dt in step:
+            per_kind.setdefault(kind, []).append(dt)
+    return {kind: statistics.mean(v) for kind, v in per_kind.items()}
 
 
 def _timed_optimizer(owner: Any, name: str, busy: dict[str, float]) -> None:
@@ -250,9 +255,8 @@ def _deepshard_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
            "pipeline": {"schedule": schedule}}
     engine = deepshard.initialize(model=_model(world, CHUNKS if schedule == "interleaved" else 1), config=cfg)[0]
     meter = SavedBytes(engine.module.parameters())
-    busy = {"t": 0.0, "opt": 0.0}
+    busy: dict[str, Any] = {"t": 0.0, "opt": 0.0}
     _timed_optimizer(engine, "_take_model_step", busy)
-    per_kind: dict[str, list[float]] = {}
     for kind in COMPUTE:
         fn = engine._dispatch[kind]
 
@@ -262,13 +266,12 @@ def _deepshard_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
             dt = time.perf_counter() - t0
             busy["t"] += dt
             busy["passes"].append((kind.value, a.micro_batch, a.chunk, dt))
-            per_kind.setdefault(kind.value, []).append(dt)
             if meter.on:  # the split backward's records wait outside autograd until the weight pass
                 meter.set_extra(t for u in run.units.values() if u.store is not None
                                 for rec in u.store.pending for t in rec[:2])
         engine._dispatch[kind] = timed
     data = _data(m)
-    res = _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy, per_kind)
+    res = _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy)
     engine.destroy()
     return res
 
@@ -288,7 +291,7 @@ def _ddp_rank(rank: int, world: int, schedule: str, m: int, steps: int) -> dict[
     k = m // world
     local = _data(m)[rank * k:(rank + 1) * k]  # this process's slice of the global batch
     meter = SavedBytes(model.parameters())
-    busy = {"t": 0.0, "opt": 0.0}
+    busy: dict[str, Any] = {"t": 0.0, "opt": 0.0}
     _timed_optimizer(opt, "step", busy)
 
     def train() -> None:
@@ -328,9 +331,8 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                   config=cfg)[0]
     meter = SavedBytes(engine.module.parameters())
-    busy = {"t": 0.0, "opt": 0.0}
+    busy: dict[str, Any] = {"t": 0.0, "opt": 0.0}
     table = dict(engine._INSTRUCTION_MAP)  # the engine looks instructions up through the instance
-    per_kind: dict[str, list[float]] = {}
     for cls, key, kind in ((ds_schedule.ForwardPass, "t", "F"), (ds_schedule.BackwardPass, "t", "B"),
                            (ds_schedule.OptimizerStep, "opt", "")):
         fn = table[cls]
@@ -343,11 +345,10 @@ def _deepspeed_rank(rank: int, world: int, schedule: str, m: int, steps: int) ->
             if kind:  # its passes run each kind in micro-batch order (buffers are reused, ids are not kept)
                 micro = sum(1 for k, *_ in busy["passes"] if k == kind)
                 busy["passes"].append((kind, micro, 0, dt))
-                per_kind.setdefault(kind, []).append(dt)
         table[cls] = timed
     engine._INSTRUCTION_MAP = table
     data = _data(m)
-    return _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy, per_kind)
+    return _timed_steps(lambda: engine.train_batch(iter(data)), steps, meter, busy)
 
 
 ENGINES = {"deepshard": _deepshard_rank, "ddp": _ddp_rank, "deepspeed": _deepspeed_rank}
@@ -409,7 +410,7 @@ def run(engine: str, pp: int, schedule: str, m: int, steps: int, timeout: float 
             "mean_bubble": statistics.mean(1.0 - r["compute_s"] / r["span_s"] for r in res),
             "imbalance": 1.0 - statistics.mean(r["compute_s"] for r in res) / busiest["compute_s"],
             "compute_s": [r["compute_s"] for r in res], "act_bytes": [r["act_bytes"] for r in res],
-            "pass_s": res[0].get("pass_s", {}), "stage_pass_s": [r.get("pass_s", {}) for r in res],
+            "pass_s": res[0].get("pass_s", {}),
             "busiest": res.index(busiest), "traces": [r["trace"] for r in res]}
 
 
@@ -504,7 +505,7 @@ def main() -> None:
               + (f"  speed-up vs pp=1 {r['speedup_vs_pp1']:.2f}" if "speedup_vs_pp1" in r else ""))
 
     print("\nratios per schedule (deepshard pp step / DDP step, / DeepSpeed PipelineEngine step; measured bubble / "
-          "analytic; measured / replayed: the simulator with this run's pass costs per stage)")
+          "analytic; measured / replayed: the simulator fed this run's measured passes)")
     for r in rows[1:]:
         print(f"  {r['schedule']:6s}: vs DDP {_ratio(r, ddp)}  vs DeepSpeed {_ratio(r, ds)}  bubble "
               f"{r['bubble']:.3f} / {r['bubble_analytic']:.3f} = {r['bubble'] / r['bubble_analytic']:.2f}; "

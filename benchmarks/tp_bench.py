@@ -198,13 +198,7 @@ def _rope(x: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-second, first], -1) * sin
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+NORM_EPS = 1e-6  # LLaMA's RMSNorm epsilon
 
 
 def _column(i: int, o: int, tp: Any, parts: tuple[int, ...] | None = None) -> nn.Module:
@@ -245,7 +239,7 @@ class Block(nn.Module):
         super().__init__()
         h, f = args.hidden, ffn_size(args)
         self.head_dim = h // args.heads
-        self.attn_norm, self.mlp_norm = RMSNorm(h), RMSNorm(h)
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=NORM_EPS), nn.RMSNorm(h, eps=NORM_EPS)
         self.qkv, self.o = _column(h, 3 * h, tp, parts=(h, h, h)), _row(h, h, tp)
         self.gate_up, self.down = _column(h, 2 * f, tp, parts=(f, f)), _row(f, h, tp)
 
@@ -263,7 +257,7 @@ class Head(nn.Module):
 
     def __init__(self, args: argparse.Namespace, tp: Any) -> None:
         super().__init__()
-        self.norm, self.out = RMSNorm(args.hidden), _column(args.hidden, args.vocab, tp)
+        self.norm, self.out = nn.RMSNorm(args.hidden, eps=NORM_EPS), _column(args.hidden, args.vocab, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(x))
@@ -438,6 +432,11 @@ def run_case(table: str, case: str, world: int, args: argparse.Namespace) -> lis
     return ranks
 
 
+def run_table(table: str, cases: list[str], world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case of one table, each on ``world`` fresh processes, summarized."""
+    return [summarize(case, run_case(table, case, world, args), world) for case in cases]
+
+
 def summarize(case: str, ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
     failed = [r for r in ranks if r["status"] != "ok"]
     if failed:
@@ -552,9 +551,7 @@ def main() -> None:
     started = time.perf_counter()
 
     if not args.skip_hf:
-        rows = []
-        for case in args.cases:
-            rows.append(summarize(case, run_case("hf", case, 2, args), 2))
+        rows = run_table("hf", args.cases, 2, args)
         psi, psi_r = hf_params(args)
         print_table(f"Table 1: LLaMA-style model (transformers LlamaForCausalLM) h={args.hidden} L={args.layers} "
                     f"heads={args.heads} V={args.vocab}, Ψ={psi:,} (Ψr={psi_r:,} replicated norms), global batch "
@@ -575,9 +572,7 @@ def main() -> None:
         dump["hf"] = rows
 
     if not args.skip_3d:
-        rows = []
-        for case in args.cases_3d:
-            rows.append(summarize(case, run_case("layers", case, 4, args), 4))
+        rows = run_table("layers", args.cases_3d, 4, args)
         psi, psi_r = layer_model_params(args)
         print_table(f"Table 2: the same architecture as a layer list (fused qkv / gate_up, untied head), "
                     f"Ψ={psi:,} (Ψr={psi_r:,}), global batch {args.batch} x {args.seq} tokens, pipeline "

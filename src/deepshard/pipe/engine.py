@@ -109,12 +109,10 @@ class PipelineEngine(DeepShardEngine):
         dims, coord = self.topology.dims, self.topology.coord
         self.num_stages, self.stage_id = dims.pp, coord.pp
         self.num_chunks = self.module.num_chunks
-        self.prev_rank = dims.stage_rank(self.global_rank, self.stage_id - 1) if self.stage_id > 0 else -1
-        self.next_rank = dims.stage_rank(self.global_rank, self.stage_id + 1) if self.stage_id < dims.pp - 1 else -1
         self.link = StageLink(self.stage_id, self.global_rank, self.device)
         self._data_iter: Iterator[Any] | None = None
         self._batch_fn: Callable[[Any], Any] | None = None
-        self._schedules: dict[tuple[str, int], list[Action]] = {}
+        self._plans: dict[tuple[str, int, bool], tuple[list[Action], dict[int, int]]] = {}
         self._dispatch: dict[Kind, Callable[[_BatchRun, Action], None]] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.BACKWARD_INPUT: self._backward_input,
             Kind.BACKWARD_WEIGHT: self._backward_weight, Kind.SEND_ACT: self._send_act, Kind.RECV_ACT: self._recv_act,
@@ -168,8 +166,8 @@ class PipelineEngine(DeepShardEngine):
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
         self.tools.throughput.start()
         with self.tools.time("backward"):  # the whole schedule: forwards, backwards, transfers, reduction
-            actions = self._schedule(name, m)
-            self.link.begin(self._receive_counts(actions))
+            actions, receives = self._plan(name, m)
+            self.link.begin(receives)
             for action in actions:
                 self._dispatch[action.kind](run, action)
             self.link.end()
@@ -197,9 +195,8 @@ class PipelineEngine(DeepShardEngine):
         run = _BatchRun(self._iterator(data_iter), m, train=False, compute_loss=compute_loss,
                         keep_outputs=return_logits)
         with torch.no_grad():  # the forwards (and their transfers) of the training schedule's order
-            actions = [a for a in self._schedule("gpipe" if self.num_chunks == 1 else "interleaved", m)
-                       if a.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)]
-            self.link.begin(self._receive_counts(actions))
+            actions, receives = self._plan("gpipe" if self.num_chunks == 1 else "interleaved", m, forward_only=True)
+            self.link.begin(receives)
             for action in actions:
                 self._dispatch[action.kind](run, action)
             self.link.end()
@@ -251,20 +248,21 @@ class PipelineEngine(DeepShardEngine):
             raise PipelineError(f"pipeline data items must be (inputs, labels) pairs, got {type(item).__name__}")
         return item[0], item[1]
 
-    def _schedule(self, name: str, m: int) -> list[Action]:
-        key = (name, m)
-        if key not in self._schedules:
-            self._schedules[key] = build_schedule(name, self.num_stages, m, self.num_chunks)[self.stage_id]
-        return self._schedules[key]
-
-    def _receive_counts(self, actions: list[Action]) -> dict[int, int]:
-        """How many messages ``actions`` receive from each peer rank (what the link posts ahead for)."""
-        counts: dict[int, int] = {}
-        for a in actions:
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                peer = self._peer(a)
-                counts[peer] = counts.get(peer, 0) + 1
-        return counts
+    def _plan(self, name: str, m: int, forward_only: bool = False) -> tuple[list[Action], dict[int, int]]:
+        """This stage's actions of schedule ``name`` over ``m`` micro-batches (only the forwards and their
+        transfers with ``forward_only``), and how many messages they receive from each peer rank (what the
+        link posts ahead for); built once per (name, m)."""
+        key = (name, m, forward_only)
+        if key not in self._plans:
+            actions = build_schedule(name, self.num_stages, m, self.num_chunks)[self.stage_id]
+            if forward_only:
+                actions = [a for a in actions if a.kind in (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)]
+            receives: dict[int, int] = {}
+            for a in actions:
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                    receives[self._peer(a)] = receives.get(self._peer(a), 0) + 1
+            self._plans[key] = (actions, receives)
+        return self._plans[key]
 
     def _peer(self, a: Action) -> int:
         """The global rank of the action's peer stage (in this rank's data and tensor coordinates)."""

@@ -54,9 +54,6 @@ class Fp32GradSums:
             else:
                 p.grad.copy_(total.add_(p.grad))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.sums.values())
-
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
