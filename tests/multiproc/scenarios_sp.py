@@ -67,3 +67,68 @@ def attention_world(rank: int, world: int) -> dict[str, Any]:
         out[("sp2",) + case] = _one_case(sp, case, seed=100 + i + topo2.coord.dp)
     out["labels"] = sorted(topo4.world.logger.ops)
     return out
+
+
+# ----------------------------------------------------------------------------------------- training
+SEQ, STEPS, CLIP = 13, 3, 0.5
+
+
+def lm_config(stage: int, sp: int, gas: int, mode: str = "ulysses", ulysses_size: int | None = None) -> dict:
+    section: dict[str, Any] = {"mode": mode}
+    if ulysses_size:
+        section["ulysses_size"] = ulysses_size
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp, "sequence_parallel": section}
+
+
+def train_lm(config: dict, steps: int, start: int = 0, ckpt: bool = False, load: str | None = None,
+             save: str | None = None) -> dict[str, Any]:
+    """Train TinyLM through the engine; each dp rank takes samples in order (sample = micro-step * dp + d)."""
+    import deepshard
+    from tests.multiproc.sp_models import make_lm, make_samples
+
+    model = make_lm(activation_checkpointing=ckpt)
+    engine, *_ = deepshard.initialize(model=model, config=config)
+    model.sp = engine.sequence_parallel
+    if load is not None:
+        engine.load_checkpoint(load)
+    dp, gas = engine.dp_world_size, engine.gradient_accumulation_steps()
+    samples = make_samples(64, SEQ)
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        step_loss = 0.0
+        for micro in range(gas):
+            ids = samples[(step * gas + micro) * dp + engine.topology.coord.dp].unsqueeze(0)
+            batch = model.sp.shard_batch({"input_ids": ids, "labels": ids})
+            logits = engine(batch["input_ids"], batch["position_ids"], batch["seq_len"])
+            loss = model.sp.loss(logits, batch["shift_labels"])
+            engine.backward(loss)
+            engine.step()
+            step_loss += float(loss.detach()) / gas
+        losses.append(step_loss)
+        norms.append(engine.get_global_grad_norm())
+    if save is not None:
+        engine.save_checkpoint(save)
+    weights = _full_weights(engine)
+    engine.destroy()
+    return {"losses": losses, "weights": weights, "norms": norms}
+
+
+def _full_weights(engine: Any) -> dict[str, torch.Tensor]:
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+        return {k: v.float() for k, v in (state or {}).items()}
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def training_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """dp2 x sp2 Ulysses at ZeRO 1 (accumulation 2, activation checkpointing) and ZeRO 3; sp4 ring and
+    hybrid 2x2 at ZeRO 2; a dp2 x sp2 checkpoint resumed at sp4 (ring) for one more step."""
+    out: dict[str, Any] = {}
+    out["z1_ulysses_dp2sp2"] = train_lm(lm_config(1, 2, 2), STEPS, ckpt=True)
+    out["z3_ulysses_dp2sp2"] = train_lm(lm_config(3, 2, 1), STEPS, save=f"{tmp}/ckpt")
+    out["z2_ring_sp4"] = train_lm(lm_config(2, 4, 1, "ring"), STEPS)
+    out["z2_hybrid_sp4"] = train_lm(lm_config(2, 4, 2, "hybrid", 2), STEPS)
+    out["resume_sp4"] = train_lm(lm_config(3, 4, 2, "ring"), 1, start=STEPS, load=f"{tmp}/ckpt")
+    return out
