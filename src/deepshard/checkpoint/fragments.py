@@ -137,9 +137,9 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     parts = Reassembly(with_optimizer)
     groups, meta = None, {}
     saved_world = 0
-    for rank, info in infos:
+    for rank, info in sorted(infos, key=lambda ri: (_foreign_fragments(ri[1], wanted), ri[0])):
         meta = info.get("meta", meta) if rank == 0 else meta
-        groups = info.get("param_groups", groups)
+        groups = groups if groups is not None else info.get("param_groups")  # this slice's own file first
         saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
         parts.declare(info, wanted)
         if not parts.needs(info, wanted):
@@ -152,6 +152,12 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
         module_extra.update(ckpt_io.load_tensors(extra, names=wanted))
     full = FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
     return localize(full, module) if module is not None else full
+
+
+def _foreign_fragments(info: dict[str, Any], wanted: set[str] | None) -> int:
+    """How many of a rank file's fragments the loading model slice does not want: files of this slice's
+    own tensors are read first, so a copy it shares with another slice (a tied layer) comes from them."""
+    return 0 if wanted is None else sum(1 for name, _, _ in info["fragments"] if name not in wanted)
 
 
 def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
