@@ -97,7 +97,7 @@ def test_grid_from_config_mesh_param_and_pipeline_module() -> None:
         dims_from_config({"pipeline": {"stages": 4}}, 8, model=Pipe())
     with pytest.raises(ConfigError, match="mesh_param gives tensor parallel size 4 but tensor_parallel.autotp_size is 2"):
         dims_from_config({"tensor_parallel": {"autotp_size": 2}}, 8, mesh_param=(2, 4))
-    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by pipeline x tensor = 1 x 4"):
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by pipeline x sequence x tensor = 1 x 1 x 4"):
         dims_from_config({"tensor_parallel": {"autotp_size": 4}}, 6)
     with pytest.raises(ConfigError, match="mesh_param must be a pair"):
         dims_from_config({}, 4, mesh_param=3)

@@ -138,7 +138,8 @@ def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state:
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
-        "grid": {"pp": engine.topology.dims.pp, "dp": engine.topology.dims.dp, "tp": engine.topology.dims.tp},
+        "grid": {"pp": engine.topology.dims.pp, "dp": engine.topology.dims.dp, "tp": engine.topology.dims.tp,
+                 "sp": engine.topology.dims.sp},
         "param_dtype": str(engine.precision.param_dtype),
         "state": skeleton,
     }
@@ -177,8 +178,8 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
         engine.lr_scheduler.load_state_dict(state["scheduler"])
     rng_path = path / _rng_file(engine.topology.rank)
     dims = engine.topology.dims
-    same_grid = meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1}) == {
-        "pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
+    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
     if rng_path.exists() and same_grid:
         rng = ckpt_io.load_tensors(rng_path)
         torch.set_rng_state(rng["cpu"])
