@@ -304,8 +304,8 @@ class DeepShardEngine(torch.nn.Module):
         if not window:
             return float(self._last_loss.float().item()) if self._last_loss is not None else float("nan")
         mean = torch.stack([loss.float().reshape(()) for loss in window]).mean()
-        if self.dp_world_size > 1 and self._loss_is_logged():
-            mean = self.comm.all_reduce_sum_scalar(mean) / self.dp_world_size
+        if self.comm.size > 1 and self._loss_is_logged():  # every replica (dp x sp) computed a loss
+            mean = self.comm.all_reduce_sum_scalar(mean) / self.comm.size
         return float(mean.item())
 
     def _report_step(self) -> None:
