@@ -69,15 +69,15 @@ def test_replicas_and_other_stages_files_are_not_read(tmp_path: Path, monkeypatc
     _write(tmp_path, 2, {"z": torch.ones(2)}, {})  # another pipeline stage's parameter
     opened: list[str] = []
     real = ckpt_io.load_tensors
-    monkeypatch.setattr(ckpt_io, "load_tensors", lambda path, *a, **k: (opened.append(Path(path).name), real(path))[1])
+    monkeypatch.setattr(ckpt_io, "load_tensors", lambda path, *a, **k: (opened.append(Path(path).name), real(path, *a, **k))[1])
 
     class Stage(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a = torch.nn.Parameter(torch.zeros(2))
 
-        def checkpoint_names(self) -> list[str]:
-            return ["a"]
+        def pipeline_state_keys(self) -> set[str]:  # a pipeline stage: the whole model has "a" and "z"
+            return {"a", "z"}
 
     full = load_full_state(tmp_path, module=Stage())
     assert opened == [rank_files(0)[0]]
