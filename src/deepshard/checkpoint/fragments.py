@@ -146,7 +146,7 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
         parts.declare(info, wanted)
         if not parts.needs(info, wanted):
             continue  # another stage's tensors, or copies read already: the tensor file is not opened
-        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]))
+        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]), wanted)
     check_coverage(directory, *parts.coverage(), [r for r, _ in json_files], saved_world or None)
     params, optim, kinds, shapes = parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
