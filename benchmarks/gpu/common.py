@@ -194,10 +194,14 @@ def run_case(module: str, case: dict[str, Any], timeout: float, log_dir: Path) -
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                                 start_new_session=True)
         try:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+        except BaseException:  # the driver itself was stopped (a phase's time limit): take the case along
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
     wall = time.monotonic() - t0
     if result_path.exists():
         result = json.loads(result_path.read_text())
@@ -210,6 +214,18 @@ def run_case(module: str, case: dict[str, Any], timeout: float, log_dir: Path) -
     print(f"  {name}: {result.get('status')} ({wall:.0f}s){'' if result.get('status') == 'ok' else ' ' + str(result.get('detail', ''))[:300]}",
           flush=True)
     return result
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt here (SIGINT also where it was inherited ignored), so a
+    phase stopped at its time limit unwinds: running cases are killed, finished results stay written."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:

@@ -34,7 +34,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.common import (GiB, GPTShape, as_dict, case_main, cuda_available, gpt_batches,  # noqa: E402
-                                   init_single_process_group, peak_device_memory, run_case)
+                                   init_single_process_group, peak_device_memory, run_case,
+                                   stop_on_signals)
 
 ENGINES = ("torch", "deepshard-z0", "deepshard-z3", "fsdp2", "deepspeed-z0", "deepspeed-z3")
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -199,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per engine before it is killed")
+    p.add_argument("--budget", type=float, default=900.0, help="seconds for all engines; the rest are skipped")
+    p.add_argument("--device-json", default="", help="benchmarks.gpu.probe's output: peak, measured rate, memory")
     p.add_argument("--peak-flops", type=float, default=0.0, help="the card's dense bf16 FLOP/s (default: datasheet)")
     p.add_argument("--measured-flops", type=float, default=0.0, help="the measured bf16 matmul FLOP/s, if known")
     p.add_argument("--memory-gib", type=float, default=0.0, help="the card's memory (default: read from torch)")
@@ -221,11 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--case" in argv:
         return case_main(run_engine, argv)
+    stop_on_signals()
     args = parse_args(argv)
     if args.device == "cuda" and not cuda_available():
         print("gpt_bench: no CUDA device here; nothing measured (use --device cpu --size tiny to check the script)")
         _write(args, {"status": "skipped", "detail": "no CUDA device"})
         return 0
+    if args.device_json and Path(args.device_json).exists():
+        probe = json.loads(Path(args.device_json).read_text())
+        args.peak_flops = args.peak_flops or probe.get("peak_bf16_flops_datasheet") or 0.0
+        args.measured_flops = args.measured_flops or probe.get("measured_matmul_flops") or 0.0
+        args.memory_gib = args.memory_gib or probe.get("memory_gib") or 0.0
     if args.size == "auto" and not args.memory_gib:
         import torch
 
@@ -233,14 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     shape, batch = choose_shape(args)
     print(f"gpt_bench: {shape.describe()}, micro-batch {batch} ({batch * shape.seq_len} tokens/step), "
           f"estimate {estimate_bytes(shape, batch) / GiB:.1f} GiB", flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + args.budget
     for engine in args.engines:
+        left = deadline - time.monotonic()
+        if left < 15:
+            rows.append({"name": engine, "status": "skipped", "detail": f"out of budget ({args.budget:.0f}s)"})
+            continue
         case = {"name": engine, "engine": engine, "device": args.device, "shape": as_dict(shape), "batch": batch,
                 "warmup": args.warmup, "steps": args.steps}
-        rows.append(run_case("benchmarks.gpu.gpt_bench", case, args.case_timeout, Path(args.log_dir)))
+        rows.append(run_case("benchmarks.gpu.gpt_bench", case, min(args.case_timeout, left), Path(args.log_dir)))
+        _write(args, summarize(rows, shape, batch, args))  # after every engine: a stopped run keeps its rows
     report = summarize(rows, shape, batch, args)
     print(table(report), flush=True)
-    _write(args, report)
     return 0
 
 

@@ -14,8 +14,9 @@ seconds are spent:
    GPU memory cap (``--gpu-cap-gib``, ``torch.cuda.set_per_process_memory_fraction``), found by trying
    the formula's depth and its neighbours; the first depth that runs out of memory is recorded too.
 3. With offload at >= 3x those parameters: ``offload_param`` and ``offload_optimizer`` to ``cpu``
-   (pinned host memory), then to ``nvme`` (files under ``--nvme-path``), then ``cpu`` at 6x and 10x
-   while host memory and the budget allow: the largest that trains is the headline.
+   (pinned host memory), then to ``nvme`` (files under ``--nvme-path``; shallower where half the free
+   disk would not hold it, its multiple recorded), then ``cpu`` at 6x and 10x while host memory and
+   the budget allow: the largest that trains is the headline.
 
 Why a cap: the machine this was written for has one 80 GiB (or 141 GiB) GPU, 128 GiB of host memory
 and 64 GiB of disk. Mixed-precision Adam keeps 16 bytes per parameter, so without offload the GPU holds
@@ -45,7 +46,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.common import (GiB, GPTShape, as_dict, case_main, cuda_available, gpt_batches,  # noqa: E402
-                                   init_single_process_group, run_case, synchronize)
+                                   init_single_process_group, run_case, stop_on_signals,
+                                   synchronize)
 
 MODULE = "benchmarks.gpu.infinity_bench"
 DIM, HEADS, VOCAB, SEQ = 2048, 16, 32000, 1024
@@ -224,7 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=["full", "tiny"], default="full", help="tiny: a few-thousand-parameter model")
     p.add_argument("--gpu-cap-gib", type=float, default=12.0, help="GPU memory the runs may use (0: all of it)")
     p.add_argument("--batch", type=int, default=1, help="micro-batch in sequences of 1024 tokens")
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up (nvme: 1)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up, then one profiled")
     p.add_argument("--adam-params", type=float, default=256e6)
     p.add_argument("--multiples", type=float, nargs="+", default=[3, 6, 10],
                    help="offloaded sizes to try, as multiples of the largest that trains without offload")
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--case" in argv:
         return case_main(run, argv)
+    stop_on_signals()
     args = parse_args(argv)
     report: dict[str, Any] = {"device": args.device, "gpu_cap_gib": args.gpu_cap_gib, "batch": args.batch}
     if args.device == "cuda" and not cuda_available():
@@ -256,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.log_dir)
     adam_n = 1e6 if tiny else args.adam_params
     report["adam"] = run_case(MODULE, {"name": "cpu-adam", "kind": "adam", "params": adam_n}, min(90, budget.left()), log)
+    done: list[dict[str, Any]] = []
     base = {"kind": "train", "device": args.device, "batch": args.batch, "tiny": tiny, "nvme_path": args.nvme_path,
             "cap_gib": args.gpu_cap_gib}
 
@@ -266,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_case(MODULE, case, min(limit, budget.left()), log)
         result.setdefault("layers", layers)
         result.setdefault("params", shape_of(layers, tiny).params())
+        done.append(result)
+        _write(args, {**report, "status": "partial", "cases": done})  # a stopped run keeps what finished
         return result
 
     report["no_offload"] = search_no_offload(args, tiny, train)
@@ -298,13 +304,14 @@ def search_no_offload(args: argparse.Namespace, tiny: bool, train: Any) -> list[
 
 
 def offload_ladder(args: argparse.Namespace, tiny: bool, n0: int, train: Any) -> list[dict[str, Any]]:
-    """Host memory, then files, at the first multiple; host memory at the larger multiples that fit."""
+    """The first multiple in host memory, then the same model in files (the requirement: both), then
+    host memory at the larger multiples that fit (the headline), while the budget lasts."""
     if n0 == 0:
         return [{"name": "offload", "status": "skipped", "detail": "nothing trained without offload to compare with"}]
     import psutil
 
     host = psutil.virtual_memory().total
-    runs = []
+    runs: list[dict[str, Any]] = []
     for i, multiple in enumerate(args.multiples):
         layers = layers_for(multiple * n0, tiny)
         params = shape_of(layers, tiny).params()
@@ -314,16 +321,14 @@ def offload_ladder(args: argparse.Namespace, tiny: bool, n0: int, train: Any) ->
             break
         on_host = {**train(f"cpu-x{multiple:g}-L{layers}", "cpu", layers, args.steps, 150), "multiple": multiple}
         runs.append(on_host)
+        if i == 0:
+            runs.append(nvme_run(args, layers, tiny, train, n0))
         if on_host.get("status") != "ok":
             break
-    # the first multiple again with parameters and optimizer states in files: last, as the slowest
-    layers = layers_for(args.multiples[0] * n0, tiny)
-    runs.append(nvme_run(args, layers, tiny, train, args.multiples[0] if n0 else None, n0))
     return runs
 
 
-def nvme_run(args: argparse.Namespace, layers: int, tiny: bool, train: Any, multiple: float | None,
-             n0: int) -> dict[str, Any]:
+def nvme_run(args: argparse.Namespace, layers: int, tiny: bool, train: Any, n0: int) -> dict[str, Any]:
     """On disk: ``layers`` deep, or as deep as half the free space allows; one warm-up and one timed
     step, no profiled one (each step reads and writes every state once)."""
     path = Path(args.nvme_path)
@@ -336,10 +341,10 @@ def nvme_run(args: argparse.Namespace, layers: int, tiny: bool, train: Any, mult
         return {"name": "nvme", "status": "skipped", "params": params, "layers": layers,
                 "detail": f"needs ~{STATE_BYTES * params / GiB:.0f} GiB on disk, {free / GiB:.0f} GiB free"}
     try:
-        result = train(f"nvme-L{layers}", "nvme", layers, 1, 180, profile=False)
+        result = train(f"nvme-L{layers}", "nvme", layers, 1, 100, profile=False)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return {**result, "multiple": params / n0 if n0 else multiple, "disk_free_gib": free / GiB}
+    return {**result, "multiple": params / n0, "disk_free_gib": free / GiB}
 
 
 def headline(report: dict[str, Any], n0: int) -> dict[str, Any]:

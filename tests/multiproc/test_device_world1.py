@@ -70,7 +70,10 @@ def test_checkpoint_resume_is_bit_exact(world: dict[str, Any], dtype: str) -> No
 @pytest.mark.parametrize("case", [c[:3] for c in OFFLOAD_CASES], ids=lambda c: f"{c[0]}-stage{c[1]}-{c[2]}")
 def test_offload_reproduces_the_run_without_offload(world: dict[str, Any], case: tuple[str, int, str]) -> None:
     ref, got = world["offload"][case]
-    _matches(got, ref, fp32_rtol(world["device"]))  # the same fp32 update; on a GPU, host vs device kernels
+    # on the CPU the same update on the same values; on a GPU the offloaded update runs on the host, and a
+    # master weight one rounding apart can round to another bf16 value
+    rtol = fp32_rtol(world["device"]) if world["device"] == "cpu" or case[2] == "fp32" else BF16_RTOL
+    _matches(got, ref, rtol)
 
 
 def test_one_stage_pipeline_matches_reference(world: dict[str, Any]) -> None:
