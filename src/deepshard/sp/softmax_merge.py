@@ -17,6 +17,9 @@ from typing import Optional
 import torch
 
 NEG_INF = float("-inf")
+ROW_BUDGET = 1 << 21
+"""Score elements (query rows x keys) computed at once: longer blocks are done in slices of query rows, so
+the memory of a block grows with its length, not its square."""
 
 
 def _fold(q: torch.Tensor, hk: int) -> torch.Tensor:
@@ -25,13 +28,21 @@ def _fold(q: torch.Tensor, hk: int) -> torch.Tensor:
     return q.reshape(b, hk, (h // hk) * s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    hk = k.shape[1]
-    groups = q.shape[1] // hk
-    scores = torch.matmul(_fold(q, hk), k.transpose(-1, -2)) * scale  # [b, hk, g*sq, sk]
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed.repeat(groups, 1), NEG_INF)
+def _scores(qf: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Scores of folded query rows ``qf`` [b, hk, rows, d] against ``k``; ``mask`` [rows, sk] or None."""
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [b, hk, rows, sk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF)
     return scores
+
+
+def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]
+                ) -> list[tuple[slice, Optional[torch.Tensor]]]:
+    """Slices of the folded query rows with their part of the (group-repeated) mask."""
+    rows = q.shape[1] // k.shape[1] * q.shape[2]
+    mask = allowed.repeat(q.shape[1] // k.shape[1], 1) if allowed is not None else None
+    step = max(1, ROW_BUDGET // max(1, k.shape[2] * k.shape[1] * k.shape[0]))
+    return [(slice(r, r + step), None if mask is None else mask[r:r + step]) for r in range(0, rows, step)]
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -43,11 +54,14 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Op
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d], lse [b, h, sq])`` of ``q`` attending to ``k``/``v`` where ``allowed``."""
     b, h, sq, d = q.shape
-    scores = _scores(q, k, allowed, scale)
-    lse = torch.logsumexp(scores, dim=-1)  # [b, hk, g*sq]
-    probs = torch.exp(scores - _safe(lse).unsqueeze(-1))
-    out = torch.matmul(probs, v)
-    return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
+    qf = _fold(q, k.shape[1])
+    outs, lses = [], []
+    for rows, mask in _row_slices(q, k, allowed):
+        scores = _scores(qf[:, :, rows], k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # [b, hk, rows]
+        outs.append(torch.matmul(torch.exp(scores - _safe(lse).unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs, 2).reshape(b, h, sq, v.shape[-1]), torch.cat(lses, 2).reshape(b, h, sq)
 
 
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: torch.Tensor,
@@ -69,15 +83,15 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: O
     ``dout`` and ``delta = (dout * out).sum(-1)`` of the merged output."""
     b, h, sq, d = q.shape
     hk = k.shape[1]
-    scores = _scores(q, k, allowed, scale)
-    probs = torch.exp(scores - _safe(_fold(lse.unsqueeze(-1), hk)))  # [b, hk, g*sq, sk]
-    dout_f = _fold(dout, hk)
-    dv = torch.matmul(probs.transpose(-1, -2), dout_f)
-    dprobs = torch.matmul(dout_f, v.transpose(-1, -2))
-    dscores = probs * (dprobs - _fold(delta.unsqueeze(-1), hk))
-    dq = torch.matmul(dscores, k) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), _fold(q, hk)) * scale
-    return dq.reshape(b, h, sq, d), dk, dv
+    qf, lse_f, dout_f, delta_f = (_fold(t, hk) for t in (q, lse.unsqueeze(-1), dout, delta.unsqueeze(-1)))
+    dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for rows, mask in _row_slices(q, k, allowed):
+        probs = torch.exp(_scores(qf[:, :, rows], k, mask, scale) - _safe(lse_f[:, :, rows]))  # [b, hk, r, sk]
+        dv += torch.matmul(probs.transpose(-1, -2), dout_f[:, :, rows])
+        dscores = probs * (torch.matmul(dout_f[:, :, rows], v.transpose(-1, -2)) - delta_f[:, :, rows])
+        dqs.append(torch.matmul(dscores, k) * scale)
+        dk += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
+    return torch.cat(dqs, 2).reshape(b, h, sq, d), dk, dv
 
 
 def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[torch.Tensor]:
