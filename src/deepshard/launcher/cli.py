@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         from deepshard.utils.env_report import main as report_main
 
         return report_main(argv[1:])
+    if argv[0] == "convert":  # ``deepshard convert``: checkpoints to and from DeepSpeed's format
+        from deepshard.launcher.convert_cli import main as convert_main
+
+        return convert_main(argv[1:])
     if argv[0] in ("launch", "config"):  # Accelerate's front end: deepshard.launcher.accelerate_cli
         from deepshard.launcher.accelerate_cli import SUBCOMMANDS
 
