@@ -80,16 +80,7 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if args.library == "deepspeed":
-        import deepspeed
-        import deepspeed.comm.torch  # noqa: F401 - ``deepspeed.comm.torch`` the attribute is torch itself
-
-        ds_torch_comm = sys.modules["deepspeed.comm.torch"]
-        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce at init (a C++ build per
-        # fresh venv, racing between ranks on one lock file); gloo does the same job for these tests
-        ds_torch_comm.build_shm_op = lambda: None
-    else:
-        import deepshard as deepspeed
+    deepspeed = _library(args.library)
     deepspeed.init_distributed(dist_backend="gloo")
     engine = _engine(deepspeed, args)
     client: dict = {}
@@ -106,13 +97,90 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.distributed.barrier()
 
 
+SUITE = [  # (name, ZeRO stage, dtype, pipeline): each saved by a 2-process DeepSpeed run. The pipeline
+    # comes last: DeepSpeed keeps its pipeline topology in module state, which a later plain engine trips on
+    ("z1", 1, "fp32", False), ("z2", 2, "fp32", False), ("z3", 3, "fp32", False), ("z2_bf16", 2, "bf16", False),
+    ("pipe_z1", 1, "fp32", True),
+]
+
+
+def _library(name: str):
+    if name == "deepspeed":
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401 - ``deepspeed.comm.torch`` the attribute is torch itself
+
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce at init (a C++ build per
+        # fresh venv, racing between ranks on one lock file); gloo does the same job for these tests
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        return deepspeed
+    import deepshard
+
+    return deepshard
+
+
+def run_suite(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One 2-process world: for each case, train 3 steps and save; a fresh engine loads the directory
+    and trains 3 more (DeepSpeed's own resume). ``--resume``: only the second half, on given directories."""
+    from pathlib import Path
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed = _library(args.library)
+    deepspeed.init_distributed(dist_backend="gloo")
+    root = Path(args.suite)
+    results: dict = {}
+    cases = [_parse_resume(spec) for spec in args.resume] if args.resume else [(n, s, d, p, str(root / n))
+                                                                                for n, s, d, p in SUITE]
+    for name, stage, dtype, pipeline, directory in cases:
+        case = argparse.Namespace(library=args.library, stage=stage, dp=1 if pipeline else 2, dtype=dtype,
+                                  pipeline=pipeline)
+        out: dict = {}
+        if not args.resume:
+            engine = _engine(deepspeed, case)
+            out["first"] = [_step(engine, case, rank) for _ in range(3)]
+            engine.save_checkpoint(directory, client_state={"epoch": 3, "note": "hello"})
+            del engine
+        engine = _engine(deepspeed, case)
+        _, client = engine.load_checkpoint(directory)
+        out["resumed"] = [_step(engine, case, rank) for _ in range(3)]
+        out["client_state"] = {k: client[k] for k in ("epoch", "note") if k in (client or {})}
+        out["global_steps"] = engine.global_steps
+        del engine
+        if rank == 0 and args.library == "deepspeed" and not args.resume and not pipeline:
+            _zero_to_fp32(directory, root / f"{name}_fp32.pt")
+        results[name] = out
+        torch.distributed.barrier()
+    if rank == 0:
+        (root / ("resume.json" if args.resume else "results.json")).write_text(json.dumps(results, indent=1))
+    torch.distributed.barrier()
+
+
+def _parse_resume(spec: str) -> tuple:
+    name, rest = spec.split("=", 1)
+    directory, stage, dtype = rest.rsplit(":", 2)
+    return name, int(stage), dtype, False, directory
+
+
+def _zero_to_fp32(directory: str, target) -> None:
+    """DeepSpeed's own consolidation of the checkpoint, saved for deepshard's to be compared with."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(directory)
+    torch.save({k: v.detach().clone() for k, v in state.items()}, target)
+
+
 def _engine(deepspeed, args):
     import torch
 
     if args.pipeline:
-        from deepspeed.pipe import PipelineModule
+        import importlib
 
-        model = PipelineModule(layers=build_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(),
+        pipe = importlib.import_module(f"{deepspeed.__name__}.pipe")  # deepspeed.pipe or deepshard.pipe
+        model = pipe.PipelineModule(layers=build_layers(), num_stages=2, loss_fn=torch.nn.MSELoss(),
                                partition_method="uniform")
     else:
         model = Net.make()
@@ -152,11 +220,18 @@ def main() -> None:
     p.add_argument("--load")
     p.add_argument("--tag")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--suite", help="run every case of tests/deepspeed_compat's matrix in one world and write "
+                   "the results (JSON) into this directory (checkpoints under it)")
+    p.add_argument("--resume", nargs="*", default=[], metavar="NAME=DIR:STAGE:DTYPE",
+                   help="with --suite: DeepSpeed resumes these directories (3 steps each) instead")
     args = p.parse_args()
     if args.library == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.multiprocessing as mp
 
+    if args.suite:
+        mp.spawn(run_suite, args=(args, _port()), nprocs=2, join=True)
+        return
     mp.spawn(run, args=(args, _port()), nprocs=_world(args), join=True)
 
 

@@ -47,10 +47,11 @@ class EngineRecord:
 def read_engine_record(tag_dir: Path) -> EngineRecord:
     """Counters, LR scheduler, loss scaler and client state (from the first model-states file and the
     first optimizer file)."""
-    first = load_pt(detect.model_state_files(tag_dir, detect.mp_ranks(tag_dir)[0])[0])
+    mp_rank = _first_mp_rank(tag_dir)
+    first = load_pt(detect.model_state_files(tag_dir, mp_rank)[0])
     scaler: dict[str, Any] = {"kind": "static", "scale": 1.0}
     stage = 0
-    optim_path = _optim_path(tag_dir, 0, detect.mp_ranks(tag_dir)[0])
+    optim_path = _optim_path(tag_dir, 0, mp_rank)
     if optim_path is not None:
         osd = load_pt(optim_path)["optimizer_state_dict"]
         stage = int(osd.get("zero_stage", 0))
@@ -60,6 +61,15 @@ def read_engine_record(tag_dir: Path) -> EngineRecord:
         skipped_steps=int(first.get("skipped_steps", 0)), lr_scheduler=first.get("lr_scheduler"),
         client_state={k: v for k, v in first.items() if k not in ENGINE_KEYS}, loss_scaler=scaler,
         zero_stage=stage, dp_world_size=int(first.get("dp_world_size", 1)), ds_config=first.get("ds_config") or {})
+
+
+def _first_mp_rank(tag_dir: Path) -> int:
+    ranks = detect.mp_ranks(tag_dir)
+    if not ranks:
+        raise CheckpointError(f"DeepSpeed checkpoint file {tag_dir / 'mp_rank_00_model_states.pt'} does not exist "
+                              "(nor a zero_pp_rank_*_mp_rank_00_model_states.pt): the checkpoint is incomplete; "
+                              "copy the whole tag directory")
+    return ranks[0]
 
 
 def loss_scaler_state(record: Any) -> dict[str, Any]:
@@ -84,16 +94,19 @@ def _optim_path(tag_dir: Path, dp_rank: int, mp_rank: int) -> Path | None:
 
 def read_full_state(tag_dir: Path, with_optimizer: bool = True) -> FullState:
     """Every stage's (``mp_rank``'s) parameters, optimizer state and module extras, merged by name."""
-    ranks = detect.mp_ranks(tag_dir)
-    if not ranks:
-        raise CheckpointError(f"{tag_dir} holds no DeepSpeed model-states file")
+    ranks = detect.mp_ranks(tag_dir) or [_first_mp_rank(tag_dir)]
     merged = FullState({}, {}, {}, None, {}, {}, {}, {})
+    frozen: set[str] = set()
     for mp_rank in ranks:
         part = _read_slice(tag_dir, mp_rank, with_optimizer, pipeline=len(ranks) > 1 or bool(detect.layer_files(tag_dir)))
         for name in ("params", "optim", "optim_kinds", "module_extra", "aliases", "shapes", "meta"):
             getattr(merged, name).update(getattr(part, name))
+        frozen |= set(part.meta.get("frozen_params", []))
         if part.param_groups is not None:
             merged.param_groups = _merge_groups(merged.param_groups, part.param_groups)
+    # a pipeline stage's layer files include the other stages' trained weights: those are parameters
+    merged.module_extra = {k: v for k, v in merged.module_extra.items() if k not in merged.params}
+    merged.meta["frozen_params"] = [k for k in merged.module_extra if k in frozen]
     return merged
 
 
@@ -138,6 +151,8 @@ def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: boo
             full.optim_kinds[name] = {k: ("scalar" if v.dim() == 0 else "elementwise") for k, v in state.items()}
         full.param_groups[owner.get(g, g)]["params"] += list(shapes)
     full.module_extra.update(_module_extra(tag_dir, first, model_files, stage, pipeline))
+    buffers = set(first.get("buffer_names") or [])
+    full.meta["frozen_params"] = [k for k in full.module_extra if k not in buffers]
     return full
 
 

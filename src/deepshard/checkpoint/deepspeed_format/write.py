@@ -170,7 +170,7 @@ def _write_optim(src: Source, groups: list[tuple[dict[str, Any], list[str]]], st
                "group_paddings": paddings, "param_alignment_paddings": [[0] * len(n) for _, n in flats],
                "partition_count": [dp] * len(flats), "ds_version": DS_VERSION, "param_slice_mappings": mappings}
     save_pt({"optimizer_state_dict": osd, "ds_config": _ds_config(src, stage), "ds_version": DS_VERSION},
-            staging / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+            staging / f"{'bf16_' if src.dtype == torch.bfloat16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
 
 
 def _flat_state(src: Source, names: list[str], stage: int, dp: int, rank: int) -> dict[str, torch.Tensor]:
