@@ -25,14 +25,18 @@ from tests.multiproc.harness import run_world
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ds_worker.py")
-DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", REPO / ".venv-deepspeed" / "bin" / "python"))
+DS_VENV = REPO / ".venv-deepspeed"
+DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DS_VENV / "bin" / "python"))
+DS_READY = "DEEPSHARD_DEEPSPEED_PYTHON" in os.environ or (DS_VENV / ".installed").exists()
 FP32_TOL = 1e-5   # measured: 0 (bit-identical losses) at every layout; the margin is for other CPUs' kernels
-BF16_TOL = 2e-2   # measured: see docs/checkpoints.md; bf16 matmuls round differently per micro-batch split
+BF16_TOL = 1e-3   # measured: 0 as well (same dp as the writer); bf16 kernels may round differently elsewhere
 
 
 def _deepspeed(args: list[str], timeout: float = 1200) -> None:
-    if not DS_PYTHON.exists():
-        pytest.skip(f"DeepSpeed 0.19.8 is not installed at {DS_PYTHON}: build it with `make .venv-deepspeed` "
+    if not (DS_READY and DS_PYTHON.exists()):
+        failed = DS_VENV / ".failed"
+        why = f" ({failed.read_text().strip()})" if failed.exists() else ""
+        pytest.skip(f"DeepSpeed 0.19.8 is not installed at {DS_PYTHON}{why}: build it with `make deepspeed-venv` "
                     "(needs the package index), or point DEEPSHARD_DEEPSPEED_PYTHON at a python that has it")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([str(DS_PYTHON), str(WORKER), "--library", "deepspeed", *args], env=env,
@@ -43,6 +47,9 @@ def _deepspeed(args: list[str], timeout: float = 1200) -> None:
 
 @pytest.fixture(scope="session")
 def ds_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    reuse = os.environ.get("DEEPSHARD_DEEPSPEED_SUITE")  # a directory an earlier session's suite wrote
+    if reuse and (Path(reuse) / "results.json").exists():
+        return Path(reuse), json.loads((Path(reuse) / "results.json").read_text())
     root = tmp_path_factory.mktemp("deepspeed_suite")
     _deepspeed(["--suite", str(root)])
     return root, json.loads((root / "results.json").read_text())
@@ -96,6 +103,8 @@ def test_deepspeed_resumes_converted_deepshard_checkpoints(ds_suite: tuple[Path,
         specs.append(f"conv_z{stage}={target}:{stage}:fp32")
     _deepspeed(["--suite", str(tmp_path), "--resume", *specs])
     resumed = json.loads((tmp_path / "resume.json").read_text())
+    print(json.dumps({f"deepshard z2 dp2 -> DeepSpeed z{s} dp2": _max_diff(resumed[f"conv_z{s}"]["resumed"],
+                                                                          mine["resumed"]) for s in (1, 2, 3)}))
     for stage in (1, 2, 3):
         diff = _max_diff(resumed[f"conv_z{stage}"]["resumed"], mine["resumed"])
         assert diff <= FP32_TOL, (stage, resumed[f"conv_z{stage}"], mine)
