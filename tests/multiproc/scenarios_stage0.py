@@ -50,7 +50,7 @@ def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float()
+            total += loss.detach().float().cpu()
         dist.all_reduce(total, group=group)
         losses.append(float(total) / (gas * world))
     return losses

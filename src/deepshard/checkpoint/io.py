@@ -28,9 +28,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+
+from deepshard.utils.progress import progress
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
@@ -186,8 +188,10 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
     _atomic_write(Path(path), lambda tmp: save_file(prepared, str(tmp), metadata=metadata), needed)
 
 
-def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor of a safetensors file onto ``device``; never unpickles.
+def load_tensors(path: Path, device: str | torch.device = "cpu", names: Optional[set[str]] = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those, read from the
+    header's offsets; the rest of the file is not read); never unpickles.
 
     Raises :class:`CheckpointError` naming the file if it is missing, truncated or has a corrupt
     header.
@@ -200,13 +204,22 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "or the path/tag is wrong (check the directory and its 'latest' file)")
     try:
-        return load_file(str(path), device=str(device))
+        if names is None:
+            return load_file(str(path), device=str(device))
+        return _load_some(path, device, names)
     except (SafetensorError, OSError, ValueError) as err:
         size = path.stat().st_size
         raise CheckpointError(
             f"cannot read tensors from {path} ({size} bytes): {err}. The file is truncated or "
             "corrupted; run verify_manifest() on its checkpoint directory to confirm, and load "
             "another tag") from err
+
+
+def _load_some(path: Path, device: str | torch.device, names: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        return {key: f.get_tensor(key) for key in f.keys() if key in names}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,7 +282,8 @@ def write_manifest(directory: Path, files: list[str]) -> None:
     """
     directory = Path(directory)
     entries: dict[str, dict[str, Any]] = {}
-    for name in sorted(set(files)):
+    names = sorted(set(files))
+    for name in progress(names, "checksumming checkpoint", total=len(names), unit="file"):
         _check_relative_name(name)
         path = directory / name
         if not path.is_file():
@@ -317,7 +331,7 @@ def verify_manifest(directory: Path) -> None:
         if size != entry.get("bytes"):
             raise _damaged(directory, f"{name} is truncated or altered ({size} bytes on disk, "
                                       f"{entry.get('bytes')} bytes recorded in {MANIFEST_NAME})")
-    for name, entry in sorted(files.items()):
+    for name, entry in progress(sorted(files.items()), "verifying checkpoint", total=len(files), unit="file"):
         digest = file_digest(directory / name)
         if digest != entry.get("sha256"):
             raise _damaged(directory, f"{name} is corrupted (sha256 {digest[:16]}... differs from "

@@ -20,9 +20,9 @@ from deepshard.checkpoint import io as ckpt_io
 from deepshard.launcher.options import DefaultsHelpFormatter
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "deepshard convert") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="deepshard convert", formatter_class=DefaultsHelpFormatter,
+        prog=prog, formatter_class=DefaultsHelpFormatter,
         description="Convert a checkpoint between deepshard's format and DeepSpeed's (no pickle is run).")
     parser.add_argument("src", type=Path, help="the checkpoint: a save directory with 'latest', or a tag directory")
     parser.add_argument("dst", type=Path, help="the save directory to write (the tag folder and 'latest' go in it)")
@@ -89,12 +89,12 @@ def convert(src: Path, dst: Path, to: str, dp: int | None = None, stage: int | N
     return write_deepspeed(source, dst, tag_name, dp, stage, _progress(quiet))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "deepshard convert") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         out = convert(args.src, args.dst, args.to, args.dp, args.stage, args.tag, quiet=args.quiet)
     except (ckpt_io.CheckpointError, ValueError, FileNotFoundError) as exc:
-        print(f"deepshard convert: error: {exc}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"wrote {out}", flush=True)
     return 0
