@@ -133,7 +133,7 @@ def test_convert_to_deepshard_keeps_every_tensor(ds_suite: tuple[Path, dict[str,
     root, _ = ds_suite
     out = subprocess.run([sys.executable, "-m", "deepshard.launcher.cli", "convert", str(root / "z3"),
                           str(tmp_path / "out"), "--to", "deepshard", "--dp", "3", "--stage", "1"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "DEEPSHARD_PROGRESS": "1"})
     assert out.returncode == 0, out.stderr
     assert "writing rank files" in out.stderr  # the progress bar
     tag_dir = tmp_path / "out" / "global_step3"

@@ -49,12 +49,12 @@ def _tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
 
 
 def _progress(quiet: bool) -> Any:
-    def wrap(items: Iterable[Any], what: str) -> Iterable[Any]:
-        if quiet:
-            return items
-        from tqdm import tqdm
+    """A bar per file written (on a terminal, or with DEEPSHARD_PROGRESS=1; deepshard.utils.progress)."""
+    from deepshard.utils.progress import progress
 
-        return tqdm(items, desc=f"writing {what}", unit="file", file=sys.stderr)
+    def wrap(items: Iterable[Any], what: str) -> Iterable[Any]:
+        items = list(items)
+        return progress(items, f"writing {what}", total=len(items), unit="file", enabled=not quiet)
     return wrap
 
 
