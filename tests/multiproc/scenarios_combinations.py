@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_grid
+from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
 VOCAB, HIDDEN, FFN, SEQ = 16, 8, 16, 4
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
@@ -338,11 +337,10 @@ def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[
 
 
 def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint loaded on the reload grid (same global batch): its next step against the
+    """The checkpoint loaded by ``reload_cell``'s engine (same global batch): its next step against the
     reference's next step."""
-    pp, tp, dp = reload_grid(cell)
-    other = replace(cell, pp=pp, tp=tp, dp=dp, reload=None)
-    gas = cell.dp * cell.gas // dp
+    other = reload_cell(cell)
+    gas = cell.dp * cell.gas // other.dp
     torch.manual_seed(99)  # other initial values: the load must replace them
     try:
         engine, model, topo = build(other, gas, os.path.join(directory, "again"))
@@ -355,7 +353,7 @@ def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str
             raise
         return {"resume": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"}
     return {"resume_loss": rel(loss, ref["losses"][STEPS - 1]), "resume_norm": rel(norm, ref["norms"][STEPS - 1]),
-            "resume_params": params, "reload_grid": (pp, tp, dp)}
+            "resume_params": params, "reloaded_as": other.id}
 
 
 def matrix_world(rank: int, world: int, directory: str, only: Optional[list[str]] = None) -> dict[str, Any]:
