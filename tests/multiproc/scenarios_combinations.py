@@ -301,7 +301,7 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     steps = [train_step(engine, cell, topo, batch, cell.gas) for batch in data[:STEPS - 1]]
     out["loss"] = max(rel(loss, want) for (loss, _), want in zip(steps, ref["losses"]))
     out["norm"] = max(rel(norm, want) for (_, norm), want in zip(steps, ref["norms"]))
-    out["params"] = worst(whole_params(engine, model, topo), _params(ref, STEPS - 2))
+    out["params"] = worst(whole_params(engine, model, topo), ref["params"][STEPS - 2])
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "model16.safetensors")
     if cell.pp > 1:
@@ -309,14 +309,10 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
         out["mpu"] = mpu is not None and mpu.get_data_parallel_rank() == topo.coord.dp
     engine.destroy()
     if dist.get_rank() == 0:
-        out.update(_exports(cell, directory, _params(ref, STEPS - 2)))
+        out.update(_exports(cell, directory, ref["params"][STEPS - 2]))
     dist.barrier()
     out.update(_resumed(cell, directory, data, ref))
     return out
-
-
-def _params(ref: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in ref["params"][step].items()}
 
 
 def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -346,7 +342,7 @@ def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str
         engine, model, topo = build(other, gas, os.path.join(directory, "again"))
         engine.load_checkpoint(directory, tag="t")
         loss, norm = train_step(engine, other, topo, data[STEPS - 1], gas)
-        params = worst(whole_params(engine, model, topo), _params(ref, STEPS - 1))
+        params = worst(whole_params(engine, model, topo), ref["params"][STEPS - 1])
         engine.destroy()
     except Exception as err:  # noqa: BLE001 - reported per cell
         if os.environ.get("COMBINATIONS_RAISE"):
