@@ -141,7 +141,7 @@ def gpt_batches(shape: GPTShape, batch: int, steps: int, device: str, seed: int 
 
 
 def init_single_process_group(device: str) -> None:
-    """A world of one process: NCCL on a GPU (gloo beside it for CPU tensors), gloo on the CPU."""
+    """A world of one process on the backend deepshard picks itself: NCCL on a GPU, gloo on the CPU."""
     import torch
     import torch.distributed as dist
 
@@ -149,7 +149,7 @@ def init_single_process_group(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(0)
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 

@@ -2,8 +2,8 @@
 
 ``pytest --device cuda`` (tests/conftest.py) sets ``DEEPSHARD_TEST_DEVICE=cuda`` before any world is
 spawned. Then every rank runs with ``DEEPSHARD_ACCELERATOR=cuda`` on GPU ``LOCAL_RANK % device_count``,
-a world of one process uses NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: the tests' own bookkeeping
-collectives on CPU tensors still go through gloo), and a larger world uses gloo, which takes CUDA
+a world of one process uses NCCL (the backend deepshard itself picks on CUDA, so the scenarios' own
+bookkeeping collectives must use device tensors too), and a larger world uses gloo, which takes CUDA
 tensors for the collectives it implements for them (one GPU cannot hold two NCCL ranks). Results
 are moved to the host before they leave the rank, and a rank that never allocated CUDA memory is
 reported as not having run on the GPU. Without the option nothing changes: CPU and gloo.
@@ -38,7 +38,7 @@ def world_backend(world_size: int) -> str:
     """The process-group backend of a test world (see the module docstring)."""
     if device_kind() == "cpu":
         return "gloo"
-    return "cpu:gloo,cuda:nccl" if world_size == 1 else "gloo"
+    return "nccl" if world_size == 1 else "gloo"
 
 
 def to_host(value: Any) -> Any:
