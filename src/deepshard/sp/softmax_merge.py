@@ -1,6 +1,7 @@
 """Blockwise attention with the online-softmax merge, forward and backward, in plain torch.
 
-A block is the attention of some queries to some keys, with a boolean ``allowed`` mask (query x key).
+A block is the attention of some queries to some keys, where ``allowed`` (a boolean query x key mask, or a
+``PositionMask`` built from global positions a slice of rows at a time) says which pairs attend.
 Its result is ``(out, lse)``: the softmax-weighted values and the log-sum-exp of the scores per query
 row. Two blocks over disjoint key sets merge exactly (``merge``): the result is the attention over their
 union. The backward of one block needs only the merged ``out``, ``lse`` and ``dout`` (as in
@@ -12,7 +13,8 @@ the query rows, so key/value gradients come out summed per key head.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
@@ -36,13 +38,49 @@ def _scores(qf: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], sca
     return scores
 
 
-def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]
+@dataclass(frozen=True)
+class PositionMask:
+    """Which (query, key) pairs attend, from their global positions: built a slice of query rows at a time
+    (a whole [queries, keys] mask would grow with the square of the sequence)."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    causal: bool
+    seq_len: int
+
+    def rows(self, query_index: torch.Tensor) -> torch.Tensor:
+        allowed = (self.k_pos < self.seq_len).unsqueeze(0).expand(query_index.numel(), -1)
+        if self.causal:
+            allowed = allowed & (self.q_pos[query_index].unsqueeze(1) >= self.k_pos.unsqueeze(0))
+        return allowed
+
+    def any(self) -> bool:
+        valid = self.k_pos[self.k_pos < self.seq_len]
+        if valid.numel() == 0:
+            return False
+        return not self.causal or bool(self.q_pos.max() >= valid.min())
+
+
+Mask = Union[torch.Tensor, PositionMask]
+
+
+def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[Mask]
                 ) -> list[tuple[slice, Optional[torch.Tensor]]]:
-    """Slices of the folded query rows with their part of the (group-repeated) mask."""
-    rows = q.shape[1] // k.shape[1] * q.shape[2]
-    mask = allowed.repeat(q.shape[1] // k.shape[1], 1) if allowed is not None else None
+    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask."""
+    sq = q.shape[2]
+    rows = q.shape[1] // k.shape[1] * sq
     step = max(1, ROW_BUDGET // max(1, k.shape[2] * k.shape[1] * k.shape[0]))
-    return [(slice(r, r + step), None if mask is None else mask[r:r + step]) for r in range(0, rows, step)]
+    out = []
+    for r in range(0, rows, step):
+        index = torch.arange(r, min(r + step, rows)) % sq
+        if allowed is None:
+            mask = None
+        elif isinstance(allowed, PositionMask):
+            mask = allowed.rows(index)
+        else:
+            mask = allowed[index]
+        out.append((slice(r, r + step), mask))
+    return out
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -50,7 +88,7 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask],
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d], lse [b, h, sq])`` of ``q`` attending to ``k``/``v`` where ``allowed``."""
     b, h, sq, d = q.shape
@@ -76,7 +114,7 @@ def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: t
     return out * w_old.unsqueeze(-1) + block_out * w_new.unsqueeze(-1), total
 
 
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], scale: float,
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask], scale: float,
                    lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block's share, given the merged ``lse`` [b, h, sq], the output gradient
@@ -94,12 +132,10 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: O
     return torch.cat(dqs, 2).reshape(b, h, sq, d), dk, dv
 
 
-def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[torch.Tensor]:
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[PositionMask]:
     """Which (query, key) pairs attend: keys past ``seq_len`` (padding) never; later keys not when causal.
     None when everything is allowed."""
-    valid = (k_pos < seq_len).unsqueeze(0)
-    if causal:
-        allowed = (q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)) & valid
-    else:
-        allowed = valid.expand(q_pos.numel(), k_pos.numel())
-    return None if bool(allowed.all()) else allowed
+    every_key_valid = bool(k_pos.max() < seq_len)
+    if every_key_valid and (not causal or bool(q_pos.min() >= k_pos.max())):
+        return None
+    return PositionMask(q_pos, k_pos, causal, seq_len)
