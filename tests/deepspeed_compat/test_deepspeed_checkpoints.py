@@ -114,16 +114,20 @@ def test_deepspeed_resumes_converted_deepshard_checkpoints(ds_suite: tuple[Path,
 
 
 @pytest.mark.parametrize("name", ["z1", "z2", "z3", "z2_bf16"])
-def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, Any]], name: str) -> None:
-    from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, Any]], name: str,
+                                               tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main
 
     root, _ = ds_suite
     theirs = torch.load(root / f"{name}_fp32.pt", weights_only=True)
-    mine = get_fp32_state_dict_from_zero_checkpoint(root / name)
-    assert sorted(mine) == sorted(theirs)
-    for key, value in theirs.items():
-        assert mine[key].dtype == torch.float32 and mine[key].shape == value.shape, key
-        assert torch.equal(mine[key], value.float()), key
+    assert main([str(root / name), str(tmp_path), "--safe_serialization"]) in (0, None)  # the CLI
+    for mine in (get_fp32_state_dict_from_zero_checkpoint(root / name), load_file(tmp_path / "model.safetensors")):
+        assert sorted(mine) == sorted(theirs)
+        for key, value in theirs.items():
+            assert mine[key].dtype == torch.float32 and mine[key].shape == value.shape, key
+            assert torch.equal(mine[key], value.float()), key
 
 
 def test_convert_to_deepshard_keeps_every_tensor(ds_suite: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
