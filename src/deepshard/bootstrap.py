@@ -23,7 +23,7 @@ from deepshard.utils.logging import logger
 from deepshard.utils.teardown import settle_backend_threads_at_exit
 from deepshard.zero.master import check_optimizer_params, trainable_params
 from deepshard.zero.optimizer_guard import guard
-from deepshard.zero.placement import set_copies
+from deepshard.zero.placement import adopt_megatron_attributes, set_copies
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
@@ -73,6 +73,7 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
     model.to(accelerator.device)
     broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
     extra = _prepare_pipeline(model, topology, cfg)
+    adopt_megatron_attributes(model.parameters(), topology.coord.tp, topology.tp.size)
     set_copies(model.parameters(), topology.tp.size)
     precision = precision_policy(cfg)
     client_optimizer = build_client_optimizer(model, cfg, optimizer, model_parameters)

@@ -14,6 +14,8 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.config": "deepshard.config",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
+    "deepspeed.runtime.pipe": "deepshard.pipe",
+    "deepspeed.runtime.pipe.topology": "deepshard.pipe.grid",
 }
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 
