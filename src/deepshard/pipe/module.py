@@ -323,7 +323,7 @@ def _resolve_stage(num_stages: int | None, topology: ParallelDims | None, stage_
     initialized = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
     if stage_id is None and not initialized and (num_stages or (topology.pp if topology is not None else 1)) > 1:
-        raise ValueError(f"a multi-stage PipelineModule needs torch.distributed initialized (call "
+        raise ValueError("a multi-stage PipelineModule needs torch.distributed initialized (call "
                          "deepshard.init_distributed() first) or stage_id=<stage to build>")
     if topology is not None:
         dims = topology

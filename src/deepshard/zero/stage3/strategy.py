@@ -35,7 +35,7 @@ from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
 from deepshard.zero.stage3.reduce import Stage3Reducer
-from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
 def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], list[str]]]:
@@ -56,13 +56,16 @@ def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Pa
 class Stage3Strategy(Stage12Strategy):
     """Everything partitioned; see the module docstring."""
 
+    stage = 3
+    capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True)
+
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext, optimizer_offload: OffloadPolicy | None = None,
                  param_offload: OffloadPolicy | None = None, step_in_backward: bool = False) -> None:
         """``optimizer_offload`` places the master weights and optimizer state, ``param_offload`` the
         parameter shard between uses (default for both: on the device). ``step_in_backward``: update
         each group as soon as its gradient is reduced and keep no gradient shard (the caller has
-        checked that nothing needs every gradient first: ``bootstrap.check_step_in_backward``)."""
+        checked that nothing needs every gradient first: ``deepshard.plan``)."""
         ZeroStrategy.__init__(self, module, optimizer, ctx)
         self.stage = 3
         self.steps_in_backward = step_in_backward
