@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from deepshard.config.base import dtype_from_name
-from deepshard.engine import DeepShardEngine
+from deepshard.engine import EngineCore
 from deepshard.pipe.grad_accum import SIXTEEN_BIT, Fp32GradSums
 from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta
@@ -84,9 +84,10 @@ def configure_recompute(module: PipelineModule, cfg: Any) -> None:
         module.activation_checkpoint_func = partial(checkpoint, options=options_from_config(cfg.activation_checkpointing))
 
 
-class PipelineEngine(DeepShardEngine):
+class PipelineEngine(EngineCore):
     """DeepSpeed's ``PipelineEngine`` contract: ``train_batch`` / ``eval_batch``; ``forward``, ``backward``
-    and ``step`` raise ``PipelineError``."""
+    and ``step`` raise ``PipelineError``. It shares the engine core (accessors, checkpoints, reporting) and
+    its one step path (``self.runner``) with the plain engine; it inherits no training call."""
 
     def __init__(self, *args: Any, tied: TiedWeights, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -162,9 +163,7 @@ class PipelineEngine(DeepShardEngine):
         self._last_loss = loss
         with self.tools.time("step"):
             self._take_model_step(None)
-        self.micro_steps += m
-        self.tools.after_step(self, True)
-        self._report_step()
+        self.runner.finish(self, m, True)
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
@@ -200,9 +199,7 @@ class PipelineEngine(DeepShardEngine):
         if self.grad_sums is not None:
             self.grad_sums.flush()  # the fp32 sums of the micro-batches' gradients, rounded once
         self.tied.all_reduce_grads()
-        strategy = self._strategy()
-        strategy.begin_backward(True)
-        strategy.end_backward()
+        self.runner.reduce_once(self._strategy())
 
     # ------------------------------------------------------------------------------------- data
     def _iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
@@ -322,9 +319,8 @@ class PipelineEngine(DeepShardEngine):
         """What backward starts from: the scaled loss on the last virtual stage, else the outputs that
         need a gradient with the received gradients."""
         if unit.last:
-            loss = unit.loss / self.gradient_accumulation_steps()
-            scale = self.loss_scaler.scale
-            return [loss * scale if scale != 1.0 else loss], [torch.ones_like(loss)]
+            _, scaled = self.runner.for_backward(unit.loss)
+            return [scaled], [torch.ones_like(scaled)]
         floats = [t for t in unit.out_tensors if t.is_floating_point()]
         pairs = [(t, g) for t, g in zip(floats, unit.grad_out or []) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
