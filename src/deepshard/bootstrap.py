@@ -44,7 +44,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
     warn_unused_pipeline(cfg, model)
-    engine = parallelize(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler)
+    engine = parallelize(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler, mpu=mpu)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
