@@ -49,10 +49,6 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
             raise ConfigError(f"mesh_param gives tensor parallel size {mesh_tp} but tensor_parallel.autotp_size "
                               f"is {tp}; give one of them")
         dp, tp = mesh_dp, mesh_tp
-    if sp > 1 and (pp > 1 or tp > 1):
-        raise ConfigError(f"sequence_parallel_size={sp} with {'pipeline stages' if pp > 1 else 'tensor parallelism'} "
-                          f"(pp={pp}, tp={tp}) is not supported: sequence parallelism composes with data parallelism "
-                          "and ZeRO; set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")
     try:
         return ParallelDims.for_world(world_size, pp=pp, tp=tp, dp=dp, sp=sp)
     except TopologyError as exc:

@@ -7,11 +7,12 @@ calls :func:`parallelize`; nothing else composes.
     pipeline cut         this rank's stage (built by the PipelineModule), config keys deepshard/pipe/module.py, engine.py
                          applied, tied-weight groups across stages                   deepshard/pipe/tied.py
     tensor parallelism   AutoTP split; Megatron attributes adopted into placements   deepshard/tp/autotp.py, zero/placement.py
+    sequence parallelism Ulysses / ring / hybrid over the sp group (weights replicated) deepshard/sp/
     activation ckpt      the pipeline's recompute function from the config           deepshard/checkpointing.py
     compile              a torch.compile'd model trains its original module, compiled deepshard/compile.py
                          in place (unwrapped first, at initialize)
     ZeRO wrapping        device, replicas made equal, precision, the strategy         deepshard/parts.py, zero/
-                         (sharding and reducing over the data-parallel group)
+                         (sharding and reducing over the replicas: dp x sp)
     optimizer            the user's or the config's, taken over by the strategy       deepshard/optim/
     engine               from the table below, by model kind                          deepshard/engine.py, pipe/engine.py
 """
@@ -46,8 +47,11 @@ def engine_class(plan: Plan) -> type:
 
 def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accelerator, topology: Topology,
                 optimizer: OptimizerArg = None, model_parameters: Iterable[Any] | None = None,
-                lr_scheduler: Any = None) -> Any:
-    """Compose the run (collective: every rank calls it): see the module docstring for the order."""
+                lr_scheduler: Any = None, mpu: Any = None) -> Any:
+    """Compose the run (collective: every rank calls it): see the module docstring for the order. ``mpu``:
+    what the user passed to ``initialize`` (it may carry a sequence-parallel setup)."""
+    from deepshard.sp.engine_hooks import attach_sequence_parallel, build_sequence_parallel
+
     plan = describe(cfg, model, topology.dims, optimizer, accelerator.kind)
     enforce(plan)  # nothing is built before this line
     extra: dict[str, Any] = {}
@@ -63,12 +67,13 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
         apply_tensor_parallel(model, cfg.tensor_parallel, topology)
     adopt_megatron_attributes(model.parameters(), topology.coord.tp, topology.tp.size)
     set_copies(model.parameters(), topology.tp.size)
+    sequence_parallel = build_sequence_parallel(topology, cfg, mpu)  # collective: hybrid sub-groups
     if plan.pipeline:
         from deepshard.pipe.engine import configure_recompute
 
         configure_recompute(model, cfg)  # type: ignore[arg-type]
     model.to(accelerator.device)
-    broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
+    broadcast_module(model, topology.seq_dp)  # replicas of one model slice (dp x sp) start equal; tp/pp slices differ
     if "tied" in extra:
         extra["tied"].broadcast()  # then the tied copies across stages
     precision = precision_policy(cfg)
@@ -86,6 +91,7 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     engine = engine_class(plan)(model, cfg, accelerator, topology, strategy, optimizer=client_optimizer,
                                 precision=precision, lr_scheduler=scheduler, monitor=monitor,
                                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), **extra)
+    attach_sequence_parallel(engine, sequence_parallel)
     _announce(cfg, topology, precision.param_dtype, accelerator)
     return engine
 

@@ -71,11 +71,14 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
 
 def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
                    topology: Topology, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
-    """The ZeRO strategy of ``cfg``'s stage (``strategy_class``), sharding and reducing over the
-    data-parallel group only. The plan check (``deepshard.plan``) has refused what it cannot hold."""
+    """The ZeRO strategy of ``cfg``'s stage (``strategy_class``), sharding and reducing over the replicas of
+    the model slice only (``topology.seq_dp``: data x sequence parallel; a sequence-parallel rank holds the
+    whole weights, and the gradient mean over dp x sp is the single-process gradient when every sp rank
+    backpropagates the same global loss, as ``deepshard.sp.loss`` computes it). The plan check
+    (``deepshard.plan``) has refused what it cannot hold."""
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = offload_policies(cfg, accelerator)
-    ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
+    ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                           prescale_gradients=bool(cfg.prescale_gradients),

@@ -210,6 +210,17 @@ def _step_in_backward_rules(plan: Plan) -> list[Conflict]:
                      "or set optimizer_step_in_backward to false")]
 
 
+def _sequence_rules(plan: Plan) -> list[Conflict]:
+    dims = plan.dims
+    if dims.sp == 1 or (dims.pp == 1 and dims.tp == 1):
+        return []
+    other = "pipeline stages" if dims.pp > 1 else "tensor parallelism"
+    return [Conflict(f"sequence_parallel_size={dims.sp} with {other} (pp={dims.pp}, tp={dims.tp})",
+                     "is not supported: sequence parallelism composes with data parallelism and ZeRO",
+                     "set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")]
+
+
 RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (
-    _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules)
+    _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules,
+    _sequence_rules)
 """Every rule, in the order conflicts are reported."""

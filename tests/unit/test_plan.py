@@ -44,6 +44,7 @@ def _messages(cfg: Any, model: nn.Module, dims: ParallelDims = ParallelDims(), o
     ({"zero_optimization": {"stage": 2, "optimizer_step_in_backward": True}}, "plain", ParallelDims(), "stage is 2"),
     ({"zero_optimization": {"stage": 3, "optimizer_step_in_backward": True}}, "plain", ParallelDims(tp=2),
      "grid is grid"),
+    ({}, "plain", ParallelDims(sp=2, tp=2), "sequence_parallel_size=2 with tensor parallelism"),
 ])
 def test_each_rule_refuses_with_its_reason(sections: dict, model: str, dims: ParallelDims, needle: str,
                                            tmp_path: Path) -> None:
