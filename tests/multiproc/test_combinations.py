@@ -19,8 +19,6 @@ TOLERANCE = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 5e-3}
 """Relative error allowed against the fp32 reference: fp32 to round-off; 16-bit training with fp32 master
 weights within its precision (bf16 has 8 significant bits, fp16 11)."""
 
-MPU_XFAIL = "PipelineModule.mpu() returns None: the module gets no grid at construction"
-
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: Any) -> dict[str, dict[str, Any]]:
@@ -67,9 +65,8 @@ def test_cell(matrix: dict[str, dict[str, Any]], cell: Cell) -> None:
         assert value <= tol, f"{key}: relative error {value:.3g} > {tol} ({result})"
 
 
-def test_pipeline_module_has_its_grid(matrix: dict[str, dict[str, Any]], request: Any) -> None:
+def test_pipeline_module_has_its_grid(matrix: dict[str, dict[str, Any]]) -> None:
     """A pipeline model's ``mpu()`` is its grid (DeepSpeed's scripts read the data-parallel rank from it)."""
-    request.applymarker(pytest.mark.xfail(strict=True, reason=MPU_XFAIL))
     checked = [r["mpu"] for r in matrix.values() if "mpu" in r]
     assert checked and all(checked)
 
