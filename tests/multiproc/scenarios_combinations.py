@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_grid
+from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
 VOCAB, HIDDEN, FFN, SEQ = 16, 8, 16, 4
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
@@ -302,7 +301,7 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     steps = [train_step(engine, cell, topo, batch, cell.gas) for batch in data[:STEPS - 1]]
     out["loss"] = max(rel(loss, want) for (loss, _), want in zip(steps, ref["losses"]))
     out["norm"] = max(rel(norm, want) for (_, norm), want in zip(steps, ref["norms"]))
-    out["params"] = worst(whole_params(engine, model, topo), _params(ref, STEPS - 2))
+    out["params"] = worst(whole_params(engine, model, topo), ref["params"][STEPS - 2])
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "model16.safetensors")
     if cell.pp > 1:
@@ -310,14 +309,10 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
         out["mpu"] = mpu is not None and mpu.get_data_parallel_rank() == topo.coord.dp
     engine.destroy()
     if dist.get_rank() == 0:
-        out.update(_exports(cell, directory, _params(ref, STEPS - 2)))
+        out.update(_exports(cell, directory, ref["params"][STEPS - 2]))
     dist.barrier()
     out.update(_resumed(cell, directory, data, ref))
     return out
-
-
-def _params(ref: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in ref["params"][step].items()}
 
 
 def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -338,24 +333,23 @@ def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[
 
 
 def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint loaded on the reload grid (same global batch): its next step against the
+    """The checkpoint loaded by ``reload_cell``'s engine (same global batch): its next step against the
     reference's next step."""
-    pp, tp, dp = reload_grid(cell)
-    other = replace(cell, pp=pp, tp=tp, dp=dp, reload=None)
-    gas = cell.dp * cell.gas // dp
+    other = reload_cell(cell)
+    gas = cell.dp * cell.gas // other.dp
     torch.manual_seed(99)  # other initial values: the load must replace them
     try:
         engine, model, topo = build(other, gas, os.path.join(directory, "again"))
         engine.load_checkpoint(directory, tag="t")
         loss, norm = train_step(engine, other, topo, data[STEPS - 1], gas)
-        params = worst(whole_params(engine, model, topo), _params(ref, STEPS - 1))
+        params = worst(whole_params(engine, model, topo), ref["params"][STEPS - 1])
         engine.destroy()
     except Exception as err:  # noqa: BLE001 - reported per cell
         if os.environ.get("COMBINATIONS_RAISE"):
             raise
         return {"resume": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"}
     return {"resume_loss": rel(loss, ref["losses"][STEPS - 1]), "resume_norm": rel(norm, ref["norms"][STEPS - 1]),
-            "resume_params": params, "reload_grid": (pp, tp, dp)}
+            "resume_params": params, "reloaded_as": other.id}
 
 
 def matrix_world(rank: int, world: int, directory: str, only: Optional[list[str]] = None) -> dict[str, Any]:
