@@ -72,6 +72,15 @@ def test_pipeline_module_has_its_grid(matrix: dict[str, dict[str, Any]]) -> None
     assert checked and all(checked)
 
 
+def test_a_refused_cell_leaves_nothing_built(matrix: dict[str, dict[str, Any]]) -> None:
+    """A refusal comes before anything is built: the user's model keeps its parameters (names, shapes,
+    dtypes, values) and no offload directory was created."""
+    refused = [c for c in cells() if refusal_substrings(c)]
+    assert refused
+    touched = [c.id for c in refused if not matrix[c.id].get("untouched")]
+    assert not touched, f"refused only after building: {touched}"
+
+
 def test_every_pair_of_axis_values_meets_in_a_valid_cell_or_is_refused() -> None:
     valid = [c for c in cells() if not refusal_substrings(c)]
     for (a, xs), (b, ys) in itertools.combinations(AXES.items(), 2):
