@@ -99,7 +99,7 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
 
 SUITE = [  # (name, ZeRO stage, dtype, pipeline): each saved by a 2-process DeepSpeed run. The pipeline
     # comes last: DeepSpeed keeps its pipeline topology in module state, which a later plain engine trips on
-    ("z1", 1, "fp32", False), ("z2", 2, "fp32", False), ("z3", 3, "fp32", False), ("z2_bf16", 2, "bf16", False),
+    ("z0", 0, "fp32", False), ("z1", 1, "fp32", False), ("z2", 2, "fp32", False), ("z3", 3, "fp32", False), ("z2_bf16", 2, "bf16", False),
     ("pipe_z1", 1, "fp32", True),
 ]
 
@@ -149,13 +149,19 @@ def run_suite(rank: int, args: argparse.Namespace, port: int) -> None:
         out["client_state"] = {k: client[k] for k in ("epoch", "note") if k in (client or {})}
         out["global_steps"] = engine.global_steps
         del engine
-        if rank == 0 and args.library == "deepspeed" and not args.resume and not pipeline:
+        if rank == 0 and args.library == "deepspeed" and not args.resume and not pipeline and stage > 0:
             _zero_to_fp32(directory, root / f"{name}_fp32.pt")
         results[name] = out
         torch.distributed.barrier()
     if rank == 0:
         (root / ("resume.json" if args.resume else "results.json")).write_text(json.dumps(results, indent=1))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    # DeepSpeed's engines leave C++ threads that abort the interpreter's exit ("terminate called
+    # without an active exception", seen after a ZeRO-0 engine); the results are written, so leave now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _parse_resume(spec: str) -> tuple:

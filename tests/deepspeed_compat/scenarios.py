@@ -24,8 +24,9 @@ def load_and_train(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
     for label, directory, stage, dtype, pipeline in cases:
         args = _case_args(stage, dtype, pipeline, world)
         engine = ds_worker._engine(deepshard, args)
-        # a pipeline's checkpoint into the plain model: that model's extra buffer keeps its initial value
-        strict = pipeline or not label.startswith("pipe")
+        # a pipeline's checkpoint into the plain model or back: the plain model's extra buffer is not
+        # in the pipeline's (it keeps its initial value; the pipeline ignores it)
+        strict = label.startswith("pipe") == pipeline
         _, client = engine.load_checkpoint(directory, load_module_strict=strict)
         losses = [ds_worker._step(engine, args, rank) for _ in range(3)]
         out[label] = {"losses": losses, "client_state": {k: client.get(k) for k in ("epoch", "note")},

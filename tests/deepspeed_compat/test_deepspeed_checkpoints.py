@@ -1,7 +1,7 @@
 """Real DeepSpeed 0.19.8 checkpoints, both ways (DeepSpeed runs in its own venv, ``make .venv-deepspeed``).
 
 One 2-process DeepSpeed world (``ds_worker.py --suite``) trains 3 steps, saves and resumes for 3 more
-at ZeRO 1, 2, 3 (dp=2, fp32), a 2-stage pipeline at ZeRO-1 and ZeRO-2 in bf16; it also consolidates
+at ZeRO 0, 1, 2, 3 (dp=2, fp32), a 2-stage pipeline at ZeRO-1 and ZeRO-2 in bf16; it also consolidates
 each ZeRO checkpoint with DeepSpeed's own zero_to_fp32. deepshard then loads those directories at dp
 1, 2 and 4 and at other ZeRO stages (and the pipeline one as a pipeline and as a plain model): its next
 3 losses must equal DeepSpeed's own resume. The other way: deepshard saves, ``deepshard convert --to
@@ -63,10 +63,11 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 def _matrix(root: Path, world: int) -> list[tuple[str, str, int, str, bool]]:
     """(label, DeepSpeed directory, deepshard stage, dtype, pipeline) loaded by a world of ``world``."""
     cases = []
-    for name, stages in (("z1", (1, 3)), ("z2", (2, 1)), ("z3", (3, 2))):
+    for name, stages in (("z0", (0, 2)), ("z1", (1, 3)), ("z2", (2, 1)), ("z3", (3, 2))):
         cases += [(f"{name}->z{s}", str(root / name), s, "fp32", False) for s in stages]
     if world == 2:
         cases += [("pipe_z1->pipe_z1", str(root / "pipe_z1"), 1, "fp32", True),
+                  ("z2->pipe_z1", str(root / "z2"), 1, "fp32", True),
                   ("z2_bf16->z2", str(root / "z2_bf16"), 2, "bf16", False)]
     if world in (1, 4):
         cases += [("pipe_z1->z2", str(root / "pipe_z1"), 2, "fp32", False)]
@@ -113,16 +114,20 @@ def test_deepspeed_resumes_converted_deepshard_checkpoints(ds_suite: tuple[Path,
 
 
 @pytest.mark.parametrize("name", ["z1", "z2", "z3", "z2_bf16"])
-def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, Any]], name: str) -> None:
-    from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, Any]], name: str,
+                                               tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main
 
     root, _ = ds_suite
     theirs = torch.load(root / f"{name}_fp32.pt", weights_only=True)
-    mine = get_fp32_state_dict_from_zero_checkpoint(root / name)
-    assert sorted(mine) == sorted(theirs)
-    for key, value in theirs.items():
-        assert mine[key].dtype == torch.float32 and mine[key].shape == value.shape, key
-        assert torch.equal(mine[key], value.float()), key
+    assert main([str(root / name), str(tmp_path), "--safe_serialization"]) in (0, None)  # the CLI
+    for mine in (get_fp32_state_dict_from_zero_checkpoint(root / name), load_file(tmp_path / "model.safetensors")):
+        assert sorted(mine) == sorted(theirs)
+        for key, value in theirs.items():
+            assert mine[key].dtype == torch.float32 and mine[key].shape == value.shape, key
+            assert torch.equal(mine[key], value.float()), key
 
 
 def test_convert_to_deepshard_keeps_every_tensor(ds_suite: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

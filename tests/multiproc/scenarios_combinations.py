@@ -244,6 +244,12 @@ def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = Non
     return engine, made, topo
 
 
+def _grid_dp_rank(model: nn.Module) -> Optional[int]:
+    """``model.mpu().get_data_parallel_rank()``, as DeepSpeed's pipeline scripts call it; None without a grid."""
+    mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
+    return None if mpu is None else int(mpu.get_data_parallel_rank())
+
+
 def _snapshot(model: nn.Module) -> dict[str, Any]:
     return {name: (tuple(p.shape), p.dtype, float(p.detach().double().sum())) for name, p in model.named_parameters()}
 
@@ -301,6 +307,7 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     data, ref = batches(rows), reference(reference_kind(cell.model), rows)
     model, _ = make_model(cell)
     before = _snapshot(model)
+    has_grid = cell.pp > 1 and _grid_dp_rank(model) is not None  # DeepSpeed's PipelineModule has it at once
     try:
         engine, model, topo = build(cell, cell.gas, directory, model)
     except Exception as err:  # noqa: BLE001 - a refusal is a result here
@@ -317,9 +324,8 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     out["params"] = worst(whole_params(engine, model, topo), ref["params"][STEPS - 2])
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "model16.safetensors")
-    if cell.pp > 1:
-        mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
-        out["mpu"] = mpu is not None and mpu.get_data_parallel_rank() == topo.coord.dp
+    if cell.pp > 1:  # before initialize and after it, the grid's data-parallel rank is this rank's
+        out["mpu"] = has_grid and _grid_dp_rank(model) == topo.coord.dp
     engine.destroy()
     if dist.get_rank() == 0:
         out.update(_exports(cell, directory, ref["params"][STEPS - 2]))

@@ -67,7 +67,8 @@ def test_cell(matrix: dict[str, dict[str, Any]], cell: Cell) -> None:
 
 
 def test_pipeline_module_has_its_grid(matrix: dict[str, dict[str, Any]]) -> None:
-    """A pipeline model's ``mpu()`` is its grid (DeepSpeed's scripts read the data-parallel rank from it)."""
+    """A pipeline model's ``mpu()`` is its grid, before ``initialize`` and after it (DeepSpeed's pipeline
+    scripts build their sampler from ``net.mpu().get_data_parallel_rank()``)."""
     checked = [r["mpu"] for r in matrix.values() if "mpu" in r]
     assert checked and all(checked)
 

@@ -35,8 +35,11 @@ def load_deepspeed_checkpoint(engine: "DeepShardEngine", tag_dir: Path, strict: 
 
 
 def _load_scaler(engine: "DeepShardEngine", state: dict[str, Any]) -> None:
-    """A dynamic scale saved under fp16 loads into a dynamic scaler; a static one (fp32/bf16) into either."""
+    """The saved scale when the run scales the same way (static or dynamic); a run that changed (bf16
+    saved, fp16 resumed) keeps its configured scaler, as it would starting afresh."""
     current = engine.loss_scaler.state_dict()
-    if current.get("kind") == state.get("kind") or state.get("kind") == "static":
-        merged = {**current, "scale": state["scale"]} if state.get("kind") != current.get("kind") else state
-        engine.loss_scaler.load_state_dict(merged)
+    if current.get("kind") == state.get("kind"):
+        engine.loss_scaler.load_state_dict(state)
+    else:
+        logger.info("the DeepSpeed checkpoint's loss scaler is %s, this run's %s: keeping this run's",
+                    state.get("kind"), current.get("kind"))
