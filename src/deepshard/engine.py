@@ -68,6 +68,8 @@ class DeepShardEngine(torch.nn.Module):
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
         self.monitor = monitor
         self.state = TrainState()
+        for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel):
+            group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
         self._no_sync_depth = 0
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None

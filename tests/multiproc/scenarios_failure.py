@@ -150,7 +150,7 @@ def asymmetric_zero3(rank: int, world: int, case: str) -> str:
     from tests.multiproc.models import make_token_batches, make_transformer
     from tests.multiproc.scenarios_stage3 import z3_config
 
-    os.environ["DEEPSHARD_WATCHDOG_TIMEOUT"] = "4"
+    os.environ["DEEPSHARD_TIMEOUT"] = str(4 / 60)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(4 // world, 1))
     x, y = make_token_batches(1, 4)[0]
     start = time.monotonic()
@@ -162,6 +162,24 @@ def asymmetric_zero3(rank: int, world: int, case: str) -> str:
             loss = engine(x[:2], y[:2])
             engine.backward(loss)
         engine.step()
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def save_on_one_rank(rank: int, world: int, stage: int) -> str:
+    """Only rank 0 calls save_checkpoint (after one step) while rank 1 trains on: the save's agreement meets
+    the gradient all-reduce (stage 0) or reduce-scatter; the error each rank ends with, and how fast."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage))
+    batches = make_batches(2, 2 * world)
+    run_steps(engine, batches[:1], 2, 1, rank, world)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            engine.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"save-one-{os.getpid()}"))
+        else:
+            run_steps(engine, batches[1:], 2, 1, rank, world)
         return f"no error after {time.monotonic() - start:.1f}s"
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"

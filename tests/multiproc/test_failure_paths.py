@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_failure import asymmetric_zero3, checkpoint_failures
+from tests.multiproc.scenarios_failure import asymmetric_zero3, checkpoint_failures, save_on_one_rank
 
 WORLD = 2
 
@@ -72,3 +72,18 @@ def test_rank_asymmetric_zero3_code_ends_naming_the_other_rank_and_module() -> N
         assert f"Rank {other} is waiting in a different collective" in msg, msg
         assert "all_gather of parameter group" in msg and ("(block." in msg or "(norm)" in msg), msg
         assert float(msg.split(" after ")[1].split("s:")[0]) < 30, msg
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_save_called_on_one_rank_ends_naming_both_positions_and_the_step(stage: int) -> None:
+    """Rank 0 saves while rank 1 trains on: at ZeRO-0 the save's agreement met the gradient all-reduce and
+    gloo aborted rank 0 (SIGABRT, no message). Now both ranks end within seconds, each naming its own wait
+    and the other's, at which step, and the timeout that fired (DEEPSHARD_TIMEOUT)."""
+    outs = run_world(save_on_one_rank, WORLD, stage, timeout=120)
+    assert outs[0].startswith("CollectiveTimeout"), outs
+    assert "save_checkpoint's barrier" in outs[0] and "step 1" in outs[0], outs[0]
+    assert "Rank 1 is waiting in a different collective" in outs[0] and "at step 1" in outs[0], outs[0]
+    assert "DEEPSHARD_TIMEOUT=0.05 minutes" in outs[0] or "closed its connection" in outs[0], outs[0]
+    assert outs[1].startswith("CollectiveTimeout") and "save_checkpoint's barrier" in outs[1], outs[1]
+    for out in outs:
+        assert float(out.split(" after ")[1].split("s:")[0]) < 30, out
