@@ -183,3 +183,22 @@ def save_on_one_rank(rank: int, world: int, stage: int) -> str:
         return f"no error after {time.monotonic() - start:.1f}s"
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def pipeline_disagreement(rank: int, world: int, case: str) -> str:
+    """Two pipeline stages that disagree: ``gas`` (stage 1 configured with 4 micro-batches, stage 0 with 2),
+    or ``short`` (the first stage's iterator holds one item fewer than a batch needs, after one good batch).
+    The error each rank ends with, and how fast."""
+    from tests.multiproc.scenarios_pipe import _engine, _step_data
+
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    m = 4 if (case == "gas" and rank == 1) else 2
+    start = time.monotonic()
+    try:
+        _, engine = _engine(2, m, 0)
+        engine.train_batch(_step_data(0, m, 1, 0))
+        data = list(_step_data(1, m, 1, 0))
+        engine.train_batch(iter(data[:1] if rank == 0 else data))
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_failure import asymmetric_zero3, checkpoint_failures, save_on_one_rank
+from tests.multiproc.scenarios_failure import (asymmetric_zero3, checkpoint_failures, pipeline_disagreement,
+                                              save_on_one_rank)
 
 WORLD = 2
 
@@ -87,3 +88,29 @@ def test_a_save_called_on_one_rank_ends_naming_both_positions_and_the_step(stage
     assert outs[1].startswith("CollectiveTimeout") and "save_checkpoint's barrier" in outs[1], outs[1]
     for out in outs:
         assert float(out.split(" after ")[1].split("s:")[0]) < 30, out
+
+
+def _seconds(out: str) -> float:
+    return float(out.split(" after ")[1].split("s:")[0])
+
+
+def test_pipeline_stages_given_different_accumulation_steps_are_refused_at_initialize() -> None:
+    """Stage 1 configured with 4 micro-batches per batch, stage 0 with 2: the stages used to run out of step
+    until gloo's receive timed out (60 s at DEEPSHARD_TIMEOUT=1), blaming the wrong rank."""
+    outs = run_world(pipeline_disagreement, WORLD, "gas", timeout=120)
+    for out in outs:
+        assert out.startswith("ConfigError"), out
+        assert "gradient_accumulation_steps: 2 on rank(s) [0], 4 on rank(s) [1]" in out, out
+        assert _seconds(out) < 30, out
+
+
+def test_a_pipeline_stage_whose_data_runs_short_ends_both_stages_naming_the_transfer() -> None:
+    """The first stage's iterator runs short in the second batch: it raises; the last stage, waiting for
+    activations, used to wait for gloo's own timeout. Now it ends within seconds naming the transfer, the
+    stage it waited for and the step."""
+    outs = run_world(pipeline_disagreement, WORLD, "short", timeout=120)
+    assert outs[0].startswith("PipelineError") and "ran out at micro-batch 1 of 2" in outs[0], outs[0]
+    assert outs[1].startswith("CollectiveTimeout"), outs[1]
+    assert "stage 1 (rank 1): receive of activations of micro-batch 1 from stage 0 (rank 0)" in outs[1], outs[1]
+    assert "step 1" in outs[1], outs[1]
+    assert _seconds(outs[1]) < 30, outs[1]
