@@ -202,3 +202,60 @@ def pipeline_disagreement(rank: int, world: int, case: str) -> str:
         return f"no error after {time.monotonic() - start:.1f}s"
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def _damaged_copy(tmp: Path, name: str, damage: Any) -> None:
+    """Rank 0: copy checkpoint 'good' to ``name``, apply ``damage(dir)``, rewrite the manifest to match (so
+    only the files' contents can tell)."""
+    target = tmp / name
+    shutil.copytree(tmp / "good", target)
+    damage(target)
+    (target / ckpt_io.MANIFEST_NAME).unlink()
+    ckpt_io.write_manifest(target, [p.name for p in target.iterdir()])
+
+
+def _swap(a: str, b: str) -> Any:
+    def damage(d: Path) -> None:
+        os.rename(d / a, d / "swap.tmp")
+        os.rename(d / b, d / a)
+        os.rename(d / "swap.tmp", d / b)
+    return damage
+
+
+def _edit_json(name: str, edit: Any) -> Any:
+    def damage(d: Path) -> None:
+        import json
+
+        (d / name).write_text(json.dumps(edit(json.loads((d / name).read_text()))))
+    return damage
+
+
+DAMAGES = {
+    "steps_not_a_number": _edit_json("engine.json", lambda m: {**m, "global_steps": "abc"}),
+    "no_state": _edit_json("engine.json", lambda m: {k: v for k, v in m.items() if k != "state"}),
+    "rank_file_a_list": _edit_json("zero_rank0.json", lambda m: [1, 2, 3]),
+    "rank_jsons_swapped": _swap("zero_rank0.json", "zero_rank1.json"),
+    "rank_tensors_swapped": _swap("zero_rank0.safetensors", "zero_rank1.safetensors"),
+    "rng_and_rank_tensors_swapped": _swap("rng_rank0.safetensors", "zero_rank1.safetensors"),
+    "rng_deleted": lambda d: (d / "rng_rank0.safetensors").unlink(),  # last: only rank 0 can tell
+}
+
+
+def damaged_checkpoints(rank: int, world: int, tmp_root: str) -> dict[str, str]:
+    """Checkpoints whose files were edited, swapped or deleted behind a valid manifest: what loading each
+    raises (the message and the seconds it took)."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    tmp = Path(tmp_root)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(2))
+    run_steps(engine, make_batches(1, 2 * world), 2, 1, rank, world)
+    engine.save_checkpoint(str(tmp), tag="good")
+    if rank == 0:
+        for name, damage in DAMAGES.items():
+            _damaged_copy(tmp, name, damage)
+    dist.barrier()
+    out = {}
+    for name in DAMAGES:
+        start = time.monotonic()
+        message = _error(lambda: engine.load_checkpoint(str(tmp), tag=name))
+        out[name] = f"{message} [{time.monotonic() - start:.1f}s]"
+    return out

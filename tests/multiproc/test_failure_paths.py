@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_failure import (asymmetric_zero3, checkpoint_failures, pipeline_disagreement,
-                                              save_on_one_rank)
+from tests.multiproc.scenarios_failure import (asymmetric_zero3, checkpoint_failures, damaged_checkpoints,
+                                              pipeline_disagreement, save_on_one_rank)
 
 WORLD = 2
 
@@ -114,3 +114,33 @@ def test_a_pipeline_stage_whose_data_runs_short_ends_both_stages_naming_the_tran
     assert "stage 1 (rank 1): receive of activations of micro-batch 1 from stage 0 (rank 0)" in outs[1], outs[1]
     assert "step 1" in outs[1], outs[1]
     assert _seconds(outs[1]) < 30, outs[1]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: Any) -> list[dict[str, str]]:
+    return run_world(damaged_checkpoints, WORLD, str(tmp_path_factory.mktemp("damaged")), timeout=180)
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("steps_not_a_number", ["engine.json is not a valid engine file", "'global_steps' should be an integer",
+                            "str 'abc'"]),
+    ("no_state", ["engine.json is not a valid engine file", "'state' is missing"]),
+    ("rank_file_a_list", ["zero_rank0.json is not a valid rank file", "should be a mapping, found list"]),
+    ("rank_jsons_swapped", ["zero_rank0.json holds rank 1's fragments, not rank 0's", "swapped or renamed"]),
+    ("rank_tensors_swapped", ["zero_rank0.safetensors holds the tensors written as zero_rank1.safetensors"]),
+    ("rng_and_rank_tensors_swapped", ["holds the tensors written as", "swapped or renamed"]),
+])
+def test_a_damaged_file_behind_a_valid_manifest_is_named(damaged: list[dict[str, str]], case: str,
+                                                         expect: list[str]) -> None:
+    """Raw KeyError / AttributeError / 'invalid literal for int()' before; each names the file now."""
+    for out in damaged:
+        msg = out[case]
+        assert msg.startswith("CheckpointError"), msg
+        for part in expect:
+            assert part in msg, msg
+        assert float(msg.rsplit("[", 1)[1].rstrip("s]")) < 30, msg
+
+
+def test_a_missing_rng_file_is_an_error_not_a_silent_skip(damaged: list[dict[str, str]]) -> None:
+    msg = damaged[0]["rng_deleted"]
+    assert msg.startswith("CheckpointError") and "rng_rank0.safetensors" in msg and "is missing" in msg, msg

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint import schema
 from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
 from deepshard.checkpoint.state import flatten_state, unflatten_state
 from deepshard.utils.logging import logger
@@ -162,9 +163,22 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
     ckpt_io.verify_manifest(path)
-    meta = ckpt_io.load_json(path / ENGINE_JSON)
+    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
+    rng_path = path / _rng_file(engine.topology.rank)
+    dims = engine.topology.dims
+    same_grid = meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1}) == {
+        "pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    if same_grid and not rng_path.is_file():
+        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
+                                      f"{engine.topology.rank}'s RNG state, which every rank saves) is missing; "
+                                      "load another tag")
     engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
-    state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    try:
+        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
+                                      f"({type(err).__name__}: {err}): the files are from different saves or "
+                                      "edited; load another tag") from err
     if load_module_only:
         return str(path), state.get("client_state", {})
     engine.global_steps = int(meta["global_steps"])
@@ -175,12 +189,11 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    rng_path = path / _rng_file(engine.topology.rank)
-    dims = engine.topology.dims
-    same_grid = meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1}) == {
-        "pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
-    if rng_path.exists() and same_grid:
+    if same_grid:
         rng = ckpt_io.load_tensors(rng_path)
+        if not isinstance(rng.get("cpu"), torch.Tensor) or rng["cpu"].dtype != torch.uint8:
+            raise ckpt_io.CheckpointError(f"{rng_path} holds no CPU RNG state (tensors {sorted(rng)}): the file was "
+                                          "replaced; load another tag")
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and engine.accelerator.kind == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
@@ -228,7 +241,7 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         save_dir.mkdir(parents=True, exist_ok=True)
         target = save_dir / filename
         if filename.endswith(".safetensors"):
-            ckpt_io.save_tensors(target, state)
+            ckpt_io.save_tensors(target, state, record_name=False)  # for other tools: no checkpoint stamp
         else:
             tmp = target.with_name(target.name + ".tmp")
             torch.save({k: v.clone() for k, v in state.items()}, tmp)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint import schema
 from deepshard.checkpoint.matching import check_coverage
 
 MODULE_EXTRA = "module_extra.safetensors"
@@ -134,7 +135,7 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     groups, aliases, meta = None, {}, {}
     saved_world = 0
     for rank, path in json_files:
-        info = ckpt_io.load_json(path)
+        info = schema.check_rank_info(path, ckpt_io.load_json(path), rank)
         aliases.update(info.get("aliases", {}))
         meta = info.get("meta", meta) if rank == 0 else meta
         groups = info.get("param_groups", groups)
