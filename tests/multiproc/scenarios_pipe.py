@@ -169,7 +169,7 @@ def pp2_world(rank: int, world: int, directory: str) -> list[str]:
         check(out, m, 2)
         assert (out["states"] == "SubGroupStates") == (extra is OFFLOAD), out["states"]  # the states moved
         done.append(f"{schedule}-z{zero}-m{m}{'' if extra is None else '-offload' if extra is OFFLOAD else '-recompute'}")
-    return done + mixed_precision() + errors(rank) + resume(world, directory)
+    return done + mixed_precision() + inplace_first_layer() + errors(rank) + resume(world, directory)
 
 
 def mixed_precision() -> list[str]:
@@ -201,6 +201,41 @@ def mixed_precision() -> list[str]:
         engine.destroy()
         done.append(name)
     return done
+
+
+def inplace_first_layer() -> list[str]:
+    """A stage whose first layer works in place (``ReLU(inplace=True)`` opens stage 1 of
+    ``[Linear, Linear, ReLU(inplace=True), Linear]`` split uniformly, as AlexNet's features are) trains
+    as one process does: the layer is handed a copy of the received activation, not the leaf."""
+    import deepshard
+    from deepshard.pipe import LayerSpec, PipelineModule
+
+    specs = [LayerSpec(nn.Linear, 4, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.ReLU, inplace=True),
+             LayerSpec(nn.Linear, 8, 3)]
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(MICRO, 4, generator=g), torch.randint(0, 3, (MICRO,), generator=g)) for _ in range(4)]
+    ref = PipelineModule(specs, num_stages=1, stage_id=0, loss_fn=F.cross_entropy, seed_layers=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for step in range(2):
+        opt.zero_grad()
+        mbs = data[2 * step:2 * step + 2]
+        losses = [F.cross_entropy(ref(x), y) / 2 for x, y in mbs]
+        sum(losses).backward()
+        opt.step()
+        want.append(float(sum(losses)))
+    model = PipelineModule(specs, num_stages=2, loss_fn=F.cross_entropy, seed_layers=True, partition_method="uniform")
+    assert model.stage_id != 1 or isinstance(model.forward_funcs[0], nn.ReLU), "stage 1 must open with the ReLU"
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine = deepshard.initialize(model=model, config=cfg)[0]
+    it = iter(data)
+    got = [float(engine.train_batch(it)) for _ in range(2)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), rtol=1e-5, atol=1e-6)
+    engine.destroy()
+    return ["inplace-first-layer"]
 
 
 def pp_dp_world(rank: int, world: int, directory: str) -> list[str]:

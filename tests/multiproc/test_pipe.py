@@ -13,7 +13,7 @@ from tests.multiproc.scenarios_pipe import CONFIGS_2, CONFIGS_4, pp2_world, pp_d
 def test_pp2_matches_single_process_and_resumes_on_other_grids(tmp_path: Path) -> None:
     results = run_world(pp2_world, 2, str(tmp_path), timeout=400)
     assert results[0] == results[1]
-    assert len(results[0]) == len(CONFIGS_2) + 4 + 1 + 2 and results[0][-2:] == ["pp2", "pp1"]  # 4 mixed precision, errors
+    assert len(results[0]) == len(CONFIGS_2) + 4 + 1 + 1 + 2 and results[0][-2:] == ["pp2", "pp1"]  # 4 mixed precision, in-place, errors
 
 
 def test_pp2_dp2_and_pp4_match_single_process_and_resume_across_grids(tmp_path: Path) -> None:

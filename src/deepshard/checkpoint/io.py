@@ -28,9 +28,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+
+from deepshard.utils.progress import progress
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
@@ -192,8 +194,10 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
     _atomic_write(Path(path), lambda tmp: save_file(prepared, str(tmp), metadata=metadata), needed)
 
 
-def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor of a safetensors file onto ``device``; never unpickles.
+def load_tensors(path: Path, device: str | torch.device = "cpu", names: Optional[set[str]] = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those, read from the
+    header's offsets; the rest of the file is not read); never unpickles.
 
     Raises :class:`CheckpointError` naming the file if it is missing, truncated, has a corrupt header,
     or was written under another name (files of a checkpoint swapped or renamed).
@@ -210,7 +214,7 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
             if written_as is not None and written_as != path.name:
                 raise CheckpointError(f"{path} holds the tensors written as {written_as}: files of the checkpoint "
                                       "were swapped or renamed; restore their names or load another tag")
-            return {key: f.get_tensor(key) for key in f.keys()}
+            return {key: f.get_tensor(key) for key in f.keys() if names is None or key in names}
     except (SafetensorError, OSError, ValueError) as err:
         size = path.stat().st_size
         raise CheckpointError(
@@ -279,7 +283,8 @@ def write_manifest(directory: Path, files: list[str]) -> None:
     """
     directory = Path(directory)
     entries: dict[str, dict[str, Any]] = {}
-    for name in sorted(set(files)):
+    names = sorted(set(files))
+    for name in progress(names, "checksumming checkpoint", total=len(names), unit="file"):
         _check_relative_name(name)
         path = directory / name
         if not path.is_file():
@@ -331,7 +336,7 @@ def verify_manifest(directory: Path) -> None:
         if size != entry.get("bytes"):
             raise _damaged(directory, f"{name} is truncated or altered ({size} bytes on disk, "
                                       f"{entry.get('bytes')} bytes recorded in {MANIFEST_NAME})")
-    for name, entry in sorted(files.items()):
+    for name, entry in progress(sorted(files.items()), "verifying checkpoint", total=len(files), unit="file"):
         digest = file_digest(directory / name)
         if digest != entry.get("sha256"):
             raise _damaged(directory, f"{name} is corrupted (sha256 {digest[:16]}... differs from "

@@ -14,14 +14,14 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.config": "deepshard.config",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
+    "deepspeed.runtime.sequence_parallel": "deepshard.sp",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
+    "deepspeed.sequence": "deepshard.sp",
+    "deepspeed.sequence.layer": "deepshard.sp.ulysses",
 }
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 
 MISSING: dict[str, str] = {
-    "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism",
-    "deepspeed.sequence": "Ulysses sequence parallelism",
-    "deepspeed.utils.groups": "DeepSpeed's process-wide parallel-group registry (deepshard passes its "
-                              "groups as objects; use engine.comm)",
     "deepspeed.moe": "mixture-of-experts layers",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",

@@ -285,7 +285,8 @@ class PipelineEngine(DeepShardEngine):
             if unit.first:
                 inputs = _to_device(self.precision.cast_inputs(inputs), self.device)
                 unit.inputs, unit.input_tuple = _as_list(inputs)
-        x = tuple(unit.inputs) if unit.input_tuple else unit.inputs[0]
+        fed = unit.inputs if unit.first else [_fresh(t) for t in unit.inputs]
+        x = tuple(fed) if unit.input_tuple else fed[0]
         if run.split_backward:
             unit.store = WeightGradStore(self.grad_sums.add if self.grad_sums is not None else None)
             with DeferWeightGrads(unit.store):
@@ -419,6 +420,12 @@ def _fp32_grad_sums(module: PipelineModule, param_dtype: torch.dtype, cfg: Any) 
     if accum is not None and dtype_from_name(accum) != torch.float32:
         return None  # the training dtype itself (any other is refused with the config)
     return Fp32GradSums(module.parameters())
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A received activation as the stage's layers see it: a copy of the leaf that collects the input
+    gradient, so a first layer that works in place (``ReLU(inplace=True)``) writes into the copy."""
+    return t.clone() if t.requires_grad else t
 
 
 def _as_list(value: Any) -> tuple[list[torch.Tensor], bool]:
