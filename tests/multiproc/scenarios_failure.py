@@ -259,3 +259,21 @@ def damaged_checkpoints(rank: int, world: int, tmp_root: str) -> dict[str, str]:
         message = _error(lambda: engine.load_checkpoint(str(tmp), tag=name))
         out[name] = f"{message} [{time.monotonic() - start:.1f}s]"
     return out
+
+
+def stalled_rank(rank: int, world: int, stage: int) -> str:
+    """Rank 1 stalls 12 s before its backward (DEEPSHARD_TIMEOUT = 3 s): rank 0's gradient reduction must
+    end at the timeout, naming it; rank 1 then finds rank 0 gone."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage))
+    x, y = make_batches(1, 2 * world)[0]
+    start = time.monotonic()
+    try:
+        loss = engine(x[:2], y[:2])
+        if rank == 1:
+            time.sleep(12)
+        engine.backward(loss)
+        engine.step()
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"

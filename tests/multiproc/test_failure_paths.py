@@ -8,7 +8,7 @@ import pytest
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.scenarios_failure import (asymmetric_zero3, checkpoint_failures, damaged_checkpoints,
-                                              pipeline_disagreement, save_on_one_rank)
+                                              pipeline_disagreement, save_on_one_rank, stalled_rank)
 
 WORLD = 2
 
@@ -144,3 +144,13 @@ def test_a_damaged_file_behind_a_valid_manifest_is_named(damaged: list[dict[str,
 def test_a_missing_rng_file_is_an_error_not_a_silent_skip(damaged: list[dict[str, str]]) -> None:
     msg = damaged[0]["rng_deleted"]
     assert msg.startswith("CheckpointError") and "rng_rank0.safetensors" in msg and "is missing" in msg, msg
+
+
+def test_a_stalled_rank_ends_the_others_at_deepshard_timeout_naming_it() -> None:
+    """ZeRO-2, rank 1 stalls: with DEEPSHARD_TIMEOUT=1 rank 0 used to wait on (the watchdog's own 300 s
+    overrode it). Now rank 0 ends at the configured 3 s, and the message states that timeout and its source."""
+    out = run_world(stalled_rank, WORLD, 2, timeout=120)[0]
+    assert out.startswith("CollectiveTimeout"), out
+    assert "did not complete within 3s (DEEPSHARD_TIMEOUT=0.05 minutes)" in out, out
+    assert "Rank(s) [1] did not arrive" in out and "step 0" in out, out
+    assert _seconds(out) < 12, out
