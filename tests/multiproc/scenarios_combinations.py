@@ -223,20 +223,35 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
     return cfg
 
 
-def build(cell: Cell, gas: int, directory: str) -> tuple[Any, nn.Module, Any]:
-    """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
-    import deepshard
+def make_model(cell: Cell) -> tuple[nn.Module, Any]:
+    """``cell``'s model on its grid, and the grid."""
     from deepshard.pipe import PipelineModule
 
     topo = topology(cell.pp, cell.tp, cell.dp)
     specs = layer_specs(cell.model, topo.tp if cell.model == "megatron" and cell.tp > 1 else None)
     if cell.pp > 1:
-        model: nn.Module = PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True,
-                                          base_seed=BASE_SEED, partition_method="uniform")
-    else:
-        model = Flat(specs)
-    engine = deepshard.initialize(model=model, config=config(cell, gas, directory), mpu=topo)[0]
-    return engine, model, topo
+        return PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
+                              partition_method="uniform"), topo
+    return Flat(specs), topo
+
+
+def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = None) -> tuple[Any, nn.Module, Any]:
+    """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
+    import deepshard
+
+    made, topo = (model, topology(cell.pp, cell.tp, cell.dp)) if model is not None else make_model(cell)
+    engine = deepshard.initialize(model=made, config=config(cell, gas, directory), mpu=topo)[0]
+    return engine, made, topo
+
+
+def _grid_dp_rank(model: nn.Module) -> Optional[int]:
+    """``model.mpu().get_data_parallel_rank()``, as DeepSpeed's pipeline scripts call it; None without a grid."""
+    mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
+    return None if mpu is None else int(mpu.get_data_parallel_rank())
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {name: (tuple(p.shape), p.dtype, float(p.detach().double().sum())) for name, p in model.named_parameters()}
 
 
 def train_step(engine: Any, cell: Cell, topo: Any, batch: torch.Tensor, gas: int) -> tuple[float, float]:
@@ -290,10 +305,15 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     """Train, compare, save, check the 16-bit and fp32 exports, resume on another grid, compare."""
     rows = cell.dp * cell.gas
     data, ref = batches(rows), reference(reference_kind(cell.model), rows)
+    model, _ = make_model(cell)
+    before = _snapshot(model)
+    has_grid = cell.pp > 1 and _grid_dp_rank(model) is not None  # DeepSpeed's PipelineModule has it at once
     try:
-        engine, model, topo = build(cell, cell.gas, directory)
+        engine, model, topo = build(cell, cell.gas, directory, model)
     except Exception as err:  # noqa: BLE001 - a refusal is a result here
-        return {"refused": f"{type(err).__name__}: {err}"}
+        # refused before anything was built: the user's model is as it was, no swap directory exists
+        untouched = _snapshot(model) == before and not os.path.exists(os.path.join(directory, "swap"))
+        return {"refused": f"{type(err).__name__}: {err}", "untouched": untouched}
     if refusal_substrings(cell):
         engine.destroy()
         return {"refused": None}
@@ -304,9 +324,8 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     out["params"] = worst(whole_params(engine, model, topo), ref["params"][STEPS - 2])
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "model16.safetensors")
-    if cell.pp > 1:
-        mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
-        out["mpu"] = mpu is not None and mpu.get_data_parallel_rank() == topo.coord.dp
+    if cell.pp > 1:  # before initialize and after it, the grid's data-parallel rank is this rank's
+        out["mpu"] = has_grid and _grid_dp_rank(model) == topo.coord.dp
     engine.destroy()
     if dist.get_rank() == 0:
         out.update(_exports(cell, directory, ref["params"][STEPS - 2]))
