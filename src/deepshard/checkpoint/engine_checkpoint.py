@@ -169,15 +169,16 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
-    ckpt_io.verify_manifest(path)
+    listed = ckpt_io.verify_manifest(path)
     meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
     rng_path = path / _rng_file(engine.topology.rank)
     dims = engine.topology.dims
     saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
     same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
-    if same_grid and not rng_path.is_file():
+    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
+    if same_grid and rng_saved and rng_path.name not in listed:
         raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
-                                      f"{engine.topology.rank}'s RNG state, which every rank saves) is missing; "
+                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
                                       "load another tag")
     engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
     try:
@@ -196,7 +197,7 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    if same_grid:
+    if same_grid and rng_saved:
         rng = ckpt_io.load_tensors(rng_path)
         if not isinstance(rng.get("cpu"), torch.Tensor) or rng["cpu"].dtype != torch.uint8:
             raise ckpt_io.CheckpointError(f"{rng_path} holds no CPU RNG state (tensors {sorted(rng)}): the file was "

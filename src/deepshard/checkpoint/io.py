@@ -320,8 +320,9 @@ def _read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     return manifest["files"]
 
 
-def verify_manifest(directory: Path) -> None:
-    """Check every file recorded in ``directory/manifest.json``; raise on the first bad one.
+def verify_manifest(directory: Path) -> list[str]:
+    """Check every file recorded in ``directory/manifest.json``; raise on the first bad one. Returns the
+    recorded names.
 
     Sizes are checked for all files before any digest is computed, so a truncated file is reported
     without hashing the whole checkpoint.
@@ -341,6 +342,7 @@ def verify_manifest(directory: Path) -> None:
         if digest != entry.get("sha256"):
             raise _damaged(directory, f"{name} is corrupted (sha256 {digest[:16]}... differs from "
                                       f"{str(entry.get('sha256'))[:16]}... in {MANIFEST_NAME})")
+    return sorted(files)
 
 
 # --------------------------------------------------------------------------------------------------
