@@ -378,3 +378,7 @@ class DeepShardEngine(torch.nn.Module):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+
+
+DeepSpeedEngine = DeepShardEngine
+"""DeepSpeed's name for the engine class (``from deepspeed.runtime.engine import DeepSpeedEngine``)."""
