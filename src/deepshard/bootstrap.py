@@ -71,7 +71,7 @@ def _build_engine(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Acc
 
     apply_tensor_parallel(model, cfg.tensor_parallel, topology)  # automatic TP: split before anything else
     model.to(accelerator.device)
-    broadcast_module(model, topology.dp)  # replicas of one model slice start equal; tp/pp slices differ
+    broadcast_module(model, topology.seq_dp)  # replicas of one model slice (dp x sp) start equal; tp/pp slices differ
     extra = _prepare_pipeline(model, topology, cfg)
     set_copies(model.parameters(), topology.tp.size)
     precision = precision_policy(cfg)
@@ -172,7 +172,10 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
 
 def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
                    topology: Topology, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
-    """The ZeRO strategy of ``cfg``'s stage, sharding and reducing over the data-parallel group only."""
+    """The ZeRO strategy of ``cfg``'s stage, sharding and reducing over the replicas of the model slice only
+    (``topology.seq_dp``: data x sequence parallel; a sequence-parallel rank holds the whole weights, and
+    the gradient mean over dp x sp is the single-process gradient when every sp rank backpropagates the
+    same global loss, as ``deepshard.sp.loss`` computes it)."""
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = check_offload(cfg, accelerator)
     step_in_backward = check_step_in_backward(cfg, optimizer_offload, param_offload)
@@ -180,7 +183,7 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         raise ConfigError(f"zero_optimization.optimizer_step_in_backward=true cannot be used on {topology.dims}: "
                           "each update would need the norm over the model-parallel ranks first; set it to false")
     check_compressed_setup(optimizer, stage, topology.model_parallel.size)
-    ctx = StrategyContext(comm=topology.dp, model_parallel=topology.model_parallel, precision=precision,
+    ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                           prescale_gradients=bool(cfg.prescale_gradients),

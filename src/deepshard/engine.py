@@ -54,7 +54,7 @@ class DeepShardEngine(torch.nn.Module):
         self._config = config
         self.accelerator = accelerator
         self.topology = topology
-        self.comm = topology.dp  # the data-parallel group: ZeRO, the dataloader and rank-0 duties of a replica
+        self.comm = topology.seq_dp  # the replicas (dp x sp): ZeRO and rank-0 duties; topology.dp reads the data
         self.comms_logger = topology.world.logger
         self.world_size = topology.dims.world_size
         self.global_rank = topology.rank
@@ -363,7 +363,7 @@ class DeepShardEngine(torch.nn.Module):
             return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                                                sampler=data_sampler, collate_fn=collate_fn)
         return build_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
-                                self.comm.rank, self.dp_world_size, collate_fn,
+                                self.topology.dp.rank, self.dp_world_size, collate_fn,
                                 drop_last=self._config.dataloader_drop_last,
                                 pin_memory=pin_memory and self.accelerator.kind == "cuda",
                                 num_workers=num_local_io_workers or 0)

@@ -1,6 +1,8 @@
 """The one place the process grid is decided: from a Megatron-style ``mpu``, from ``mesh_param``, or from
-the config (``pipeline.stages`` / a ``PipelineModule``'s stages, ``tensor_parallel.autotp_size``), with
-the data-parallel size what the world leaves. ``initialize`` calls ``build_topology`` once.
+the config (``pipeline.stages`` / a ``PipelineModule``'s stages, ``tensor_parallel.autotp_size``,
+``sequence_parallel_size``), with the data-parallel size what the world leaves. An mpu made by
+``deepshard.sp`` (``UlyssesSPAttentionHF.register_with_transformers``) carries its grid.
+``initialize`` calls ``build_topology`` once.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
     tp_section = config.get("tensor_parallel") if isinstance(config.get("tensor_parallel"), dict) else {}
     recorded = getattr(model, "_deepshard_tp_model_init", None) or {}  # deepshard.tp_model_init's size
     tp = _positive(tp_section.get("autotp_size") or recorded.get("autotp_size") or 1, "tensor_parallel.autotp_size")
+    sp = _positive(config.get("sequence_parallel_size") or 1, "sequence_parallel_size")
     dp: Optional[int] = None
     if mesh_param is not None:
         try:
@@ -46,8 +49,12 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
             raise ConfigError(f"mesh_param gives tensor parallel size {mesh_tp} but tensor_parallel.autotp_size "
                               f"is {tp}; give one of them")
         dp, tp = mesh_dp, mesh_tp
+    if sp > 1 and (pp > 1 or tp > 1):
+        raise ConfigError(f"sequence_parallel_size={sp} with {'pipeline stages' if pp > 1 else 'tensor parallelism'} "
+                          f"(pp={pp}, tp={tp}) is not supported: sequence parallelism composes with data parallelism "
+                          "and ZeRO; set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")
     try:
-        return ParallelDims.for_world(world_size, pp=pp, tp=tp, dp=dp)
+        return ParallelDims.for_world(world_size, pp=pp, tp=tp, dp=dp, sp=sp)
     except TopologyError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -101,6 +108,15 @@ def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, m
         if mesh_param is not None:
             raise ConfigError("pass mpu= or mesh_param=, not both: each describes the whole grid")
         return mpu
+    carried = getattr(mpu, "deepshard_topology", None)  # deepshard.sp's mpu: the grid it built
+    if isinstance(carried, Topology):
+        if mesh_param is not None:
+            raise ConfigError("pass mpu= or mesh_param=, not both: each describes the whole grid")
+        sp = config.get("sequence_parallel_size") or 1
+        if sp not in (1, carried.dims.sp):
+            raise ConfigError(f"sequence_parallel_size is {sp} but the mpu from register_with_transformers was "
+                              f"made for sequence_parallel_size={carried.dims.sp}; make them equal")
+        return carried
     logger = CommsLogger()
     if mpu is not None:
         if mesh_param is not None:

@@ -1,10 +1,10 @@
-"""The process grid: pipeline x data x tensor parallel, as pure rank arithmetic and as process groups.
+"""The process grid: pipeline x data x sequence x tensor parallel, as pure rank arithmetic and as process groups.
 
-Rank order follows DeepSpeed's ``PipeModelDataParallelTopology`` and Megatron: tensor-parallel fastest,
-pipeline slowest, so tensor-parallel peers are neighbours (one node) and a pipeline neighbour is
-``dp * tp`` ranks away::
+Rank order follows DeepSpeed (``PipeModelDataParallelTopology``, and its sequence-parallel groups of
+consecutive ranks) and Megatron: tensor-parallel fastest, pipeline slowest, so tensor-parallel peers are
+neighbours (one node), sequence-parallel peers next, and a pipeline neighbour is ``dp * sp * tp`` ranks away::
 
-    rank = pipe * (dp * tp) + data * tp + model
+    rank = pipe * (dp * sp * tp) + data * (sp * tp) + seq * tp + model
 
 ``ParallelDims`` is the arithmetic alone (unit-tested with no process group). ``Topology`` holds one
 ``CommGroup`` per axis for this rank; ``Topology.build`` creates every group of every axis on every rank,
@@ -14,12 +14,17 @@ in one fixed order, through :func:`new_groups`, the only caller of ``dist.new_gr
 Groups:
 
 - ``world``: every rank.
-- ``dp``: ranks that hold the same model slice (same pipe and tensor coordinates). ZeRO shards and
-  reduces here, and only here.
-- ``tp``: ranks that split one layer's matrices (same pipe and data coordinates).
-- ``pp``: the stages of one pipeline (same data and tensor coordinates).
-- ``model_parallel``: ranks of one data-parallel replica (same data coordinate, pp x tp). A gradient
-  norm or an overflow flag is combined over ``dp`` first, then here.
+- ``dp``: ranks that read different samples (same pipe, sequence and tensor coordinates). Batch sizes
+  and the dataloader count these.
+- ``sp``: ranks that split one sample's sequence (same pipe, data and tensor coordinates):
+  ``deepshard.sp`` (Ulysses, ring attention) exchanges activations here.
+- ``seq_dp``: ranks that hold the same model slice, dp x sp (same pipe and tensor coordinates; DeepSpeed's
+  "sequence data parallel" group). ZeRO shards and reduces here, and only here: a sequence-parallel rank
+  is one more replica of the weights. It is the ``dp`` group itself when sp is 1.
+- ``tp``: ranks that split one layer's matrices (same pipe, data and sequence coordinates).
+- ``pp``: the stages of one pipeline (same data, sequence and tensor coordinates).
+- ``model_parallel``: ranks of one replica (same data and sequence coordinates, pp x tp). A gradient
+  norm or an overflow flag is combined over ``seq_dp`` first, then here.
 """
 from __future__ import annotations
 
@@ -29,8 +34,8 @@ from typing import Literal, Optional, Sequence
 from deepshard.comm.group import CommGroup
 from deepshard.comm.logger import CommsLogger
 
-Axis = Literal["pp", "dp", "tp", "model_parallel"]
-AXES: tuple[Axis, ...] = ("dp", "tp", "pp", "model_parallel")
+Axis = Literal["pp", "dp", "tp", "model_parallel", "sp", "seq_dp"]
+AXES: tuple[Axis, ...] = ("dp", "tp", "pp", "model_parallel", "sp", "seq_dp")
 """The order in which ``Topology.build`` creates groups (the same on every rank)."""
 
 
@@ -45,83 +50,94 @@ class Coord:
     pp: int
     dp: int
     tp: int
+    sp: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three axes; their product is the world size."""
+    """Sizes of the four axes; their product is the world size."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    sp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "tp", "sp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TopologyError(f"ParallelDims.{name} must be a positive integer, got {value!r}")
 
     @classmethod
-    def for_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: Optional[int] = None) -> "ParallelDims":
-        """The grid for ``world_size`` ranks: ``dp`` is what is left after ``pp`` and ``tp`` unless given."""
+    def for_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: Optional[int] = None,
+                  sp: int = 1) -> "ParallelDims":
+        """The grid for ``world_size`` ranks: ``dp`` is what is left after ``pp``, ``sp`` and ``tp`` unless given."""
         if world_size < 1:
             raise TopologyError(f"world size must be >= 1, got {world_size}")
-        if pp < 1 or tp < 1:
-            raise TopologyError(f"pipeline ({pp}) and tensor ({tp}) parallel sizes must be >= 1")
+        if pp < 1 or tp < 1 or sp < 1:
+            raise TopologyError(f"pipeline ({pp}), sequence ({sp}) and tensor ({tp}) parallel sizes must be >= 1")
         if dp is None:
-            if world_size % (pp * tp) != 0:
+            rest = pp * sp * tp
+            if world_size % rest != 0:
                 raise TopologyError(
-                    f"world size {world_size} is not divisible by pipeline x tensor = {pp} x {tp} = {pp * tp}: "
-                    f"the data-parallel size would be {world_size} / {pp * tp} = {world_size / (pp * tp):.3g}; "
-                    f"launch a multiple of {pp * tp} processes or change the pipeline/tensor sizes")
-            dp = world_size // (pp * tp)
-        dims = cls(pp=pp, dp=dp, tp=tp)
+                    f"world size {world_size} is not divisible by pipeline x sequence x tensor = {pp} x {sp} x {tp} "
+                    f"= {rest}: the data-parallel size would be {world_size} / {rest} = {world_size / rest:.3g}; "
+                    f"launch a multiple of {rest} processes or change the pipeline/sequence/tensor sizes")
+            dp = world_size // rest
+        dims = cls(pp=pp, dp=dp, tp=tp, sp=sp)
         dims.check_world(world_size)
         return dims
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.sp * self.tp
 
     def check_world(self, world_size: int) -> None:
-        """Raise unless ``pp * dp * tp == world_size``, printing the product."""
+        """Raise unless ``pp * dp * sp * tp == world_size``, printing the product."""
         if self.world_size != world_size:
             raise TopologyError(
-                f"the grid pipeline x data x tensor = {self.pp} x {self.dp} x {self.tp} = {self.world_size} "
-                f"ranks does not match the world size {world_size}; choose sizes whose product is {world_size}")
+                f"the grid pipeline x data x sequence x tensor = {self.pp} x {self.dp} x {self.sp} x {self.tp} = "
+                f"{self.world_size} ranks does not match the world size {world_size}; choose sizes whose product "
+                f"is {world_size}")
 
     # ------------------------------------------------------------------------------ rank arithmetic
     def rank(self, coord: Coord) -> int:
         """The global rank at ``coord``."""
-        for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)):
+        for name, size in (("pp", self.pp), ("dp", self.dp), ("sp", self.sp), ("tp", self.tp)):
             value = getattr(coord, name)
             if not 0 <= value < size:
                 raise TopologyError(f"coordinate {name}={value} is outside 0..{size - 1} in {self}")
-        return coord.pp * (self.dp * self.tp) + coord.dp * self.tp + coord.tp
+        return ((coord.pp * self.dp + coord.dp) * self.sp + coord.sp) * self.tp + coord.tp
 
     def coord(self, rank: int) -> Coord:
         """The coordinate of global ``rank``."""
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside 0..{self.world_size - 1} of {self}")
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return Coord(pp=pp, dp=dp, tp=tp)
+        rest, tp = divmod(rank, self.tp)
+        rest, sp = divmod(rest, self.sp)
+        pp, dp = divmod(rest, self.dp)
+        return Coord(pp=pp, dp=dp, tp=tp, sp=sp)
 
     def group_ranks(self, axis: Axis) -> list[list[int]]:
         """Every group along ``axis`` as sorted global ranks; the same list on every rank.
 
-        ``model_parallel`` groups the ranks sharing a data coordinate (pp x tp)."""
+        ``model_parallel`` groups the ranks sharing data and sequence coordinates (pp x tp); ``seq_dp`` the
+        ranks sharing pipe and tensor coordinates (dp x sp)."""
         keys: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             c = self.coord(r)
             if axis == "dp":
+                key = (c.pp, c.sp, c.tp)
+            elif axis == "sp":
+                key = (c.pp, c.dp, c.tp)
+            elif axis == "seq_dp":
                 key = (c.pp, c.tp)
             elif axis == "tp":
-                key = (c.pp, c.dp)
+                key = (c.pp, c.dp, c.sp)
             elif axis == "pp":
-                key = (c.dp, c.tp)
+                key = (c.dp, c.sp, c.tp)
             elif axis == "model_parallel":
-                key = (c.dp,)
+                key = (c.dp, c.sp)
             else:
                 raise TopologyError(f"unknown axis {axis!r}; use one of {AXES}")
             keys.setdefault(key, []).append(r)
@@ -135,12 +151,13 @@ class ParallelDims:
         raise TopologyError(f"rank {rank} is outside {self}")  # unreachable for a valid rank
 
     def stage_rank(self, rank: int, stage: int) -> int:
-        """The rank holding pipeline ``stage`` with ``rank``'s data and tensor coordinates."""
+        """The rank holding pipeline ``stage`` with ``rank``'s data, sequence and tensor coordinates."""
         c = self.coord(rank)
-        return self.rank(Coord(pp=stage, dp=c.dp, tp=c.tp))
+        return self.rank(Coord(pp=stage, dp=c.dp, tp=c.tp, sp=c.sp))
 
     def __str__(self) -> str:
-        return f"grid(pp={self.pp}, dp={self.dp}, tp={self.tp})"
+        sp = f", sp={self.sp}" if self.sp > 1 else ""
+        return f"grid(pp={self.pp}, dp={self.dp}{sp}, tp={self.tp})"
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,20 @@ class Topology:
     tp: CommGroup
     pp: CommGroup
     model_parallel: CommGroup
+    sp: Optional[CommGroup] = None
+    """The sequence-parallel group (a one-rank group when sp is 1; never None after construction)."""
+    seq_dp: Optional[CommGroup] = None
+    """dp x sp: where ZeRO shards and reduces (the ``dp`` group itself when sp is 1)."""
+
+    def __post_init__(self) -> None:
+        if self.sp is None:
+            if self.dims.sp != 1:
+                raise TopologyError(f"{self.dims} needs its sequence-parallel group (sp=...)")
+            object.__setattr__(self, "sp", CommGroup.single(logger=self.world.logger, name="sp"))
+        if self.seq_dp is None:
+            if self.dims.sp != 1:
+                raise TopologyError(f"{self.dims} needs its data x sequence group (seq_dp=...)")
+            object.__setattr__(self, "seq_dp", self.dp)
 
     @classmethod
     def build(cls, dims: ParallelDims, logger: Optional[CommsLogger] = None) -> "Topology":
@@ -172,23 +203,28 @@ class Topology:
         world = CommGroup(group=None, logger=logger, name="world")
         mine: dict[str, CommGroup] = {}
         for axis in AXES:
+            if axis == "seq_dp" and dims.sp == 1:
+                mine[axis] = mine["dp"]  # the same ranks: no second group
+                continue
             mine[axis] = _axis_group(dims, axis, rank, world, logger)
         return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=mine["dp"], tp=mine["tp"],
-                   pp=mine["pp"], model_parallel=mine["model_parallel"])
+                   pp=mine["pp"], model_parallel=mine["model_parallel"], sp=mine["sp"], seq_dp=mine["seq_dp"])
 
     @classmethod
     def from_groups(cls, dims: ParallelDims, rank: int, world: CommGroup, dp: CommGroup, tp: CommGroup,
-                    pp: CommGroup, model_parallel: CommGroup) -> "Topology":
+                    pp: CommGroup, model_parallel: CommGroup, sp: Optional[CommGroup] = None,
+                    seq_dp: Optional[CommGroup] = None) -> "Topology":
         """A topology over groups someone else made (a Megatron-style ``mpu``)."""
         return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=dp, tp=tp, pp=pp,
-                   model_parallel=model_parallel)
+                   model_parallel=model_parallel, sp=sp, seq_dp=seq_dp)
 
     @property
     def is_data_parallel_only(self) -> bool:
-        return self.dims.pp == 1 and self.dims.tp == 1
+        return self.dims.pp == 1 and self.dims.tp == 1 and self.dims.sp == 1
 
     def describe(self) -> str:
-        return (f"{self.dims} rank {self.rank} at pp={self.coord.pp} dp={self.coord.dp} tp={self.coord.tp}")
+        return (f"{self.dims} rank {self.rank} at pp={self.coord.pp} dp={self.coord.dp} sp={self.coord.sp} "
+                f"tp={self.coord.tp}")
 
 
 def _axis_group(dims: ParallelDims, axis: Axis, rank: int, world: CommGroup, logger: CommsLogger) -> CommGroup:

@@ -69,15 +69,15 @@ def test_replicas_and_other_stages_files_are_not_read(tmp_path: Path, monkeypatc
     _write(tmp_path, 2, {"z": torch.ones(2)}, {})  # another pipeline stage's parameter
     opened: list[str] = []
     real = ckpt_io.load_tensors
-    monkeypatch.setattr(ckpt_io, "load_tensors", lambda path, *a, **k: (opened.append(Path(path).name), real(path))[1])
+    monkeypatch.setattr(ckpt_io, "load_tensors", lambda path, *a, **k: (opened.append(Path(path).name), real(path, *a, **k))[1])
 
     class Stage(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a = torch.nn.Parameter(torch.zeros(2))
 
-        def checkpoint_names(self) -> list[str]:
-            return ["a"]
+        def pipeline_state_keys(self) -> set[str]:  # a pipeline stage: the whole model has "a" and "z"
+            return {"a", "z"}
 
     full = load_full_state(tmp_path, module=Stage())
     assert opened == [rank_files(0)[0]]
@@ -97,7 +97,7 @@ def test_grid_from_config_mesh_param_and_pipeline_module() -> None:
         dims_from_config({"pipeline": {"stages": 4}}, 8, model=Pipe())
     with pytest.raises(ConfigError, match="mesh_param gives tensor parallel size 4 but tensor_parallel.autotp_size is 2"):
         dims_from_config({"tensor_parallel": {"autotp_size": 2}}, 8, mesh_param=(2, 4))
-    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by pipeline x tensor = 1 x 4"):
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by pipeline x sequence x tensor = 1 x 1 x 4"):
         dims_from_config({"tensor_parallel": {"autotp_size": 4}}, 6)
     with pytest.raises(ConfigError, match="mesh_param must be a pair"):
         dims_from_config({}, 4, mesh_param=3)

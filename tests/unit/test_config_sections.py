@@ -242,14 +242,29 @@ def test_steps_per_print_infinity_means_never() -> None:
 
 def test_unimplemented_sections_warn_only_when_enabled(warnings_logged: list[str]) -> None:
     cfg = load_config({"train_batch_size": 1, "autotuning": {"enabled": True, "fast": True},
-                       "elasticity": {"enabled": False}, "sequence_parallel_size": 2,
+                       "elasticity": {"enabled": False}, "sequence_parallel_size": 2, "disable_allgather": True,
                        "hybrid_engine": {"enabled": False}, "tensor_parallel": {"autotp_size": 2},
                        "compile": {"deepcompile": False}, "log_level": "info"}, 1)
     assert cfg.autotuning == {"enabled": True, "fast": True} and cfg.sequence_parallel_size == 2
-    expected = {"sequence_parallel_size"}  # tensor_parallel: deepshard.tp; autotuning: the launcher's
+    # tensor_parallel: deepshard.tp; sequence_parallel_size: deepshard.sp; autotuning: the launcher's
+    expected = {"disable_allgather"}
     assert {m.split(" ")[0] for m in warnings_logged} == expected
     assert all(m.endswith("is not implemented by deepshard and is ignored") for m in warnings_logged)
     assert len(warnings_logged) == len(expected)
+
+
+def test_sequence_parallel_keys() -> None:
+    cfg = load_config({"train_batch_size": 1, "sequence_parallel_size": 4,
+                       "sequence_parallel": {"mode": "hybrid", "ulysses_size": 2}}, 1)
+    assert cfg.sequence_parallel_size == 4 and cfg.sequence_parallel.mode == "hybrid"
+    assert load_config({"train_batch_size": 1}, 1).sequence_parallel.mode == "ulysses"
+    with pytest.raises(ConfigError, match="needs sequence_parallel.ulysses_size, a divisor"):
+        load_config({"train_batch_size": 1, "sequence_parallel_size": 4, "sequence_parallel": {"mode": "hybrid"}}, 1)
+    with pytest.raises(ConfigError, match="only applies to mode \"hybrid\""):
+        load_config({"train_batch_size": 1, "sequence_parallel_size": 4,
+                     "sequence_parallel": {"mode": "ring", "ulysses_size": 2}}, 1)
+    with pytest.raises(ConfigError, match="sequence_parallel_size must be an integer >= 1"):
+        load_config({"train_batch_size": 1, "sequence_parallel_size": 0}, 1)
 
 
 def test_unimplemented_zero_features_warn(warnings_logged: list[str]) -> None:

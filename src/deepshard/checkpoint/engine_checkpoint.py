@@ -138,7 +138,8 @@ def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state:
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
-        "grid": {"pp": engine.topology.dims.pp, "dp": engine.topology.dims.dp, "tp": engine.topology.dims.tp},
+        "grid": {"pp": engine.topology.dims.pp, "dp": engine.topology.dims.dp, "tp": engine.topology.dims.tp,
+                 "sp": engine.topology.dims.sp},
         "param_dtype": str(engine.precision.param_dtype),
         "state": skeleton,
     }
@@ -177,8 +178,8 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
         engine.lr_scheduler.load_state_dict(state["scheduler"])
     rng_path = path / _rng_file(engine.topology.rank)
     dims = engine.topology.dims
-    same_grid = meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1}) == {
-        "pp": dims.pp, "dp": dims.dp, "tp": dims.tp}
+    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
+    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
     if rng_path.exists() and same_grid:
         rng = ckpt_io.load_tensors(rng_path)
         torch.set_rng_state(rng["cpu"])
@@ -224,7 +225,10 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
 
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
-    if engine.comm.rank == 0 and engine.topology.coord.tp == 0:
+    writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage
+    if writer and engine.topology.dims.pp > 1:
+        state = _gather_stages(state, engine.topology.pp)  # every stage's layers in one file
+    if writer and engine.topology.coord.pp == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         target = save_dir / filename
         if filename.endswith(".safetensors"):
@@ -236,3 +240,25 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         logger.info("saved 16-bit model weights to %s", target)
     engine.comm.barrier()
     return True
+
+
+def _gather_stages(state: dict[str, torch.Tensor], pp: Any) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's state dict joined on the first stage (collective over this replica's
+    pipeline group; {} elsewhere). Stage-local names are the whole model's (layer indices are global),
+    and a tied layer's copies are equal, so the union is the single-process model's state dict."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * pp.size if pp.rank == 0 else []
+    dist.gather_object(state, parts if pp.rank == 0 else None, dst=pp.peers[0], group=pp.group)
+    if pp.rank != 0:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return {name: merged[name] for name in sorted(merged, key=_layer_order)}
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    head = name.split(".", 1)[0]
+    return (int(head), name) if head.isdigit() else (-1, name)

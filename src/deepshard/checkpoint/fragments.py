@@ -122,34 +122,42 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     ``module``, only the files holding tensors that module has are read (a pipeline stage reads its own
     stage's files; replicated copies are read once), and the result is cut back to ``module``'s own
     tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its slices."""
-    from deepshard.checkpoint.layout import Reassembly, localize, wanted_names
+    from deepshard.checkpoint.layout import Reassembly, localize, wanted_names, with_alias_sources
 
     json_files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_JSON.match(p.name)))
     if not json_files:
         raise ckpt_io.CheckpointError(
             f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
             "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
-    wanted = wanted_names(module) if module is not None else None
-    parts = Reassembly(with_optimizer)
-    groups, aliases, meta = None, {}, {}
-    saved_world = 0
-    for rank, path in json_files:
-        info = ckpt_io.load_json(path)
+    infos = [(rank, ckpt_io.load_json(path)) for rank, path in json_files]
+    aliases: dict[str, str] = {}
+    for _, info in infos:
         aliases.update(info.get("aliases", {}))
+    wanted = with_alias_sources(wanted_names(module), aliases) if module is not None else None
+    parts = Reassembly(with_optimizer)
+    groups, meta = None, {}
+    saved_world = 0
+    for rank, info in sorted(infos, key=lambda ri: (_foreign_fragments(ri[1], wanted), ri[0])):
         meta = info.get("meta", meta) if rank == 0 else meta
-        groups = info.get("param_groups", groups)
+        groups = groups if groups is not None else info.get("param_groups")  # this slice's own file first
         saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
         parts.declare(info, wanted)
         if not parts.needs(info, wanted):
-            continue
+            continue  # another stage's tensors, or copies read already: the tensor file is not opened
         parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]))
     check_coverage(directory, *parts.coverage(), [r for r, _ in json_files], saved_world or None)
     params, optim, kinds, shapes = parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
     for extra in sorted(p for p in directory.iterdir() if _EXTRA.match(p.name)):
-        module_extra.update(ckpt_io.load_tensors(extra))
+        module_extra.update(ckpt_io.load_tensors(extra, names=wanted))
     full = FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
     return localize(full, module) if module is not None else full
+
+
+def _foreign_fragments(info: dict[str, Any], wanted: set[str] | None) -> int:
+    """How many of a rank file's fragments the loading model slice does not want: files of this slice's
+    own tensors are read first, so a copy it shares with another slice (a tied layer) comes from them."""
+    return 0 if wanted is None else sum(1 for name, _, _ in info["fragments"] if name not in wanted)
 
 
 def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],

@@ -28,7 +28,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -186,8 +186,10 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
     _atomic_write(Path(path), lambda tmp: save_file(prepared, str(tmp), metadata=metadata), needed)
 
 
-def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor of a safetensors file onto ``device``; never unpickles.
+def load_tensors(path: Path, device: str | torch.device = "cpu", names: Optional[set[str]] = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those, read from the
+    header's offsets; the rest of the file is not read); never unpickles.
 
     Raises :class:`CheckpointError` naming the file if it is missing, truncated or has a corrupt
     header.
@@ -200,13 +202,22 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "or the path/tag is wrong (check the directory and its 'latest' file)")
     try:
-        return load_file(str(path), device=str(device))
+        if names is None:
+            return load_file(str(path), device=str(device))
+        return _load_some(path, device, names)
     except (SafetensorError, OSError, ValueError) as err:
         size = path.stat().st_size
         raise CheckpointError(
             f"cannot read tensors from {path} ({size} bytes): {err}. The file is truncated or "
             "corrupted; run verify_manifest() on its checkpoint directory to confirm, and load "
             "another tag") from err
+
+
+def _load_some(path: Path, device: str | torch.device, names: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        return {key: f.get_tensor(key) for key in f.keys() if key in names}
 
 
 # --------------------------------------------------------------------------------------------------

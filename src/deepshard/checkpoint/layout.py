@@ -35,10 +35,20 @@ def module_splits(module: torch.nn.Module) -> dict[str, list[int]]:
 
 
 def wanted_names(module: torch.nn.Module) -> Optional[set[str]]:
-    """The parameter names a model slice loads, when it says (a pipeline stage's
-    ``checkpoint_names()``); None: every name in the checkpoint is this model's."""
-    names = getattr(module, "checkpoint_names", None)
-    return set(names()) if callable(names) else None
+    """The tensor names a model slice loads. A pipeline stage (a module that knows the whole model's keys
+    through ``pipeline_state_keys()``) wants its own state-dict keys and parameter names only, so it
+    reads only the rank files that hold them; None: every name in the checkpoint is this model's."""
+    if not callable(getattr(module, "pipeline_state_keys", None)):
+        return None
+    own = set(module.state_dict(keep_vars=True))
+    return own | {name for name, _ in module.named_parameters(remove_duplicate=False)}
+
+
+def with_alias_sources(wanted: Optional[set[str]], aliases: dict[str, str]) -> Optional[set[str]]:
+    """``wanted`` plus the names its tied-weight aliases are stored under (a tied copy is saved once)."""
+    if wanted is None:
+        return None
+    return wanted | {aliases[name] for name in wanted if name in aliases}
 
 
 def _numel(shape: Any) -> int:

@@ -126,7 +126,7 @@ class CommGroup:
     def _label(self, op: str) -> str:
         """The comms logger's key: tensor- and pipeline-parallel traffic is counted apart from data
         parallel (``tp:all_reduce``); the world and dp groups keep the plain names."""
-        return op if self.name in ("world", "dp", "single") else f"{self.name}:{op}"
+        return op if self.name in ("world", "dp", "seq_dp", "single") else f"{self.name}:{op}"
 
     def pairwise_for(self, tensor: torch.Tensor) -> bool:
         """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""

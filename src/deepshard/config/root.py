@@ -28,6 +28,7 @@ from deepshard.config.monitor import (CometConfig, CommsLoggerConfig, CSVConfig,
 from deepshard.config.optimizer import OptimizerConfig, SchedulerConfig
 from deepshard.config.precision import (AMPConfig, BF16Config, DataTypesConfig, FP16Config,
                                         TorchAutocastConfig)
+from deepshard.config.sequence import SequenceParallelConfig, check_sequence_parallel
 from deepshard.config.unimplemented import UNIMPLEMENTED_KEYS, warn_unimplemented
 from deepshard.config.zero import ZeroConfig
 from deepshard.utils.logging import logger
@@ -93,6 +94,10 @@ class DeepShardConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tensor_parallel: Any = None
     """Automatic TP, read by ``deepshard.tp.autotp_config.parse_tp_config`` (None = not given)."""
+    sequence_parallel_size: Any = 1
+    """Ranks that split one sample's sequence (``deepshard.sp``); the data-parallel size is what is left."""
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
+    """deepshard: how the sequence-parallel ranks attend (ulysses, ring, hybrid)."""
 
     # accepted as given, not implemented (see unimplemented.py); None = not given
     autotuning: Any = None
@@ -113,7 +118,6 @@ class DeepShardConfig(Section):
     timers: Any = None
     zenflow: Any = None
     trackio: Any = None
-    sequence_parallel_size: Any = None
     log_level: Any = None
     disable_allgather: Any = None
     graph_harvesting: Any = None
@@ -180,6 +184,7 @@ class DeepShardConfig(Section):
                                "size %d); give a number or leave the key out", key, getattr(self, key), dp)
 
     def _check_sections(self) -> None:
+        self.sequence_parallel_size = check_sequence_parallel(self.sequence_parallel_size, self.sequence_parallel)
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable one of them "
                               "(bf16 needs no loss scaling and is the recommended choice where supported)")

@@ -12,7 +12,6 @@ from deepshard.utils.logging import logger
 
 # Scalar keys: the value that means "off" (anything else is warned about).
 UNIMPLEMENTED_SCALARS: dict[str, Any] = {
-    "sequence_parallel_size": 1,
     "log_level": None,
     "disable_allgather": False,
     "graph_harvesting": False,
