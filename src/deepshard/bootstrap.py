@@ -18,6 +18,7 @@ from deepshard.distributed import init_distributed
 from deepshard.engine import DeepShardEngine
 from deepshard.grid import build_topology
 from deepshard.precision import PrecisionPolicy
+from deepshard.sp.engine_hooks import attach_sequence_parallel, build_sequence_parallel
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
 from deepshard.utils.teardown import settle_backend_threads_at_exit
@@ -54,7 +55,9 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
     warn_unused_pipeline(cfg, model)
+    sequence_parallel = build_sequence_parallel(topology, cfg, mpu)  # collective: hybrid sub-groups
     engine = _build_engine(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler)
+    attach_sequence_parallel(engine, sequence_parallel)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -71,6 +71,7 @@ class DeepShardEngine(torch.nn.Module):
         self._no_sync_depth = 0
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
+        self._window_losses: list[torch.Tensor] = []  # this accumulation window's micro-batch losses
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
         self._autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
 
@@ -219,7 +220,7 @@ class DeepShardEngine(torch.nn.Module):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
         self._check_loss(loss)
-        self._last_loss = loss.detach()
+        self._record_loss(loss)
         if self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         self._prepare_backward()
@@ -230,7 +231,7 @@ class DeepShardEngine(torch.nn.Module):
         reduced across data-parallel ranks at the accumulation boundary. Returns the scaled loss."""
         with self.tools.time("backward"):
             self._check_loss(loss)
-            self._last_loss = loss.detach()
+            self._record_loss(loss)
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 loss = loss / self.gradient_accumulation_steps()
             scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
@@ -240,6 +241,10 @@ class DeepShardEngine(torch.nn.Module):
             with self.tools.time("backward_allreduce"):
                 self._strategy().end_backward()
         return loss
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        self._last_loss = loss.detach()
+        self._window_losses.append(self._last_loss)
 
     @staticmethod
     def _check_loss(loss: torch.Tensor) -> None:
@@ -284,8 +289,27 @@ class DeepShardEngine(torch.nn.Module):
         return self.strategy
 
     # ----------------------------------------------------------------------------- reporting
+    def _loss_is_logged(self) -> bool:
+        """Whether this step's loss is printed or monitored (the same answer on every rank)."""
+        cfg, every = self._config, self._config.steps_per_print
+        monitored = cfg.tensorboard.enabled or cfg.csv_monitor.enabled or cfg.wandb.enabled
+        return bool(monitored or (every and self.global_steps % every == 0))
+
+    def _reported_loss(self) -> float:
+        """The loss the step line and ``Train/Samples/train_loss`` show, as DeepSpeed's pipeline engine
+        computes it: the mean over the accumulation window's micro-batches, averaged over the
+        data-parallel ranks (one scalar all-reduce, only on steps that log). The pipeline engine sets
+        ``_last_loss`` to that value itself."""
+        window, self._window_losses = self._window_losses, []
+        if not window:
+            return float(self._last_loss.float().item()) if self._last_loss is not None else float("nan")
+        mean = torch.stack([loss.float().reshape(()) for loss in window]).mean()
+        if self.comm.size > 1 and self._loss_is_logged():  # every replica (dp x sp) computed a loss
+            mean = self.comm.all_reduce_sum_scalar(mean) / self.comm.size
+        return float(mean.item())
+
     def _report_step(self) -> None:
-        loss = float(self._last_loss.float().item()) if self._last_loss is not None else float("nan")
+        loss = self._reported_loss()
         if self.monitor is not None and self.monitor.enabled:
             events = [("Train/Samples/train_loss", loss, self.global_samples),
                       ("Train/Samples/lr", self.get_lr()[0] if self.get_lr() else 0.0, self.global_samples)]
@@ -300,7 +324,8 @@ class DeepShardEngine(torch.nn.Module):
                         self.skipped_steps, lr, loss, self.state.grad_norm or 0.0,
                         f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
             for line in self.tools.print_lines(self.dp_world_size, self.accelerator.memory_allocated(),
-                                               self.accelerator.max_memory_allocated()):
+                                               self.accelerator.max_memory_allocated(),
+                                               memory_is_rss=self.accelerator.kind != "cuda"):
                 logger.info(line)
 
     def memory_report(self) -> dict[str, int]:

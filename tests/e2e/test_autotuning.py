@@ -1,6 +1,6 @@
 """``deepshard --autotuning run``: a 3-experiment search (ZeRO stages 0, 1, 2 at one micro batch, global
 batch 8 over 2 processes) on a 100k-parameter MLP, end to end through the launcher, then the second
-phase (stage 2 with another bucket size). The memory limit (1.4 MiB per process) prunes stage 0 (16
+phase (stage 2 with another bucket size); the leader is run twice and picked by its median. The memory limit (1.4 MiB per process) prunes stage 0 (16
 bytes per parameter: 1.5 MiB); stage 1 fails as an out-of-memory would; stage 2 is the stage that runs,
 so the optimum is one of its two bucket sizes, the faster as measured. A trial that hangs is stopped at
 its timeout with every process it started."""
@@ -59,7 +59,7 @@ def test_autotuning_run_end_to_end(tmp_path: Path) -> None:
                              "start_profile_step": 2, "end_profile_step": 4, "memory_per_process_mb": 1.4,
                              "results_dir": str(tmp_path / "autotuning_results"),
                              "exps_dir": str(tmp_path / "autotuning_exps"), "trial_timeout": 120,
-                             "bucket_sizes": [5e7], "offload_devices": []}}
+                             "bucket_sizes": [5e7], "offload_devices": [], "repeats": 2, "leaders": 1}}
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -77,7 +77,9 @@ def test_autotuning_run_end_to_end(tmp_path: Path) -> None:
     ran = [rows["z2_mbs4_gas1"], rows["z2_mbs4_gas1_bkt5e7"]]
     assert all(r["status"] == "ok" and r["metrics"]["throughput"] > 0 and r["metrics"]["steps"] == 2 for r in ran)
     best = max(ran, key=lambda r: r["metrics"]["throughput"])  # the brute-force answer over what ran
-    assert f"best by throughput: {best['name']}\n" in summary + "\n" and "pruned" in summary
+    assert len(best["samples"]) == 2 and best["metrics"]["throughput"] == sum(best["samples"]) / 2  # the median
+    assert "autotuning: trial 1 of " in done.stdout + done.stderr  # progress: k of N, elapsed, time left
+    assert f"best by throughput (median of its runs): {best['name']}\n" in summary + "\n" and "pruned" in summary
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["zero_optimization"]["stage"] == best["stage"] and "autotuning" not in optimal
     assert (optimal["zero_optimization"].get("reduce_bucket_size") == 50_000_000) == best["name"].endswith("bkt5e7")

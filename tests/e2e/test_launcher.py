@@ -123,6 +123,23 @@ def test_failing_rank_stops_the_job_and_reports_its_traceback() -> None:
     assert [pid for pid in pids if not _gone(pid)] == []
 
 
+def test_deepspeed_script_finds_deepshard_and_a_config_typo_is_one_line_once() -> None:
+    """``deepshard --num_gpus 2 train.py`` runs a script that does ``import deepspeed`` (no DeepSpeed is
+    installed in the test environment); a config typo on both ranks prints its one-line message once, no
+    traceback (``--verbose`` shows it); ``--master_port 0`` picks a free port and logs it."""
+    script = str(SCRIPTS / "config_typo.py")
+    result = _launch(["--num_gpus", "2", "--master_port", "0", script, "--deepspeed", "ds.json"], timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert out.count("import deepspeed -> deepspeed from") == 2 and "src/deepshard/__init__.py" in out, out
+    assert out.count("unknown config key 'zero_optimization.stgae'; did you mean 'stage'?") == 1, out
+    assert "deepshard: error (ranks 0, 1)" in out or "deepshard: error (rank " in out, out
+    assert "Traceback" not in out and "last output of" not in out, out
+    assert re.search(r"--master_port 0: rendezvous on free port \d+", out), out
+    verbose = _launch(["--num_gpus", "1", "--verbose", script], timeout=120)
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stdout + verbose.stderr
+
+
 def test_sigterm_to_launcher_is_forwarded() -> None:
     cmd = [*_deepshard(), "--master_port", str(_free_port()), "--num_gpus", "2",
            str(SCRIPTS / "sleep_forever.py")]

@@ -42,12 +42,12 @@ def _profiled_training(rank: int, world: int, tmp: str, stage: int) -> dict[str,
     logger.setLevel(logging.INFO)
     try:
         engine, *_ = deepshard.initialize(model=make_transformer(), config=cfg)
-        run_steps(engine, make_token_batches(3, micro * gas * world), micro, gas, rank, world)
+        losses = run_steps(engine, make_token_batches(3, micro * gas * world), micro, gas, rank, world)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     tools = engine.tools
-    result = {"flops_per_step": tools.flops_per_step, "lines": handler.lines, "rates": tools.rates(world),
+    result = {"flops_per_step": tools.flops_per_step, "lines": handler.lines, "losses": losses, "rates": tools.rates(world),
               "tokens_per_step": tools.tokens_per_step, "profiler_started": getattr(engine.flops_profiler, "started", None),
               "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.module.modules())
               if stage == 0 else 0}

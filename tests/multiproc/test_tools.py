@@ -65,6 +65,7 @@ def test_timers_in_log_and_csv(run: tuple[int, Path, list[dict[str, Any]]]) -> N
     assert len(window) == 3 and "| step:" in window[0]
     throughput = [x for x in lines if x.startswith("RunningAvgSamplesPerSec=")]
     assert len(throughput) == 3 and "TFLOPsPerProcess=" in throughput[-1] and "TokensPerSec=" in throughput[0]
+    assert "ProcessRSS=" in throughput[0] and "MemAllocated" not in throughput[0]  # a CPU run: labelled as RSS
     job = out_dir / "tools"
     for name in ("forward", "backward", "backward_inner", "backward_allreduce", "step"):
         with open(job / f"Train_Samples_elapsed_time_ms_{name}.csv", newline="") as fh:
@@ -74,3 +75,16 @@ def test_timers_in_log_and_csv(run: tuple[int, Path, list[dict[str, Any]]]) -> N
         rows = list(csv.reader(fh))
     assert len(rows) == 4 and float(rows[-1][1]) > 0
     assert results[1]["lines"] == [] or not any(x.startswith("RunningAvg") for x in results[1]["lines"])
+
+
+def test_logged_loss_is_deepspeeds_window_mean_over_ranks(run: tuple[int, Path, list[dict[str, Any]]]) -> None:
+    """The step line and ``Train/Samples/train_loss`` give the loss as DeepSpeed's pipeline engine does:
+    the mean of the accumulation window's micro-batch losses, averaged over the data-parallel ranks (the
+    script's own all-reduced mean here), not rank 0's last micro-batch."""
+    _, out_dir, results = run
+    expected = results[0]["losses"]
+    with open(out_dir / "tools" / "Train_Samples_train_loss.csv", newline="") as fh:
+        logged = [float(row[1]) for row in list(csv.reader(fh))[1:]]
+    assert logged == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    printed = [float(x.split(" loss=")[1].split()[0]) for x in results[0]["lines"] if x.startswith("step=")]
+    assert printed == pytest.approx(expected, abs=6e-5)

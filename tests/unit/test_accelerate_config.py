@@ -52,8 +52,11 @@ def test_flags_beat_the_file_and_no_file_means_deepspeed() -> None:
     assert bare.distributed_type == "DEEPSPEED" and bare.env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "cpu"
     assert bare.env["ACCELERATE_CONFIG_DS_FIELDS"] == ""  # nothing came from a file
     assert bare.launcher_argv[bare.launcher_argv.index("--master_port") + 1] == "29500"  # Accelerate's default
-    free = ac.plan({"main_process_port": 0}, flags([]), "t.py", [])
-    assert free.launcher_argv[free.launcher_argv.index("--master_port") + 1] not in ("0", "29500")
+    free = ac.plan({"main_process_port": 0}, flags([]), "t.py", [])  # 0: the launcher picks (and logs) a port
+    assert free.launcher_argv[free.launcher_argv.index("--master_port") + 1] == "0"
+    with pytest.raises(LaunchError, match="main_process_port 0 .* one machine only"):
+        ac.plan({"main_process_port": 0, "num_machines": 2, "num_processes": 2, "main_process_ip": "h0"},
+                flags([]), "t.py", [])
     module = ac.plan({}, flags(["-m"]), "pkg.train", [], as_module=True, replace_deepspeed=True)
     assert module.launcher_argv[-4:] == ["--module", "deepshard.compat.run", "-m", "pkg.train"]
     assert module.env["DEEPSHARD_REPLACE_DEEPSPEED"] == "1"

@@ -101,3 +101,21 @@ def test_rank_ordered_sections_nest_and_are_per_thread() -> None:
         thread.join()
         assert errors == [None]  # another thread is not inside this one's section
     refuse_collectives_here("x")
+
+
+def test_extras_name_the_tested_series_the_runtime_check_accepts() -> None:
+    """pyproject's HF extras are ranges over the series hf_patches.TESTED accepts at run time (not exact
+    pins that rewrite a user's stack); the bench extra pins the DeepSpeed the docs compare against."""
+    import tomllib
+    from pathlib import Path
+
+    from deepshard.compat.hf_patches import TESTED, tested_range
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("dev", "hf", "accelerate"):
+        for dist in TESTED:
+            named = [req for req in extras[extra] if req.split(">")[0].split("=")[0] == dist]
+            assert named in ([], [f"{dist}{tested_range(dist)}"]), (extra, named)
+    assert tested_range("accelerate") == ">=1.15,<1.16"
+    assert "deepspeed==0.19.8" in extras["bench"]

@@ -26,6 +26,11 @@ class AutotuningSettings:
     memory_per_process_mb: float | None = None
     """deepshard: the memory a process may use, for pruning (default: the device's, or the host's RAM
     shared by the processes)."""
+    repeats: int = 3
+    """deepshard: runs of each leading experiment; the metric is the median of its runs (one noisy
+    window cannot win), their spread is reported. 1: every experiment runs once, as DeepSpeed does."""
+    leaders: int = 3
+    """deepshard: how many of the best experiments (by the median so far) are repeated, after each phase."""
     bucket_sizes: tuple[int, ...] = (5_000_000, 50_000_000, 500_000_000)
     """deepshard: gradient-reduction / all-gather bucket sizes (elements) tried on the best stage and micro
     batch, in a second phase; [] skips them. 5e8 is the config's default."""
@@ -67,6 +72,9 @@ class AutotuningSettings:
             raise ValueError("autotuning.min_train_micro_batch_size_per_gpu "
                              f"({self.min_train_micro_batch_size_per_gpu}) must be >= 1 and <= "
                              f"max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu})")
+        if self.repeats < 1 or self.leaders < 1:
+            raise ValueError(f"autotuning.repeats ({self.repeats}) and autotuning.leaders ({self.leaders}) must be "
+                             ">= 1 (repeats 1: each experiment runs once)")
         if any(b < 1 for b in self.bucket_sizes):
             raise ValueError(f"autotuning.bucket_sizes = {list(self.bucket_sizes)}: give positive element counts, "
                              "e.g. [5e6, 5e7, 5e8], or [] to skip the bucket phase")

@@ -24,6 +24,9 @@ class Experiment:
     status: str = "pending"
     """pending | pruned | ok | failed | timeout"""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The last run's metrics, with the tuning metric replaced by the median of :attr:`samples`."""
+    samples: list[float] = field(default_factory=list)
+    """The tuning metric of each successful run (several for the leaders)."""
     detail: str = ""
 
 

@@ -6,10 +6,13 @@
 3. every other experiment is a short real run of the script through the launcher, in fresh processes,
    measured by the engine between ``start_profile_step`` and ``end_profile_step``; a failure or a hang
    (``trial_timeout``) is recorded and the search goes on;
-4. a second phase tries the best experiment with the other ``bucket_sizes`` and (stage >= 1) with
+4. the ``leaders`` best experiments are run again until each has ``repeats`` runs; an experiment's
+   metric is the median of its runs (one noisy window cannot win) and the summary gives their spread;
+5. a second phase tries the best experiment with the other ``bucket_sizes`` and (stage >= 1) with
    optimizer/parameter offload to each of ``offload_devices`` (default: cpu with a GPU, none on a
-   CPU-only machine); the best of both phases wins;
-5. ``results_dir`` gets ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt`` (DeepSpeed's
+   CPU-only machine); its leaders are repeated too, and the best median of both phases wins;
+6. progress: trial k of N, the time elapsed and left (a bar on a terminal, else a log line per trial);
+7. ``results_dir`` gets ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt`` (DeepSpeed's
    names); ``run`` then launches the script with the best config.
 """
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 from pathlib import Path
 from typing import Any
 
+from deepshard.autotuning.progress import TrialProgress
 from deepshard.autotuning.settings import AutotuningSettings
 from deepshard.autotuning.space import Experiment, experiments, prune, refinements
 from deepshard.autotuning.trial import run_trial
@@ -102,15 +107,49 @@ def _probe_spec(settings: AutotuningSettings, exp_dir: Path, model_info: bool = 
             "end_step": settings.end_profile_step, "model_info": model_info}
 
 
-def _run(trial: Experiment, settings: AutotuningSettings, launcher: list[str], script: list[str]) -> None:
-    exp_dir = Path(settings.exps_dir) / trial.name
+def _result(trial: Experiment, metric: str) -> str:
+    if trial.status != "ok":
+        return f"{trial.status}: {trial.detail}"
+    return f"ok, {metric} {trial.samples[-1]:.4g}"
+
+
+def _run(trial: Experiment, settings: AutotuningSettings, launcher: list[str], script: list[str],
+         progress: TrialProgress) -> None:
+    """Run ``trial`` once more (its first run, or a repeat in ``<name>/repeat<k>``); a failed repeat
+    fails the experiment (a configuration that fails now and then is not a safe pick)."""
+    repeat = len(trial.samples)
+    exp_dir = Path(settings.exps_dir) / trial.name / (f"repeat{repeat + 1}" if repeat else "")
     exp_dir.mkdir(parents=True, exist_ok=True)
     config_path = exp_dir / "ds_config.json"
     config_path.write_text(json.dumps(trial.config, indent=2))
-    trial.status, trial.metrics, trial.detail = run_trial(launcher, with_config(script, config_path), exp_dir,
-                                                          _probe_spec(settings, exp_dir), settings.trial_timeout)
-    logger.info("autotuning: %s -> %s %s", trial.name, trial.status,
-                f"{settings.metric} {trial.metrics[settings.metric]:.4g}" if trial.status == "ok" else trial.detail)
+    status, metrics, detail = run_trial(launcher, with_config(script, config_path), exp_dir,
+                                        _probe_spec(settings, exp_dir), settings.trial_timeout)
+    trial.status, trial.detail = status, (f"run {repeat + 1}: {detail}" if repeat and detail else detail)
+    if status == "ok":
+        trial.samples.append(float(metrics[settings.metric]))
+        trial.metrics = {**metrics, settings.metric: statistics.median(trial.samples)}
+    progress.finished(trial.name + (f" (run {repeat + 1})" if repeat else ""), _result(trial, settings.metric))
+
+
+def ranked(trials: list[Experiment], metric: str) -> list[Experiment]:
+    """The successful trials, best first by ``metric`` (the median of their runs)."""
+    done = [t for t in trials if t.status == "ok"]
+    return sorted(done, key=lambda t: t.metrics[metric], reverse=metric == "throughput")
+
+
+def confirm_leaders(trials: list[Experiment], settings: AutotuningSettings, launcher: list[str],
+                    script: list[str], progress: TrialProgress) -> None:
+    """Repeat the ``leaders`` best trials until each has ``repeats`` runs. A repeat can reorder them, so
+    this goes on until the leaders by median are all measured ``repeats`` times (each trial is repeated
+    at most that often, so it ends)."""
+    while True:
+        short = [t for t in ranked(trials, settings.metric)[:settings.leaders] if len(t.samples) < settings.repeats]
+        if not short:
+            return
+        progress.add(sum(settings.repeats - len(t.samples) for t in short))
+        for trial in short:
+            while trial.status == "ok" and len(trial.samples) < settings.repeats:
+                _run(trial, settings, launcher, script, progress)
 
 
 def model_facts(trials: list[Experiment], settings: AutotuningSettings, launcher: list[str],
@@ -130,23 +169,30 @@ def model_facts(trials: list[Experiment], settings: AutotuningSettings, launcher
 
 
 def best_of(trials: list[Experiment], metric: str) -> Experiment | None:
-    done = [t for t in trials if t.status == "ok"]
-    if not done:
-        return None
-    return (max if metric == "throughput" else min)(done, key=lambda t: t.metrics[metric])
+    """The best successful trial by the median of its runs, or None."""
+    leading = ranked(trials, metric)
+    return leading[0] if leading else None
+
+
+def spread(trial: Experiment) -> str:
+    """``min-max (n runs)`` of the tuning metric, ``-`` before a run succeeded."""
+    if not trial.samples or trial.status != "ok":
+        return "-"
+    return f"{min(trial.samples):.4g}-{max(trial.samples):.4g} (n={len(trial.samples)})"
 
 
 def summary_table(trials: list[Experiment], metric: str, best: Experiment | None) -> str:
     lines = [f"{'experiment':<22}{'stage':>6}{'micro':>6}{'gas':>5}{'states MiB':>12}{'status':>9}"
-             f"{'throughput':>12}{'latency s':>11}  detail"]
+             f"{'throughput':>12}{'latency s':>11}  {metric + ' spread':<26}detail"]
     for t in trials:
         tput = f"{t.metrics['throughput']:.2f}" if t.status == "ok" else "-"
         lat = f"{t.metrics['latency']:.4f}" if t.status == "ok" else "-"
         est = f"{t.estimate_bytes / 2**20:.2f}" if t.estimate_bytes is not None else "-"
         mark = " *" if t is best else ""
         lines.append(f"{t.name:<22}{t.stage:>6}{t.micro:>6}{t.gas:>5}{est:>12}{t.status:>9}{tput:>12}{lat:>11}  "
-                     f"{t.detail}{mark}")
-    lines.append(f"best by {metric}: {best.name if best else 'none (every experiment failed or was pruned)'}")
+                     f"{spread(t):<26}{t.detail}{mark}")
+    lines.append(f"best by {metric} (median of its runs): "
+                 f"{best.name if best else 'none (every experiment failed or was pruned)'}")
     return "\n".join(lines)
 
 
@@ -157,7 +203,8 @@ def write_results(trials: list[Experiment], settings: AutotuningSettings, best: 
     (results / "summary.txt").write_text(summary_table(trials, settings.metric, best) + "\n")
     (results / "experiments.json").write_text(json.dumps(
         [{"name": t.name, "stage": t.stage, "micro": t.micro, "gas": t.gas, "status": t.status,
-          "metrics": t.metrics, "estimate_bytes": t.estimate_bytes, "detail": t.detail} for t in trials], indent=2))
+          "metrics": t.metrics, "samples": t.samples, "estimate_bytes": t.estimate_bytes, "detail": t.detail}
+         for t in trials], indent=2))
     if best is None:
         return None
     optimal = results / "ds_config_optimal.json"
@@ -165,6 +212,24 @@ def write_results(trials: list[Experiment], settings: AutotuningSettings, best: 
     command = ["deepshard", *launcher, *with_config(script, optimal.resolve())]
     (results / "cmd_optimal.txt").write_text(shlex.join(command) + "\n")
     return optimal
+
+
+def _search(trials: list[Experiment], settings: AutotuningSettings, launcher: list[str], script: list[str],
+            progress: TrialProgress) -> None:
+    """Phase 1 (every pending trial), its leaders repeated; phase 2 (refinements of the best), appended
+    to ``trials``, the leaders of both repeated."""
+    for trial in [t for t in trials if t.status == "pending"]:
+        _run(trial, settings, launcher, script, progress)
+    confirm_leaders(trials, settings, launcher, script, progress)
+    best = best_of(trials, settings.metric)
+    if best is None:
+        return
+    second = refinements(best, settings, offload_devices(settings))
+    progress.add(len(second))
+    for trial in second:
+        _run(trial, settings, launcher, script, progress)
+    trials += second
+    confirm_leaders(trials, settings, launcher, script, progress)
 
 
 def tune(args: argparse.Namespace, argv: list[str]) -> tuple[Path | None, list[str], list[str]]:
@@ -176,16 +241,12 @@ def tune(args: argparse.Namespace, argv: list[str]) -> tuple[Path | None, list[s
     dp = process_count(args)
     trials = experiments(base, settings, dp)
     prune(trials, model_facts(trials, settings, launcher, script), dp, memory_limit(settings, dp))
-    for trial in trials:
-        if trial.status == "pending":
-            _run(trial, settings, launcher, script)
+    progress = TrialProgress(sum(t.status == "pending" for t in trials))
+    try:
+        _search(trials, settings, launcher, script, progress)
+    finally:
+        progress.close()
     best = best_of(trials, settings.metric)
-    if best is not None:
-        second = refinements(best, settings, offload_devices(settings))
-        for trial in second:
-            _run(trial, settings, launcher, script)
-        trials += second
-        best = best_of(trials, settings.metric)
     optimal = write_results(trials, settings, best, launcher, script)
     print(summary_table(trials, settings.metric, best), flush=True)
     return optimal, launcher, script

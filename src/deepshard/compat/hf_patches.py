@@ -58,8 +58,18 @@ def check_version(dist: str) -> None:
     tested = ", ".join(f"{t}.x" for t in TESTED[dist])
     raise RuntimeError(
         f"deepshard must adjust {dist} to run DeepSpeed on a CPU and was tested with {dist} {tested}, but "
-        f"{version} is installed: pip install 'deepshard[hf]' (the tested versions), or set {UNTESTED_ENV}=1 "
-        "to try this version anyway (see deepshard/compat/hf_patches.py for what is adjusted)")
+        f"{version} is installed: pip install '{dist}{tested_range(dist)}' (the tested series; from a deepshard "
+        f"checkout, pip install '.[hf]'), or set {UNTESTED_ENV}=1 to try this version anyway (see "
+        "deepshard/compat/hf_patches.py for what is adjusted)")
+
+
+def tested_range(dist: str) -> str:
+    """The pip version range of the tested series of ``dist``, e.g. ``>=1.15,<1.16`` (pyproject's extras
+    say the same)."""
+    series = TESTED[dist]
+    first, last = series[0], series[-1]
+    major, minor = last.split(".")
+    return f">={first},<{major}.{int(minor) + 1}"
 
 
 def _deepspeed_launched() -> bool:

@@ -1,10 +1,16 @@
-"""``python -m deepshard.compat.run [-m] TARGET [ARGS...]``: run a script (or, with ``-m``, a module) as
-``__main__`` with ``import deepspeed`` resolving to deepshard. ``deepshard launch`` starts every rank this
-way, so the user's script (Accelerate, the Trainer) needs no change.
+"""``python -m deepshard.compat.run [--keep_deepspeed] [-m] TARGET [ARGS...]``: run a script (or, with
+``-m``, a module) as ``__main__`` with ``import deepspeed`` resolving to deepshard. The ``deepshard``
+launcher and ``deepshard launch`` start every Python rank this way, so the user's script (Accelerate, the
+Trainer, a DeepSpeed script) needs no change.
 
 A real DeepSpeed installed next to deepshard is shadowed only with ``DEEPSHARD_REPLACE_DEEPSPEED=1``
-(``deepshard launch --replace_deepspeed``); otherwise this refuses with the reason (see
-:func:`deepshard.compat.install`).
+(``--replace_deepspeed`` on either launcher); the launcher passes ``--keep_deepspeed`` otherwise, and the
+script's ``import deepspeed`` is the real one (see :func:`deepshard.compat.install`).
+
+A deepshard config error (:class:`deepshard.config.base.ConfigError`, the same on every rank) ends the
+rank with a one-line message and exit status 1, without the traceback (``DEEPSHARD_VERBOSE=1``, the
+launcher's ``--verbose``, shows it). Under the launcher (``DEEPSHARD_ERROR_DIR`` set) the message goes to
+``rank<RANK>.txt`` there and the launcher prints each distinct message once.
 """
 from __future__ import annotations
 
@@ -13,22 +19,38 @@ import runpy
 import sys
 
 from deepshard.compat import install
+from deepshard.launcher.rank_entry import KEEP_DEEPSPEED
+from deepshard.launcher.rank_errors import VERBOSE_ENV, report
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    as_module = bool(args) and args[0] == "-m"
-    if as_module:
-        args = args[1:]
-    if not args:
-        raise SystemExit("usage: python -m deepshard.compat.run [-m] SCRIPT_OR_MODULE [ARGS...]")
-    install()
+def _run(args: list[str], as_module: bool) -> None:
     sys.argv = args
     if as_module:
         runpy.run_module(args[0], run_name="__main__", alter_sys=True)
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
         runpy.run_path(args[0], run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep = bool(args) and args[0] == KEEP_DEEPSPEED
+    args = args[1:] if keep else args
+    as_module = bool(args) and args[0] == "-m"
+    args = args[1:] if as_module else args
+    if not args:
+        raise SystemExit(f"usage: python -m deepshard.compat.run [{KEEP_DEEPSPEED}] [-m] SCRIPT_OR_MODULE [ARGS...]")
+    if not keep:
+        install()
+    from deepshard.config.base import ConfigError
+
+    try:
+        _run(args, as_module)
+    except ConfigError as exc:
+        if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+            raise
+        report(str(exc))
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,17 +84,26 @@ def default_config_file(environ: Mapping[str, str]) -> Path:
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
+YAML_HINT = ("pip install pyyaml (from a deepshard checkout: pip install '.[accelerate]'), "
+             "or use a .json file")
+
+
+def yaml_module(purpose: str) -> Any:
+    """PyYAML, or a :class:`LaunchError` saying what ``purpose`` needs and how to install it."""
+    try:
+        import yaml
+    except ImportError:
+        raise LaunchError(f"{purpose} needs PyYAML: {YAML_HINT}") from None
+    return yaml
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """An Accelerate config file (YAML, or JSON by extension) as a dict."""
     text = Path(path).read_text(encoding="utf-8")
     if str(path).endswith(".json"):
         data = json.loads(text)
     else:
-        try:
-            import yaml
-        except ImportError:
-            raise LaunchError(f"reading {path} needs PyYAML: pip install 'deepshard[accelerate]'") from None
-        data = yaml.safe_load(text)
+        data = yaml_module(f"reading {path}").safe_load(text)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -185,12 +193,6 @@ def check(merged: Mapping[str, Any]) -> str:
     return dtype
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _processes(merged: Mapping[str, Any], dtype: str) -> tuple[int, int]:
     """(total processes, machines); the total must split evenly over the machines."""
     machines = _int(merged.get("num_machines") or 1, "num_machines")
@@ -258,7 +260,10 @@ def plan(config: Mapping[str, Any], flags: Mapping[str, Any], script: str, scrip
     ds = merged["deepspeed_config"]
     total, machines = _processes(merged, dtype)
     given = merged.get("main_process_port")
-    port = _int(29500 if given is None else given, "main_process_port") or _free_port()  # 0: a free port
+    port = _int(29500 if given is None else given, "main_process_port")  # 0: the launcher picks a free port
+    if port == 0 and machines > 1:
+        raise LaunchError("main_process_port 0 (a free port) works on one machine only: every machine must know "
+                          "the port, so give all of them the same free port number")
     argv = ["--num_gpus", str(total // machines), "--master_port", str(port), "--no_local_rank",
             "--max_restarts", str(_int(merged.get("max_restarts") or 0, "max_restarts"))]
     if merged.get("main_process_ip"):

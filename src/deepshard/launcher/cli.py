@@ -33,7 +33,8 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from deepshard.launcher import multinode, node
+from deepshard.launcher import multinode, node, rank_errors
+from deepshard.launcher.commands import add_command_list, find_command, run_command
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
 from deepshard.launcher.hostfile import assign_ranks, parse_node_spec, read_hostfile, resolve_resources
 from deepshard.launcher.local import (
@@ -54,13 +55,14 @@ from deepshard.launcher.options import (
     add_resource_args,
     add_script_args,
 )
-from deepshard.launcher.preflight import check_port_free, prepare_log_dir
+from deepshard.launcher.preflight import check_port_free, free_port, prepare_log_dir
+from deepshard.launcher.rank_entry import real_deepspeed, route_ranks
 from deepshard.utils.logging import logger
 
 LOCAL_HOST = "localhost"
 
-__all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_parser", "launch_mode", "main",
-           "parse_args", "plan_launch", "select_nodes"]
+__all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_parser", "help_parser", "launch",
+           "launch_mode", "main", "parse_args", "plan_launch", "select_nodes"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,6 +241,19 @@ def _with_restart_count(environ: Mapping[str, str], attempt: int) -> dict[str, s
     return {**environ, node.RESTART_COUNT_ENV: str(attempt)}
 
 
+def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:
+    """``--master_port 0``: a free port of this machine, logged (one machine only: every node of a
+    multi-node job must be told the same port)."""
+    if args.master_port != 0:
+        return args
+    if mode != "local":
+        raise LaunchError("--master_port 0 (a free port) works on one machine only: every node must know the "
+                          "port, so pass the same free port number to the whole job")
+    port = free_port(args.master_addr or "127.0.0.1")
+    logger.info("--master_port 0: rendezvous on free port %d", port)
+    return argparse.Namespace(**{**vars(args), "master_port": port})
+
+
 def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[int]], None] | None], int]]:
     """Check and plan everything before a process starts; returns the mode and a runner."""
     if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
@@ -253,6 +268,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     _say_cpu_default(args, hostfile, cuda_devices)
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
     cores = sorted(os.sched_getaffinity(0))
+    args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
     if mode == "local":
         plan_launch(args, os.environ, hostfile, cuda_devices, cores, names)  # errors surface now
         check_port_free(args.master_addr or "127.0.0.1", args.master_port)
@@ -294,44 +310,60 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
     return lambda started: multinode.run_agents(specs, started)
 
 
+def help_parser() -> argparse.ArgumentParser:
+    """``deepshard --help``: the subcommands, then the launcher's own options."""
+    parser = build_parser()
+    add_command_list(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``deepshard`` console script; returns the exit status. With no arguments
-    at all it prints the help (to stderr) and returns 2; ``deepshard report`` is the environment report."""
+    """Entry point of the ``deepshard`` console script; returns the exit status. A first word naming a
+    subcommand (:data:`deepshard.launcher.commands.COMMANDS`) runs it; anything else is DeepSpeed's
+    launcher. With no arguments at all it prints the help (to stderr) and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
-        build_parser().print_help(sys.stderr)
+        help_parser().print_help(sys.stderr)
         return 2
-    if argv[:1] == ["report"]:  # ``deepshard report``: the environment report (ds_report_deepshard)
-        from deepshard.utils.env_report import main as report_main
+    if argv[0] in ("-h", "--help"):
+        help_parser().print_help()
+        return 0
+    found = find_command(argv)
+    if found is not None:
+        return run_command(found[0], argv[1:])
+    return launch(parse_args(argv), argv)
 
-        return report_main(argv[1:])
-    if argv[0] in ("launch", "config"):  # Accelerate's front end: deepshard.launcher.accelerate_cli
-        from deepshard.launcher.accelerate_cli import SUBCOMMANDS
 
-        return SUBCOMMANDS[argv[0]](argv[1:])
-    args = parse_args(argv)
+def _error(exc: Exception) -> int:
+    print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the launch a parsed command line describes (``argv``: the words it was parsed from, which
+    autotuning trials reuse); returns the exit status."""
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
+    if args.verbose:
+        os.environ[rank_errors.VERBOSE_ENV] = "1"
     if args.autotuning:  # trials through this launcher, then (run) the training: deepshard.autotuning
         from deepshard.autotuning.tuner import main as autotune
 
         try:
             return autotune(args, argv)
         except ValueError as exc:
-            print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
-            return 2
+            return _error(exc)
     try:
         _, run = _prepare(args)
     except (LaunchError, ValueError) as exc:
-        print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _error(exc)
     pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepshard") if args.save_pid else None
     on_started = (lambda pids: _write_pid_file(pid_file, pids)) if pid_file else None
     try:
-        return run(on_started)
+        with rank_errors.error_dir(os.environ):
+            return run(on_started)
     except (LaunchError, ValueError) as exc:
-        print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _error(exc)
     finally:
         if pid_file and os.path.exists(pid_file):
             os.remove(pid_file)

@@ -41,7 +41,8 @@ def add_resource_args(parser: argparse.ArgumentParser) -> None:
                         help="slots [0, N) per node; on a CPU machine, the number of processes; -1: every GPU, "
                              "or 1 process on a CPU machine")
     parser.add_argument("--master_port", type=_port_number, default=DEFAULT_MASTER_PORT,
-                        help="rendezvous port; multi-node agents also use port+1 to coordinate")
+                        help="rendezvous port; 0: a free port (one machine only; the launcher logs it); "
+                             "multi-node agents also use port+1 to coordinate")
     parser.add_argument("--master_addr", default="",
                         help="rendezvous address (default: 127.0.0.1 on one machine, else the first host)")
     parser.add_argument("--node_rank", type=int, default=-1,
@@ -66,9 +67,12 @@ def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
                              "its checkpoint; DEEPSHARD_RESTART_COUNT tells it which attempt it is)")
     parser.add_argument("--autotuning", default="", choices=["", "tune", "run"],
                         help="search ZeRO stage x micro batch with short trials (tune), then train with the best (run)")
-    parser.add_argument("--elastic_training", action="store_true", help="not supported (see --max_restarts)")
-    parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="not supported")
-    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="not supported")
+    parser.add_argument("--elastic_training", action="store_true",
+                        help="DeepSpeed's elastic training: not supported, refused (see --max_restarts)")
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1,
+                        help="DeepSpeed's elastic training: accepted, not used")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1,
+                        help="DeepSpeed's elastic training: accepted, not used")
 
 
 def add_process_args(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +92,12 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log_level", default=None, choices=["debug", "info", "warning", "error", "critical"],
                         help="launcher log level (default: DEEPSHARD_LOG_LEVEL, else info)")
     parser.add_argument("-q", "--quiet", action="store_true", help="launcher logs warnings and errors only")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the full traceback of a rank's config error (by default each distinct "
+                             "message is printed once, as one line)")
+    parser.add_argument("--replace_deepspeed", action="store_true",
+                        help="when a real DeepSpeed is installed, make the script's `import deepspeed` run "
+                             "deepshard anyway (without it, DeepSpeed runs and the launcher says so)")
 
 
 def _port_number(text: str) -> int:

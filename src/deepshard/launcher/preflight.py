@@ -12,14 +12,15 @@ from deepshard.launcher.options import LaunchError
 
 
 def port_number(text: str) -> int:
-    """argparse type of ``--master_port``: an integer in 1..65535."""
+    """argparse type of ``--master_port``: an integer in 1..65535, or 0 for a free port."""
     try:
         port = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an integer in 1..65535") from None
-    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an integer in 1..65535 "
+                                         "(0: a free port)") from None
+    if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is outside 1..65535; pick a free port in that range, "
-                                         "e.g. 29500")
+                                         "e.g. 29500, or 0 for any free port")
     return port
 
 

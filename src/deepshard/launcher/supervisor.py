@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from deepshard.launcher import rank_errors
 from deepshard.launcher.local import RankSpec
 from deepshard.launcher.preflight import prepare_log_dir
 from deepshard.utils.logging import logger
@@ -262,15 +263,16 @@ def _failure_of(child: _Child) -> RankFailure:
                        spec.label)
 
 
-def format_failure(failure: RankFailure, stopped: int, noun: str = "rank") -> str:
-    """The failure report: who failed, how, and the end of its output."""
+def format_failure(failure: RankFailure, stopped: int, noun: str = "rank", with_tail: bool = True) -> str:
+    """The failure report: who failed, how, and the end of its output (``with_tail``: not when the rank
+    reported its error in words, printed just before)."""
     who = failure.label or f"rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid})"
     short = failure.label or f"rank {failure.rank}"
     plural = noun if stopped == 1 else noun + "s"
     lines = [f"deepshard: {who} exited with {failure.describe_exit()}; stopped the other {stopped} {plural}"]
-    if failure.tail:
+    if with_tail and failure.tail:
         lines += [f"----- last output of {short} -----", failure.tail, f"----- end of {short} output -----"]
-    else:
+    elif with_tail:
         lines.append(f"({short} printed nothing)")
     if failure.log_path:
         lines.append(f"full log of {short}: {failure.log_path}")
@@ -332,7 +334,12 @@ def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Qu
     _join_readers(children)
     failure = _failure_of(children[index])
     if hooks.report:
-        print(format_failure(failure, len(others), hooks.noun), file=sys.stderr, flush=True)
+        errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
+        reported = any(failure.rank in ranks for ranks in errors.values())
+        if errors:
+            print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
+        print(format_failure(failure, len(others), hooks.noun, with_tail=not reported), file=sys.stderr,
+              flush=True)
     return GroupResult(failure.exit_code, failure=failure)
 
 

@@ -125,12 +125,16 @@ class EngineTools:
                        for n in TIMER_NAMES]
         return events
 
-    def print_lines(self, dp_size: int, memory_allocated: int, max_memory_allocated: int) -> list[str]:
-        """The ``steps_per_print`` lines: throughput (DeepSpeed's names), and the window's phase times."""
+    def print_lines(self, dp_size: int, memory_allocated: int, max_memory_allocated: int,
+                    memory_is_rss: bool = False) -> list[str]:
+        """The ``steps_per_print`` lines: throughput (DeepSpeed's names), and the window's phase times.
+        ``memory_is_rss``: the memory figures are the process's resident set (a CPU run), labelled
+        ``ProcessRSS`` / ``MaxProcessRSS`` rather than the allocator's ``MemAllocated``."""
         r = self.rates(dp_size)
+        now, peak = ("ProcessRSS", "MaxProcessRSS") if memory_is_rss else ("MemAllocated", "MaxMemAllocated")
         line = (f"RunningAvgSamplesPerSec={r['avg_samples_per_sec']:.3f}, "
-                f"CurrSamplesPerSec={r['samples_per_sec']:.3f}, MemAllocated={memory_allocated / GB:.2f}GB, "
-                f"MaxMemAllocated={max_memory_allocated / GB:.2f}GB")
+                f"CurrSamplesPerSec={r['samples_per_sec']:.3f}, {now}={memory_allocated / GB:.2f}GB, "
+                f"{peak}={max_memory_allocated / GB:.2f}GB")
         if "tokens_per_sec" in r:
             line += f", TokensPerSec={r['tokens_per_sec']:.1f}"
         if "tflops" in r:

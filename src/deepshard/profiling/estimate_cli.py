@@ -1,6 +1,7 @@
-"""``deepshard_estimate_memory``: the whole-run memory estimate for a config and a model, per process.
+"""``deepshard estimate_memory`` (alias ``deepshard_estimate_memory``): the whole-run memory estimate for a
+config and a model, per process.
 
-    deepshard_estimate_memory --config ds_config.json --model examples.gpt_model:build_model \\
+    deepshard estimate_memory --config ds_config.json --model examples.gpt_model:build_model \\
         --inputs examples.gpt_model:example_batch --dp 2
 
 ``--model`` names a callable returning the ``torch.nn.Module``; ``--inputs`` a callable taking the micro
@@ -27,9 +28,10 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="deepshard_estimate_memory", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "deepshard_estimate_memory") -> int:
+    """Entry point of ``deepshard estimate_memory`` (alias ``deepshard_estimate_memory``); returns the exit
+    status."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="DeepSpeed/deepshard JSON config")
     parser.add_argument("--model", required=True, help="module:function returning the model")
     parser.add_argument("--inputs", required=True, help="module:function(micro_batch) returning forward args")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_callable(args.model)()
         inputs = tuple(load_callable(args.inputs)(config.train_micro_batch_size_per_gpu))
     except (ValueError, ImportError, AttributeError) as exc:
-        print(f"deepshard_estimate_memory: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     est = estimate_run_memory(model, config, inputs, args.dp)
     print(f"ZeRO stage {config.zero_stage}, {config.model_dtype}, {args.dp} data-parallel process(es), "

@@ -1,4 +1,4 @@
-"""``ds_report_deepshard`` (and ``deepshard report``): what this machine offers deepshard.
+"""``deepshard report`` (alias ``ds_report_deepshard``): what this machine offers deepshard.
 
 DeepSpeed's ``ds_report`` lists compiled operators and versions. deepshard compiles nothing, so the report
 says instead what a run here would find: versions and install paths, the devices and collective backends,
@@ -183,9 +183,9 @@ def collect(hide_devices: bool = False) -> list[Section]:
     return sections
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ds_report_deepshard``; prints the report and returns 0."""
-    parser = argparse.ArgumentParser(prog="ds_report_deepshard", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "ds_report_deepshard") -> int:
+    """Entry point of ``deepshard report`` (alias ``ds_report_deepshard``); prints the report and returns 0."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--hide_operator_status", action="store_true",
                         help="accepted for ds_report compatibility (deepshard has no compiled operators)")
     parser.add_argument("--hide_errors_and_warnings", action="store_true",

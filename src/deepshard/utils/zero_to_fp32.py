@@ -8,9 +8,9 @@ Python::
     convert_zero_checkpoint_to_fp32_state_dict("checkpoints", "hf_out", safe_serialization=True)
     model = load_state_dict_from_zero_checkpoint(model, "checkpoints", tag="global_step100")
 
-Command line (``python -m deepshard.utils.zero_to_fp32`` works the same)::
+Command line (``deepshard_zero_to_fp32`` and ``python -m deepshard.utils.zero_to_fp32`` work the same)::
 
-    deepshard_zero_to_fp32 CKPT_DIR OUT_DIR [--max_shard_size 5GB] [--safe_serialization] [-t TAG]
+    deepshard zero_to_fp32 CKPT_DIR OUT_DIR [--max_shard_size 5GB] [--safe_serialization] [-t TAG]
                            [--exclude_frozen_parameters] [-d]
 
 Differences from DeepSpeed, all deliberate: the checkpoint's manifest (size + sha256 of every file) is
@@ -120,9 +120,9 @@ def load_state_dict_from_zero_checkpoint(model: "torch.nn.Module", checkpoint_di
 # command line
 # --------------------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Consolidate a deepshard/DeepSpeed-style ZeRO checkpoint into fp32 weights "
+        prog=prog, allow_abbrev=False, description="Consolidate a deepshard/DeepSpeed-style ZeRO checkpoint into fp32 weights "
                                "(pytorch_model.bin or model.safetensors, sharded above --max_shard_size).")
     parser.add_argument("checkpoint_dir", help="the save directory (holding 'latest' and the tag folders), "
                                                "or one tag folder")
@@ -139,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``deepshard_zero_to_fp32``; returns the exit status (0 ok, 1 error)."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Entry point of ``deepshard zero_to_fp32`` (alias ``deepshard_zero_to_fp32``); returns the exit status
+    (0 ok, 1 error)."""
+    args = build_parser(prog).parse_args(argv)
     if args.debug:
         logger.setLevel(logging.DEBUG)
     from deepshard.checkpoint.io import CheckpointError
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, NotADirectoryError, ValueError, TypeError, CheckpointError) as err:
         if args.debug:
             raise
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     print(summary)
     return 0

@@ -1,0 +1,74 @@
+"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one.
+
+    deepshard [launcher flags] train.py [script args]   DeepSpeed's launcher (no subcommand)
+    deepshard launch [flags] train.py [script args]     Accelerate's launch front end
+    deepshard config | report | zero_to_fp32 | estimate_memory ...
+
+Parsing only: each subcommand owns its parser and returns an exit status; nothing here starts a
+process. A new subcommand is one entry in :data:`COMMANDS` (``"module:function"`` taking
+``(argv, prog=...)``); the old console-script names stay as aliases of the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: a one-line summary for ``--help``, its entry point, and older names for it."""
+
+    summary: str
+    entry: str
+    """``package.module:function``, called as ``function(argv, prog="deepshard NAME")``."""
+    aliases: tuple[str, ...] = ()
+    """Console scripts that run the same function (kept for users of the older names)."""
+
+    def load(self) -> Callable[..., int]:
+        module_name, _, attr = self.entry.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+COMMANDS: dict[str, Command] = {
+    "launch": Command("run a script written for Accelerate (reads its config file; `accelerate launch`)",
+                      "deepshard.launcher.accelerate_cli:launch_main"),
+    "config": Command("write an Accelerate config file for deepshard (`accelerate config`)",
+                      "deepshard.launcher.accelerate_cli:config_main"),
+    "report": Command("print what this machine offers deepshard (`ds_report`)",
+                      "deepshard.utils.env_report:main", ("ds_report_deepshard",)),
+    "zero_to_fp32": Command("consolidate a ZeRO checkpoint into fp32 weights (`zero_to_fp32.py`)",
+                            "deepshard.utils.zero_to_fp32:main", ("deepshard_zero_to_fp32",)),
+    "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
+                               "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
+}
+"""Subcommands by name, in the order ``deepshard --help`` lists them."""
+
+USAGE = ("deepshard [launcher options] user_script [script args...]\n"
+         "       deepshard COMMAND [options]      (deepshard COMMAND --help for each)")
+
+
+def find_command(argv: Sequence[str]) -> tuple[str, Command] | None:
+    """The subcommand ``argv`` names in its first word, if any (else it is a DeepSpeed-style launch)."""
+    if argv and argv[0] in COMMANDS:
+        return argv[0], COMMANDS[argv[0]]
+    return None
+
+
+def run_command(name: str, argv: Sequence[str]) -> int:
+    """Run subcommand ``name`` with the words after it; returns its exit status."""
+    return int(COMMANDS[name].load()(list(argv), prog=f"deepshard {name}") or 0)
+
+
+def add_command_list(parser: argparse.ArgumentParser) -> None:
+    """List the subcommands in ``parser``'s help (used for ``deepshard --help`` only: the launcher's own
+    parser takes the script as its first positional, so it never parses a subcommand)."""
+    parser.usage = USAGE
+    group = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command",
+                                  description="with no COMMAND, deepshard is DeepSpeed's launcher: the "
+                                              "arguments and options below")
+    for name, command in COMMANDS.items():
+        group.add_parser(name, help=command.summary, add_help=False)
+    groups = parser._action_groups  # list the commands first (argparse keeps groups in creation order)
+    groups.insert(0, groups.pop())

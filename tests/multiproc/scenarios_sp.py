@@ -1,0 +1,134 @@
+"""Sequence-parallel scenarios (run by test_sp.py): each spawned world runs many checks and returns the
+errors against one process."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepshard.sp import SequenceParallel
+from deepshard.topology import ParallelDims, Topology
+
+# (mode, ulysses_size, heads, kv_heads, seq_len, causal, balance)
+ATTENTION_CASES_SP4 = [
+    ("ulysses", None, 8, 4, 16, True, True),
+    ("ulysses", None, 8, 2, 16, True, True),    # GQA: kv heads < sp, repeated
+    ("ulysses", None, 6, 2, 13, True, True),    # uneven heads (padded) and length (padded, masked)
+    ("ulysses", None, 5, 5, 15, False, True),   # non-causal: padding keys masked
+    ("ring", None, 4, 2, 16, True, True),
+    ("ring", None, 4, 2, 16, True, False),
+    ("ring", None, 3, 1, 13, True, True),
+    ("ring", None, 4, 4, 11, False, True),
+    ("hybrid", 2, 6, 2, 16, True, True),        # 6 heads over a Ulysses pair, ring of 2
+    ("hybrid", 2, 3, 1, 19, True, True),
+]
+ATTENTION_CASES_SP2 = [
+    ("ulysses", None, 4, 2, 16, True, True),
+    ("ulysses", None, 3, 3, 9, True, True),
+    ("ring", None, 4, 2, 16, True, True),
+    ("ring", None, 2, 1, 7, True, True),
+]
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _one_case(sp: SequenceParallel, case: tuple, seed: int) -> dict[str, float]:
+    _, _, h, hk, s, causal, _ = case
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, n, s, 8, generator=g, dtype=torch.float64) for n in (h, hk, hk))
+    dout = torch.randn(2, h, s, 8, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = reference_attention(*full, causal)
+    want.backward(dout)
+    mine = [sp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    got = sp.attention(*mine, seq_len=s, causal=causal)
+    got.backward(sp.shard(dout, dim=2))
+    valid = sp.layout(s).positions(sp.rank) < s  # padded rows are nobody's tokens
+    errors = {"out": float((got - sp.shard(want.detach(), dim=2))[:, :, valid].abs().max())}
+    for name, a, b in zip("qkv", mine, full):
+        errors[f"d{name}"] = float((a.grad - sp.shard(b.grad, dim=2))[:, :, valid].abs().max())
+    return errors
+
+
+def attention_world(rank: int, world: int) -> dict[str, Any]:
+    """sp=4 (every mode) and dp=2 x sp=2 on one world of 4."""
+    out: dict[str, Any] = {}
+    topo4 = Topology.build(ParallelDims(sp=4))
+    for i, case in enumerate(ATTENTION_CASES_SP4):
+        sp = SequenceParallel.build(topo4, case[0], case[1], balance=case[6])
+        out[("sp4",) + case] = _one_case(sp, case, seed=i)
+    topo2 = Topology.build(ParallelDims(dp=2, sp=2))
+    for i, case in enumerate(ATTENTION_CASES_SP2):
+        sp = SequenceParallel.build(topo2, case[0], case[1], balance=case[6])
+        out[("sp2",) + case] = _one_case(sp, case, seed=100 + i + topo2.coord.dp)
+    out["labels"] = sorted(topo4.world.logger.ops)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- training
+SEQ, STEPS, CLIP = 13, 3, 0.5
+
+
+def lm_config(stage: int, sp: int, gas: int, mode: str = "ulysses", ulysses_size: int | None = None) -> dict:
+    section: dict[str, Any] = {"mode": mode}
+    if ulysses_size:
+        section["ulysses_size"] = ulysses_size
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp, "sequence_parallel": section}
+
+
+def train_lm(config: dict, steps: int, start: int = 0, ckpt: bool = False, load: str | None = None,
+             save: str | None = None) -> dict[str, Any]:
+    """Train TinyLM through the engine; each dp rank takes samples in order (sample = micro-step * dp + d)."""
+    import deepshard
+    from tests.multiproc.sp_models import make_lm, make_samples
+
+    model = make_lm(activation_checkpointing=ckpt)
+    engine, *_ = deepshard.initialize(model=model, config=config)
+    model.sp = engine.sequence_parallel
+    if load is not None:
+        engine.load_checkpoint(load)
+    dp, gas = engine.dp_world_size, engine.gradient_accumulation_steps()
+    samples = make_samples(64, SEQ)
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        step_loss = 0.0
+        for micro in range(gas):
+            ids = samples[(step * gas + micro) * dp + engine.topology.coord.dp].unsqueeze(0)
+            batch = model.sp.shard_batch({"input_ids": ids, "labels": ids})
+            logits = engine(batch["input_ids"], batch["position_ids"], batch["seq_len"])
+            loss = model.sp.loss(logits, batch["shift_labels"])
+            engine.backward(loss)
+            engine.step()
+            step_loss += float(loss.detach()) / gas
+        losses.append(step_loss)
+        norms.append(engine.get_global_grad_norm())
+    if save is not None:
+        engine.save_checkpoint(save)
+    weights = _full_weights(engine)
+    engine.destroy()
+    return {"losses": losses, "weights": weights, "norms": norms}
+
+
+def _full_weights(engine: Any) -> dict[str, torch.Tensor]:
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+        return {k: v.float() for k, v in (state or {}).items()}
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def training_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """dp2 x sp2 Ulysses at ZeRO 1 (accumulation 2, activation checkpointing) and ZeRO 3; sp4 ring and
+    hybrid 2x2 at ZeRO 2; a dp2 x sp2 checkpoint resumed at sp4 (ring) for one more step."""
+    out: dict[str, Any] = {}
+    out["z1_ulysses_dp2sp2"] = train_lm(lm_config(1, 2, 2), STEPS, ckpt=True)
+    out["z3_ulysses_dp2sp2"] = train_lm(lm_config(3, 2, 1), STEPS, save=f"{tmp}/ckpt")
+    out["z2_ring_sp4"] = train_lm(lm_config(2, 4, 1, "ring"), STEPS)
+    out["z2_hybrid_sp4"] = train_lm(lm_config(2, 4, 2, "hybrid", 2), STEPS)
+    out["resume_sp4"] = train_lm(lm_config(3, 4, 2, "ring"), 1, start=STEPS, load=f"{tmp}/ckpt")
+    return out

@@ -1,0 +1,78 @@
+"""Sequence parallelism on gloo against one process: attention (Ulysses, ring, hybrid; GQA, uneven heads
+and lengths, causal and not), and training through the engine."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.multiproc.harness import run_world
+from tests.multiproc.scenarios_sp import ATTENTION_CASES_SP2, ATTENTION_CASES_SP4, attention_world
+
+
+@pytest.fixture(scope="module")
+def attention_results() -> list[dict[Any, Any]]:
+    return run_world(attention_world, 4, timeout=400)
+
+
+@pytest.mark.parametrize("case", [("sp4",) + c for c in ATTENTION_CASES_SP4] + [("sp2",) + c for c in ATTENTION_CASES_SP2],
+                         ids=lambda c: "-".join(str(x) for x in c))
+def test_attention_equals_one_process(attention_results: list, case: tuple) -> None:
+    for rank, out in enumerate(attention_results):
+        errors = out[case]
+        assert max(errors.values()) < 1e-10, (rank, errors)
+
+
+def test_attention_traffic_is_counted_per_group(attention_results: list) -> None:
+    labels = attention_results[0]["labels"]
+    assert "sp:all_to_all" in labels and "sp:ring_send" in labels
+    assert "sp_ulysses:all_to_all" in labels and "sp_ring:ring_send" in labels
+
+
+@pytest.fixture(scope="module")
+def training_results(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    from tests.multiproc.scenarios_sp import training_world
+
+    return run_world(training_world, 4, str(tmp_path_factory.mktemp("sp")), timeout=600)
+
+
+# (result key, samples per step, steps)
+TRAINING = {"z1_ulysses_dp2sp2": (4, 3), "z3_ulysses_dp2sp2": (2, 3), "z2_ring_sp4": (1, 3),
+            "z2_hybrid_sp4": (2, 3)}
+
+
+@pytest.mark.parametrize("key", sorted(TRAINING))
+def test_training_equals_one_process(training_results: list, key: str) -> None:
+    from tests.multiproc.models import rel_err
+    from tests.multiproc.scenarios_sp import CLIP, SEQ
+    from tests.multiproc.sp_models import make_samples, reference_lm
+
+    per_step, steps = TRAINING[key]
+    ref_norms: list[float] = []
+    ref_losses, ref_weights = reference_lm(make_samples(64, SEQ), steps, per_step, CLIP, norms=ref_norms)
+    for rank, out in enumerate(training_results):
+        result = out[key]
+        if rank == 0 or not key.startswith("z3"):
+            for name, value in ref_weights.items():
+                assert rel_err(result["weights"][name], value) < 1e-5, (key, rank, name)
+        # the gradient itself, not only its direction (clipping and Adam would hide a scale error)
+        for a, b in zip(result["norms"], ref_norms):
+            assert abs(a - b) < 1e-5 * b, (key, rank, result["norms"], ref_norms)
+    # each rank reports its dp replica's loss (the same on its sp peers): their mean is the global loss
+    mean = [sum(out[key]["losses"][i] for out in training_results) / len(training_results) for i in range(steps)]
+    for a, b in zip(mean, ref_losses):
+        assert abs(a - b) < 1e-5 * abs(b), (key, mean, ref_losses)
+
+
+def test_checkpoint_resumes_at_another_sp_size(training_results: list) -> None:
+    """Saved at dp2 x sp2 (ZeRO 3, 2 samples a step), loaded at sp4 with accumulation 2: the same
+    global batch, so the fourth step matches one process's."""
+    from tests.multiproc.models import rel_err
+    from tests.multiproc.scenarios_sp import CLIP, SEQ
+    from tests.multiproc.sp_models import make_samples, reference_lm
+
+    ref_losses, ref_weights = reference_lm(make_samples(64, SEQ), 4, 2, CLIP)
+    result = training_results[0]["resume_sp4"]
+    assert abs(result["losses"][0] - ref_losses[3]) < 1e-5 * ref_losses[3]
+    for name, value in ref_weights.items():
+        assert rel_err(result["weights"][name], value) < 1e-5, name

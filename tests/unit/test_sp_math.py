@@ -1,0 +1,98 @@
+"""Sequence parallelism's pure parts: the token layout (head-tail chunks), head plans, the online-softmax
+merge and the block backward, against plain attention in one piece."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepshard.comm.group import CommGroup
+from deepshard.sp.heads import head_plan
+from deepshard.sp.layout import SeqLayout, causal_work
+from deepshard.sp.ring import ring_attention
+from deepshard.sp.softmax_merge import allowed_mask, block_backward, block_forward, merge
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        seq_len: int | None = None) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    if causal:
+        allowed = torch.tril(allowed)
+    if seq_len is not None:
+        allowed[:, seq_len:] = False
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def test_layout_head_tail_chunks_and_round_trip() -> None:
+    layout = SeqLayout(seq_len=16, ring=2, ulysses=1)
+    assert layout.positions(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.positions(1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    hybrid = SeqLayout(seq_len=16, ring=2, ulysses=2)
+    assert [hybrid.positions(r).tolist() for r in range(4)] == [[0, 1, 2, 3], [12, 13, 14, 15],
+                                                                [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert SeqLayout(seq_len=16, ring=2, balance=False).positions(0).tolist() == list(range(8))
+    uneven = SeqLayout(seq_len=13, ring=1, ulysses=4)
+    assert uneven.padded_len == 16 and uneven.local_len == 4
+    x = torch.arange(2 * 13).reshape(2, 13)
+    pieces = [uneven.shard(x, r) for r in range(4)]
+    assert pieces[3][0].tolist() == [12, 0, 0, 0]  # padded at the end
+    assert torch.equal(uneven.unshard(pieces), x)
+    balanced = SeqLayout(seq_len=13, ring=4)
+    assert torch.equal(balanced.unshard([balanced.shard(x, r) for r in range(4)]), x)
+
+
+def test_head_tail_chunks_balance_causal_work() -> None:
+    assert len(set(causal_work(SeqLayout(seq_len=64, ring=4)))) == 1  # every rank the same work
+    plain = causal_work(SeqLayout(seq_len=64, ring=4, balance=False))
+    assert max(plain) > 3 * min(plain)  # contiguous chunks: the last rank does most of the work
+
+
+@pytest.mark.parametrize("h,hk,n,repeat,pad", [(8, 4, 4, 1, 0), (8, 2, 4, 2, 0), (8, 1, 4, 4, 0),
+                                               (6, 2, 4, 3, 2), (6, 6, 4, 1, 2), (3, 1, 2, 3, 1)])
+def test_head_plan(h: int, hk: int, n: int, repeat: int, pad: int) -> None:
+    plan = head_plan(h, hk, n)
+    assert (plan.kv_repeat, plan.pad) == (repeat, pad)
+    assert (h + plan.pad) % n == 0 and (hk * plan.kv_repeat + plan.pad) % n == 0
+
+
+def test_merge_of_two_key_blocks_is_attention_over_both() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    want = reference_attention(q, k, v, causal=False)
+    first = block_forward(q, k[:, :, :4], v[:, :, :4], None, 8 ** -0.5)
+    second = block_forward(q, k[:, :, 4:], v[:, :, 4:], None, 8 ** -0.5)
+    out, _ = merge(*first, *second)
+    assert torch.allclose(out, want, atol=1e-6)
+    hidden = torch.zeros(5, 4, dtype=torch.bool)  # a block the mask hides entirely changes nothing
+    out2, lse2 = merge(out, merge(*first, *second)[1], *block_forward(q, k[:, :, :4], v[:, :, :4], hidden, 1.0))
+    assert torch.allclose(out2, want, atol=1e-6) and torch.isfinite(lse2).all()
+
+
+@pytest.mark.parametrize("causal,seq_len", [(True, 12), (False, 12), (True, 10), (False, 9)])
+def test_block_attention_forward_and_backward_match_autograd(causal: bool, seq_len: int) -> None:
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 4, 12, 8, dtype=torch.float64)
+    want = reference_attention(q, k, v, causal, seq_len)
+    want.backward(dout)
+    pos = torch.arange(12)
+    single = CommGroup.single(name="sp_ring")
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    got = ring_attention(qq, kk, vv, single, [pos], causal=causal, seq_len=seq_len)
+    got.backward(dout)
+    assert torch.allclose(got, want, atol=1e-10)
+    for a, b in ((qq, q), (kk, k), (vv, v)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-10)
+    # the split form: two key blocks, merged forward, summed backward
+    allowed = [allowed_mask(pos, pos[:6], causal, seq_len), allowed_mask(pos, pos[6:], causal, seq_len)]
+    parts = [block_forward(q.detach(), k.detach()[:, :, s], v.detach()[:, :, s], a, 8 ** -0.5)
+             for s, a in zip((slice(0, 6), slice(6, 12)), allowed)]
+    out, lse = merge(*parts[0], *parts[1])
+    delta = (dout * out).sum(-1)
+    dq = sum(block_backward(q.detach(), k.detach()[:, :, s], v.detach()[:, :, s], a, 8 ** -0.5, lse, dout, delta)[0]
+             for s, a in zip((slice(0, 6), slice(6, 12)), allowed))
+    assert torch.allclose(dq, q.grad, atol=1e-10)
