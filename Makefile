@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
 
-.PHONY: install demo test plain-install bench clean
+.PHONY: install demo test test-quick plain-install bench clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,11 @@ demo: install
 test: install plain-install
 	$(BIN)/python -m pytest -q tests
 
-# `pip install deepshard` with no extras in its own venv, then a real script end to end (~30 s after the first run)
+# the inner loop (docs/testing.md): every unit test and one end-to-end run of a DeepSpeed script on 2 processes
+test-quick: install
+	$(BIN)/python -m pytest -q -x tests/unit tests/e2e/test_deepspeed_script.py
+
+# deepshard installed from this checkout with no extras (`pip install .`) in its own venv, then a real script end to end (~30 s after the first run)
 plain-install:
 	tests/e2e/plain_install/check.sh $(PY) .venv-plain $(TORCH)
 

@@ -215,37 +215,59 @@ def write_json(path: Path, run: dict[str, Any]) -> None:
     path.write_text(json.dumps(run, indent=1, default=str))
 
 
+def _step_spread_ms(group: list[dict[str, Any]]) -> list[list[float]]:
+    """Error-bar lengths (below, above the median) in ms: the fastest and slowest timed step of each row."""
+    below, above = [], []
+    for r in group:
+        times = r.get("step_times") or [r["step_time"]]
+        below.append((r["step_time"] - min(times)) * 1e3)
+        above.append((max(times) - r["step_time"]) * 1e3)
+    return [below, above]
+
+
+def _chart_group(ax_time: Any, ax_mem: Any, group: list[dict[str, Any]]) -> None:
+    names = [r["engine"] for r in group]
+    colors = ["tab:blue" if r["family"] == "deepshard" else "tab:gray" for r in group]
+    ax_time.barh(names, [r["step_time"] * 1e3 for r in group], color=colors,
+                 xerr=_step_spread_ms(group), error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"})
+    ax_mem.barh(names, [r["peak_rss"] / MIB for r in group], color=colors)
+    base = max(r["rss_base"] for r in group) / MIB
+    ax_mem.axvline(base, color="black", linestyle="--", linewidth=0.8)
+    title = f"{group[0]['workload']} {group[0]['dtype']} N={group[0]['nprocs']}"
+    ax_time.set_title(f"{title}: median step time (ms), bar: fastest-slowest step", fontsize=9)
+    ax_mem.set_title(f"{title}: train-phase peak RSS per process (MiB)", fontsize=9)
+    for ax in (ax_time, ax_mem):
+        ax.invert_yaxis()
+        ax.tick_params(labelsize=8)
+
+
 def write_chart(path: Path, run: dict[str, Any]) -> str | None:
-    """Step time and peak RSS per engine, one pair of bar charts per workload x dtype. Returns None
-    when matplotlib is missing (``pip install -e ".[bench]"``), else the path written."""
+    """Step time (median, with the fastest-to-slowest timed step as an error bar) and peak RSS per engine,
+    one pair of bar charts per workload x dtype, with a legend. Returns None when matplotlib is missing
+    (``pip install -e ".[bench]"``), else the path written."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
     except ImportError:
         return None
     groups = [[r for r in g if r["status"] == "ok"] for g in grouped(run["rows"])]
     groups = [g for g in groups if g]
     if not groups:
         return None
-    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 2.2 + 0.35 * max(len(g) for g in groups) * len(groups)),
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 2.8 + 0.35 * max(len(g) for g in groups) * len(groups)),
                              squeeze=False)
     for (ax_time, ax_mem), group in zip(axes, groups):
-        names = [r["engine"] for r in group]
-        colors = ["tab:blue" if r["family"] == "deepshard" else "tab:gray" for r in group]
-        ax_time.barh(names, [r["step_time"] * 1e3 for r in group], color=colors)
-        ax_mem.barh(names, [r["peak_rss"] / MIB for r in group], color=colors)
-        base = max(r["rss_base"] for r in group) / MIB
-        ax_mem.axvline(base, color="black", linestyle="--", linewidth=0.8)
-        ax_mem.annotate(" idle process", (base, 0), fontsize=7, va="bottom")
-        title = f"{group[0]['workload']} {group[0]['dtype']} N={group[0]['nprocs']}"
-        ax_time.set_title(f"{title}: median step time (ms)", fontsize=9)
-        ax_mem.set_title(f"{title}: train-phase peak RSS per process (MiB)", fontsize=9)
-        for ax in (ax_time, ax_mem):
-            ax.invert_yaxis()
-            ax.tick_params(labelsize=8)
-    fig.tight_layout()
+        _chart_group(ax_time, ax_mem, group)
+    fig.legend(handles=[Patch(color="tab:blue", label="deepshard"),
+                        Patch(color="tab:gray", label="baselines (DDP, FSDP2, DeepSpeed)"),
+                        Line2D([], [], color="black", linewidth=0.8, label="spread of the timed steps"),
+                        Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="idle process RSS")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

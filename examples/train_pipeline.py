@@ -4,6 +4,7 @@ API only; ``import deepshard as deepspeed`` runs it.
 
     deepshard --num_gpus 2 examples/train_pipeline.py --steps 20          # 2 stages
     deepshard --num_gpus 4 examples/train_pipeline.py --stages 2          # 2 stages x 2 data parallel
+    deepshard --num_gpus 2 examples/train_pipeline.py --schedule zb-h1    # the zero-bubble schedule
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb-h1")
     args = parser.parse_args()
     deepspeed.init_distributed()
     layers = ([TiedLayerSpec("embed", Embedding)] + [LayerSpec(Block) for _ in range(4)]
@@ -67,7 +69,7 @@ def main() -> None:
     model = PipelineModule(layers=layers, num_stages=args.stages, loss_fn=loss_fn, seed_layers=True)
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "steps_per_print": 5,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 1},
-              "pipeline": {"schedule": "1f1b"}}
+              "pipeline": {"schedule": args.schedule}}
     engine, _, loader, _ = deepspeed.initialize(model=model, config=config, training_data=CountingTask(),
                                                 model_parameters=[p for p in model.parameters() if p.requires_grad])
     data = RepeatingLoader(loader)

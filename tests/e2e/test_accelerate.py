@@ -25,7 +25,7 @@ import torch
 
 from tests.e2e.test_launcher import ROOT, SCRIPTS, _clean_env, _deepshard, _free_port
 
-pytest.importorskip("accelerate", reason="needs Hugging Face Accelerate: pip install 'deepshard[hf]'")
+pytest.importorskip("accelerate", reason="needs Hugging Face Accelerate: pip install '.[hf]' in a deepshard checkout")
 
 YAML = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
@@ -138,7 +138,7 @@ def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path)
 
 
 def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) -> None:
-    pytest.importorskip("transformers", reason="needs transformers: pip install 'deepshard[hf]'")
+    pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]' in a deepshard checkout")
     from transformers import LlamaForCausalLM
 
     cases = ["z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16", "z3-fp32-ga2"]  # ga2: 1 sample x 2 micro-steps x 2 ranks

@@ -172,3 +172,17 @@ def test_two_process_ddp_and_deepshard_agree() -> None:
     assert ours["comm_volume_elements"] == 2 * psi  # deepshard's comms logger
     assert ours["model_state"] == 16 * psi  # fp32 Adam, stage 0
     assert ddp["peak_rss"] > 0 and ours["live_tensor_bytes"] >= 16 * psi
+
+
+def test_chart_draws_the_spread_of_the_timed_steps(tmp_path: Path) -> None:
+    """The chart's step-time bars carry the fastest-to-slowest timed step as an error bar, and a legend."""
+    from benchmarks import report
+
+    rows = [{"engine": engine, "family": family, "status": "ok", "step_time": t, "step_times": [0.9 * t, t, 1.3 * t],
+             "peak_rss": 1.5e9, "rss_base": 2.2e8, "workload": "mlp", "dtype": "fp32", "nprocs": 2}
+            for engine, family, t in (("ddp", "torch", 1.5), ("deepshard-z1", "deepshard", 1.4))]
+    assert report._step_spread_ms(rows) == [[pytest.approx(150.0), pytest.approx(140.0)],
+                                            [pytest.approx(450.0), pytest.approx(420.0)]]
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib (the bench extra)")
+    assert report.write_chart(tmp_path / "bench.png", {"rows": rows}) == str(tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -101,3 +101,21 @@ def test_grid_from_config_mesh_param_and_pipeline_module() -> None:
         dims_from_config({"tensor_parallel": {"autotp_size": 4}}, 6)
     with pytest.raises(ConfigError, match="mesh_param must be a pair"):
         dims_from_config({}, 4, mesh_param=3)
+
+
+def test_a_stage_skips_another_stages_parts_in_a_shared_file(tmp_path: Path) -> None:
+    """A rank file holding this stage's tensor and one tensor-parallel part of another stage's (a flat
+    ZeRO partition spans layers): the stage loads, without asking for the other part."""
+    _write(tmp_path, 0, {"a": torch.ones(2), "z": torch.ones(2)}, {"z": [0, 0, 2]})
+    _write(tmp_path, 1, {"y": torch.ones(2)}, {})  # the other stage's own file, with z's part 1 absent
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(2))
+
+        def pipeline_state_keys(self) -> set[str]:
+            return {"a", "y", "z"}
+
+    full = load_full_state(tmp_path, module=Stage())
+    assert set(full.params) == {"a"} and torch.equal(full.params["a"], torch.ones(2))

@@ -52,7 +52,8 @@ def test_an_unwritable_rank_log_directory_is_refused(script: str, tmp_path: Path
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")
-    err = _error_of(["--num_gpus", "1", "--enable_each_rank_log", str(blocker / "logs"), script], capsys)
+    err = _error_of(["--num_gpus", "1", "--master_port", "0", "--enable_each_rank_log", str(blocker / "logs"), script],
+                    capsys)
     assert f"--enable_each_rank_log {blocker / 'logs'}" in err and "writable directory" in err, err
 
 

@@ -36,9 +36,14 @@ def test_defaults_respect_the_memory_available() -> None:
 
 
 def test_small_shards_use_one_sub_group_and_fp32_needs_no_masters() -> None:
-    assert plan_staging(1000, True, 8 * GiB, 1, None, None).sub_group_size == 1000
+    small = plan_staging(1000, True, 8 * GiB, 1, None, None)
+    assert small.sub_group_size == 1000  # the log says why, without contradicting "at least 262,144"
+    assert "sub_group_size 1,000 (the whole 1,000-element shard: smaller than the 262,144-element minimum" in small.reason
     plan = plan_staging(3 * MIN_SUB_GROUP, False, 8 * GiB, 1, None, None)
     assert plan.sub_group_size == MIN_SUB_GROUP and plan.buffer_count == 4
+    assert "the 262,144-element minimum: 1/64 of the 786,432-element shard is smaller" in plan.reason
+    tight = plan_staging(10**9, True, 1 * GiB, 4, None, None)
+    assert "as large as the host-memory limit below allows" in tight.reason
 
 
 def test_given_values_are_used_as_given() -> None:

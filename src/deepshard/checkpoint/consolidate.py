@@ -26,6 +26,7 @@ import torch
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.fragments import FullState, load_full_state
 from deepshard.utils.logging import logger
+from deepshard.utils.progress import progress
 
 __all__ = ["Consolidated", "WrittenFiles", "resolve_tag_dir", "consolidate", "parse_size",
            "plan_shards", "write_state_dict", "FROZEN_META_KEY"]
@@ -252,7 +253,7 @@ def write_state_dict(state_dict: dict[str, torch.Tensor], output_dir: str | Path
     (out_dir / index_name).unlink(missing_ok=True)
     files = [single] if len(shards) == 1 else [template.format(i + 1, len(shards)) for i in range(len(shards))]
     weight_map: dict[str, str] = {}
-    for name, keys in zip(files, shards):
+    for name, keys in progress(list(zip(files, shards)), f"writing {out_dir.name}", total=len(files), unit="file"):
         _write_one(out_dir / name, {k: prepared[k] for k in keys}, safe_serialization)
         weight_map.update({k: name for k in keys})
         logger.debug("wrote %s (%d tensors)", out_dir / name, len(keys))

@@ -22,6 +22,7 @@ import torch
 
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.matching import check_coverage
+from deepshard.utils.progress import progress
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
@@ -137,14 +138,15 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     parts = Reassembly(with_optimizer)
     groups, meta = None, {}
     saved_world = 0
-    for rank, info in sorted(infos, key=lambda ri: (_foreign_fragments(ri[1], wanted), ri[0])):
+    ordered = sorted(infos, key=lambda ri: (_foreign_fragments(ri[1], wanted), ri[0]))
+    for rank, info in progress(ordered, f"reading {directory.name}", total=len(ordered), unit="file"):
         meta = info.get("meta", meta) if rank == 0 else meta
         groups = groups if groups is not None else info.get("param_groups")  # this slice's own file first
         saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
         parts.declare(info, wanted)
         if not parts.needs(info, wanted):
             continue  # another stage's tensors, or copies read already: the tensor file is not opened
-        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]))
+        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]), wanted)
     check_coverage(directory, *parts.coverage(), [r for r, _ in json_files], saved_world or None)
     params, optim, kinds, shapes = parts.finish()
     module_extra: dict[str, torch.Tensor] = {}

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from deepshard.utils.progress import progress
+
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
     "write_manifest", "verify_manifest", "staging_dir", "commit_staging", "recover_tag",
@@ -280,7 +282,8 @@ def write_manifest(directory: Path, files: list[str]) -> None:
     """
     directory = Path(directory)
     entries: dict[str, dict[str, Any]] = {}
-    for name in sorted(set(files)):
+    names = sorted(set(files))
+    for name in progress(names, "checksumming checkpoint", total=len(names), unit="file"):
         _check_relative_name(name)
         path = directory / name
         if not path.is_file():
@@ -328,7 +331,7 @@ def verify_manifest(directory: Path) -> None:
         if size != entry.get("bytes"):
             raise _damaged(directory, f"{name} is truncated or altered ({size} bytes on disk, "
                                       f"{entry.get('bytes')} bytes recorded in {MANIFEST_NAME})")
-    for name, entry in sorted(files.items()):
+    for name, entry in progress(sorted(files.items()), "verifying checkpoint", total=len(files), unit="file"):
         digest = file_digest(directory / name)
         if digest != entry.get("sha256"):
             raise _damaged(directory, f"{name} is corrupted (sha256 {digest[:16]}... differs from "

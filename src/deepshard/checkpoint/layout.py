@@ -95,7 +95,9 @@ class Reassembly:
         return any((name, self._index(info, name), start) not in self.seen
                    for name, start, _ in info["fragments"] if wanted is None or name in wanted)
 
-    def add(self, info: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, info: dict[str, Any], tensors: dict[str, torch.Tensor], wanted: Optional[set[str]] = None) -> None:
+        """Take the file's fragments of the wanted names (all when None): a file also holding another
+        pipeline stage's fragments must not leave that stage's tensors half-joined."""
         from deepshard.checkpoint.fragments import _collect_optimizer_tensors
 
         shapes = {k: tuple(v) for k, v in info["shapes"].items()}
@@ -104,6 +106,8 @@ class Reassembly:
         if self.with_optimizer:
             _collect_optimizer_tensors(tensors, shapes, file_optim, file_kinds)
         for name, start, numel in info["fragments"]:
+            if wanted is not None and name not in wanted:
+                continue
             key = (name, self._index(info, name))
             if name in info.get("splits", {}):
                 split = info["splits"][name]

@@ -58,6 +58,7 @@ from deepshard.launcher.options import (
 from deepshard.launcher.preflight import check_port_free, free_port, prepare_log_dir
 from deepshard.launcher.rank_entry import real_deepspeed, route_ranks
 from deepshard.utils.logging import logger
+from deepshard.utils.progress import PROGRESS_ENV
 
 LOCAL_HOST = "localhost"
 
@@ -346,6 +347,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
     if args.verbose:
         os.environ[rank_errors.VERBOSE_ENV] = "1"
+    if sys.stderr.isatty():  # the ranks' output reaches a terminal through the launcher: rank 0 shows bars
+        os.environ.setdefault(PROGRESS_ENV, "1")
     if args.autotuning:  # trials through this launcher, then (run) the training: deepshard.autotuning
         from deepshard.autotuning.tuner import main as autotune
 

@@ -16,7 +16,7 @@ def _summary_writer_class() -> Any:
         raise ImportError(
             "the tensorboard monitor is enabled (\"tensorboard\": {\"enabled\": true}) but the "
             "`tensorboard` package is not installed: run `pip install tensorboard` (or "
-            "`pip install deepshard[tensorboard]`), or set tensorboard.enabled to false in the "
+            "from a deepshard checkout `pip install '.[tensorboard]'`), or set tensorboard.enabled to false in the "
             f"config ({err})") from err
     return SummaryWriter
 

@@ -14,7 +14,7 @@ def _import_wandb() -> Any:
     except ImportError as err:
         raise ImportError(
             "the wandb monitor is enabled (\"wandb\": {\"enabled\": true}) but the `wandb` package is "
-            "not installed: run `pip install wandb` (or `pip install deepshard[wandb]`) and "
+            "not installed: run `pip install wandb` (from a deepshard checkout: `pip install '.[wandb]'`) and "
             "`wandb login`, or set wandb.enabled to false in the config") from err
     return wandb
 

@@ -27,6 +27,18 @@ PassKey = tuple[int, Kind, int, int]
 """A pass in one batch: (rank, kind, micro-batch, chunk)."""
 
 
+@dataclass(frozen=True)
+class PassTime:
+    """One compute pass as simulated: where it ran, what it was, when it started and ended."""
+
+    rank: int
+    kind: Kind
+    micro_batch: int
+    chunk: int
+    start: float
+    end: float
+
+
 @dataclass
 class SimResult:
     """What a simulated batch measured."""
@@ -35,6 +47,8 @@ class SimResult:
     busy: list[float]
     peak_in_flight: list[int]
     finish: list[float] = field(default_factory=list)
+    passes: list[PassTime] = field(default_factory=list)
+    """Every compute pass in the order it ran (the timeline :mod:`deepshard.pipe.draw` draws)."""
 
     def stage_bubble(self, rank: int) -> float:
         """Idle share of rank ``rank``'s time over the step: ``1 - busy / makespan``."""
@@ -54,6 +68,7 @@ class _Rank:
         self.arrived: set[tuple[Kind, int, int]] = set()
         self.holding: set[tuple[int, int]] = set()
         self.peak = 0
+        self.passes: list[PassTime] = []
 
     def finished(self) -> bool:
         return self.cursor >= len(self.actions)
@@ -90,7 +105,8 @@ def simulate(schedule: Schedule, micro_batches: int, chunks: int = 1, costs: Cos
     for r in ranks:
         _check_complete(r, micro_batches, chunks, p, split_backward)
     return SimResult(makespan=max(r.clock for r in ranks), busy=[r.busy for r in ranks],
-                     peak_in_flight=[r.peak for r in ranks], finish=[r.clock for r in ranks])
+                     peak_in_flight=[r.peak for r in ranks], finish=[r.clock for r in ranks],
+                     passes=[t for r in ranks for t in r.passes])
 
 
 def _advance(r: _Rank, channels: dict, p: int, chunks: int, costs: Costs, durations: Mapping[PassKey, float]) -> bool:
@@ -149,6 +165,7 @@ def _run_compute(r: _Rank, a: Action, p: int, chunks: int, duration: float) -> N
             raise ScheduleError(f"rank {r.rank} runs {a} before its input-gradient pass")
         r.holding.discard(unit)
     r.done.add(key)
+    r.passes.append(PassTime(r.rank, a.kind, a.micro_batch, a.chunk, r.clock, r.clock + duration))
     r.clock += duration
     r.busy += duration
 

@@ -25,14 +25,13 @@ GB = 1024 ** 3
 OPTIONAL_FEATURES: dict[str, tuple[str, str]] = {
     "TensorBoard monitor (tensorboard)": ("tensorboard", "tensorboard"),
     "Weights & Biases monitor (wandb)": ("wandb", "wandb"),
-    "Comet monitor (comet)": ("comet_ml", "comet_ml"),
     "Accelerate YAML configs": ("pyyaml", "yaml"),
     "Hugging Face models in examples/tests": ("transformers", "transformers"),
     "safetensors checkpoints": ("safetensors", "safetensors"),
     "numpy (safetensors' torch saver)": ("numpy", "numpy"),
     "benchmark baseline: DeepSpeed": ("deepspeed", "deepspeed"),
     "benchmark baseline: Accelerate": ("accelerate", "accelerate"),
-    "benchmark figures (matplotlib)": ("matplotlib", "matplotlib"),
+    "pictures as PNG (matplotlib)": ("matplotlib", "matplotlib"),
 }
 CORE_PACKAGES = ("deepshard", "torch", "pydantic", "safetensors", "tqdm", "psutil")
 

@@ -1,9 +1,9 @@
 """Progress for long work (checkpoint consolidation and loading, large saves, the autotuner's trials).
 
 On a terminal a tqdm bar shows done of total, elapsed time, rate and the time left; where output goes to
-a file or a pipe (a launcher forwarding a rank's output, CI logs) the bar is off, so logs hold no ``\\r``
-redraws. ``DEEPSHARD_PROGRESS=1`` forces the bars on, ``=0`` off. Only the process that reports (rank 0)
-should show one.
+a file or a pipe (CI logs, ``> train.log``) the bar is off, so logs hold no ``\\r`` redraws. The
+``deepshard`` launcher run on a terminal turns the bars on for its rank 0 (it forwards ``\\r`` as it
+comes). ``DEEPSHARD_PROGRESS=1`` forces the bars on, ``=0`` off.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ PROGRESS_ENV = "DEEPSHARD_PROGRESS"
 
 
 def bars_on(stream: Any = None) -> bool:
-    """Whether progress bars are shown: ``DEEPSHARD_PROGRESS`` if set, else whether ``stream`` (stderr)
-    is a terminal."""
+    """Whether progress bars are shown: never on a rank other than 0 (``RANK``), else
+    ``DEEPSHARD_PROGRESS`` if set (the launcher sets it to 1 for its ranks when it runs on a terminal),
+    else whether ``stream`` (stderr) is a terminal."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
     forced = os.environ.get(PROGRESS_ENV, "")
     if forced in ("0", "1"):
         return forced == "1"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI step: `pip install deepshard` with no extras into its own venv, then a real script end to end
+# CI step: deepshard from this checkout with no extras (`pip install .`) into its own venv, then a real script end to end
 # (training on 2 processes through the launcher, save_checkpoint, load_checkpoint, zero_to_fp32), and the
 # environment report (`deepshard report`) from that fresh venv.
 # The suite's venv holds the dev extras (numpy, pytest, ...), which would hide a missing runtime

@@ -1,4 +1,4 @@
-"""A user's first script, run by ``check.sh`` in a venv holding only ``pip install deepshard``'s
+"""A user's first script, run by ``check.sh`` in a venv holding only a no-extras install's (``pip install .``)
 dependencies: ZeRO-3 bf16 training on 2 processes, a checkpoint saved, loaded into a fresh engine,
 and the full fp32 weights consolidated from it. Exits non-zero on any mismatch."""
 import argparse

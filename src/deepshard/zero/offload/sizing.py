@@ -54,6 +54,18 @@ def local_processes() -> int:
     return 1
 
 
+def _sub_group_reason(size: int, shard_numel: int, by_shard: int, by_memory: int) -> str:
+    """Which bound of the rule set ``size``, said so that the log never contradicts its own rule."""
+    if size == max(shard_numel, 1) and size < by_shard and size <= by_memory:
+        return f"the whole {shard_numel:,}-element shard: smaller than the {MIN_SUB_GROUP:,}-element minimum"
+    if size == by_memory and by_memory < by_shard:
+        return "as large as the host-memory limit below allows"
+    if by_shard == MIN_SUB_GROUP:
+        return (f"the {MIN_SUB_GROUP:,}-element minimum: 1/{SHARD_FRACTION} of the {shard_numel:,}-element "
+                "shard is smaller")
+    return f"1/{SHARD_FRACTION} of the {shard_numel:,}-element shard"
+
+
 def plan_staging(shard_numel: int, has_masters: bool, available_bytes: int, processes: int,
                  sub_group_size: int | None, buffer_count: int | None) -> StagingPlan:
     """Sizes for a shard of ``shard_numel`` elements. ``sub_group_size`` / ``buffer_count``: the
@@ -70,8 +82,8 @@ def plan_staging(shard_numel: int, has_masters: bool, available_bytes: int, proc
         by_memory = max(budget // (buffer_count * STAGING_ELEMENT_BYTES), 1)
         by_shard = max(-(-shard_numel // SHARD_FRACTION), MIN_SUB_GROUP)
         sub_group_size = max(1, min(by_shard, by_memory, max(shard_numel, 1)))
-        notes.append(f"sub_group_size {sub_group_size:,} (1/{SHARD_FRACTION} of the {shard_numel:,}-element "
-                     f"shard, at least {MIN_SUB_GROUP:,}, pool at most 1/{MEMORY_FRACTION} of the "
-                     f"{available_bytes / 2**30:.1f} GiB available to {processes} local process(es))")
+        why = _sub_group_reason(sub_group_size, shard_numel, by_shard, by_memory)
+        notes.append(f"sub_group_size {sub_group_size:,} ({why}; the pool takes at most 1/{MEMORY_FRACTION} of "
+                     f"the {available_bytes / 2**30:.1f} GiB available to {processes} local process(es))")
     reason = "; ".join(notes) if notes else "both given in the config"
     return StagingPlan(int(sub_group_size), int(buffer_count), reason)

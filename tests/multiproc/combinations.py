@@ -1,0 +1,256 @@
+"""The combination matrix: which cells of pp x tp x dp x ZeRO x precision x accumulation x offload x model
+are tested, which of them are refused (and with which reason), and the markdown table
+``docs/parallelism.md`` shows. Pure Python (no process group): the test module, the per-rank scenario and
+``python -m tests.multiproc.combinations`` (rewrites the docs table) all read it.
+
+Cells are an all-pairs design over the valid cells (every pair of axis values that can meet does, in at
+least one valid cell; generated here, deterministically), the cells where a bug lived (``EXTRA_CELLS``)
+and cells breaking each refusal rule (``REFUSED_CELLS``). Grids of 8 processes are left out (no pair needs
+pp, tp and dp all at 2; ``test_tp_3d.py`` runs that grid).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+AXES: dict[str, tuple] = {
+    "pp": (1, 2), "tp": (1, 2), "dp": (1, 2), "zero": (0, 1, 2, 3), "precision": ("fp32", "bf16", "fp16"),
+    "gas": (1, 3), "offload": ("none", "optimizer", "params"), "model": ("plain", "autotp", "megatron", "tied"),
+}
+MAX_WORLD = 4
+
+
+@dataclass(frozen=True)
+class Cell:
+    pp: int
+    tp: int
+    dp: int
+    zero: int
+    precision: str
+    gas: int
+    offload: str
+    model: str
+    reload: Optional[tuple[int, int, int]] = None
+    """(pp, tp, dp) the checkpoint is loaded on; None: chosen by ``reload_grid``."""
+    why: str = ""
+    """Why the cell is in the matrix beyond the all-pairs design (a bug that lived there)."""
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def id(self) -> str:
+        base = (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-z{self.zero}-{self.precision}-gas{self.gas}-"
+                f"off_{self.offload}-{self.model}")
+        return base + (f"-reload{''.join(map(str, self.reload))}" if self.reload else "")
+
+
+# ------------------------------------------------------------------------------------- all pairs
+def all_pairs(axes: dict[str, tuple], allowed: Optional[Callable[[dict], bool]] = None) -> list[dict]:
+    """A small set of rows covering every pair of values of two different axes (greedy, deterministic):
+    each row starts from the first uncovered pair and fills the other axes, in order, with the value
+    covering most uncovered pairs (ties: the value listed first). ``allowed(partial_row)`` may rule a
+    value out (e.g. a grid too large)."""
+    names = list(axes)
+    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2) for va in axes[a] for vb in axes[b]}
+    order = {(a, va, b, vb): i for i, (a, va, b, vb) in enumerate(
+        (a, va, b, vb) for a, b in itertools.combinations(names, 2) for va in axes[a] for vb in axes[b])}
+    rows: list[dict] = []
+    while uncovered:
+        a, va, b, vb = min(uncovered, key=order.__getitem__)
+        row = {a: va, b: vb}
+        if allowed is not None and not allowed(row):
+            uncovered.discard((a, va, b, vb))  # a pair no row may hold (the refused cells cover it)
+            continue
+        for name in names:
+            if name in row:
+                continue
+            options = [v for v in axes[name] if allowed is None or allowed({**row, name: v})]
+            row[name] = max(options, key=lambda v: (_gain(row, name, v, uncovered), -axes[name].index(v)))
+        rows.append(row)
+        uncovered -= {(x, row[x], y, row[y]) for x, y in itertools.combinations(names, 2)}
+    return rows
+
+
+def _gain(row: dict, name: str, value: object, uncovered: set) -> int:
+    return sum(1 for other, v in row.items()
+               if (other, v, name, value) in uncovered or (name, value, other, v) in uncovered)
+
+
+EXTRA_CELLS: list[Cell] = [
+    Cell(2, 1, 1, 1, "fp32", 3, "none", "plain",
+         why="a 2-stage pipeline's save_16bit_model kept only one stage's layers"),
+    Cell(1, 1, 2, 2, "fp32", 1, "none", "tied", reload=(2, 1, 1),
+         why="every pipeline stage opened every stage's checkpoint files on load"),
+    Cell(1, 2, 1, 1, "fp32", 1, "none", "megatron",
+         why="Megatron-attribute parameters were counted as replicated in the gradient norm"),
+    Cell(2, 1, 2, 0, "fp32", 1, "none", "plain",
+         why="PipelineModule.mpu() returned None"),
+]
+"""Cells where a bug lived, beyond the all-pairs rows."""
+
+REFUSED_CELLS: list[Cell] = [
+    Cell(2, 1, 1, 3, "fp32", 1, "none", "plain"),
+    Cell(2, 1, 2, 3, "bf16", 3, "params", "tied"),
+    Cell(2, 2, 1, 3, "fp16", 1, "none", "megatron"),
+    Cell(1, 1, 1, 0, "fp32", 1, "optimizer", "plain"),
+    Cell(1, 2, 2, 0, "fp16", 3, "optimizer", "autotp"),
+    Cell(2, 1, 2, 0, "bf16", 1, "optimizer", "tied"),
+    Cell(2, 2, 1, 1, "fp32", 1, "none", "autotp"),
+    Cell(2, 2, 1, 2, "bf16", 3, "params", "autotp"),
+]
+"""Cells each breaking one refusal rule (every pair a rule forbids is among them)."""
+
+
+def cells() -> list[Cell]:
+    """Every cell of the matrix in a fixed order: all-pairs rows over the valid cells (every pair of
+    values that can meet does, in a valid cell), the bug cells, then the refused cells."""
+    rows = [Cell(**row) for row in all_pairs(AXES, allowed)]
+    seen = {c.id for c in rows}
+    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS if c.id not in seen]
+    return rows + extra
+
+
+# ------------------------------------------------------------------------------------- refusals
+REFUSALS: list[tuple[str, str, str, str]] = [
+    # (rule, where it applies, distinctive substring of today's message, the reason for the docs table)
+    ("pipeline-zero3", "pp = 2 with zero = 3", "cannot be combined with pipeline parallelism",
+     "each stage already holds only its layers; use ZeRO 0-2"),
+    ("offload-zero0", "offload = optimizer with zero = 0", "needs ZeRO stage 1, 2 or 3",
+     "offload moves each process's optimizer partition; use ZeRO 1-3"),
+    ("autotp-pipeline", "model = autotp with pp = 2 and tp = 2", "with pipeline parallelism",
+     "automatic TP does not split pipeline stages (nor does DeepSpeed's); build the stages with "
+     "deepshard.tp's ColumnParallelLinear/RowParallelLinear"),
+]
+"""The expected refusals, in one place: a plan check that lists every conflict keeps these substrings."""
+
+
+def rules_broken(row: dict) -> list[str]:
+    """The refusal rules a (possibly partial) row breaks."""
+    out = []
+    if row.get("pp", 1) > 1 and row.get("zero") == 3:
+        out.append("pipeline-zero3")
+    if row.get("offload") == "optimizer" and row.get("zero") == 0:
+        out.append("offload-zero0")
+    if row.get("model") == "autotp" and row.get("pp", 1) > 1 and row.get("tp", 1) > 1:
+        out.append("autotp-pipeline")
+    return out
+
+
+def allowed(row: dict) -> bool:
+    """A (partial) row the all-pairs rows may hold: valid, on at most ``MAX_WORLD`` processes."""
+    return row.get("pp", 1) * row.get("tp", 1) * row.get("dp", 1) <= MAX_WORLD and not rules_broken(row)
+
+
+def refusals(cell: Cell) -> list[str]:
+    """The rule names ``cell`` breaks (empty: it must train)."""
+    return rules_broken({"pp": cell.pp, "tp": cell.tp, "dp": cell.dp, "zero": cell.zero, "offload": cell.offload,
+                         "model": cell.model})
+
+
+def refusal_substrings(cell: Cell) -> list[str]:
+    texts = {name: text for name, _, text, _ in REFUSALS}
+    return [texts[name] for name in refusals(cell)]
+
+
+KNOWN_FAILURES: list[tuple[str, str]] = [
+    ("model = megatron with tp = 2 (trained or resumed there)",
+     "wrong today: parameters marked only with Megatron's attributes (tensor_model_parallel, partition_dim) "
+     "are counted as replicated in the gradient norm (clipping off by sqrt(tp)), and save_16bit_model, "
+     "checkpoints and zero_to_fp32 keep each rank's slice as if it were the whole tensor. deepshard.tp's "
+     "layers and automatic TP are not affected"),
+]
+"""Valid cells that fail today because of a known bug (the test marks them xfail, strict)."""
+
+
+def known_failure(cell: Cell) -> Optional[str]:
+    """The ``KNOWN_FAILURES`` entry ``cell`` falls under, or None."""
+    if cell.model == "megatron" and not refusals(cell) and max(cell.tp, reload_grid(cell)[1]) > 1:
+        return KNOWN_FAILURES[0][1]
+    return None
+
+
+def notes(cell: Cell) -> list[str]:
+    """What a valid cell does that the user may not expect."""
+    if cell.offload == "params" and cell.zero < 3:
+        return ["offload_param has no effect below ZeRO-3 (a warning; parameters stay in memory)"]
+    return []
+
+
+def reload_grid(cell: Cell) -> tuple[int, int, int]:
+    """Another (pp, tp, dp) of the same world size the checkpoint is loaded on, keeping the global batch
+    (``dp`` must divide it) and valid for the cell's model and stage; the cell's own grid when there is
+    none (a world of 1)."""
+    if cell.reload is not None:
+        return cell.reload
+    batch = cell.dp * cell.gas
+    for pp, tp, dp in [(1, 1, 2), (1, 2, 1), (2, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 1, 4)]:
+        if pp * tp * dp != cell.world or (pp, tp, dp) == (cell.pp, cell.tp, cell.dp) or batch % dp:
+            continue
+        if refusals(replace(cell, pp=pp, tp=tp, dp=dp, reload=None)):
+            continue
+        return pp, tp, dp
+    return cell.pp, cell.tp, cell.dp
+
+
+# ------------------------------------------------------------------------------------- docs table
+TABLE_BEGIN = "<!-- combinations table: generated by `python -m tests.multiproc.combinations`; do not edit -->"
+TABLE_END = "<!-- end of combinations table -->"
+
+
+def markdown_table() -> str:
+    """What combines with what: every pair of axis values that some refusal rule forbids, with the reason;
+    every other pair is tested together in at least one matrix cell."""
+    all_cells = cells()
+    lines = [TABLE_BEGIN, "",
+             f"The combination matrix (`tests/multiproc/test_combinations.py`) runs {len(all_cells)} cells. Every "
+             "pair of the values below meets in at least one valid cell, unless the pair is refused (then it "
+             "meets in a refused cell). A valid cell trains with gradient clipping active and is compared with "
+             "single-process PyTorch (losses, the reported global gradient norm, the parameters), resumes from "
+             "its checkpoint on another grid of the same size, and its `save_16bit_model` file and "
+             "`zero_to_fp32` output load into the plain model. A refused cell is refused by `initialize` "
+             "with the reason below.", "",
+             "| axis | values |", "| --- | --- |"]
+    legend = {"offload": "none; optimizer (optimizer states in files: `offload_optimizer` nvme); params "
+                         "(parameters in files: `offload_param` nvme)",
+              "model": "plain layers; autotp (plain layers split by `tensor_parallel.autotp_size`); megatron "
+                       "(the user's own column/row-parallel layers marked with Megatron's attributes, "
+                       "`initialize(mpu=...)`); tied (the embedding is also the output head)",
+              "gas": "1, 3 (gradient accumulation steps)"}
+    for name, values in AXES.items():
+        lines.append(f"| {name} | {legend.get(name, ', '.join(map(str, values)))} |")
+    lines += ["", "| combination | result |", "| --- | --- |"]
+    for _, where, _, reason in REFUSALS:
+        lines.append(f"| {where} | refused: {reason} |")
+    lines.append("| offload = params with zero 0-2 | accepted; offload_param has no effect below ZeRO-3 "
+                 "(a warning; parameters stay in memory) |")
+    for where, what in KNOWN_FAILURES:
+        lines.append(f"| {where} | {what} |")
+    lines.append("| every other pair | combines; tested together in a valid cell |")
+    valid = [c for c in all_cells if not refusals(c)]
+    failing = sum(1 for c in valid if known_failure(c))
+    lines += ["", f"Cells: {len(valid)} valid ({failing} of them failing today, as listed above), "
+                  f"{len(all_cells) - len(valid)} refused.", "", TABLE_END]
+    return "\n".join(lines)
+
+
+def write_docs(path: Path) -> bool:
+    """Replace the generated table in ``path``; True when the file changed."""
+    text = path.read_text()
+    pattern = re.compile(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), re.S)
+    new = pattern.sub(lambda _: markdown_table(), text) if pattern.search(text) else text.rstrip() + (
+        "\n\n## What combines with what\n\n" + markdown_table() + "\n")
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    target = Path(__file__).resolve().parents[2] / "docs" / "parallelism.md"
+    print(f"{target}: {'updated' if write_docs(target) else 'already up to date'}")
+    sys.exit(0)
