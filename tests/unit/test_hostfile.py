@@ -3,9 +3,11 @@ command line, per-rank commands and environments, and the distributed environmen
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -409,3 +411,19 @@ def test_gloo_interface_set_only_when_gloo_would_fall_back_to_loopback(monkeypat
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
     distributed._choose_gloo_interface(multi, "gloo")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+
+
+def test_a_routed_script_gets_local_rank_right_after_its_path(tmp_path: Path) -> None:
+    """The launcher starts ``deepshard.compat.run --local_rank=N [flags] script args``; the script sees
+    ``[script, --local_rank=N, args]``, DeepSpeed's order."""
+    from deepshard.compat.run import main as run_main
+    from deepshard.launcher.rank_entry import KEEP_DEEPSPEED
+
+    script, seen = tmp_path / "s.py", tmp_path / "argv.json"
+    script.write_text(f"import json, sys\njson.dump(sys.argv, open({str(seen)!r}, 'w'))\n")
+    saved = list(sys.argv)
+    try:
+        run_main(["--local_rank=3", KEEP_DEEPSPEED, str(script), "--lr", "1"])
+    finally:
+        sys.argv = saved
+    assert json.loads(seen.read_text()) == [str(script), "--local_rank=3", "--lr", "1"]
