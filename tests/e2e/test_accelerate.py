@@ -168,6 +168,25 @@ def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) 
         assert torch.allclose(ours.logits, theirs.logits, atol=1e-4 if precision == "fp32" else 5e-2), case
 
 
+def test_hf_trainer_script_under_the_deepspeed_style_launcher(tmp_path: Path) -> None:
+    """``deepshard --num_gpus 2 train.py --deepspeed ds.json`` (Hugging Face's documented ``deepspeed`` line)
+    runs a Trainer script that never imports deepshard: the ranks' ``import deepspeed`` (Accelerate's, the
+    Trainer's) is deepshard, as under ``deepshard launch``."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]' in a deepshard checkout")
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                                                  "gradient_accumulation_steps": "auto",
+                                                  "zero_optimization": {"stage": 2}}))
+    done = subprocess.run([*_deepshard(), "--num_gpus", "2", "--master_port", "0",
+                           str(SCRIPTS / "hf_trainer_deepspeed_flag.py"), "--deepspeed", str(tmp_path / "ds.json"),
+                           "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size",
+                           "2", "--report_to", "none", "--save_strategy", "no"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    results = [line for line in out.splitlines() if line.startswith("RESULT rank")]
+    assert len(results) == 2 and all("src/deepshard/__init__.py" in line for line in results), out[-3000:]
+
+
 def test_accelerates_own_test_scripts_under_deepshard() -> None:
     """Accelerate's bundled scripts whose checks apply under DeepSpeed: collective ops (``test_ops``) and
     ``test_script`` (process control, RNG sync, dataloader sharding and seedable samplers; it stops

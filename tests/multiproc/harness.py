@@ -1,5 +1,7 @@
 """The one multi-process test harness: spawn N ranks on gloo, collect results, surface tracebacks.
 
+On a GPU machine ``pytest --device cuda`` runs the same worlds on CUDA (``tests/multiproc/device.py``).
+
 ``run_world(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (spawn), each with the
 launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), calls
 ``fn(rank, world_size, *args)`` and returns the list of per-rank return values. Any rank's exception is
@@ -25,20 +27,30 @@ def free_port() -> int:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
             results: Any) -> None:
+    from tests.multiproc.device import device_kind, to_host, world_backend
+
+    kind = device_kind()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", "DEEPSHARD_ACCELERATOR": "cpu"})
+                       "OMP_NUM_THREADS": "1", "DEEPSHARD_ACCELERATOR": kind})
     import torch
 
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if kind == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(world_backend(world_size), rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
+        if kind == "cuda":
+            value = to_host(value)
+            if torch.cuda.max_memory_allocated() == 0:
+                raise RuntimeError(f"rank {rank} ran under --device cuda but never allocated CUDA memory: "
+                                   f"{getattr(fn, '__name__', fn)} did not train on the GPU")
         # plain pickle bytes: self-contained (torch's ForkingPickler would pass tensors through
         # shared-memory handles that die with this process)
         results.put((rank, "ok", pickle.dumps(value)))

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.multiproc.device import rank_device
+
 IN_FEATURES, CLASSES = 8, 4
 
 
@@ -48,7 +50,8 @@ def micro_slice(batch: tuple[torch.Tensor, torch.Tensor], micro: int, micro_step
     """The samples rank ``rank`` uses at accumulation step ``micro_step``."""
     start = (micro_step * world + rank) * micro
     x, y = batch
-    return x[start:start + micro], y[start:start + micro]
+    device = rank_device()  # the CPU unless the suite runs with --device cuda
+    return x[start:start + micro].to(device), y[start:start + micro].to(device)
 
 
 def optimizer_config(lr: float = 1e-2) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_grid
+from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
 VOCAB, HIDDEN, FFN, SEQ = 16, 8, 16, 4
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
@@ -224,20 +223,35 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
     return cfg
 
 
-def build(cell: Cell, gas: int, directory: str) -> tuple[Any, nn.Module, Any]:
-    """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
-    import deepshard
+def make_model(cell: Cell) -> tuple[nn.Module, Any]:
+    """``cell``'s model on its grid, and the grid."""
     from deepshard.pipe import PipelineModule
 
     topo = topology(cell.pp, cell.tp, cell.dp)
     specs = layer_specs(cell.model, topo.tp if cell.model == "megatron" and cell.tp > 1 else None)
     if cell.pp > 1:
-        model: nn.Module = PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True,
-                                          base_seed=BASE_SEED, partition_method="uniform")
-    else:
-        model = Flat(specs)
-    engine = deepshard.initialize(model=model, config=config(cell, gas, directory), mpu=topo)[0]
-    return engine, model, topo
+        return PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
+                              partition_method="uniform"), topo
+    return Flat(specs), topo
+
+
+def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = None) -> tuple[Any, nn.Module, Any]:
+    """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
+    import deepshard
+
+    made, topo = (model, topology(cell.pp, cell.tp, cell.dp)) if model is not None else make_model(cell)
+    engine = deepshard.initialize(model=made, config=config(cell, gas, directory), mpu=topo)[0]
+    return engine, made, topo
+
+
+def _grid_dp_rank(model: nn.Module) -> Optional[int]:
+    """``model.mpu().get_data_parallel_rank()``, as DeepSpeed's pipeline scripts call it; None without a grid."""
+    mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
+    return None if mpu is None else int(mpu.get_data_parallel_rank())
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {name: (tuple(p.shape), p.dtype, float(p.detach().double().sum())) for name, p in model.named_parameters()}
 
 
 def train_step(engine: Any, cell: Cell, topo: Any, batch: torch.Tensor, gas: int) -> tuple[float, float]:
@@ -291,10 +305,15 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     """Train, compare, save, check the 16-bit and fp32 exports, resume on another grid, compare."""
     rows = cell.dp * cell.gas
     data, ref = batches(rows), reference(reference_kind(cell.model), rows)
+    model, _ = make_model(cell)
+    before = _snapshot(model)
+    has_grid = cell.pp > 1 and _grid_dp_rank(model) is not None  # DeepSpeed's PipelineModule has it at once
     try:
-        engine, model, topo = build(cell, cell.gas, directory)
+        engine, model, topo = build(cell, cell.gas, directory, model)
     except Exception as err:  # noqa: BLE001 - a refusal is a result here
-        return {"refused": f"{type(err).__name__}: {err}"}
+        # refused before anything was built: the user's model is as it was, no swap directory exists
+        untouched = _snapshot(model) == before and not os.path.exists(os.path.join(directory, "swap"))
+        return {"refused": f"{type(err).__name__}: {err}", "untouched": untouched}
     if refusal_substrings(cell):
         engine.destroy()
         return {"refused": None}
@@ -302,22 +321,17 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
     steps = [train_step(engine, cell, topo, batch, cell.gas) for batch in data[:STEPS - 1]]
     out["loss"] = max(rel(loss, want) for (loss, _), want in zip(steps, ref["losses"]))
     out["norm"] = max(rel(norm, want) for (_, norm), want in zip(steps, ref["norms"]))
-    out["params"] = worst(whole_params(engine, model, topo), _params(ref, STEPS - 2))
+    out["params"] = worst(whole_params(engine, model, topo), ref["params"][STEPS - 2])
     engine.save_checkpoint(directory, tag="t")
     engine.save_16bit_model(directory, "model16.safetensors")
-    if cell.pp > 1:
-        mpu = model.mpu() if callable(getattr(model, "mpu", None)) else None
-        out["mpu"] = mpu is not None and mpu.get_data_parallel_rank() == topo.coord.dp
+    if cell.pp > 1:  # before initialize and after it, the grid's data-parallel rank is this rank's
+        out["mpu"] = has_grid and _grid_dp_rank(model) == topo.coord.dp
     engine.destroy()
     if dist.get_rank() == 0:
-        out.update(_exports(cell, directory, _params(ref, STEPS - 2)))
+        out.update(_exports(cell, directory, ref["params"][STEPS - 2]))
     dist.barrier()
     out.update(_resumed(cell, directory, data, ref))
     return out
-
-
-def _params(ref: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in ref["params"][step].items()}
 
 
 def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -338,24 +352,23 @@ def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[
 
 
 def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint loaded on the reload grid (same global batch): its next step against the
+    """The checkpoint loaded by ``reload_cell``'s engine (same global batch): its next step against the
     reference's next step."""
-    pp, tp, dp = reload_grid(cell)
-    other = replace(cell, pp=pp, tp=tp, dp=dp, reload=None)
-    gas = cell.dp * cell.gas // dp
+    other = reload_cell(cell)
+    gas = cell.dp * cell.gas // other.dp
     torch.manual_seed(99)  # other initial values: the load must replace them
     try:
         engine, model, topo = build(other, gas, os.path.join(directory, "again"))
         engine.load_checkpoint(directory, tag="t")
         loss, norm = train_step(engine, other, topo, data[STEPS - 1], gas)
-        params = worst(whole_params(engine, model, topo), _params(ref, STEPS - 1))
+        params = worst(whole_params(engine, model, topo), ref["params"][STEPS - 1])
         engine.destroy()
     except Exception as err:  # noqa: BLE001 - reported per cell
         if os.environ.get("COMBINATIONS_RAISE"):
             raise
         return {"resume": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"}
     return {"resume_loss": rel(loss, ref["losses"][STEPS - 1]), "resume_norm": rel(norm, ref["norms"][STEPS - 1]),
-            "resume_params": params, "reload_grid": (pp, tp, dp)}
+            "resume_params": params, "reloaded_as": other.id}
 
 
 def matrix_world(rank: int, world: int, directory: str, only: Optional[list[str]] = None) -> dict[str, Any]:

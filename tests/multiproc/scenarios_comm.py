@@ -84,3 +84,17 @@ def pieces_reduce(rank: int, world: int, sizes: list[int], chunk: int, dtype_nam
     expected = total[rank * chunk:(rank + 1) * chunk]
     return {"err": max(float((w.result.double() - expected).abs().max()) for w in works),
             "shape_ok": all(tuple(w.result.shape) == (chunk,) for w in works)}
+
+
+PIECE_SIZES = [5, 1, 37, 0, 12]  # 55 elements: pieces cross chunk borders, one is empty
+
+
+def every_comm_check(rank: int, world: int, pieces_native_too: bool) -> dict[str, Any]:
+    """One world runs every check of tests/multiproc/test_comm.py for its size (a world per check cost a
+    spawn each): the collectives in fp32 and bf16, and reduce_scatter_pieces pairwise (and natively when
+    asked)."""
+    chunk = -(-sum(PIECE_SIZES) // world) + 1  # a padded tail on the last rank
+    out: dict[str, Any] = {dtype: collectives_agree(rank, world, dtype) for dtype in ("float32", "bfloat16")}
+    for pairwise in (True, False) if pieces_native_too else (True,):
+        out[f"pieces_pairwise={pairwise}"] = pieces_reduce(rank, world, PIECE_SIZES, chunk, "float32", pairwise)
+    return out

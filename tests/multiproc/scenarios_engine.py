@@ -183,3 +183,11 @@ def predivide_and_comm_dtype(rank: int, world: int) -> dict[str, Any]:
         losses = run_steps(engine, batches, 4, 1, rank, world)
         out[name] = (losses, full_weights(engine))
     return out
+
+
+def engine_contract(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Every scenario of tests/multiproc/test_engine_api.py in one world (a spawn each cost more than the
+    scenarios): each builds its own engines; accounting runs first, before any other engine's traffic."""
+    return {"accounting": accounting(rank, world), "no_sync": no_sync_and_boundary(rank, world),
+            "api": api_surface(rank, world, tmp), "two_engines": two_engines_interleaved(rank, world),
+            "predivide": predivide_and_comm_dtype(rank, world)}

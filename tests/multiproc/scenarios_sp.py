@@ -132,3 +132,103 @@ def training_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["z2_hybrid_sp4"] = train_lm(lm_config(2, 4, 2, "hybrid", 2), STEPS)
     out["resume_sp4"] = train_lm(lm_config(3, 4, 2, "ring"), 1, start=STEPS, load=f"{tmp}/ckpt")
     return out
+
+
+# ------------------------------------------------------------------------ Hugging Face (ALST)
+HF_STEPS = 2
+
+
+def tiny_llama(attn: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def hf_samples(seq_len: int) -> torch.Tensor:
+    return torch.randint(0, 64, (16, seq_len), generator=torch.Generator().manual_seed(9))
+
+
+def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool) -> dict[str, Any]:
+    """DeepSpeed's ALST tutorial loop, written against ``deepspeed`` names (deepshard's compat shim):
+    rank r's DataLoader reads samples r, r + world, ...; the tutorial's token-weighted all_gather loss
+    (``gather_loss``; torch's all_gather backward fails on gloo when sp < world, a torch bug) or
+    ``deepshard.sp.sp_token_mean``."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnn
+
+    import deepshard.compat as compat
+
+    compat.install()
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from deepspeed.runtime.utils import move_to_device
+    from deepspeed.utils import groups
+
+    model = tiny_llama(attn)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=attn, sequence_parallel_size=sp_size,
+        micro_batch_size=1, seq_length=seq_len, seq_length_is_variable=True)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "sequence_parallel_size": sp_size}
+    engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids = hf_samples(seq_len)[rank::world]
+    data = [{"input_ids": x.unsqueeze(0), "position_ids": torch.arange(seq_len).unsqueeze(0),
+             "labels": x.unsqueeze(0)} for x in ids]
+    sp_group = groups._get_sequence_parallel_group()
+    sp_world_size = groups._get_sequence_parallel_world_size()
+    dl = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(data, batch_size=None), sp_rank=groups._get_sequence_parallel_rank(),
+                                    sp_group=sp_group, sp_world_size=sp_world_size, device=engine.device)
+    losses, norms = [], []
+    for step, batch in zip(range(HF_STEPS), dl):
+        batch = move_to_device(batch, engine.device)
+        shift_labels = batch["shift_labels"]
+        outputs = engine(**batch)
+        loss = engine.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                           vocab_size=engine.module.config.vocab_size)
+        good_tokens = (shift_labels != -100).view(-1).sum()
+        if gather_loss:
+            losses_per_rank = dnn.all_gather(loss, group=sp_group)
+            good_per_rank = dnn.all_gather(good_tokens, group=sp_group)
+            total = sum(losses_per_rank[r] * good_per_rank[r] for r in range(sp_world_size))
+            loss = total / max(sum(good_per_rank), 1)
+        else:
+            from deepshard.sp import sp_token_mean
+
+            loss = sp_token_mean(loss * good_tokens, good_tokens, sp_group)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(engine.get_global_grad_norm())
+    weights = _full_weights(engine)
+    engine.destroy()
+    compat.uninstall()
+    return {"losses": losses, "norms": norms, "weights": weights, "dp": engine.topology.coord.dp}
+
+
+def hf_world(rank: int, world: int) -> dict[str, Any]:
+    """sp4 with sdpa at ZeRO 3 (6 heads over 4 ranks, 14 tokens: both uneven); dp2 x sp2 with eager at ZeRO 1
+    (13 tokens)."""
+    return {"sdpa_sp4_z3": alst_script("sdpa", 4, 3, 14, gather_loss=True),
+            "eager_dp2sp2_z1": alst_script("eager", 2, 1, 13, gather_loss=False)}
+
+
+def hf_reference(attn: str, seq_len: int, steps: list[list[int]]) -> dict[str, Any]:
+    """One process, the same model and samples: each step's loss is the mean of its samples' token means."""
+    model = tiny_llama(attn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    samples = hf_samples(seq_len)
+    losses, norms = [], []
+    for chosen in steps:
+        loss = sum(model(input_ids=samples[i:i + 1], labels=samples[i:i + 1]).loss for i in chosen) / len(chosen)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}

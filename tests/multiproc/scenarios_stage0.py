@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import deepshard
+from tests.multiproc.device import rank_device
 from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
 
 
@@ -44,7 +45,7 @@ def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world
     ones: each takes its micro-slices, and the mean loss is taken over them."""
     losses = []
     for batch in batches:
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=rank_device())  # the CPU unless the suite runs with --device cuda
         for k in range(gas):
             x, y = micro_slice(batch, micro, k, rank, world)
             loss = engine(x, y)

@@ -1,5 +1,6 @@
 """The engine's contract beyond the oracle: accounting, no_sync, boundary override, the public API,
-checkpoint damage, several engines per process, gradient pre-division and communication dtype."""
+checkpoint damage, several engines per process, gradient pre-division and communication dtype. One
+2-process world runs every scenario (``engine_contract``); the tests read its results."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,15 +10,19 @@ import torch
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_batches, make_model, rel_err
-from tests.multiproc.scenarios_engine import (accounting, api_surface, no_sync_and_boundary,
-                                         predivide_and_comm_dtype, two_engines_interleaved)
+from tests.multiproc.scenarios_engine import engine_contract
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def acct() -> dict[str, Any]:
-    return run_world(accounting, WORLD)[0]
+def contract(tmp_path_factory: Any) -> dict[str, Any]:
+    return run_world(engine_contract, WORLD, str(tmp_path_factory.mktemp("api")))[0]
+
+
+@pytest.fixture(scope="module")
+def acct(contract: dict[str, Any]) -> dict[str, Any]:
+    return contract["accounting"]
 
 
 def test_memory_report_fp32_adam_is_16_psi(acct: dict[str, Any]) -> None:
@@ -69,8 +74,8 @@ def _sum_loss_reference(batches: list, world: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_no_sync_accumulates_locally_then_reduces_once() -> None:
-    out = run_world(no_sync_and_boundary, WORLD)[0]
+def test_no_sync_accumulates_locally_then_reduces_once(contract: dict[str, Any]) -> None:
+    out = contract["no_sync"]
     ref = _sum_loss_reference(make_batches(2, 4 * WORLD, seed=9), WORLD)
     for name, value in ref.items():
         assert rel_err(out["no_sync"][name], value) <= 1e-6, name
@@ -81,8 +86,8 @@ def test_no_sync_accumulates_locally_then_reduces_once() -> None:
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: Any) -> dict[str, Any]:
-    return run_world(api_surface, WORLD, str(tmp_path_factory.mktemp("api")))[0]
+def api(contract: dict[str, Any]) -> dict[str, Any]:
+    return contract["api"]
 
 
 def test_user_optimizer_and_callable_win_over_config(api: dict[str, Any]) -> None:
@@ -120,15 +125,15 @@ def test_damaged_checkpoints_give_clear_errors(api: dict[str, Any]) -> None:
     assert "module_extra.safetensors" in api["truncated"]
 
 
-def test_two_engines_in_one_process_do_not_interfere() -> None:
-    out = run_world(two_engines_interleaved, WORLD)[0]
+def test_two_engines_in_one_process_do_not_interfere(contract: dict[str, Any]) -> None:
+    out = contract["two_engines"]
     assert out == {"a": True, "b": True}
 
 
-def test_predivide_prescale_and_comm_dtype_match_reference() -> None:
+def test_predivide_prescale_and_comm_dtype_match_reference(contract: dict[str, Any]) -> None:
     from tests.multiproc.models import reference_run
 
-    out = run_world(predivide_and_comm_dtype, WORLD)[0]
+    out = contract["predivide"]
     ref_losses, ref_w = reference_run(make_batches(4, 4 * WORLD, seed=11), clip=0.0, sgd=True)
     for name, tol in (("predivide", 1e-6), ("prescale", 1e-6), ("comm_fp16", 2e-3)):
         losses, weights = out[name]

@@ -92,6 +92,7 @@ def test_leaders_are_repeated_and_the_median_picks(tmp_path: Path, monkeypatch: 
     assert by_name["z1_mbs4_gas1"].samples == [59.4, 43.1, 28.9] and by_name["z3_mbs4_gas1"].samples == [40.0]
     best = best_of(trials, "throughput")
     assert best is by_name["z2_mbs4_gas1"] and best.metrics["throughput"] == 45.0  # not the lucky 59.4
+    assert best.metrics["latency"] == pytest.approx(1 / 45.0) and len(best.runs) == 3  # every figure: its median
     table = tuner.summary_table(trials, "throughput", best)
     assert "28.9-59.4 (n=3)" in table and "44-46 (n=3)" in table and "z2_mbs4_gas1" in table.splitlines()[-1]
     assert (progress.done, progress.total) == (7, 7)

@@ -65,16 +65,30 @@ def test_distribution_metadata(shim: None) -> None:
 
 
 def test_missing_features_fail_by_name(shim: None) -> None:
-    with pytest.raises(ImportError, match="Ulysses sequence parallelism"):
-        importlib.import_module("deepspeed.runtime.sequence_parallel.ulysses_sp")
-    with pytest.raises(ImportError, match="parallel-group registry"):
-        exec("from deepspeed.utils import groups", {})
+    with pytest.raises(ImportError, match="mixture-of-experts layers"):
+        importlib.import_module("deepspeed.moe.layer")
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("deepspeed.not_a_module")
     import deepspeed
 
     with pytest.raises(AttributeError, match="deepspeed.no_such_name is not provided by this 'deepspeed'"):
         deepspeed.no_such_name  # noqa: B018
+
+
+def test_sequence_parallel_names_resolve(shim: None) -> None:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (TiledFusedLogitsLoss, TiledMLP,  # noqa: F401
+                                                                UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
+                                                                sequence_tiled_compute)
+    from deepspeed.runtime.utils import move_to_device
+    from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups
+
+    import deepshard.sp.hf as hf
+    import deepshard.sp.ulysses as ulysses
+
+    assert UlyssesSPAttentionHF is hf.UlyssesSPAttentionHF and DistributedAttention is ulysses.DistributedAttention
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_sequence_parallel_rank() == 0
+    assert move_to_device({"a": [torch.ones(1)], "b": 3}, "cpu")["b"] == 3
 
 
 def test_uninstall_forgets_the_aliases(shim: None) -> None:

@@ -24,9 +24,11 @@ class Experiment:
     status: str = "pending"
     """pending | pruned | ok | failed | timeout"""
     metrics: dict[str, float] = field(default_factory=dict)
-    """The last run's metrics, with the tuning metric replaced by the median of :attr:`samples`."""
+    """The median over :attr:`runs` of each figure (the tuning metric's median ranks the experiment)."""
     samples: list[float] = field(default_factory=list)
     """The tuning metric of each successful run (several for the leaders)."""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """Every successful run's metrics, as measured."""
     detail: str = ""
 
 

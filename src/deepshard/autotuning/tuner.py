@@ -127,8 +127,18 @@ def _run(trial: Experiment, settings: AutotuningSettings, launcher: list[str], s
     trial.status, trial.detail = status, (f"run {repeat + 1}: {detail}" if repeat and detail else detail)
     if status == "ok":
         trial.samples.append(float(metrics[settings.metric]))
-        trial.metrics = {**metrics, settings.metric: statistics.median(trial.samples)}
+        trial.runs.append(metrics)
+        trial.metrics = median_metrics(trial.runs)
     progress.finished(trial.name + (f" (run {repeat + 1})" if repeat else ""), _result(trial, settings.metric))
+
+
+def median_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last run's metrics with every number replaced by its median over ``runs``."""
+    out = dict(runs[-1])
+    for key, value in out.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(float(run[key]) for run in runs if key in run)
+    return out
 
 
 def ranked(trials: list[Experiment], metric: str) -> list[Experiment]:

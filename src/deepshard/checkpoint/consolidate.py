@@ -1,4 +1,5 @@
-"""Consolidate a deepshard ZeRO checkpoint into one fp32 state dict, and write it like Hugging Face does.
+"""Consolidate a deepshard (or DeepSpeed) ZeRO checkpoint into one fp32 state dict, and write it like
+Hugging Face does.
 
 This is the logic behind ``deepshard.utils.zero_to_fp32`` (DeepSpeed's names and CLI live there).
 
@@ -67,7 +68,9 @@ class WrittenFiles:
 # --------------------------------------------------------------------------------------------------
 
 def _is_tag_dir(path: Path) -> bool:
-    return (path / ckpt_io.MANIFEST_NAME).is_file() or any(path.glob("zero_rank*.json"))
+    from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag
+
+    return (path / ckpt_io.MANIFEST_NAME).is_file() or any(path.glob("zero_rank*.json")) or is_deepspeed_tag(path)
 
 
 def _tags_in(save_dir: Path) -> list[str]:
@@ -112,8 +115,11 @@ def resolve_tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
 def consolidate(checkpoint_dir: str | Path, tag: str | None = None,
                 exclude_frozen_parameters: bool = False) -> Consolidated:
     """Verify the checkpoint's manifest and rebuild the model's full fp32 state dict from it."""
+    from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag
+
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
-    ckpt_io.verify_manifest(tag_dir)
+    if not is_deepspeed_tag(tag_dir):  # DeepSpeed's directories have no manifest; read as they are
+        ckpt_io.verify_manifest(tag_dir)
     full = load_full_state(tag_dir, with_optimizer=False)
     frozen = _frozen_names(full)
     if exclude_frozen_parameters and frozen is None:

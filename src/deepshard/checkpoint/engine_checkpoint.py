@@ -145,6 +145,12 @@ def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state:
 def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str | None, strict: bool,
                            load_optimizer_states: bool, load_lr_scheduler_states: bool,
                            load_module_only: bool) -> tuple[str | None, dict | None]:
+    from deepshard.checkpoint.deepspeed_format import deepspeed_tag_dir, load_deepspeed_checkpoint
+
+    ds_tag = deepspeed_tag_dir(load_dir, tag)
+    if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
+        return load_deepspeed_checkpoint(engine, ds_tag, strict, load_optimizer_states, load_lr_scheduler_states,
+                                         load_module_only)
     if tag is None:
         tag = ckpt_io.read_latest(load_dir)
         if tag is None:

@@ -97,7 +97,8 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
     tensor_file, json_file = rank_files(rank)
     ckpt_io.save_tensors(directory / tensor_file, tensors)
     info = {"rank": rank, "version": FORMAT_VERSION, "fragments": [[r.name, r.start, r.numel] for r in records],
-            "scalars": scalars, "shapes": {k: list(v) for k, v in shapes.items()}, "aliases": aliases,
+            "scalars": scalars, "shapes": {k: list(v) for k, v in shapes.items()},
+            "order": list(shapes), "aliases": aliases,
             "meta": meta, "splits": splits or {}, "coord": coord or {}}
     if param_groups is not None:
         info["param_groups"] = param_groups
@@ -123,8 +124,12 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
     ``module``, only the files holding tensors that module has are read (a pipeline stage reads its own
     stage's files; replicated copies are read once), and the result is cut back to ``module``'s own
     tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its slices."""
+    from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag, read_full_state
     from deepshard.checkpoint.layout import Reassembly, localize, wanted_names, with_alias_sources
 
+    if is_deepspeed_tag(directory):  # DeepSpeed's own files, whole tensors by name like ours
+        ds_full = read_full_state(directory, with_optimizer)
+        return localize(ds_full, module) if module is not None else ds_full
     json_files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_JSON.match(p.name)))
     if not json_files:
         raise ckpt_io.CheckpointError(

@@ -23,14 +23,14 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.pipe.topology": "deepshard.topology",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
+    "deepspeed.runtime.sequence_parallel": "deepshard.sp",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
+    "deepspeed.sequence": "deepshard.sp",
+    "deepspeed.sequence.layer": "deepshard.sp.ulysses",
 }
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 
 MISSING: dict[str, str] = {
-    "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism",
-    "deepspeed.sequence": "Ulysses sequence parallelism",
-    "deepspeed.utils.groups": "DeepSpeed's process-wide parallel-group registry (deepshard passes its "
-                              "groups as objects; use engine.comm)",
     "deepspeed.moe.sharded_moe": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
     "deepspeed.moe.experts": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
     "deepspeed.moe.mappings": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",

@@ -2,7 +2,7 @@
 
     deepshard [launcher flags] train.py [script args]   DeepSpeed's launcher (no subcommand)
     deepshard launch [flags] train.py [script args]     Accelerate's launch front end
-    deepshard config | report | zero_to_fp32 | estimate_memory ...
+    deepshard config | report | zero_to_fp32 | convert | estimate_memory ...
 
 Parsing only: each subcommand owns its parser and returns an exit status; nothing here starts a
 process. A new subcommand is one entry in :data:`COMMANDS` (``"module:function"`` taking
@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
                       "deepshard.utils.env_report:main", ("ds_report_deepshard",)),
     "zero_to_fp32": Command("consolidate a ZeRO checkpoint into fp32 weights (`zero_to_fp32.py`)",
                             "deepshard.utils.zero_to_fp32:main", ("deepshard_zero_to_fp32",)),
+    "convert": Command("convert a checkpoint to DeepSpeed's format or from it (`deepshard convert SRC DST --to ...`)",
+                       "deepshard.launcher.convert_cli:main"),
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
                                "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
 }

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gc
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import psutil
 import torch
 
 __all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
+
 
 def set_random_seed(seed: int) -> None:
     """Seed ``random``, numpy's global generator (``seed % 2**32``) and torch on every device
@@ -28,20 +29,22 @@ def set_random_seed(seed: int) -> None:
     torch.manual_seed(seed % (2**63))
 
 
-def move_to_device(item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool] | None = None) -> Any:
-    """``item`` with its tensors on ``device``: a tensor (or every tensor in nested lists, tuples and
-    dicts) is moved in place (its ``.data`` replaced, so references to it see the device) and returned.
-    With ``criterion_func``, only the items it accepts are moved; others come back unchanged."""
+def move_to_device(item: Any, device: Any, criterion_func: Optional[Callable[[Any], bool]] = None) -> Any:
+    """``item`` (a tensor, or lists, tuples and dicts of them, nested) on ``device``.
+
+    With ``criterion_func``, an item it accepts is moved in place (its ``.data`` replaced) and returned;
+    anything else goes through the containers; a leaf without ``.to`` (an int, a string) is returned as it is
+    (DeepSpeed raises AttributeError there)."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
     if isinstance(item, list):
         return [move_to_device(v, device, criterion_func) for v in item]
     if isinstance(item, tuple):
         return tuple(move_to_device(v, device, criterion_func) for v in item)
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    wanted = criterion_func(item) if criterion_func is not None else torch.is_tensor(item)
-    if wanted:
-        item.data = item.to(device).data
-    return item
+    return item.to(device) if hasattr(item, "to") else item
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
@@ -64,4 +67,3 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     vm = psutil.virtual_memory()
     print(f"CPU Virtual Memory:  used = {(vm.total - vm.available) / gb:.2f} GB, percent = {vm.percent}%")
     acc.reset_peak_memory_stats()
-

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from deepshard.sp.attention import SPGroups, sp_attention
-from deepshard.sp.collectives import sum_over_group
+from deepshard.sp.collectives import as_comm, sum_over_group
 from deepshard.sp.groups import Mode, build_sp_groups
 from deepshard.sp.layout import SeqLayout, pad_sequence
 from deepshard.topology import Topology
@@ -117,7 +117,8 @@ class SequenceParallel:
 
 def sp_token_mean(local_sum: torch.Tensor, local_count: torch.Tensor, comm: Any) -> torch.Tensor:
     """``sum over ranks of local_sum / sum over ranks of local_count`` (at least 1), differentiable in
-    ``local_sum`` (``collectives.sum_over_group``)."""
+    ``local_sum`` (``collectives.sum_over_group``). ``comm``: a ``CommGroup`` or a torch process group."""
+    comm = as_comm(comm)
     count = local_count.detach().to(torch.float64).reshape(1).clone()
     comm.all_reduce(count)
     return sum_over_group(local_sum, comm) / max(float(count.item()), 1.0)

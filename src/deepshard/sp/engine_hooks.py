@@ -23,6 +23,10 @@ def build_sequence_parallel(topology: Topology, cfg: Any, mpu: Any) -> SequenceP
 
 def attach_sequence_parallel(engine: Any, sp: SequenceParallel | None) -> None:
     topology = engine.topology
+    if sp is not None:
+        from deepshard.utils.groups import register_topology
+
+        register_topology(topology)  # deepspeed.utils.groups' accessors answer for this grid
     engine.sequence_parallel = sp
     engine.sequence_parallel_size = topology.dims.sp
     engine.seq_parallel_group = topology.sp.group if sp is not None else None
