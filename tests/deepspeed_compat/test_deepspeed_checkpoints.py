@@ -29,7 +29,7 @@ DS_VENV = REPO / ".venv-deepspeed"
 DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DS_VENV / "bin" / "python"))
 DS_READY = "DEEPSHARD_DEEPSPEED_PYTHON" in os.environ or (DS_VENV / ".installed").exists()
 FP32_TOL = 1e-5   # measured: 0 (bit-identical losses) at every layout; the margin is for other CPUs' kernels
-BF16_TOL = 1e-3   # measured: 0 as well (same dp as the writer); bf16 kernels may round differently elsewhere
+BF16_TOL = 1e-3   # measured: 0 at the writer's dp, 6e-8 at dp 1 and 1.2e-7 at dp 4 (fp32 loss of bf16 outputs)
 
 
 def _deepspeed(args: list[str], timeout: float = 1200) -> None:
@@ -70,7 +70,8 @@ def _matrix(root: Path, world: int) -> list[tuple[str, str, int, str, bool]]:
                   ("z2->pipe_z1", str(root / "z2"), 1, "fp32", True),
                   ("z2_bf16->z2", str(root / "z2_bf16"), 2, "bf16", False)]
     if world in (1, 4):
-        cases += [("pipe_z1->z2", str(root / "pipe_z1"), 2, "fp32", False)]
+        cases += [("pipe_z1->z2", str(root / "pipe_z1"), 2, "fp32", False),
+                  (f"z2_bf16->z{3 if world == 1 else 1}", str(root / "z2_bf16"), 3 if world == 1 else 1, "bf16", False)]
     return cases
 
 

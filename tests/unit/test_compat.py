@@ -42,7 +42,7 @@ def test_deepspeed_names_are_deepshards_objects(shim: None) -> None:
     import deepshard.ops.adam
     import deepshard.zero
 
-    assert deepspeed.initialize is deepshard.initialize and deepspeed.DeepSpeedEngine is deepshard.DeepShardEngine
+    assert deepspeed.initialize is deepshard.initialize and deepspeed.DeepSpeedEngine is deepshard.engine.EngineCore
     assert dist.get_rank is deepshard.comm.get_rank and dist.init_distributed is deepshard.init_distributed
     assert get_accelerator is deepshard.accelerator.get_accelerator
     assert DeepSpeedCPUAdam is deepshard.ops.adam.DeepSpeedCPUAdam

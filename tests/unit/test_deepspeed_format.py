@@ -115,3 +115,15 @@ def test_missing_rank_file_is_named(tmp_path: Path) -> None:
     (tag_dir / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointError):
         read_engine_record(tag_dir)
+
+
+def test_dynamic_loss_scaler_round_trips(tmp_path: Path) -> None:
+    """fp16's dynamic scaler (not runnable on CPU with DeepSpeed): written as DeepSpeed's DynamicLossScaler
+    fields (cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) and read back as deepshard's state."""
+    src = _source("torch.float16")
+    state = {"kind": "dynamic", "scale": 1024.0, "iteration": 7, "last_overflow_iteration": 3, "hysteresis_left": 1}
+    src.engine["loss_scaler"] = state
+    tag_dir = write_deepspeed(src, tmp_path, "global_step4", 2, 2, _quiet)
+    scaler = load_pt(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]["loss_scaler"]
+    assert type(scaler).__name__ == "DynamicLossScalerRecord" and scaler.cur_scale == 1024.0 and scaler.dynamic
+    assert read_engine_record(tag_dir).loss_scaler == state

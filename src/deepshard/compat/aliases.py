@@ -23,6 +23,8 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.pipe.topology": "deepshard.topology",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
+    "deepspeed.runtime.pipe": "deepshard.pipe",
+    "deepspeed.runtime.pipe.topology": "deepshard.pipe.grid",
     "deepspeed.runtime.sequence_parallel": "deepshard.sp",
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
     "deepspeed.sequence": "deepshard.sp",
