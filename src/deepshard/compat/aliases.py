@@ -14,13 +14,11 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.config": "deepshard.compat.runtime_config",
     "deepspeed.runtime.zero.stage3": "deepshard.compat.zero_stage3",
     "deepspeed.runtime.zero.stage_1_and_2": "deepshard.compat.zero_stage_1_and_2",
-    "deepspeed.runtime.pipe": "deepshard.pipe",
     "deepspeed.runtime.dataloader": "deepshard.data",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "deepshard.checkpointing",
     "deepspeed.accelerator.real_accelerator": "deepshard.accelerator",
     "deepspeed.env_report": "deepshard.utils.env_report",
     "deepspeed.runtime.activation_checkpointing": "deepshard.checkpointing",
-    "deepspeed.runtime.pipe.topology": "deepshard.topology",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
     "deepspeed.runtime.pipe": "deepshard.pipe",
@@ -84,11 +82,6 @@ REFUSED_NAMES: dict[str, str] = {
         "DeepSpeed's per-parameter gather status (deepshard's ZeRO-3 parameters carry no ds_id/ds_status); use "
         "deepspeed.zero.GatheredParameters(params) around the code that reads parameters instead: it gathers "
         "partitioned ones and leaves whole ones alone"),
-    "deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology": (
-        "DeepSpeed's topology object; use PipelineModule(num_stages=...) instead (tensor parallelism comes "
-        "from the config's tensor_parallel section, the rest of the world is data parallel)"),
-    "deepspeed.runtime.pipe.topology.PipeDataParallelTopology": (
-        "DeepSpeed's topology object; use PipelineModule(num_stages=...) instead"),
 }
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
