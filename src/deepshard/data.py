@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 

@@ -13,12 +13,11 @@ from typing import Any, Iterator
 import torch
 
 from deepshard.accelerator import DeviceAccelerator as DeviceKind
-from deepshard.autotuning.probe import AutotuneProbe
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.profiling.engine_tools import EngineTools
-from deepshard.step import TrainState, optimizer_step
+from deepshard.step import StepRunner, TrainState
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
 from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
@@ -38,8 +37,13 @@ class _StateField:
         setattr(engine.state, self.name, int(value))
 
 
-class DeepShardEngine(torch.nn.Module):
-    """Returned by ``deepshard.initialize``; DeepSpeed's ``DeepSpeedEngine`` contract.
+class EngineCore(torch.nn.Module):
+    """What every engine ``deepshard.initialize`` returns shares (DeepSpeed's ``DeepSpeedEngine`` contract
+    minus the training calls): the module, the config accessors, the counters, the one step path
+    (``self.runner``, ``deepshard.step.StepRunner``), reporting, checkpoints, ``destroy``. The two engines
+    add their training calls: :class:`DeepShardEngine` (``forward`` / ``backward`` / ``step``) and
+    ``deepshard.pipe.engine.PipelineEngine`` (``train_batch`` / ``eval_batch``). ``deepspeed.DeepSpeedEngine``
+    is this class, so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds for both, as in DeepSpeed.
 
     Unknown attributes fall through to the wrapped ``module``.
     """
@@ -68,14 +72,14 @@ class DeepShardEngine(torch.nn.Module):
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
         self.monitor = monitor
         self.state = TrainState()
-        for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel):
-            group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
-        self._no_sync_depth = 0
-        self._boundary_override: bool | None = None
+        for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel, topology.sp,
+                      topology.seq_dp):
+            if group is not None:
+                group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
         self._last_loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's micro-batch losses
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
-        self._autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
+        self.runner = StepRunner(self.state, self.loss_scaler, config, topology.rank)
 
     # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
     global_steps = _StateField("global_steps")
@@ -146,10 +150,11 @@ class DeepShardEngine(torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
+        """Each group's momentum as DeepSpeed reports it: the ``betas`` pair of Adam-style optimizers,
+        ``momentum`` of the others (SGD, RMSprop)."""
         if self.optimizer is None:
             return []
-        return [g.get("betas", (g.get("momentum"),))[0] if "betas" in g else g.get("momentum")
-                for g in self.optimizer.param_groups]
+        return [tuple(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
@@ -162,128 +167,17 @@ class DeepShardEngine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    # ---------------------------------------------------------------------- accumulation boundary
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        if not self._config.managed_gradient_accumulation:
-            return True
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Override the boundary (Accelerate does this); pass the value for every micro-step."""
-        self._boundary_override = bool(is_boundary)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside skip the gradient reduction (local accumulation only)."""
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               "gradients are partitioned as they are produced; use gradient_accumulation_steps")
-        self._no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self._no_sync_depth -= 1
-
-    # ------------------------------------------------------------------------------- training
     @property
     def flops_profiler(self) -> Any:
         """The ``FlopsProfiler`` while the ``flops_profiler`` section's profile step runs, else None."""
         return self.tools.flops_profiler
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.tools.on_forward(self, inputs, kwargs)
-        with self.tools.time("forward"):
-            inputs = self.precision.cast_inputs(inputs)
-            kwargs = self.precision.cast_inputs(kwargs)
-            with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
-                return self.module(*inputs, **kwargs)
-
-    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
-        """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
-        checkpoints are unchanged. At ZeRO stage 3 pass ``torch.compile(model)`` to ``initialize``
-        instead (see docs/compile-and-checkpointing.md)."""
-        if self._config.zero_optimization.stage == 3:
-            raise NotImplementedError(
-                "engine.compile() at ZeRO stage 3: the stage-3 hooks were set up for eager execution; "
-                "compile before initialize instead: deepshard.initialize(model=torch.compile(model), ...)")
-        compile_module(self.module, backend, compile_kwargs)
-
-    @property
-    def is_compiled(self) -> bool:
-        """True when the module's calls go through ``torch.compile``."""
-        return module_is_compiled(self.module)
-
-    def _prepare_backward(self) -> None:
-        reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
-        self._strategy().begin_backward(reduce)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
-        self._check_loss(loss)
-        self._record_loss(loss)
-        if self.gradient_accumulation_steps() > 1:
-            loss = loss / self.gradient_accumulation_steps()
-        self._prepare_backward()
-        return loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); gradients are
-        reduced across data-parallel ranks at the accumulation boundary. Returns the scaled loss."""
-        with self.tools.time("backward"):
-            self._check_loss(loss)
-            self._record_loss(loss)
-            if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-                loss = loss / self.gradient_accumulation_steps()
-            scaled = loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss
-            self._prepare_backward()
-            with self.tools.time("backward_inner"):
-                scaled.backward(retain_graph=retain_graph)
-            with self.tools.time("backward_allreduce"):
-                self._strategy().end_backward()
-        return loss
-
-    def _record_loss(self, loss: torch.Tensor) -> None:
-        self._last_loss = loss.detach()
-        self._window_losses.append(self._last_loss)
-
-    @staticmethod
-    def _check_loss(loss: torch.Tensor) -> None:
-        if not torch.is_tensor(loss) or loss.numel() != 1:
-            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-            raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}; reduce it first "
-                             "(e.g. loss.mean())")
-        if not loss.requires_grad:
-            raise ValueError("the loss passed to engine.backward does not require grad: was it computed "
-                             "under torch.no_grad(), or are all parameters frozen?")
-
-    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """Apply the update at the accumulation boundary (clipping, fp16 overflow skip, LR schedule);
-        a no-op between boundaries except for counting the micro-step."""
-        if self._no_sync_depth > 0:
-            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync() block "
-                               "for the micro-step that should synchronize and step")
-        boundary = self.is_gradient_accumulation_boundary()
-        with self.tools.time("step"):
-            self._strategy().end_backward()
-            self.state.step_applied = False
-            if boundary:
-                self._take_model_step(lr_kwargs)
-        self.micro_steps += 1
-        self.tools.after_step(self, boundary)
-        if boundary:
-            self._report_step()
-
-    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        optimizer_step(self._strategy(), self.state, self.loss_scaler, float(self._config.gradient_clipping or 0.0),
-                       self.lr_scheduler, self.train_batch_size(), self.global_rank, lr_kwargs)
-        if self._autotune is not None:  # an autotuning trial: measure, and end the run at its last step
-            self._autotune.after_step(self)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""
         self._strategy().zero_grad()
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        self.runner.boundary_step(self, lr_kwargs)
 
     def _strategy(self) -> ZeroStrategy:
         if self.strategy is None:
@@ -321,10 +215,13 @@ class DeepShardEngine(torch.nn.Module):
             self.monitor.write_events(events)
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0 and self.global_rank == 0:
-            lr = ", ".join(f"{x:.4g}" for x in self.get_lr())
-            logger.info("step=%d skipped=%d lr=[%s] loss=%.4f grad_norm=%.4g%s", self.global_steps,
-                        self.skipped_steps, lr, loss, self.state.grad_norm or 0.0,
-                        f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
+            # DeepSpeed's two lines, as its engines write them (log parsers look for these)
+            logger.info("[Rank 0] step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
+                        self.get_lr(), self.get_mom())
+            iter_time = self.tools.throughput.take_iter_time()
+            rate = self.train_batch_size() / iter_time if iter_time > 0 else 0.0
+            logger.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps, loss,
+                        iter_time, rate)
             for line in self.tools.print_lines(self.dp_world_size, self.accelerator.memory_allocated(),
                                                self.accelerator.max_memory_allocated(),
                                                memory_is_rss=self.accelerator.kind != "cuda"):
@@ -405,3 +302,119 @@ class DeepShardEngine(torch.nn.Module):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+
+
+class DeepShardEngine(EngineCore):
+    """Returned by ``deepshard.initialize`` for a plain model: DeepSpeed's ``forward`` / ``backward`` /
+    ``step`` training calls over the shared core."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._no_sync_depth = 0
+        self._boundary_override: bool | None = None
+
+    # ---------------------------------------------------------------------- accumulation boundary
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self._config.managed_gradient_accumulation:
+            return True
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary (Accelerate does this); pass the value for every micro-step."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the gradient reduction (local accumulation only)."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
+                               "gradients are partitioned as they are produced; use gradient_accumulation_steps")
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # ------------------------------------------------------------------------------- training
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.tools.on_forward(self, inputs, kwargs)
+        with self.tools.time("forward"):
+            inputs = self.precision.cast_inputs(inputs)
+            kwargs = self.precision.cast_inputs(kwargs)
+            with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
+                return self.module(*inputs, **kwargs)
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
+        """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
+        checkpoints are unchanged. At ZeRO stage 3 pass ``torch.compile(model)`` to ``initialize``
+        instead (see docs/compile-and-checkpointing.md)."""
+        if self._config.zero_optimization.stage == 3:
+            raise NotImplementedError(
+                "engine.compile() at ZeRO stage 3: the stage-3 hooks were set up for eager execution; "
+                "compile before initialize instead: deepshard.initialize(model=torch.compile(model), ...)")
+        compile_module(self.module, backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True when the module's calls go through ``torch.compile``."""
+        return module_is_compiled(self.module)
+
+    def _prepare_backward(self) -> None:
+        reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
+        self._strategy().begin_backward(reduce)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
+        self._check_loss(loss)
+        self._record_loss(loss)
+        _, scaled = self.runner.for_backward(loss)
+        self._prepare_backward()
+        return scaled
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); gradients are
+        reduced across data-parallel ranks at the accumulation boundary. Returns the scaled loss."""
+        with self.tools.time("backward"):
+            self._check_loss(loss)
+            self._record_loss(loss)
+            loss, scaled = self.runner.for_backward(loss, divide=scale_wrt_gas)
+            self._prepare_backward()
+            with self.tools.time("backward_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self.tools.time("backward_allreduce"):
+                self._strategy().end_backward()
+        return loss
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        self._last_loss = loss.detach()
+        self._window_losses.append(self._last_loss)
+
+    @staticmethod
+    def _check_loss(loss: torch.Tensor) -> None:
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}; reduce it first "
+                             "(e.g. loss.mean())")
+        if not loss.requires_grad:
+            raise ValueError("the loss passed to engine.backward does not require grad: was it computed "
+                             "under torch.no_grad(), or are all parameters frozen?")
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Apply the update at the accumulation boundary (clipping, fp16 overflow skip, LR schedule);
+        a no-op between boundaries except for counting the micro-step."""
+        if self._no_sync_depth > 0:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync() block "
+                               "for the micro-step that should synchronize and step")
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.tools.time("step"):
+            self._strategy().end_backward()
+            self.state.step_applied = False
+            if boundary:
+                self._take_model_step(lr_kwargs)
+        self.runner.finish(self, 1, boundary)
+
+
+DeepSpeedEngine = EngineCore
+"""DeepSpeed's class name (``deepspeed.runtime.engine.DeepSpeedEngine``): the base of every engine."""

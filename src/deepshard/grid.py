@@ -49,10 +49,6 @@ def dims_from_config(config: dict[str, Any], world_size: int, model: Any = None,
             raise ConfigError(f"mesh_param gives tensor parallel size {mesh_tp} but tensor_parallel.autotp_size "
                               f"is {tp}; give one of them")
         dp, tp = mesh_dp, mesh_tp
-    if sp > 1 and (pp > 1 or tp > 1):
-        raise ConfigError(f"sequence_parallel_size={sp} with {'pipeline stages' if pp > 1 else 'tensor parallelism'} "
-                          f"(pp={pp}, tp={tp}) is not supported: sequence parallelism composes with data parallelism "
-                          "and ZeRO; set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")
     try:
         return ParallelDims.for_world(world_size, pp=pp, tp=tp, dp=dp, sp=sp)
     except TopologyError as exc:
@@ -101,9 +97,17 @@ def topology_from_mpu(mpu: Any, logger: CommsLogger) -> Topology:
 
 
 def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, mesh_param: Any = None) -> Topology:
-    """The process grid for this run (collective: every rank calls it)."""
+    """The process grid for this run (collective: every rank calls it). A ``PipelineModule`` built its grid
+    at construction: that grid is used, checked against the config."""
     import torch.distributed as dist
 
+    from deepshard.pipe.grid import PipelineParallelGrid
+
+    if isinstance(mpu, PipelineParallelGrid):  # e.g. mpu=net.mpu()
+        mpu = mpu.grid_topology
+    built = getattr(model, "grid_topology", None) if mpu is None else None
+    if isinstance(built, Topology):
+        return _module_grid(model, built, config, mesh_param)
     if isinstance(mpu, Topology):  # a grid the caller built first (a model written with deepshard.tp layers)
         if mesh_param is not None:
             raise ConfigError("pass mpu= or mesh_param=, not both: each describes the whole grid")
@@ -124,3 +128,19 @@ def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, m
         return topology_from_mpu(mpu, logger)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Topology.build(dims_from_config(config, world_size, model, mesh_param), logger)
+
+
+def _module_grid(model: Any, built: Topology, config: dict[str, Any], mesh_param: Any) -> Topology:
+    """The grid a ``PipelineModule`` built for itself, when the config agrees; a module built from
+    ``num_stages`` alone takes the config's tensor-parallel split (a new grid, the same stages)."""
+    import torch.distributed as dist
+
+    wanted = dims_from_config(config, dist.get_world_size(), model, mesh_param)
+    if wanted == built.dims:
+        return built
+    if model.grid_was_given or wanted.pp != built.dims.pp:
+        raise ConfigError(f"the PipelineModule was built on {built.dims} but the config asks for {wanted}; build "
+                          "the module with topology= the grid the config describes, or change the config")
+    topology = Topology.build(wanted, built.world.logger)
+    model.adopt_topology(topology)
+    return topology

@@ -68,3 +68,49 @@ def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossS
     state.global_steps += 1
     state.global_samples += samples
     return state.step_applied
+
+
+class StepRunner:
+    """The one path from a loss to an applied update, held by both engines (``engine.runner``): the
+    loss divided over the accumulation window and multiplied by the fp16 loss scale for backward, the
+    reduce-once call of the strategy, the optimizer step at the boundary (``optimizer_step``) with its
+    autotuning probe, and the wrap-up (micro-step counter, tools, the step's report)."""
+
+    def __init__(self, state: TrainState, loss_scaler: LossScaler, config: Any, rank: int) -> None:
+        from deepshard.autotuning.probe import AutotuneProbe
+
+        self.state = state
+        self.loss_scaler = loss_scaler
+        self.config = config
+        self.rank = rank
+        self.autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
+
+    def for_backward(self, loss: Any, divide: bool = True) -> tuple[Any, Any]:
+        """``(loss / accumulation steps, that times the loss scale)``: what backward starts from."""
+        steps = int(self.config.gradient_accumulation_steps)
+        if divide and steps > 1:
+            loss = loss / steps
+        scale = self.loss_scaler.scale
+        return loss, (loss * scale if scale != 1.0 else loss)
+
+    @staticmethod
+    def reduce_once(strategy: ZeroStrategy) -> None:
+        """Reduce the locally accumulated gradients now (a pipeline's batch end): one reduction."""
+        strategy.begin_backward(True)
+        strategy.end_backward()
+
+    def boundary_step(self, engine: Any, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
+        """The optimizer step at an accumulation boundary (clipping, overflow skip, LR schedule)."""
+        applied = optimizer_step(engine._strategy(), self.state, self.loss_scaler,
+                                 float(self.config.gradient_clipping or 0.0), engine.lr_scheduler,
+                                 int(self.config.train_batch_size), self.rank, lr_kwargs)
+        if self.autotune is not None:  # an autotuning trial: measure, and end the run at its last step
+            self.autotune.after_step(engine)
+        return applied
+
+    def finish(self, engine: Any, micro_steps: int, boundary: bool) -> None:
+        """After a step call: count the micro-steps, let the tools see it, report a boundary."""
+        self.state.micro_steps += micro_steps
+        engine.tools.after_step(engine, boundary)
+        if boundary:
+            engine._report_step()

@@ -158,20 +158,12 @@ def refusal_substrings(cell: Cell) -> list[str]:
     return [texts[name] for name in refusals(cell)]
 
 
-KNOWN_FAILURES: list[tuple[str, str]] = [
-    ("model = megatron with tp = 2 (trained or resumed there)",
-     "wrong today: parameters marked only with Megatron's attributes (tensor_model_parallel, partition_dim) "
-     "are counted as replicated in the gradient norm (clipping off by sqrt(tp)), and save_16bit_model, "
-     "checkpoints and zero_to_fp32 keep each rank's slice as if it were the whole tensor. deepshard.tp's "
-     "layers and automatic TP are not affected"),
-]
+KNOWN_FAILURES: list[tuple[str, str]] = []
 """Valid cells that fail today because of a known bug (the test marks them xfail, strict)."""
 
 
 def known_failure(cell: Cell) -> Optional[str]:
     """The ``KNOWN_FAILURES`` entry ``cell`` falls under, or None."""
-    if cell.model == "megatron" and not refusals(cell) and max(cell.tp, reload_cell(cell).tp) > 1:
-        return KNOWN_FAILURES[0][1]
     return None
 
 
@@ -247,8 +239,8 @@ def markdown_table() -> str:
     lines.append("| every other pair | combines; tested together in a valid cell |")
     valid = [c for c in all_cells if not refusals(c)]
     failing = sum(1 for c in valid if known_failure(c))
-    lines += ["", f"Cells: {len(valid)} valid ({failing} of them failing today, as listed above), "
-                  f"{len(all_cells) - len(valid)} refused.", "", TABLE_END]
+    failing_note = f" ({failing} of them failing today, as listed above)" if failing else ", all passing"
+    lines += ["", f"Cells: {len(valid)} valid{failing_note}; {len(all_cells) - len(valid)} refused.", "", TABLE_END]
     return "\n".join(lines)
 
 

@@ -241,11 +241,43 @@ def inplace_first_layer() -> list[str]:
 def pp_dp_world(rank: int, world: int, directory: str) -> list[str]:
     """4 processes: pp=2 x dp=2 and pp=4 under the schedules of ``CONFIGS_4``, then a (2, 2) checkpoint
     resumed on (4, 1) and (1, 4), and back."""
-    done = []
+    done = [grid_at_construction(rank)]
     for pp, schedule, zero, m in CONFIGS_4:
         check(train_pipeline(pp, schedule, zero, m, steps=2), m, 2)
         done.append(f"pp{pp}-{schedule}-z{zero}-m{m}")
     return done + resume_across_grids(world, directory)
+
+
+def grid_at_construction(rank: int) -> str:
+    """On 4 ranks: ``PipelineModule(num_stages=2)`` answers DeepSpeed's ``mpu()`` / ``topology()`` before
+    ``initialize`` (a DistributedSampler built from it, real groups), and the engine trains on that grid."""
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    import deepshard
+    from deepshard.pipe import PipelineModule
+
+    model = PipelineModule(layers(), num_stages=2, loss_fn=lm_loss)
+    grid, topo = model.mpu(), model.topology()
+    assert grid is not None and topo.get_axis_names() == ["pipe", "data"]
+    assert (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()) == (rank // 2, rank % 2, 2)
+    assert (grid.get_pipe_parallel_world_size(), grid.get_model_parallel_world_size(), grid.get_slice_parallel_world_size()) == (2, 2, 1)
+    assert topo.get_coord(rank) == (rank // 2, rank % 2) and topo.get_dim("pipe") == 2 and topo.get_dim("model") == 0
+    assert grid.stage_to_global(1 - rank // 2) == (rank + 2) % 4
+    assert grid.get_data_parallel_group_ranks() == [rank - rank % 2, rank - rank % 2 + 1]
+    for group, want in ((grid.get_data_parallel_group(), 2 * (rank - rank % 2) + 1),
+                        (grid.get_pipe_parallel_group(), 2 * (rank % 2) + 2), (grid.get_slice_parallel_group(), rank)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)  # a real torch process group of the axis (a size-1 axis: this rank alone)
+        assert t.item() == want, (t.item(), want)
+    sampler = DistributedSampler(list(range(8)), num_replicas=grid.get_data_parallel_world_size(),
+                                 rank=grid.get_data_parallel_rank(), shuffle=False)
+    assert list(sampler) == list(range(rank % 2, 8, 2))
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = deepshard.initialize(model=model, config=cfg)[0]
+    assert engine.topology is model.grid_topology and model.mpu() is grid  # no second grid
+    engine.destroy()
+    return "grid-at-construction"
 
 
 def errors(rank: int) -> list[str]:

@@ -139,3 +139,9 @@ def checkpoint_world(rank: int, world: int, tmp: str, dtype: str) -> dict[str, A
     return {"full": full, "resumed": first + rest, "w_full": w_full, "w_resumed": full_weights(fresh),
             "client": client, "path": path, "latest": latest, "global_steps": fresh.global_steps,
             "lr": fresh.get_lr()}
+
+
+def oracle_stages(rank: int, world: int, stages: list[int]) -> dict[int, dict[str, Any]]:
+    """:func:`oracle_world` for each of ``stages`` in one world (a spawn per stage cost as much as the
+    training it ran)."""
+    return {stage: oracle_world(rank, world, stage) for stage in stages}

@@ -126,6 +126,9 @@ def tp_engine_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     engine.destroy()
     out["bf16"] = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     out["megatron_gpt"] = megatron_gpt(tmp)
+    from tests.multiproc.scenarios_placement import megatron_attribute_layers
+
+    out["megatron_attrs"] = megatron_attribute_layers(rank)
     out["hf_llama"] = hf_llama(tmp)
     return out
 

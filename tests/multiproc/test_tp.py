@@ -177,3 +177,13 @@ def test_transformers_llama_under_autotp_in_the_engine(engine_results: list[dict
         got = res["hf_llama"]
         assert got["loss"] <= TOL, f"rank {rank}: {got}"
         assert got["from_pretrained"] <= TOL, f"rank {rank}: from_pretrained of save_16bit_model: {got}"
+
+
+def test_users_megatron_marked_layers_count_in_the_norm_as_split(engine_results: list[dict]) -> None:
+    """A user's own column/row-parallel layers, marked only with Megatron's attributes, under
+    initialize(mpu=...): the reported norm and the clipped update equal plain PyTorch's (not sqrt(tp) off)."""
+    for rank, res in enumerate(engine_results):
+        got = res["megatron_attrs"]
+        for stage in (0, 1):
+            assert got[f"z{stage}_norm"] <= 1e-5, f"rank {rank} ZeRO-{stage}: global grad norm off: {got}"
+            assert got[f"z{stage}_params"] <= TOL, f"rank {rank} ZeRO-{stage}: parameters off: {got}"

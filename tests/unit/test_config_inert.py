@@ -45,17 +45,10 @@ def test_switched_on_sections_that_change_numerics_are_refused(sections: dict[st
         _load(**sections)
 
 
-def test_fp32_accumulation_passes_the_config_and_is_refused_outside_pipelines() -> None:
-    from deepshard.config.inert import refuse_fp32_accumulation_outside_pipelines
-
+def test_fp32_accumulation_passes_the_config() -> None:
+    """(refused outside pipelines by the plan check: tests/unit/test_plan.py)"""
     cfg = _load(bf16={"enabled": True}, gradient_accumulation_steps=4, data_types={"grad_accum_dtype": "fp32"})
-    with pytest.raises(ConfigError, match=r"grad_accum_dtype is 'fp32'.*4 micro-batches in the training dtype "
-                                          r"\(torch.bfloat16\) outside pipelines"):
-        refuse_fp32_accumulation_outside_pipelines(cfg)
-    for quiet in (_load(bf16={"enabled": True}, gradient_accumulation_steps=4),
-                  _load(gradient_accumulation_steps=4, data_types={"grad_accum_dtype": "fp32"}),
-                  _load(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})):
-        refuse_fp32_accumulation_outside_pipelines(quiet)
+    assert cfg.data_types.grad_accum_dtype == "fp32"
 
 
 def test_matching_dtypes_and_switched_off_sections_are_quiet(warned: list[str]) -> None:

@@ -113,11 +113,11 @@ def test_gradient_shard_on_disk_gives_the_resident_bits(tmp_path: Path, dtype: t
     from deepshard.zero.offload.backing import FileBacking
     from deepshard.zero.offload.grad_store import OffloadedGradShard, ResidentGradShard
     from deepshard.zero.offload.swapper import AsyncSwapper
-    from deepshard.zero.stage12 import squared_norm
+    from deepshard.zero.sharded_optimizer import squared_norm
 
     ranges = [(0, 40), (40, 25), (65, 35)]
     chunk = 16  # the norm's chunks straddle the ranges, as NORM_CHUNK does in a real shard
-    monkeypatch.setattr("deepshard.zero.stage12.NORM_CHUNK", chunk)
+    monkeypatch.setattr("deepshard.zero.sharded_optimizer.NORM_CHUNK", chunk)
     backing = FileBacking(AsyncSwapper(tmp_path, 0, AioSettings(block_size=64, queue_depth=2, thread_count=2)))
     disk = OffloadedGradShard(backing, 100, dtype, torch.device("cpu"), ranges, chunk)
     mem = ResidentGradShard(100, dtype, torch.device("cpu"))

@@ -147,3 +147,28 @@ def test_chunks_interleave_virtual_stages_over_the_stages() -> None:
         PipelineModule(specs, num_stages=1, stage_id=0, num_chunks=2)
     with pytest.raises(ValueError, match="integer >= 1"):
         PipelineModule(specs, num_stages=2, stage_id=0, num_chunks=0)
+
+
+def test_process_topology_maps_named_axes_row_major_as_deepspeed_documents() -> None:
+    from deepshard.pipe.grid import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology, dims_of
+
+    topo = ProcessTopology(axes=["pipe", "data", "model"], dims=[2, 2, 2])
+    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.get_axis_comm_lists("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.get_axis_comm_lists("sequence") == []
+    assert topo.filter_match(pipe=0, data=1) == [2, 3]
+    assert topo.get_rank(pipe=1, data=0, model=1) == 5 and topo.get_coord(5) == (1, 0, 1)
+    assert topo.get_rank_repr(3) == "model_01" and topo.get_rank_repr(3, omit_axes=["pipe"]) == "data_01-model_01"
+    assert topo.get_axis_list("data", 1) == [2, 3, 6, 7] and topo.world_size() == 8 and topo.get_dim("x") == 0
+    with pytest.raises(ValueError, match="every axis"):
+        topo.get_rank(pipe=0)
+    assert PipeDataParallelTopology(num_pp=2, num_dp=3).get_coord(4) == (1, 1)
+    dims = dims_of(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=3))
+    assert (dims.pp, dims.dp, dims.tp) == (2, 3, 2)
+    with pytest.raises(ValueError, match="pipe x data x model"):
+        dims_of(ProcessTopology(axes=["data", "pipe"], dims=[2, 2]))
+
+
+def test_module_without_a_process_group_describes_its_grid_and_has_no_mpu() -> None:
+    module = PipelineModule(_specs(4), num_stages=2, stage_id=1, partition_method="uniform")
+    assert module.mpu() is None and module.topology().get_dim("pipe") == 2

@@ -44,23 +44,6 @@ class CompressedCommOptimizer(torch.optim.Optimizer):
         """Drop the carried exchange state (after a checkpoint load)."""
 
 
-def check_compressed_setup(optimizer: object, stage: int, model_parallel: int) -> None:
-    """Refuse a compressed-communication optimizer where its exchange cannot replace the gradient
-    reduction: ZeRO stages 1-3 (they shard what it averages) and model parallelism (the gradient norm
-    would mix local and reduced gradients)."""
-    if not isinstance(optimizer, CompressedCommOptimizer):
-        return
-    name = type(optimizer).__name__
-    if stage != 0:
-        raise ValueError(f"optimizer {name} needs zero_optimization.stage 0, got {stage}: its compressed momentum "
-                         "exchange replaces the all-reduce of whole gradients, which stages 1-3 shard (DeepSpeed "
-                         "has the same rule); set zero_optimization.stage to 0, or use optimizer type 'Adam'")
-    if model_parallel > 1:
-        raise ValueError(f"optimizer {name} works with data parallelism only; this run has {model_parallel} "
-                         "model-parallel ranks (pipeline x tensor): use optimizer type 'Adam', or no "
-                         "pipeline.stages / tensor_parallel")
-
-
 class OneBitAdam(CompressedCommOptimizer):
     """DeepSpeed's ``{"type": "OneBitAdam", "params": {...}}``: see the module docstring.
 

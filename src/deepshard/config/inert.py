@@ -46,17 +46,6 @@ def refused(cfg: Any) -> list[str]:
     return problems
 
 
-def refuse_fp32_accumulation_outside_pipelines(cfg: Any) -> None:
-    """``grad_accum_dtype`` fp32 acts in pipelines only (``deepshard.pipe``); elsewhere it is refused."""
-    accum = cfg.data_types.grad_accum_dtype
-    if accum is not None and dtype_from_name(accum) == torch.float32 and cfg.model_dtype != torch.float32 \
-            and cfg.gradient_accumulation_steps > 1:
-        raise ConfigError(f"data_types.grad_accum_dtype is {accum!r}, but deepshard accumulates gradients over the "
-                          f"{cfg.gradient_accumulation_steps} micro-batches in the training dtype ({cfg.model_dtype}) "
-                          "outside pipelines (a PipelineModule sums them in fp32); remove the key or set it to that "
-                          "dtype")
-
-
 def _activation_checkpointing_set(cfg: Any) -> list[str]:
     section = cfg.activation_checkpointing
     defaults = type(section)()

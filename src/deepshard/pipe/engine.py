@@ -16,16 +16,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from deepshard.config import ConfigError
 from deepshard.config.base import dtype_from_name
-from deepshard.engine import DeepShardEngine
+from deepshard.engine import EngineCore
 from deepshard.pipe.grad_accum import SIXTEEN_BIT, Fp32GradSums
 from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta
 from deepshard.pipe.schedule import Action, Kind, build_schedule, schedule_name
-from deepshard.pipe.tied import TiedWeights, build_tied_weights
+from deepshard.pipe.tied import TiedWeights
 from deepshard.pipe.weight_grad import DeferWeightGrads, WeightGradStore
-from deepshard.topology import Topology
 
 
 class PipelineError(RuntimeError):
@@ -67,40 +65,29 @@ class _BatchRun:
     split_backward: bool = False
 
 
-def prepare_pipeline(module: PipelineModule, topology: Topology, cfg: Any) -> TiedWeights:
-    """Before the strategy is built (collective): refuse what cannot work, apply the config's pipeline
-    keys to the module, create the tied groups, make the tied copies equal and mark them for the norm."""
-    if topology.dims.pp != module.num_stages:
-        raise ConfigError(f"the grid has pipeline size {topology.dims.pp} but the PipelineModule has "
-                          f"{module.num_stages} stages; build the module with num_stages={topology.dims.pp}")
-    if cfg.zero_optimization.stage >= 3:
-        raise ConfigError(f"zero_optimization.stage={cfg.zero_optimization.stage} cannot be combined with "
-                          "pipeline parallelism (each stage already holds only its layers; ZeRO-3 would gather "
-                          "them again for every micro-batch): use stage 0, 1 or 2")
-    name = schedule_name(cfg.pipeline.schedule)  # an unknown name raises here, naming the choices
-    if name == "interleaved" and module.num_chunks < 2:
-        raise ConfigError("pipeline.schedule='interleaved' runs several model chunks per stage: build the model "
-                          "with PipelineModule(..., num_chunks=2) (or more), or use '1f1b', 'gpipe' or 'zb-h1'")
-    if name != "interleaved" and module.num_chunks > 1:
-        raise ConfigError(f"the PipelineModule has num_chunks={module.num_chunks} (chunks interleaved over the "
-                          f"stages) and pipeline.schedule={cfg.pipeline.schedule!r} runs one chunk per stage: set "
-                          "pipeline.schedule to 'interleaved', or build the module with num_chunks=1")
+def configure_pipeline(module: PipelineModule, cfg: Any) -> None:
+    """The config's pipeline keys applied to the module (the plan check refused what cannot combine):
+    the schedule's name checked, the activation-checkpoint interval when the module has none."""
+    schedule_name(cfg.pipeline.schedule)  # an unknown name raises here, naming the choices
     if cfg.pipeline.activation_checkpoint_interval and not module.activation_checkpoint_interval:
         module.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
-    if module.activation_checkpoint_func is None:  # the config's activation_checkpointing section acts
+
+
+def configure_recompute(module: PipelineModule, cfg: Any) -> None:
+    """The recompute function of the module's checkpointed blocks: the config's ``activation_checkpointing``
+    section acts unless the module was given its own ``activation_checkpoint_func``."""
+    if module.activation_checkpoint_func is None:
         from functools import partial
 
         from deepshard.checkpointing import checkpoint, options_from_config
 
         module.activation_checkpoint_func = partial(checkpoint, options=options_from_config(cfg.activation_checkpointing))
-    tied = build_tied_weights(module, topology)
-    tied.broadcast()
-    return tied
 
 
-class PipelineEngine(DeepShardEngine):
+class PipelineEngine(EngineCore):
     """DeepSpeed's ``PipelineEngine`` contract: ``train_batch`` / ``eval_batch``; ``forward``, ``backward``
-    and ``step`` raise ``PipelineError``."""
+    and ``step`` raise ``PipelineError``. It shares the engine core (accessors, checkpoints, reporting) and
+    its one step path (``self.runner``) with the plain engine; it inherits no training call."""
 
     def __init__(self, *args: Any, tied: TiedWeights, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -177,9 +164,7 @@ class PipelineEngine(DeepShardEngine):
         self._last_loss = loss
         with self.tools.time("step"):
             self._take_model_step(None)
-        self.micro_steps += m
-        self.tools.after_step(self, True)
-        self._report_step()
+        self.runner.finish(self, m, True)
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
@@ -215,9 +200,7 @@ class PipelineEngine(DeepShardEngine):
         if self.grad_sums is not None:
             self.grad_sums.flush()  # the fp32 sums of the micro-batches' gradients, rounded once
         self.tied.all_reduce_grads()
-        strategy = self._strategy()
-        strategy.begin_backward(True)
-        strategy.end_backward()
+        self.runner.reduce_once(self._strategy())
 
     # ------------------------------------------------------------------------------------- data
     def _iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
@@ -340,9 +323,8 @@ class PipelineEngine(DeepShardEngine):
         """What backward starts from: the scaled loss on the last virtual stage, else the outputs that
         need a gradient with the received gradients."""
         if unit.last:
-            loss = unit.loss / self.gradient_accumulation_steps()
-            scale = self.loss_scaler.scale
-            return [loss * scale if scale != 1.0 else loss], [torch.ones_like(loss)]
+            _, scaled = self.runner.for_backward(unit.loss)
+            return [scaled], [torch.ones_like(scaled)]
         floats = [t for t in unit.out_tensors if t.is_floating_point()]
         pairs = [(t, g) for t, g in zip(floats, unit.grad_out or []) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]

@@ -20,7 +20,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from deepshard.pipe.grid import PipelineParallelGrid, ProcessTopology, build_grid, dims_of, process_topology
 from deepshard.pipe.partition import PartitionError, measure_layer_costs, parts_for
+from deepshard.topology import ParallelDims, Topology
 
 
 class LayerSpec:
@@ -63,9 +65,10 @@ LayerEntry = Any  # nn.Module | LayerSpec | TiedLayerSpec | Callable
 class PipelineModule(nn.Module):
     """The layers of one pipeline stage of a model described as a list of layers.
 
-    ``num_stages`` (must divide the world size: the rest is data parallelism) or ``topology`` (a
-    ``deepshard.topology.ParallelDims`` / ``Topology``) fixes the stage count; this process's stage comes
-    from its rank (pipeline-major order). ``stage_id`` (deepshard extension) picks the stage explicitly,
+    ``num_stages`` (must divide the world size: the rest is data parallelism) or ``topology`` (DeepSpeed's
+    ``ProcessTopology``, or a deepshard ``ParallelDims`` / ``Topology``) fixes the stage count; this
+    process's stage comes from its rank (pipeline-major order), and the module builds its grid then, as
+    DeepSpeed's does (``mpu()``, ``topology()``). ``stage_id`` (deepshard extension) picks the stage explicitly,
     e.g. to build one stage in a test with no process group. ``partition_method``: ``parameters``
     (default), ``uniform``, ``type:<regex>``, ``profile`` (times each layer on ``partition_sample``).
     ``num_chunks``: model chunks per stage (interleaved schedule); ``forward(x, chunk=c)`` runs chunk ``c``.
@@ -88,8 +91,16 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
         self.dynamic_shape = dynamic_shape
         self.partition_method = partition_method
-        self._topology = topology
-        self.num_stages, self.stage_id = _resolve_stage(num_stages, topology, stage_id)
+        grid_dims = None if topology is None else dims_of(topology)
+        self.num_stages, self.stage_id = _resolve_stage(num_stages, grid_dims, stage_id)
+        self._grid: PipelineParallelGrid | None = None
+        """DeepSpeed's ``mpu``: built here, as DeepSpeed's module does, whenever a process group exists and
+        the stage comes from the rank (``stage_id`` not given); ``initialize`` trains on its groups."""
+        self._grid_given = topology is not None
+        self._dims = grid_dims or ParallelDims(pp=self.num_stages)
+        if stage_id is None and _distributed():
+            self._grid = build_grid(self.num_stages, topology)
+            self._dims, self.stage_id = self._grid.grid_topology.dims, self._grid.stage_id
         if not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(f"num_chunks={num_chunks!r}: give the model chunks per stage, an integer >= 1")
         if num_chunks > 1 and self.num_stages < 2:
@@ -201,11 +212,34 @@ class PipelineModule(nn.Module):
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
-    def topology(self) -> Any:
-        return self._topology
+    def topology(self) -> ProcessTopology:
+        """DeepSpeed's ``ProcessTopology`` of the grid (axes ``pipe``, ``data`` and, with tensor
+        parallelism, ``model``)."""
+        return self._grid.topology() if self._grid is not None else process_topology(self._dims)
 
-    def mpu(self) -> Any:
-        return None
+    def mpu(self) -> PipelineParallelGrid | None:
+        """DeepSpeed's grid (``get_data_parallel_rank()``, ``get_pipe_parallel_group()``, ...); None only for
+        a module built with an explicit ``stage_id`` outside a process group."""
+        return self._grid
+
+    @property
+    def grid_topology(self) -> Topology | None:
+        """The deepshard ``Topology`` this module's grid holds (what ``initialize`` trains on)."""
+        return None if self._grid is None else self._grid.grid_topology
+
+    def adopt_topology(self, topology: Topology) -> None:
+        """Train on ``topology`` (``initialize``'s grid): it must give this process the stage it was built
+        for. A module whose grid came from ``num_stages`` alone takes the config's tensor/data split here."""
+        if topology.dims.pp != self.num_stages or topology.coord.pp != self.stage_id:
+            raise ValueError(f"the training grid {topology.dims} puts this rank on stage {topology.coord.pp} of "
+                             f"{topology.dims.pp}, but the PipelineModule built stage {self.stage_id} of "
+                             f"{self.num_stages}; build the module with topology= that grid")
+        self._grid, self._dims = PipelineParallelGrid(topology), topology.dims
+
+    @property
+    def grid_was_given(self) -> bool:
+        """True when the module was built with an explicit ``topology=`` (its split is the user's)."""
+        return self._grid_given
 
     def set_checkpoint_interval(self, interval: int) -> None:
         self.activation_checkpoint_interval = int(interval)
@@ -276,20 +310,23 @@ def _default_checkpoint(fn: Callable, *args: Any) -> Any:
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def _resolve_stage(num_stages: int | None, topology: Any, stage_id: int | None) -> tuple[int, int]:
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _resolve_stage(num_stages: int | None, topology: ParallelDims | None, stage_id: int | None) -> tuple[int, int]:
     """``(num_stages, this process's stage)`` from the arguments and the process group."""
     import torch.distributed as dist
 
-    initialized = dist.is_available() and dist.is_initialized()
+    initialized = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-    if stage_id is None and not initialized and (num_stages or getattr(getattr(topology, "dims", topology), "pp", 1)) > 1:
-        raise ValueError(f"a multi-stage PipelineModule needs torch.distributed initialized (call "
+    if stage_id is None and not initialized and (num_stages or (topology.pp if topology is not None else 1)) > 1:
+        raise ValueError("a multi-stage PipelineModule needs torch.distributed initialized (call "
                          "deepshard.init_distributed() first) or stage_id=<stage to build>")
     if topology is not None:
-        dims = getattr(topology, "dims", topology)
-        if not hasattr(dims, "pp"):
-            raise TypeError(f"topology= must be a deepshard.topology.ParallelDims or Topology, got "
-                            f"{type(topology).__name__}")
+        dims = topology
         if num_stages is not None and num_stages != dims.pp:
             raise ValueError(f"num_stages={num_stages} disagrees with topology pp={dims.pp}; give one of them")
         num_stages = dims.pp

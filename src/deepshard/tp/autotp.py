@@ -293,11 +293,6 @@ def apply_tensor_parallel(model: nn.Module, section: Any, topology: Any) -> Opti
     config = resolve_tp_config(model, section)
     if not config.enabled:
         return None
-    if topology.dims.pp > 1:
-        raise NotImplementedError(
-            f"automatic TP (tensor_parallel.autotp_size={config.tp_size}) with pipeline parallelism "
-            f"({topology.dims.pp} stages) is not supported (nor by DeepSpeed): build the pipeline stages with "
-            "deepshard.tp's ColumnParallelLinear/RowParallelLinear instead, or drop one of the two")
     decisions = autotp_model(model, topology.tp, config)
     if topology.rank == 0:
         logger.info("automatic tensor parallelism over %d ranks: %d layers split, %d replicated", config.tp_size,

@@ -1,8 +1,7 @@
-"""How a parameter records its tensor-parallel split, read by the gradient norm and the checkpoints.
-
-The attribute names are Megatron's and DeepSpeed's (``tensor_model_parallel``, ``partition_dim``,
-``partition_stride``), so code written for them (DeepSpeed's ``is_model_parallel_parameter``) reads
-deepshard's parameters too. ``tp_fused_parts`` records a fused matrix (qkv, gate_up) split part by part:
+"""How a parameter records its tensor-parallel split: in its placement record (``zero/placement.py``, what
+the gradient norm and the checkpoints read), and, for code written for Megatron and DeepSpeed (e.g.
+DeepSpeed's ``is_model_parallel_parameter``), in their attribute names too (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``). ``tp_fused_parts`` records a fused matrix (qkv, gate_up) split part by part:
 the sizes of its parts along ``partition_dim`` in the full tensor, so the full tensor can be rebuilt.
 """
 from __future__ import annotations
@@ -32,13 +31,19 @@ def mark_sequence_parallel(param: torch.nn.Parameter) -> None:
 
 
 def is_tp_split(param: torch.Tensor) -> bool:
-    """True for a parameter each tensor-parallel rank holds a different slice of."""
-    return bool(getattr(param, "tensor_model_parallel", False))
+    """True for a parameter each tensor-parallel rank holds a different slice of (its placement record:
+    deepshard's layers record it, Megatron-style attributes are adopted at ``initialize``)."""
+    from deepshard.zero.placement import split_of
+
+    return split_of(param) is not None
 
 
 def tp_split_dim(param: torch.Tensor) -> Optional[int]:
     """The dimension ``param`` is split along, or None for a replicated parameter."""
-    return int(param.partition_dim) if is_tp_split(param) else None  # type: ignore[attr-defined]
+    from deepshard.zero.placement import split_of
+
+    split = split_of(param)
+    return None if split is None else split.dim
 
 
 def shard_of(full: torch.Tensor, dim: int, rank: int, size: int,

@@ -1,9 +1,14 @@
-"""Where a parameter lives, recorded on the parameter itself (no process-global registry).
+"""Where a parameter lives, recorded on the parameter itself (no process-global registry): THE record.
 
 A ``Placement`` says which strategy manages a parameter (weakly: the parameter never keeps an engine
-alive), how it is split across tensor-parallel ranks, and how many model-parallel ranks hold a copy of
-it. ``deepshard.utils.safe_get_full_*`` and ``GatheredParameters`` read it; ``engine.destroy()`` removes
-it, so two engines in one process never see each other's parameters.
+alive), how it is split across tensor-parallel ranks (dim, index, parts, Megatron's stride or fused
+parts), which pipeline stages hold a tied copy, and how many model-parallel ranks hold a copy of it.
+The gradient norm, clipping, the fp16 overflow check, checkpoint save/load, the 16-bit save, the fp32
+consolidation and ``deepshard.utils.safe_get_full_*`` read only this record. Megatron's and DeepSpeed's
+attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) on a user's own layers
+are adopted into it at ``initialize`` (:func:`adopt_megatron_attributes`); deepshard's own layers write
+both. ``engine.destroy()`` removes the ownership, so two engines in one process never see each other's
+parameters.
 
 The copy count is what makes the global gradient norm count a parameter once: every model-parallel rank
 adds ``|g|^2 / copies`` of each parameter it holds, and the sum over the model-parallel group is then the
@@ -93,6 +98,31 @@ def mark_tied(param: torch.Tensor, stages: int) -> None:
 def split_of(param: torch.Tensor) -> Optional[TensorSplit]:
     found = placement_of(param)
     return None if found is None else found.split
+
+
+def adopt_megatron_attributes(params: Any, tp_rank: int, tp_size: int) -> int:
+    """Record, for each parameter Megatron-style code marked ``tensor_model_parallel = True`` (with
+    ``partition_dim`` and ``partition_stride``) and that has no split yet, this rank's slice: index
+    ``tp_rank`` of ``tp_size`` along ``partition_dim``. Megatron's stride ``s`` cuts the full dimension
+    into ``s * tp_size`` chunks of which rank ``r`` holds ``r, r + tp_size, ...``: ``s`` equal fused parts
+    split part by part. Returns how many parameters were adopted."""
+    adopted = 0
+    for p in params:
+        if not getattr(p, "tensor_model_parallel", False) or split_of(p) is not None:
+            continue
+        dim = getattr(p, "partition_dim", None)
+        if not isinstance(dim, int) or not -p.dim() <= dim < p.dim():
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is marked tensor_model_parallel=True with "
+                             f"partition_dim={dim!r}: set partition_dim to the dimension it is split along")
+        dim %= p.dim()
+        stride = int(getattr(p, "partition_stride", 1) or 1)
+        if p.shape[dim] % stride != 0:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} has partition_stride={stride}, which does not "
+                             f"divide its partition_dim={dim} size {p.shape[dim]}")
+        fused = None if stride == 1 else (p.shape[dim] * tp_size // stride,) * stride
+        mark_split(p, dim, tp_rank, tp_size, fused=fused)
+        adopted += 1
+    return adopted
 
 
 def set_copies(params: Any, tp_size: int) -> None:

@@ -21,13 +21,14 @@ from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.placement import norm_weight
-from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
 class Stage0Strategy(ZeroStrategy):
     """Bucketed, overlapped all-reduce data parallelism (DDP semantics)."""
 
     stage = 0
+    capabilities = Capabilities(optimizer_offload=False, compressed_comm=True)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:

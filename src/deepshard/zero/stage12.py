@@ -11,12 +11,11 @@ After the update each bucket is rebuilt on every rank with one all-gather of the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
-from deepshard.checkpoint.fragments import (FragmentRecord, FullState, export_param_groups, load_full_state,
-                                            restore_param_groups, save_rank_fragments, slice_state)
+from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
 from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
                                                module_shapes, param_aliases)
 from deepshard.checkpoint.layout import module_splits
@@ -28,22 +27,8 @@ from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.placement import norm_weight
+from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm  # noqa: F401 (re-exported)
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
-
-
-NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
-
-
-def squared_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of ``tensors`` in fp32 (a 1-element tensor), a chunk at a time so no fp32 copy of
-    a whole (16-bit) gradient shard is ever made: that copy would be the largest allocation of an
-    offloaded step."""
-    local = torch.zeros(1, dtype=torch.float32, device=device)
-    for t in tensors:
-        for chunk in t.reshape(-1).split(NORM_CHUNK):
-            local += chunk.float().pow(2).sum()
-    return local
 
 
 class Stage12Strategy(ZeroStrategy):
@@ -83,9 +68,10 @@ class Stage12Strategy(ZeroStrategy):
             self.states.write_masters(off, flat32[lo:hi])
         self.states.flush()
         del flat32
-        self._build_fragments()
+        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
+        self.opt_shard.set_grad_sources([self._grad_view(f) for f in self.opt_shard.fragments])
         if optimizer is not None:
-            self._swap_into(optimizer)
+            self.opt_shard.bind(optimizer, stage)
 
     # -------------------------------------------------------------------------------- construction
     @torch.no_grad()
@@ -103,30 +89,11 @@ class Stage12Strategy(ZeroStrategy):
             p.data = self.flat_param[slot.flat_start:slot.flat_start + slot.numel].view(slot.shape)
         return flat32
 
-    def _build_fragments(self) -> None:
-        """The optimizer's pieces (``self.states`` made them: the fragments, cut at sub-group boundaries
-        when offloading) and where each piece's reduced gradient is."""
-        self.fragments = self.states.pieces
-        self.frag_params: list[torch.nn.Parameter] = self.states.params
-        self.frag_grad_src: list[torch.Tensor] = [self._grad_view(f) for f in self.fragments]
-        self._pieces_of_param: dict[int, list[int]] = {}
-        for i, f in enumerate(self.fragments):
-            self._pieces_of_param.setdefault(id(self.params[self.layout.slots[f.slot].param_index]), []).append(i)
-
     def _grad_view(self, f: Fragment) -> torch.Tensor:
         """Where piece ``f``'s reduced gradient is: the full flat gradient (stage 1) or the shard (2)."""
         if self.stage == 1:
             return self.reducer.flat_grad[f.flat_start:f.flat_start + f.numel]
         return self.reducer.shard[f.shard_start:f.shard_start + f.numel]
-
-    def _swap_into(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer.state:
-            raise ValueError(f"the optimizer already holds state; ZeRO stage {self.stage} partitions a fresh "
-                             "optimizer: create it before training, or load its state with engine.load_checkpoint")
-        for group in optimizer.param_groups:
-            group["params"] = [self.frag_params[i] for p in group["params"]
-                               for i in self._pieces_of_param.get(id(p), [])]
-        self.states.bind(optimizer)
 
     @torch.no_grad()
     def _publish(self, start: int, values: torch.Tensor) -> None:
@@ -151,16 +118,12 @@ class Stage12Strategy(ZeroStrategy):
         return float(total.sqrt().item()) / loss_scale
 
     def local_grad_sq(self) -> torch.Tensor:
-        named = dict(self.module.named_parameters())  # the pieces' own tensors carry no placement
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for f, g in zip(self.fragments, self.frag_grad_src):
-            total += norm_weight(named[f.name]) * squared_norm([g], self.ctx.device).reshape(())
-        return total
+        return self.opt_shard.local_grad_sq(self.module)
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
-        self.states.step(self.frag_grad_src, grad_multiplier, self._publish)
+        self.opt_shard.step(grad_multiplier, self._publish)
         self._after_update()
 
     def _grad_shards(self) -> Iterable[torch.Tensor]:
@@ -181,47 +144,20 @@ class Stage12Strategy(ZeroStrategy):
         self.reducer.zero_()
 
     # --------------------------------------------------------------------------------- checkpoints
-    def _fragment_records(self) -> list[FragmentRecord]:
-        """Every piece's fp32 value and optimizer state (read back from host memory or disk when
-        offloaded, one sub-group at a time)."""
-        return [FragmentRecord(self.fragments[i].name, self.fragments[i].start, self.fragments[i].numel,
-                               value.float(), state) for i, value, state in self.states.records()]
-
-    def _param_groups_for_save(self, rank: int) -> list[dict] | None:
-        if self.ctx.comm.rank != 0 or self.optimizer is None:  # the first data-parallel rank of each slice
-            return None
-        return export_param_groups(self.optimizer, {id(self.frag_params[i]): f.name
-                                                    for i, f in enumerate(self.fragments)})
-
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        records = self._fragment_records()
+        records = self.opt_shard.records()
         return save_rank_fragments(directory, rank, records, module_shapes(self.module),
-                                   self._param_groups_for_save(rank), param_aliases(self.module),
+                                   self.opt_shard.param_groups_for_save(self.optimizer), param_aliases(self.module),
                                    module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                                    {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size,
                                     "frozen_params": frozen_param_names(self.module)},
                                    splits=module_splits(self.module))
 
-    def _load_pieces(self, full: FullState, load_optimizer_states: bool) -> None:
-        """Piece values (and optimizer state) from a reassembled checkpoint."""
-        def value(i: int) -> torch.Tensor | None:
-            f = self.fragments[i]
-            return full.params[f.name].reshape(-1)[f.start:f.start + f.numel] if f.name in full.params else None
-
-        def state(i: int) -> dict | None:
-            f = self.fragments[i]
-            return slice_state(full, f.name, f.start, f.numel, self.frag_params[i]) if f.name in full.optim else None
-
-        with_states = load_optimizer_states and self.optimizer is not None
-        if with_states:
-            restore_param_groups(self.optimizer, full.param_groups)  # type: ignore[arg-type]
-        self.states.load(value, state if with_states else None)
-
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
         load_module_from_full(self.module, full, strict, directory)
-        self._load_pieces(full, load_optimizer_states)
+        self.opt_shard.load(full, self.optimizer, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:
@@ -240,33 +176,20 @@ class Stage12Strategy(ZeroStrategy):
             "offload_buffers": placed["offload_buffers"],
         }
 
-    def _assemble(self, param: torch.nn.Parameter, piece: Callable[[int], torch.Tensor | None],
-                  shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Sum per-rank pieces of ``param`` into a full fp32 tensor on every rank (a collective)."""
-        shape = tuple(param.shape) if shape is None else shape
-        full = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32, device=self.ctx.device)
-        for i in self._pieces_of_param.get(id(param), []):
-            value = piece(i)
-            if value is not None:
-                f = self.fragments[i]
-                full[f.start:f.start + f.numel] = value.float()
-        self.ctx.comm.all_reduce(full)
-        return full.view(shape)
-
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         if not self.states.has_masters or not param.requires_grad:
             return param.detach().float().clone()
-        return self._assemble(param, self.states.piece_value)
+        return self.opt_shard.full_value(param)
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
-        return self._assemble(param, lambda i: self.frag_grad_src[i])
+        return self.opt_shard.full_grad(param)
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
-        return self._assemble(param, lambda i: self.states.piece_state(i).get(key))
+        return self.opt_shard.full_state(param, key)
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""

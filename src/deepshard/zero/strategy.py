@@ -25,7 +25,41 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.precision.policy import PrecisionPolicy
-from deepshard.zero.placement import claim, norm_weight, release
+from deepshard.zero.placement import claim, release
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a ZeRO stage composes with, declared on its class and read by the plan check (``deepshard.plan``)
+    before anything is built."""
+
+    pipeline: bool = True
+    """Runs under a pipeline engine (gradients reduced once per batch, parameters resident per stage)."""
+    optimizer_offload: bool = True
+    """Can move its optimizer partition to CPU memory or files (stage 0 has no partition)."""
+    param_offload: bool = False
+    """Can move its parameter shards off the device (stage 3)."""
+    compressed_comm: bool = False
+    """Leaves whole gradients local for a compressed-communication optimizer (OneBitAdam) to average."""
+    step_in_backward: bool = False
+    """Can apply each update during backward (``optimizer_step_in_backward``)."""
+
+
+def strategy_class(stage: int) -> type["ZeroStrategy"]:
+    """The strategy class of ZeRO ``stage`` (0-3): the one table of stages."""
+    if stage == 0:
+        from deepshard.zero.stage0 import Stage0Strategy
+
+        return Stage0Strategy
+    if stage in (1, 2):
+        from deepshard.zero.stage12 import Stage12Strategy
+
+        return Stage12Strategy
+    if stage == 3:
+        from deepshard.zero.stage3.strategy import Stage3Strategy
+
+        return Stage3Strategy
+    raise ValueError(f"zero_optimization.stage={stage!r}: use 0, 1, 2 or 3")
 
 
 @dataclass
@@ -55,6 +89,7 @@ class ZeroStrategy(ABC):
     """Base class: see the module docstring for the call order."""
 
     stage: int = -1
+    capabilities: Capabilities = Capabilities()
     steps_in_backward: bool = False
     """True when the optimizer update happens during backward (stage 3's optimizer_step_in_backward):
     ``step()`` then only finishes it, and an overflow cannot be skipped."""

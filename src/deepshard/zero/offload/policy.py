@@ -157,23 +157,20 @@ def _policy(section: Any, key: str, zero_config: Any, aio_config: Any, accelerat
     raise ValueError(f"zero_optimization.{key}.device={device!r} is not one of 'none', 'cpu', 'nvme'")
 
 
-def make_offload_policies(zero_config: Any, aio_config: Any, accelerator_kind: str
+def make_offload_policies(zero_config: Any, aio_config: Any, accelerator_kind: str, quiet: bool = False
                           ) -> tuple[OffloadPolicy, OffloadPolicy]:
     """``(optimizer_policy, param_policy)`` from ``zero_optimization`` and ``aio``.
 
     ``offload_param`` only means something at stage 3 (the config already warns at other stages);
-    there it is a :class:`NoOffload`."""
+    there it is a :class:`NoOffload`. Offload at stage 0 is refused by the plan check (``deepshard.plan``).
+    ``quiet``: no log line (the plan check reads the policies too)."""
     stage = int(zero_config.stage)
     opt = _policy(zero_config.offload_optimizer, "offload_optimizer", zero_config, aio_config, accelerator_kind)
     param = _policy(zero_config.offload_param, "offload_param", zero_config, aio_config, accelerator_kind)
-    if stage == 0 and opt.moves_states:
-        raise NotImplementedError(
-            f"zero_optimization.offload_optimizer.device={opt.device!r} needs ZeRO stage 1, 2 or 3 (offload "
-            "moves each process's optimizer partition); set zero_optimization.stage to 1 or more")
     if stage < 3:
         param = NoOffload()
     for key, policy in (("offload_optimizer", opt), ("offload_param", param)):
-        if isinstance(policy, CpuOffload) and not policy.active:
+        if isinstance(policy, CpuOffload) and not policy.active and not quiet:
             logger.info("zero_optimization.%s.device=cpu: training already runs on the CPU, so model states "
                         "are in host memory; nothing to offload", key)
     return opt, param

@@ -28,14 +28,14 @@ from deepshard.zero.offload.grad_store import GradShard
 from deepshard.zero.offload.param_store import ParamStore
 from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
 from deepshard.zero.offload.states import ShardStates, StatesSpec
-from deepshard.zero.partition import FlatLayout, Fragment
+from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.stage12 import NORM_CHUNK, Stage12Strategy, squared_norm
+from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
 from deepshard.zero.stage3.reduce import Stage3Reducer
-from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
 def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], list[str]]]:
@@ -53,8 +53,13 @@ def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Pa
     return out
 
 
-class Stage3Strategy(Stage12Strategy):
-    """Everything partitioned; see the module docstring."""
+class Stage3Strategy(ZeroStrategy):
+    """Everything partitioned; see the module docstring. The optimizer side (pieces, states, update,
+    checkpoint records) is the ``ShardedOptimizer`` stages 1 and 2 hold too; parameters and gradients
+    are this class's own (sharded groups, hooks, reduce-scatter)."""
+
+    stage = 3
+    capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext, optimizer_offload: OffloadPolicy | None = None,
@@ -62,9 +67,8 @@ class Stage3Strategy(Stage12Strategy):
         """``optimizer_offload`` places the master weights and optimizer state, ``param_offload`` the
         parameter shard between uses (default for both: on the device). ``step_in_backward``: update
         each group as soon as its gradient is reduced and keep no gradient shard (the caller has
-        checked that nothing needs every gradient first: ``bootstrap.check_step_in_backward``)."""
-        ZeroStrategy.__init__(self, module, optimizer, ctx)
-        self.stage = 3
+        checked that nothing needs every gradient first: ``deepshard.plan``)."""
+        super().__init__(module, optimizer, ctx)
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = comm.watchdog
@@ -110,14 +114,16 @@ class Stage3Strategy(Stage12Strategy):
                                      on_reduced=self._step_group if step_in_backward else None)
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance))
-        self._build_fragments()
-        if not step_in_backward:
-            self.frag_grad_src = self.grads.pieces([(f.shard_start, f.numel) for f in self.fragments])
+        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
+        pieces = self.opt_shard.fragments
+        self.opt_shard.set_grad_sources(  # none kept with a step in backward: each chunk is applied as it comes
+            [torch.zeros(0, dtype=policy.param_dtype, device=ctx.device) for _ in pieces] if step_in_backward
+            else self.grads.pieces([(f.shard_start, f.numel) for f in pieces]))
         self._pieces_of_group: list[list[int]] = [[] for _ in self.layout.buckets]
-        for i, f in enumerate(self.fragments):
+        for i, f in enumerate(pieces):
             self._pieces_of_group[self.layout.slots[f.slot].bucket].append(i)
         if optimizer is not None:
-            self._swap_into(optimizer)
+            self.opt_shard.bind(optimizer, 3)
 
     # -------------------------------------------------------------------------------- construction
     def _prefetch_window(self) -> int:
@@ -192,10 +198,6 @@ class Stage3Strategy(Stage12Strategy):
                 out[id(m)] = needed
         return out
 
-    def _grad_view(self, f: Fragment) -> torch.Tensor:
-        """A placeholder: the pieces' gradients come from ``self.grads`` (none with a step in backward)."""
-        return torch.zeros(0, dtype=self.ctx.precision.param_dtype, device=self.ctx.device)
-
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
         if self.steps_in_backward and not reduce:
@@ -214,7 +216,8 @@ class Stage3Strategy(Stage12Strategy):
         if not indices:
             return
         base = self.layout.shard_offset(self.layout.buckets[gi])
-        grads = [chunk[self.fragments[i].shard_start - base:][:self.fragments[i].numel] for i in indices]
+        pieces = self.opt_shard.fragments
+        grads = [chunk[pieces[i].shard_start - base:][:pieces[i].numel] for i in indices]
         self.states.step_pieces(indices, grads, 1.0, self._publish)
 
     def end_backward(self) -> None:
@@ -228,17 +231,21 @@ class Stage3Strategy(Stage12Strategy):
         return self.grads.norm_sources()
 
     def global_grad_norm(self, loss_scale: float) -> float:
-        if not self.steps_in_backward:
-            return super().global_grad_norm(loss_scale)
-        total = self.ctx.comm.all_reduce_sum_scalar(self._fused_sq)
+        local = self._fused_sq if self.steps_in_backward else squared_norm(self._grad_shards(), self.ctx.device)
+        total = self.ctx.comm.all_reduce_sum_scalar(local)
         return float(total.sqrt().item()) / loss_scale
+
+    def local_grad_sq(self) -> torch.Tensor:
+        return self.opt_shard.local_grad_sq(self.module)
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
         if not self.steps_in_backward:
-            super().step(grad_multiplier)
+            self.require_optimizer()
+            self.opt_shard.step(grad_multiplier, self._publish)
+            self._after_update()
             return
-        if grad_multiplier != 1.0:  # check_step_in_backward rules out clipping and loss scaling
+        if grad_multiplier != 1.0:  # the plan check rules out clipping and loss scaling
             raise RuntimeError(f"optimizer_step_in_backward: the update was applied in backward, so a gradient "
                                f"multiplier of {grad_multiplier} (clipping or loss scaling) cannot be")
         self._after_update()
@@ -281,8 +288,8 @@ class Stage3Strategy(Stage12Strategy):
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
         extra = self.gathered_module_extra(self.ctx.comm.rank, exclude_frozen)
-        return save_rank_fragments(directory, rank, self._fragment_records(), module_shapes(self.module),
-                                   self._param_groups_for_save(self.ctx.comm.rank), param_aliases(self.module),
+        return save_rank_fragments(directory, rank, self.opt_shard.records(), module_shapes(self.module),
+                                   self.opt_shard.param_groups_for_save(self.optimizer), param_aliases(self.module),
                                    extra, {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
                                            "frozen_params": frozen_param_names(self.module)},
                                    splits=module_splits(self.module))
@@ -310,7 +317,7 @@ class Stage3Strategy(Stage12Strategy):
         for name, b in self.module.named_buffers():
             if name in full.module_extra:
                 b.copy_(full.module_extra[name])
-        self._load_pieces(full, load_optimizer_states)
+        self.opt_shard.load(full, self.optimizer, load_optimizer_states)
 
     def _current_values(self, group: Any) -> list[torch.Tensor]:
         """The full values of a group's parameters (a collective: every rank calls it for the same group)."""
@@ -346,7 +353,7 @@ class Stage3Strategy(Stage12Strategy):
             if was is GroupState.SHARDED:
                 g.reshard()
             return value
-        return self._assemble(param, self.states.piece_value, _full_shape(param))
+        return self.opt_shard.full_value(param, _full_shape(param))
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
@@ -355,12 +362,12 @@ class Stage3Strategy(Stage12Strategy):
             raise RuntimeError("safe_get_full_grad: with zero_optimization.optimizer_step_in_backward each "
                                "gradient is applied and dropped during backward; turn the option off to read "
                                "gradients")
-        return self._assemble(param, lambda i: self.frag_grad_src[i], _full_shape(param))
+        return self.opt_shard.full_grad(param, _full_shape(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
-        return self._assemble(param, lambda i: self.states.piece_state(i).get(key), _full_shape(param))
+        return self.opt_shard.full_state(param, key, _full_shape(param))
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:

@@ -1,0 +1,135 @@
+"""The parts a run is built from, one builder each, called in order by ``deepshard.parallelize``: replicas
+made equal, the precision policy, the optimizer, the ZeRO strategy, the LR scheduler, the monitors."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from deepshard.accelerator import DeviceAccelerator as Accelerator
+from deepshard.comm.group import CommGroup
+from deepshard.config import DeepShardConfig, dtype_from_name
+from deepshard.precision import PrecisionPolicy
+from deepshard.topology import Topology
+from deepshard.utils.logging import logger
+from deepshard.zero.master import check_optimizer_params, trainable_params
+from deepshard.zero.strategy import StrategyContext, ZeroStrategy, strategy_class
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one flat broadcast per dtype)."""
+    if comm.size == 1:
+        return
+    tensors = list(module.parameters()) + list(module.buffers())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
+    param_dtype = cfg.model_dtype
+    comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
+    buffer_dtype = dtype_from_name(cfg.data_types.buffer_dtype) if cfg.data_types.buffer_dtype else None
+    return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype,
+                           buffer_dtype=buffer_dtype)
+
+
+def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,
+                           model_parameters: Iterable[Any] | None) -> torch.optim.Optimizer | None:
+    """The user's optimizer wins over the config's; a callable receives the parameters."""
+    params = list(model_parameters) if model_parameters is not None else trainable_params(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            logger.info("the optimizer passed to initialize() is used; the config's optimizer section is ignored")
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    elif optimizer is not None:
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable returning one, "
+                        f"got {type(optimizer).__name__}")
+    elif cfg.optimizer is not None:
+        from deepshard.optim import build_optimizer
+
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
+    else:
+        return None
+    check_optimizer_params(model, opt)
+    return opt
+
+
+def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, cfg: DeepShardConfig,
+                   topology: Topology, precision: PrecisionPolicy, accelerator: Accelerator) -> ZeroStrategy:
+    """The ZeRO strategy of ``cfg``'s stage (``strategy_class``), sharding and reducing over the replicas of
+    the model slice only (``topology.seq_dp``: data x sequence parallel; a sequence-parallel rank holds the
+    whole weights, and the gradient mean over dp x sp is the single-process gradient when every sp rank
+    backpropagates the same global loss, as ``deepshard.sp.loss`` computes it). The plan check
+    (``deepshard.plan``) has refused what it cannot hold."""
+    stage = cfg.zero_optimization.stage
+    optimizer_offload, param_offload = offload_policies(cfg, accelerator)
+    ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
+                          zero_config=cfg.zero_optimization, device=accelerator.device,
+                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+                          prescale_gradients=bool(cfg.prescale_gradients),
+                          average_gradients=cfg.gradient_allreduce_op != "sum")
+    cls = strategy_class(stage)
+    if stage == 0:
+        return cls(model, optimizer, ctx)
+    if stage in (1, 2):
+        return cls(model, optimizer, ctx, stage, optimizer_offload=optimizer_offload)  # type: ignore[call-arg]
+    return cls(model, optimizer, ctx, optimizer_offload=optimizer_offload, param_offload=param_offload,  # type: ignore[call-arg]
+               step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward))
+
+
+def offload_policies(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[Any, Any]:
+    """The offload policies ``(optimizer, param)`` for the strategy (``deepshard.zero.offload``).
+
+    ``device: cpu`` on a CPU-only run is a no-op (the states already are in host memory; said once);
+    ``nvme`` keeps states in files under ``nvme_path``. Partial offload (``ratio`` < 1) is refused here
+    (a key on its own); offload at stage 0 by the plan check."""
+    from deepshard.zero.offload.policy import make_offload_policies
+
+    policies = make_offload_policies(cfg.zero_optimization, cfg.aio, accelerator.kind)
+    for what, policy in zip(("master weights and optimizer states", "parameter shards"), policies):
+        if policy.moves_states:
+            logger.debug("zero_optimization offload: %s %s", what, policy.describe())
+    if cfg.zero_optimization.stage == 3 and policies[1].moves_states and not policies[0].moves_states:
+        logger.warning("zero_optimization.offload_param moves the parameter shard off the device but "
+                       "offload_optimizer does not: the fp32 master weights and optimizer state stay resident "
+                       "(in fp32 training an fp32 master copy is kept for the optimizer); offload both for the "
+                       "smallest footprint")
+    return policies
+
+
+def build_lr_scheduler(cfg: DeepShardConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> Any:
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ValueError(f"the config's scheduler ({cfg.scheduler.type}) needs an optimizer: add an "
+                         "\"optimizer\" section or pass optimizer=...")
+    from deepshard.optim import build_scheduler
+
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+
+
+def build_monitor(cfg: DeepShardConfig, rank: int) -> Any:
+    if not (cfg.tensorboard.enabled or cfg.csv_monitor.enabled or cfg.wandb.enabled):
+        return None
+    from deepshard.monitor import MonitorMaster
+
+    return MonitorMaster(cfg.tensorboard, cfg.csv_monitor, cfg.wandb, rank)

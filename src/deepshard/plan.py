@@ -1,0 +1,226 @@
+"""The plan check: what a run asks for, and every combination deepshard cannot build, found before anything
+is built and reported all at once.
+
+``describe`` reads the config, the model and the grid into a ``Plan`` (plain data, no process group
+needed); ``check`` returns one ``Conflict`` per pair of things that cannot meet, each with the reason and
+the fix; ``enforce`` raises ``PlanError`` listing them all. ZeRO strategies declare what they compose with
+(``ZeroStrategy.capabilities``); no compatibility check lives anywhere else. Checks of one key on its
+own (a negative size, an unknown name) stay with the config's validation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from deepshard.config.base import ConfigError
+from deepshard.topology import ParallelDims
+from deepshard.zero.strategy import Capabilities, strategy_class
+
+COMPRESSED_OPTIMIZERS = ("onebitadam",)
+"""Optimizer types (lower case) whose compressed momentum exchange replaces the gradient all-reduce."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two things that cannot meet: ``what`` names both (with the keys), ``why`` the reason, ``fix`` how."""
+
+    what: str
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.why}; {self.fix}"
+
+
+class PlanError(ConfigError):
+    """A run deepshard cannot build; ``conflicts`` lists every reason (the message says them all)."""
+
+    def __init__(self, conflicts: list[Conflict]) -> None:
+        self.conflicts = list(conflicts)
+        if len(conflicts) == 1:
+            message = str(conflicts[0])
+        else:
+            lines = "\n".join(f"  {i}. {c}" for i, c in enumerate(conflicts, 1))
+            message = f"this run combines {len(conflicts)} things deepshard cannot build together:\n{lines}"
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run asks for: the grid, the model kind and the features switched on."""
+
+    dims: ParallelDims
+    stage: int
+    caps: Capabilities
+    pipeline: bool = False
+    num_chunks: int = 1
+    schedule: str = "1f1b"
+    autotp: bool = False
+    fp16: bool = False
+    model_dtype: torch.dtype = torch.float32
+    accumulation: int = 1
+    managed_accumulation: bool = True
+    clipping: float = 0.0
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    step_in_backward: bool = False
+    compressed_optimizer: Optional[str] = None
+    fp32_accumulation: bool = False
+
+    @property
+    def model_parallel(self) -> int:
+        return self.dims.pp * self.dims.tp
+
+
+def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
+             accelerator_kind: str = "cpu") -> Plan:
+    """The plan of a run from its validated config, its model, its grid and the optimizer argument."""
+    from deepshard.config.base import dtype_from_name
+    from deepshard.pipe.module import PipelineModule
+    from deepshard.tp.autotp_config import resolve_tp_config
+    from deepshard.zero.offload.policy import make_offload_policies
+
+    zero = cfg.zero_optimization
+    opt_policy, param_policy = make_offload_policies(zero, cfg.aio, accelerator_kind, quiet=True)
+    pipeline = isinstance(model, PipelineModule)
+    accum = cfg.data_types.grad_accum_dtype
+    return Plan(dims=dims, stage=int(zero.stage), caps=strategy_class(int(zero.stage)).capabilities,
+                pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
+                schedule=str(cfg.pipeline.schedule), autotp=resolve_tp_config(model, cfg.tensor_parallel).enabled,
+                fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,
+                accumulation=int(cfg.gradient_accumulation_steps),
+                managed_accumulation=bool(cfg.managed_gradient_accumulation),
+                clipping=float(cfg.gradient_clipping or 0.0), optimizer_offload=opt_policy.moves_states,
+                param_offload=param_policy.moves_states, step_in_backward=bool(zero.optimizer_step_in_backward),
+                compressed_optimizer=_compressed_name(cfg, optimizer),
+                fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32)
+
+
+def _compressed_name(cfg: Any, optimizer: Any) -> Optional[str]:
+    from deepshard.compression.onebit_adam import CompressedCommOptimizer
+
+    if isinstance(optimizer, CompressedCommOptimizer):
+        return type(optimizer).__name__
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() in COMPRESSED_OPTIMIZERS:
+        return str(cfg.optimizer.type)
+    return None
+
+
+def check(plan: Plan) -> list[Conflict]:
+    """Every conflict of ``plan`` (empty when deepshard can build it)."""
+    conflicts: list[Conflict] = []
+    for rule in RULES:
+        conflicts.extend(rule(plan))
+    return conflicts
+
+
+def enforce(plan: Plan) -> None:
+    """Raise ``PlanError`` with every conflict of ``plan``."""
+    conflicts = check(plan)
+    if conflicts:
+        raise PlanError(conflicts)
+
+
+# ------------------------------------------------------------------------------------------- rules
+def _pipeline_rules(plan: Plan) -> list[Conflict]:
+    out = []
+    if not plan.pipeline:
+        return out
+    if not plan.caps.pipeline:
+        out.append(Conflict(f"zero_optimization.stage={plan.stage} cannot be combined with pipeline parallelism",
+                            "each stage already holds only its layers; ZeRO-3 would gather them again for every "
+                            "micro-batch", "use stage 0, 1 or 2"))
+    if plan.schedule == "interleaved" and plan.num_chunks < 2:
+        out.append(Conflict("pipeline.schedule='interleaved' with a PipelineModule of one chunk per stage",
+                            "the interleaved schedule runs several model chunks per stage",
+                            "build the model with PipelineModule(..., num_chunks=2) (or more), or use '1f1b', "
+                            "'gpipe' or 'zb-h1'"))
+    if plan.schedule != "interleaved" and plan.num_chunks > 1:
+        out.append(Conflict(f"the PipelineModule has num_chunks={plan.num_chunks} (chunks interleaved over the "
+                            f"stages) and pipeline.schedule={plan.schedule!r}", "that schedule runs one chunk "
+                            "per stage", "set pipeline.schedule to 'interleaved', or build the module with "
+                            "num_chunks=1"))
+    if plan.autotp and plan.dims.pp > 1:
+        out.append(Conflict(f"automatic TP (tensor_parallel.autotp_size={plan.dims.tp}) with pipeline parallelism "
+                            f"({plan.dims.pp} stages)", "automatic TP shards a whole model, not a pipeline stage "
+                            "(DeepSpeed cannot either)", "build the pipeline stages with deepshard.tp's "
+                            "ColumnParallelLinear/RowParallelLinear instead, or drop one of the two"))
+    return out
+
+
+def _precision_rules(plan: Plan) -> list[Conflict]:
+    sixteen = plan.model_dtype in (torch.float16, torch.bfloat16)
+    if plan.fp32_accumulation and sixteen and plan.accumulation > 1 and not plan.pipeline:
+        return [Conflict(f"data_types.grad_accum_dtype is 'fp32' without pipeline parallelism "
+                         f"(gradient_accumulation_steps {plan.accumulation})",
+                         f"deepshard accumulates the {plan.accumulation} micro-batches in the training dtype "
+                         f"({plan.model_dtype}) outside pipelines (fp32 sums are a pipeline feature)",
+                         "remove the key or set it to the training dtype")]
+    return []
+
+
+def _offload_rules(plan: Plan) -> list[Conflict]:
+    if plan.optimizer_offload and not plan.caps.optimizer_offload:
+        return [Conflict(f"zero_optimization.offload_optimizer with zero_optimization.stage={plan.stage}",
+                         "offload moves each process's optimizer partition, and ZeRO stage 0 has none (it needs "
+                         "ZeRO stage 1, 2 or 3)", "set zero_optimization.stage to 1 or more")]
+    return []
+
+
+def _compression_rules(plan: Plan) -> list[Conflict]:
+    name, out = plan.compressed_optimizer, []
+    if name is None:
+        return out
+    if not plan.caps.compressed_comm:
+        out.append(Conflict(f"optimizer {name} needs zero_optimization.stage 0, got {plan.stage}",
+                            "its compressed momentum exchange replaces the all-reduce of whole gradients, which "
+                            "stages 1-3 shard (DeepSpeed has the same rule)",
+                            "set zero_optimization.stage to 0, or use optimizer type 'Adam'"))
+    if plan.model_parallel > 1:
+        out.append(Conflict(f"optimizer {name} works with data parallelism only; this run has "
+                            f"{plan.model_parallel} model-parallel ranks (pipeline x tensor)",
+                            "the gradient norm would mix local and reduced gradients",
+                            "use optimizer type 'Adam', or no pipeline.stages / tensor_parallel"))
+    return out
+
+
+def _step_in_backward_rules(plan: Plan) -> list[Conflict]:
+    if not plan.step_in_backward:
+        return []
+    problems = []
+    if not plan.caps.step_in_backward:
+        problems.append(f"zero_optimization.stage is {plan.stage} (it is a stage-3 option)")
+    if plan.accumulation != 1 or not plan.managed_accumulation:
+        problems.append(f"gradient_accumulation_steps is {plan.accumulation} and managed_gradient_accumulation "
+                        f"{plan.managed_accumulation} (every backward is a step: set them to 1 and true)")
+    if plan.clipping > 0:
+        problems.append(f"gradient_clipping is {plan.clipping} (clipping needs the global norm first: set it to 0)")
+    if plan.fp16:
+        problems.append("fp16 is enabled (loss scaling must see every gradient for overflow first: use bf16)")
+    if plan.optimizer_offload or plan.param_offload:
+        problems.append("offload_optimizer / offload_param move states (remove them)")
+    if plan.model_parallel > 1:
+        problems.append(f"the grid is {plan.dims} (each update would need the norm over the model-parallel "
+                        "ranks first: use a data-parallel grid)")
+    if not problems:
+        return []
+    return [Conflict("zero_optimization.optimizer_step_in_backward=true cannot be used", "; ".join(problems),
+                     "or set optimizer_step_in_backward to false")]
+
+
+def _sequence_rules(plan: Plan) -> list[Conflict]:
+    dims = plan.dims
+    if dims.sp == 1 or (dims.pp == 1 and dims.tp == 1):
+        return []
+    other = "pipeline stages" if dims.pp > 1 else "tensor parallelism"
+    return [Conflict(f"sequence_parallel_size={dims.sp} with {other} (pp={dims.pp}, tp={dims.tp})",
+                     "is not supported: sequence parallelism composes with data parallelism and ZeRO",
+                     "set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")]
+
+
+RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (
+    _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules,
+    _sequence_rules)
+"""Every rule, in the order conflicts are reported."""
