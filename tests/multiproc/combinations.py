@@ -239,8 +239,8 @@ def markdown_table() -> str:
     lines.append("| every other pair | combines; tested together in a valid cell |")
     valid = [c for c in all_cells if not refusals(c)]
     failing = sum(1 for c in valid if known_failure(c))
-    lines += ["", f"Cells: {len(valid)} valid ({failing} of them failing today, as listed above), "
-                  f"{len(all_cells) - len(valid)} refused.", "", TABLE_END]
+    failing_note = f" ({failing} of them failing today, as listed above)" if failing else ", all passing"
+    lines += ["", f"Cells: {len(valid)} valid{failing_note}; {len(all_cells) - len(valid)} refused.", "", TABLE_END]
     return "\n".join(lines)
 
 

@@ -202,12 +202,12 @@ def test_plan_node_ranks_global_ranks_and_environment() -> None:
         {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2", "CROSS_RANK": "1",
          "CROSS_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000", "DEEPSHARD_RESTART_COUNT": "2",
          "KEEP": "1"}
-    assert specs[1].cmd == ["py", "-u", "t.py", "--x", "--local_rank=1"]
+    assert specs[1].cmd == ["py", "-u", "t.py", "--local_rank=1", "--x"]
     assert [s.cores for s in specs] == [(0, 1), (2, 3)] and env["OMP_NUM_THREADS"] == "2"
     guarded = plan_node_ranks(_job(1), {}, [0, 1], python="py", agent_pid=4242)
     if sys.platform.startswith("linux"):
-        assert guarded[0].cmd[:2] == ["py", "-c"] and guarded[0].cmd[3:] == ["4242", "py", "-u", "t.py", "--x",
-                                                                               "--local_rank=0"]
+        assert guarded[0].cmd[:2] == ["py", "-c"] and guarded[0].cmd[3:] == ["4242", "py", "-u", "t.py",
+                                                                               "--local_rank=0", "--x"]
 
 
 def test_die_with_parent_shim_execs_the_command() -> None:

@@ -70,8 +70,12 @@ def test_merge_of_two_key_blocks_is_attention_over_both() -> None:
     assert torch.allclose(out2, want, atol=1e-6) and torch.isfinite(lse2).all()
 
 
-@pytest.mark.parametrize("causal,seq_len", [(True, 12), (False, 12), (True, 10), (False, 9)])
-def test_block_attention_forward_and_backward_match_autograd(causal: bool, seq_len: int) -> None:
+@pytest.mark.parametrize("causal,seq_len,budget", [(True, 12, None), (False, 12, None), (True, 10, None),
+                                                   (False, 9, None), (True, 11, 50)])
+def test_block_attention_forward_and_backward_match_autograd(causal: bool, seq_len: int, budget: int | None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if budget is not None:  # query rows in slices of 50 // (12 keys x 2 heads x 2 batch) = 1 row
+        monkeypatch.setattr("deepshard.sp.softmax_merge.ROW_BUDGET", budget)
     torch.manual_seed(1)
     q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)

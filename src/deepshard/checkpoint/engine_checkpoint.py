@@ -17,6 +17,7 @@ import torch
 
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
+from deepshard.checkpoint.rng_streams import restore_streams, stream_states
 from deepshard.checkpoint.state import flatten_state, unflatten_state
 from deepshard.utils.logging import logger
 
@@ -30,13 +31,6 @@ FORMAT_VERSION = 2  # 2: the grid is recorded and fragments may be tensor-parall
 
 def _rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
-
-
-def _rng_state(device_kind: str) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device_kind == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str | None,
@@ -75,7 +69,7 @@ def _write_rank_files(engine: "DeepShardEngine", staging: Path, client_state: di
                       exclude_frozen_parameters: bool) -> list[str]:
     rank = engine.topology.rank
     files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
-    ckpt_io.save_tensors(staging / _rng_file(rank), _rng_state(engine.accelerator.kind))
+    ckpt_io.save_tensors(staging / _rng_file(rank), stream_states(engine.module))
     files.append(_rng_file(rank))
     if rank == 0:
         files += _save_engine_state(engine, staging, client_state, tag)
@@ -187,10 +181,7 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
     same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
     if rng_path.exists() and same_grid:
-        rng = ckpt_io.load_tensors(rng_path)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and engine.accelerator.kind == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
+        restore_streams(engine.module, ckpt_io.load_tensors(rng_path))  # deepshard's streams; not torch's
     engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
 

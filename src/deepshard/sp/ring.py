@@ -44,7 +44,7 @@ class _RingAttention(torch.autograd.Function):
                 ring.start(kv)
             kb, vb = _unpack(kv, (k, v))
             allowed = allowed_mask(positions[me], positions[(me - step) % n], causal, seq_len)
-            if allowed is None or bool(allowed.any()):
+            if allowed is None or allowed.any():
                 out, lse = merge(out, lse, *block_forward(q, kb, vb, allowed, scale))
             if ring is not None and step < n - 1:
                 kv = ring.finish()
@@ -69,7 +69,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             kb, vb, dkb, dvb = _unpack(travelling, like)
             allowed = allowed_mask(positions[me], positions[(me - step) % n], ctx.causal, ctx.seq_len)
-            if allowed is None or bool(allowed.any()):
+            if allowed is None or allowed.any():
                 dq_b, dk_b, dv_b = block_backward(q, kb, vb, allowed, ctx.scale, lse, dout, delta)
                 dq += dq_b
                 dkb += dk_b

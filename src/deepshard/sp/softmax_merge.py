@@ -1,6 +1,7 @@
 """Blockwise attention with the online-softmax merge, forward and backward, in plain torch.
 
-A block is the attention of some queries to some keys, with a boolean ``allowed`` mask (query x key).
+A block is the attention of some queries to some keys, where ``allowed`` (a boolean query x key mask, or a
+``PositionMask`` built from global positions a slice of rows at a time) says which pairs attend.
 Its result is ``(out, lse)``: the softmax-weighted values and the log-sum-exp of the scores per query
 row. Two blocks over disjoint key sets merge exactly (``merge``): the result is the attention over their
 union. The backward of one block needs only the merged ``out``, ``lse`` and ``dout`` (as in
@@ -12,11 +13,15 @@ the query rows, so key/value gradients come out summed per key head.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
 NEG_INF = float("-inf")
+ROW_BUDGET = 1 << 21
+"""Score elements (query rows x keys) computed at once: longer blocks are done in slices of query rows, so
+the memory of a block grows with its length, not its square."""
 
 
 def _fold(q: torch.Tensor, hk: int) -> torch.Tensor:
@@ -25,13 +30,57 @@ def _fold(q: torch.Tensor, hk: int) -> torch.Tensor:
     return q.reshape(b, hk, (h // hk) * s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    hk = k.shape[1]
-    groups = q.shape[1] // hk
-    scores = torch.matmul(_fold(q, hk), k.transpose(-1, -2)) * scale  # [b, hk, g*sq, sk]
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed.repeat(groups, 1), NEG_INF)
+def _scores(qf: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Scores of folded query rows ``qf`` [b, hk, rows, d] against ``k``; ``mask`` [rows, sk] or None."""
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [b, hk, rows, sk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF)
     return scores
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """Which (query, key) pairs attend, from their global positions: built a slice of query rows at a time
+    (a whole [queries, keys] mask would grow with the square of the sequence)."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    causal: bool
+    seq_len: int
+
+    def rows(self, query_index: torch.Tensor) -> torch.Tensor:
+        allowed = (self.k_pos < self.seq_len).unsqueeze(0).expand(query_index.numel(), -1)
+        if self.causal:
+            allowed = allowed & (self.q_pos[query_index].unsqueeze(1) >= self.k_pos.unsqueeze(0))
+        return allowed
+
+    def any(self) -> bool:
+        valid = self.k_pos[self.k_pos < self.seq_len]
+        if valid.numel() == 0:
+            return False
+        return not self.causal or bool(self.q_pos.max() >= valid.min())
+
+
+Mask = Union[torch.Tensor, PositionMask]
+
+
+def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[Mask]
+                ) -> list[tuple[slice, Optional[torch.Tensor]]]:
+    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask."""
+    sq = q.shape[2]
+    rows = q.shape[1] // k.shape[1] * sq
+    step = max(1, ROW_BUDGET // max(1, k.shape[2] * k.shape[1] * k.shape[0]))
+    out = []
+    for r in range(0, rows, step):
+        index = torch.arange(r, min(r + step, rows)) % sq
+        if allowed is None:
+            mask = None
+        elif isinstance(allowed, PositionMask):
+            mask = allowed.rows(index)
+        else:
+            mask = allowed[index]
+        out.append((slice(r, r + step), mask))
+    return out
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -39,15 +88,18 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask],
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d], lse [b, h, sq])`` of ``q`` attending to ``k``/``v`` where ``allowed``."""
     b, h, sq, d = q.shape
-    scores = _scores(q, k, allowed, scale)
-    lse = torch.logsumexp(scores, dim=-1)  # [b, hk, g*sq]
-    probs = torch.exp(scores - _safe(lse).unsqueeze(-1))
-    out = torch.matmul(probs, v)
-    return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
+    qf = _fold(q, k.shape[1])
+    outs, lses = [], []
+    for rows, mask in _row_slices(q, k, allowed):
+        scores = _scores(qf[:, :, rows], k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # [b, hk, rows]
+        outs.append(torch.matmul(torch.exp(scores - _safe(lse).unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs, 2).reshape(b, h, sq, v.shape[-1]), torch.cat(lses, 2).reshape(b, h, sq)
 
 
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: torch.Tensor,
@@ -62,30 +114,28 @@ def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: t
     return out * w_old.unsqueeze(-1) + block_out * w_new.unsqueeze(-1), total
 
 
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], scale: float,
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask], scale: float,
                    lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block's share, given the merged ``lse`` [b, h, sq], the output gradient
     ``dout`` and ``delta = (dout * out).sum(-1)`` of the merged output."""
     b, h, sq, d = q.shape
     hk = k.shape[1]
-    scores = _scores(q, k, allowed, scale)
-    probs = torch.exp(scores - _safe(_fold(lse.unsqueeze(-1), hk)))  # [b, hk, g*sq, sk]
-    dout_f = _fold(dout, hk)
-    dv = torch.matmul(probs.transpose(-1, -2), dout_f)
-    dprobs = torch.matmul(dout_f, v.transpose(-1, -2))
-    dscores = probs * (dprobs - _fold(delta.unsqueeze(-1), hk))
-    dq = torch.matmul(dscores, k) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), _fold(q, hk)) * scale
-    return dq.reshape(b, h, sq, d), dk, dv
+    qf, lse_f, dout_f, delta_f = (_fold(t, hk) for t in (q, lse.unsqueeze(-1), dout, delta.unsqueeze(-1)))
+    dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for rows, mask in _row_slices(q, k, allowed):
+        probs = torch.exp(_scores(qf[:, :, rows], k, mask, scale) - _safe(lse_f[:, :, rows]))  # [b, hk, r, sk]
+        dv += torch.matmul(probs.transpose(-1, -2), dout_f[:, :, rows])
+        dscores = probs * (torch.matmul(dout_f[:, :, rows], v.transpose(-1, -2)) - delta_f[:, :, rows])
+        dqs.append(torch.matmul(dscores, k) * scale)
+        dk += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
+    return torch.cat(dqs, 2).reshape(b, h, sq, d), dk, dv
 
 
-def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[torch.Tensor]:
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[PositionMask]:
     """Which (query, key) pairs attend: keys past ``seq_len`` (padding) never; later keys not when causal.
     None when everything is allowed."""
-    valid = (k_pos < seq_len).unsqueeze(0)
-    if causal:
-        allowed = (q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)) & valid
-    else:
-        allowed = valid.expand(q_pos.numel(), k_pos.numel())
-    return None if bool(allowed.all()) else allowed
+    every_key_valid = bool(k_pos.max() < seq_len)
+    if every_key_valid and (not causal or bool(q_pos.min() >= k_pos.max())):
+        return None
+    return PositionMask(q_pos, k_pos, causal, seq_len)

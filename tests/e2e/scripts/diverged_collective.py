@@ -18,7 +18,7 @@ rank = int(os.environ["RANK"])
 x = torch.randn(2, 8)
 loss = engine(x).pow(2).mean()
 if rank == 1:
-    engine.save_checkpoint(sys.argv[1], tag="diverged")
+    engine.save_checkpoint(sys.argv[-1], tag="diverged")  # after --local_rank=N
 else:
     engine.backward(loss)
     engine.step()
