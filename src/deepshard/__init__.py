@@ -28,9 +28,12 @@ _LAZY = {
     "DeepSpeedEngine": ("deepshard.engine", "EngineCore"),  # DeepSpeed's class name: the base of both engines
     "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
+    "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
+    "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("deepshard.pipe", "PipelineModule"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
-               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp"}
+               "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp", "moe", "git_version_info"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

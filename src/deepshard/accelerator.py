@@ -12,6 +12,7 @@ Accelerate-style training interface (``deepshard.accelerate``).
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -222,6 +223,37 @@ class DeviceAccelerator:
     def default_stream(self, device_index: int | None = None) -> Any:
         return torch.cuda.default_stream(self._index(device_index)) if self.kind == "cuda" else None
 
+    # ---------------------------------------------------------------------- DeepSpeed's odds and ends
+    def lazy_call(self, callback: Any) -> None:
+        """Run ``callback`` once the device is initialised: queued by CUDA until then; at once on CPU."""
+        if self.kind == "cuda":
+            torch.cuda._lazy_call(callback)
+        else:
+            callback()
+
+    def default_generator(self, device_index: int | None = None) -> torch.Generator:
+        """The device's default random generator (torch's CPU generator on CPU)."""
+        if self.kind == "cuda":
+            return torch.cuda.default_generators[self._index(device_index)]
+        return torch.default_generator
+
+    def get_op_builder(self, class_name: str) -> Any:
+        raise NotImplementedError(
+            f"get_op_builder({class_name!r}): deepshard builds no DeepSpeed ops (no JIT-compiled kernels); its "
+            "optimizers are deepshard.ops.adam.DeepSpeedCPUAdam / FusedAdam on top of torch.optim")
+
+    def _tensor_factory(self, dtype: torch.dtype) -> Any:
+        return functools.partial(torch.tensor, dtype=dtype, device=self.device)
+
+    # DeepSpeed's typed tensor constructors: ``get_accelerator().FloatTensor(data)`` on this device
+    BFloat16Tensor = property(lambda self: self._tensor_factory(torch.bfloat16))
+    ByteTensor = property(lambda self: self._tensor_factory(torch.uint8))
+    DoubleTensor = property(lambda self: self._tensor_factory(torch.float64))
+    FloatTensor = property(lambda self: self._tensor_factory(torch.float32))
+    HalfTensor = property(lambda self: self._tensor_factory(torch.float16))
+    IntTensor = property(lambda self: self._tensor_factory(torch.int32))
+    LongTensor = property(lambda self: self._tensor_factory(torch.int64))
+
     def _index(self, device_index: int | None) -> int:
         return self.index if device_index is None else int(device_index)
 
@@ -245,6 +277,15 @@ def get_accelerator(local_rank: int | None = None) -> DeviceAccelerator:
     if kind == "cuda":
         return DeviceAccelerator("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return DeviceAccelerator("cpu", 0)
+
+
+SUPPORTED_ACCELERATOR_LIST: list[str] = list(KINDS)
+"""The device kinds deepshard runs on (DeepSpeed's list has more vendors)."""
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether the accelerator this process picked is one deepshard supports (always, for cpu and cuda)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")

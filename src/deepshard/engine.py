@@ -72,6 +72,10 @@ class EngineCore(torch.nn.Module):
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
         self.monitor = monitor
         self.state = TrainState()
+        for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel, topology.sp,
+                      topology.seq_dp):
+            if group is not None:
+                group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
         self._last_loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's micro-batch losses
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
@@ -146,10 +150,11 @@ class EngineCore(torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
+        """Each group's momentum as DeepSpeed reports it: the ``betas`` pair of Adam-style optimizers,
+        ``momentum`` of the others (SGD, RMSprop)."""
         if self.optimizer is None:
             return []
-        return [g.get("betas", (g.get("momentum"),))[0] if "betas" in g else g.get("momentum")
-                for g in self.optimizer.param_groups]
+        return [tuple(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
@@ -210,10 +215,13 @@ class EngineCore(torch.nn.Module):
             self.monitor.write_events(events)
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0 and self.global_rank == 0:
-            lr = ", ".join(f"{x:.4g}" for x in self.get_lr())
-            logger.info("step=%d skipped=%d lr=[%s] loss=%.4f grad_norm=%.4g%s", self.global_steps,
-                        self.skipped_steps, lr, loss, self.state.grad_norm or 0.0,
-                        f" loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else "")
+            # DeepSpeed's two lines, as its engines write them (log parsers look for these)
+            logger.info("[Rank 0] step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
+                        self.get_lr(), self.get_mom())
+            iter_time = self.tools.throughput.take_iter_time()
+            rate = self.train_batch_size() / iter_time if iter_time > 0 else 0.0
+            logger.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps, loss,
+                        iter_time, rate)
             for line in self.tools.print_lines(self.dp_world_size, self.accelerator.memory_allocated(),
                                                self.accelerator.max_memory_allocated(),
                                                memory_is_rss=self.accelerator.kind != "cuda"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,5 +87,13 @@ def test_logged_loss_is_deepspeeds_window_mean_over_ranks(run: tuple[int, Path, 
     with open(out_dir / "tools" / "Train_Samples_train_loss.csv", newline="") as fh:
         logged = [float(row[1]) for row in list(csv.reader(fh))[1:]]
     assert logged == pytest.approx(expected, rel=1e-6, abs=1e-6)
-    printed = [float(x.split(" loss=")[1].split()[0]) for x in results[0]["lines"] if x.startswith("step=")]
+    printed = [float(x.split(" loss: ")[1].split()[0]) for x in results[0]["lines"] if x.startswith("steps: ")]
     assert printed == pytest.approx(expected, abs=6e-5)
+    # DeepSpeed's line formats, read as a DeepSpeed log parser reads them
+    steps_line = re.compile(r"^steps: (\d+) loss: (\d+\.\d{4}) iter time \(s\): (\d+\.\d{3}) samples/sec: (\d+\.\d{3})$")
+    rank_line = re.compile(r"^\[Rank 0\] step=(\d+), skipped=(\d+), lr=\[[-0-9.e, ]+\], mom=\[\(0\.9, 0\.999\)(, \(0\.9, 0\.999\))*\]$")
+    steps = [steps_line.match(x) for x in results[0]["lines"] if x.startswith("steps: ")]
+    ranks = [rank_line.match(x) for x in results[0]["lines"] if x.startswith("[Rank 0] step=")]
+    assert steps and all(steps) and all(ranks) and len(ranks) == len(steps), results[0]["lines"]
+    assert [int(m.group(1)) for m in steps] == [int(m.group(1)) for m in ranks] == list(range(1, len(steps) + 1))
+    assert all(float(m.group(3)) > 0 and float(m.group(4)) > 0 for m in steps)

@@ -3,9 +3,11 @@ command line, per-rank commands and environments, and the distributed environmen
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,8 +152,9 @@ def test_flag_defaults_and_aliases() -> None:
 
 
 def test_build_rank_command_variants() -> None:
-    assert build_rank_command("t.py", ["--a", "1"], 3, python="py") == ["py", "-u", "t.py", "--a", "1",
-                                                                         "--local_rank=3"]
+    # --local_rank right after the script, as DeepSpeed's launcher places it
+    assert build_rank_command("t.py", ["--a", "1"], 3, python="py") == ["py", "-u", "t.py", "--local_rank=3",
+                                                                         "--a", "1"]
     assert build_rank_command("pkg.train", [], 0, module=True, python="py") == \
         ["py", "-u", "-m", "pkg.train", "--local_rank=0"]
     assert build_rank_command("./run.sh", ["x"], 1, no_python=True, no_local_rank=True) == ["./run.sh", "x"]
@@ -196,7 +199,7 @@ def test_plan_cpu_default_is_one_process_and_num_gpus_sets_count() -> None:
     assert only.env["WORLD_SIZE"] == "1" and "CUDA_VISIBLE_DEVICES" not in only.env
     specs = _plan(["--num_gpus", "3", "--master_port", "3333", "t.py", "--lr", "1"], cores=[0, 1, 2, 3, 4, 5])
     assert [(s.rank, s.local_rank, s.slot) for s in specs] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
-    assert specs[2].cmd[-3:] == ["--lr", "1", "--local_rank=2"]
+    assert specs[2].cmd[-4:] == ["t.py", "--local_rank=2", "--lr", "1"]
     assert {s.env["MASTER_PORT"] for s in specs} == {"3333"} and specs[0].env["MASTER_ADDR"] == "127.0.0.1"
     assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2", "2"]
     assert all(s.cores is None for s in specs)
@@ -408,3 +411,19 @@ def test_gloo_interface_set_only_when_gloo_would_fall_back_to_loopback(monkeypat
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
     distributed._choose_gloo_interface(multi, "gloo")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+
+
+def test_a_routed_script_gets_local_rank_right_after_its_path(tmp_path: Path) -> None:
+    """The launcher starts ``deepshard.compat.run --local_rank=N [flags] script args``; the script sees
+    ``[script, --local_rank=N, args]``, DeepSpeed's order."""
+    from deepshard.compat.run import main as run_main
+    from deepshard.launcher.rank_entry import KEEP_DEEPSPEED
+
+    script, seen = tmp_path / "s.py", tmp_path / "argv.json"
+    script.write_text(f"import json, sys\njson.dump(sys.argv, open({str(seen)!r}, 'w'))\n")
+    saved = list(sys.argv)
+    try:
+        run_main(["--local_rank=3", KEEP_DEEPSPEED, str(script), "--lr", "1"])
+    finally:
+        sys.argv = saved
+    assert json.loads(seen.read_text()) == [str(script), "--local_rank=3", "--lr", "1"]

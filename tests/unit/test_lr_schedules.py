@@ -131,33 +131,86 @@ def test_one_cycle_stairs() -> None:
     _check(seen, {0: 0.0, 1: 0.5, 2: 0.5, 3: 1.0, 4: 2 / 3, 5: 2 / 3, 6: 1 / 3, 8: 0.0})
 
 
-def test_one_cycle_cycles_adam_beta1_inversely_and_keeps_beta2() -> None:
+def test_one_cycle_cycles_adam_beta1_inversely_as_deepspeed() -> None:
+    """DeepSpeed 0.19.8's OneCycle: the groups start at (cycle_min_mom, 0.99); each step writes
+    (beta1, 0.99), beta2 overwritten; get_mom() answers those pairs (DeepSpeed's own test reads
+    get_mom()[group][0])."""
     opt = _adam()
     sched = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=4, cycle_second_step_size=4,
                      cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.1,
                      decay_step_size=2)
-    betas = {-1: opt.param_groups[0]["betas"]}
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99) and sched.get_mom() == [(0.9, 0.99)]
+    betas = {}
     for t in range(10):
         sched.step()
         betas[t] = opt.param_groups[0]["betas"]
-    expected = {-1: 0.9, 0: 0.875, 3: 0.8, 5: 0.85, 7: 0.9, 9: 0.9 * 1.1}
+        assert sched.get_mom() == [betas[t]]
+    expected = {0: 0.875, 3: 0.8, 5: 0.85, 7: 0.9, 9: 0.9 * 1.1}
     for t, beta1 in expected.items():
         assert betas[t][0] == pytest.approx(beta1), t
-        assert betas[t][1] == 0.999
-    assert sched.get_mom() == pytest.approx([0.99])
+        assert betas[t][1] == 0.99
 
 
-def test_one_cycle_cycles_sgd_momentum_and_skips_optimizers_without_one() -> None:
-    opt = _sgd(momentum=0.5)
-    sched = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=2)
-    sched.step(1)  # peak lr -> minimum momentum
-    assert opt.param_groups[0]["momentum"] == pytest.approx(0.8)
-    adagrad = torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))])
-    sched = OneCycle(adagrad, 0.01, 0.1, cycle_first_step_size=2)
-    sched.step(1)
-    assert not sched.cycle_momentum and sched.get_mom() is None
-    assert "momentum" not in adagrad.param_groups[0] and "betas" not in adagrad.param_groups[0]
-    assert adagrad.param_groups[0]["lr"] == pytest.approx(0.1)
+def test_one_cycle_per_group_momentum_lists() -> None:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]},
+              {"params": [torch.nn.Parameter(torch.zeros(1))], "betas": (0.5, 0.95)}]
+    opt = torch.optim.Adam(groups, lr=0.1)
+    sched = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=4, cycle_min_mom=[0.8, 0.7], cycle_max_mom=[0.9, 0.85])
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.7, 0.99)]
+    for _ in range(4):
+        sched.step()  # to the peak lr: each group's minimum momentum
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.7, 0.99)]
+    sched.step(-1)
+    assert sched.get_mom() == [(0.9, 0.99), (0.85, 0.99)]
+    with pytest.raises(ValueError, match="cycle_min_mom has 3 values but the optimizer has 2"):
+        OneCycle(opt, 0.01, 0.1, cycle_min_mom=[0.8, 0.7, 0.6])
+
+
+def test_one_cycle_with_no_second_half_only_rises() -> None:
+    """cycle_second_step_size=0 (DeepSpeed accepts it): the lr rises over the first half, drops back to
+    cycle_min_lr when the cycle ends, and stays there (no decay configured)."""
+    opt = _adam()
+    sched = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=4, cycle_second_step_size=0)
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step()
+    assert lrs == pytest.approx([0.01, 0.0325, 0.055, 0.0775, 0.01, 0.01, 0.01])
+    with pytest.raises(ValueError, match="cycle_second_step_size must be >= 0"):
+        OneCycle(opt, 0.01, 0.1, cycle_second_step_size=-1)
+
+
+def test_one_cycle_leaves_sgd_momentum_and_optimizers_without_betas_alone() -> None:
+    """DeepSpeed cycles only Adam-style betas: SGD's momentum and Adagrad are left as they are."""
+    for opt in (_sgd(momentum=0.5), torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))])):
+        sched = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=2)
+        sched.step(1)
+        assert not sched.cycle_momentum and sched.get_mom() is None
+        assert opt.param_groups[0].get("momentum", 0.5) == 0.5 and "betas" not in opt.param_groups[0]
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o, t: WarmupLR(o, warmup_num_steps=4, warmup_max_lr=0.001, warmup_type=t),
+    lambda o, t: WarmupCosineLR(o, total_num_steps=10, warmup_num_steps=4, warmup_type=t),
+])
+def test_unknown_warmup_type_warms_up_with_log(make: Callable[..., Any]) -> None:
+    """As DeepSpeed: an unknown warmup_type warns and warms up with 'log' (same values as 'log')."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("deepshard")
+    log.addHandler(handler)
+    try:
+        unknown, log_opt = _adam(), _adam()
+        a, b = make(unknown, "cosine"), make(log_opt, "log")
+    finally:
+        log.removeHandler(handler)
+    assert a.warmup_type == "log" and any("unknown warmup_type 'cosine'" in r.getMessage() for r in records)
+    for _ in range(6):
+        assert unknown.param_groups[0]["lr"] == log_opt.param_groups[0]["lr"]
+        a.step()
+        b.step()
 
 
 # ----------------------------------------------------------------------------- LRRangeTest
@@ -235,10 +288,8 @@ def test_tensor_lr_is_updated_in_place() -> None:
 
 
 @pytest.mark.parametrize("make, fragment", [
-    (lambda o: WarmupLR(o, warmup_type="cosine"), "warmup_type 'cosine'"),
     (lambda o: WarmupLR(o, warmup_num_steps=0), "warmup_num_steps must be an integer >= 1"),
     (lambda o: WarmupCosineLR(o, total_num_steps=0), "total_num_steps must be an integer >= 1"),
-    (lambda o: WarmupDecayLR(o, total_num_steps=10, warmup_type="exp"), "'log' or 'linear'"),
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=0), "cycle_first_step_size"),
     (lambda o: OneCycle(o, 0.1, 1.0, decay_step_size=-1), "decay_step_size"),
     (lambda o: LRRangeTest(o, lr_range_test_step_size=0), "lr_range_test_step_size"),

@@ -11,7 +11,14 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.engine": "deepshard.engine",
     "deepspeed.runtime.zero": "deepshard.zero",
     "deepspeed.runtime.zero.partition_parameters": "deepshard.compat.partition_parameters",
-    "deepspeed.runtime.config": "deepshard.config",
+    "deepspeed.runtime.config": "deepshard.compat.runtime_config",
+    "deepspeed.runtime.zero.stage3": "deepshard.compat.zero_stage3",
+    "deepspeed.runtime.zero.stage_1_and_2": "deepshard.compat.zero_stage_1_and_2",
+    "deepspeed.runtime.dataloader": "deepshard.data",
+    "deepspeed.runtime.activation_checkpointing.checkpointing": "deepshard.checkpointing",
+    "deepspeed.accelerator.real_accelerator": "deepshard.accelerator",
+    "deepspeed.env_report": "deepshard.utils.env_report",
+    "deepspeed.runtime.activation_checkpointing": "deepshard.checkpointing",
     "deepspeed.checkpoint.utils": "deepshard.compat.checkpoint_utils",
     "deepspeed.profiling": "deepshard.profiling",
     "deepspeed.runtime.pipe": "deepshard.pipe",
@@ -24,7 +31,25 @@ RENAMED: dict[str, str] = {
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 
 MISSING: dict[str, str] = {
-    "deepspeed.moe": "mixture-of-experts layers",
+    "deepspeed.moe.sharded_moe": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
+    "deepspeed.moe.experts": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
+    "deepspeed.moe.mappings": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
+    "deepspeed.runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes (deepshard's schedules are "
+                                       "data: deepshard.pipe.schedule.build_schedule; pick one with the config's "
+                                       "pipeline.schedule)",
+    "deepspeed.runtime.data_pipeline": "the data-efficiency pipeline (curriculum learning, random-LTD, data "
+                                       "sampling); feed your own DataLoader",
+    "deepspeed.runtime.domino": "Domino tensor-parallel overlap (deepshard's tensor parallelism is "
+                                "deepshard.tp / the config's tensor_parallel section)",
+    "deepspeed.runtime.state_dict_factory": "Megatron checkpoint loading for inference",
+    "deepspeed.ops.sparse_attention": "block-sparse attention kernels",
+    "deepspeed.ops.op_builder": "DeepSpeed's JIT op builders (deepshard compiles no ops)",
+    "deepspeed.ops.transformer": "DeepSpeed's fused transformer kernels",
+    "deepspeed.runtime.zero.offload_config": "DeepSpeed's engine.offload_states()/reload_states() (states moved "
+                                             "off the device between steps); configure "
+                                             "zero_optimization.offload_optimizer / offload_param instead",
+    "deepspeed.utils.timer": "DeepSpeed's timer registry (deepshard's engine times forward, backward, "
+                             "backward_inner, backward_allreduce and step; turn on wall_clock_breakdown)",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.compression": "compression training",
@@ -33,6 +58,56 @@ MISSING: dict[str, str] = {
     "deepspeed.elasticity": "elastic training",
 }
 """DeepSpeed module paths deepshard has no counterpart for, and what they are."""
+
+
+REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.init_inference": "the inference engine; for inference run the model under torch (or "
+                                "transformers' generate), or use the real DeepSpeed",
+    "deepspeed.InferenceEngine": "the inference engine; use the real DeepSpeed for it",
+    "deepspeed.DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernel; use a plain PyTorch layer "
+                                           "(torch.nn.TransformerEncoderLayer) or the real DeepSpeed",
+    "deepspeed.DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernel; use a plain PyTorch layer "
+                                            "(torch.nn.TransformerEncoderLayer) or the real DeepSpeed",
+    "deepspeed.replace_transformer_layer": "kernel injection for inference; use the real DeepSpeed for it",
+    "deepspeed.runtime.utils.PartitionedTensor": "DeepSpeed's partitioned pipeline activations (deepshard's "
+                                                 "pipeline sends whole activations); use the real DeepSpeed for it",
+    "deepspeed.runtime.config.ONEBIT_LAMB_OPTIMIZER": "1-bit LAMB, removed from DeepSpeed 0.19 (the name is gone "
+                                                      "there too); use optimizer type 'Lamb' or 'OneBitAdam'",
+    "deepspeed.runtime.config.ONEBIT_ADAM_OPTIMIZER": "a name removed from DeepSpeed 0.19's config module; "
+                                                      "write the optimizer type 'OneBitAdam' in the config",
+    "deepspeed.checkpoint.UNIVERSAL_CHECKPOINT_INFO": "DeepSpeed's universal-checkpoint metadata; leave it out "
+                                                      "and use deepshard's own checkpoints instead (they resume "
+                                                      "on any layout without a conversion)",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus": (
+        "DeepSpeed's per-parameter gather status (deepshard's ZeRO-3 parameters carry no ds_id/ds_status); use "
+        "deepspeed.zero.GatheredParameters(params) around the code that reads parameters instead: it gathers "
+        "partitioned ones and leaves whole ones alone"),
+}
+_CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
+                  "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
+                  "streams are deepshard.tp.random's)")
+for _name in ("configure", "is_configured", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+              "model_parallel_reconfigure_tp_seed"):
+    REFUSED_NAMES[f"deepspeed.checkpointing.{_name}"] = _CHECKPOINTING
+    REFUSED_NAMES[f"deepspeed.runtime.activation_checkpointing.checkpointing.{_name}"] = _CHECKPOINTING
+"""Names inside modules deepshard does provide that it refuses, ``deepspeed.X.name`` -> why and what to use
+(an AttributeError carries it, so ``hasattr`` stays False)."""
+
+_UNIVERSAL = ("VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
+              "TP_REPLICATED_PARAMETER_PATTERNS", "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
+              "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "UNIVERSAL_CHECKPOINT_VERSION_KEY",
+              "UNIVERSAL_CHECKPOINT_VERSION_VALUE", "ORIGINAL_VOCAB_SIZE", "PADDED_VOCAB_SIZE")
+for _name in _UNIVERSAL:
+    REFUSED_NAMES[f"deepspeed.checkpoint.{_name}"] = REFUSED_NAMES["deepspeed.checkpoint.UNIVERSAL_CHECKPOINT_INFO"]
+
+
+def refusal(fullname: str) -> str:
+    """The AttributeError message for a ``deepspeed`` name deepshard lacks: why, and what to use."""
+    if fullname in REFUSED_NAMES:
+        return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat): it is "
+                f"{REFUSED_NAMES[fullname]}")
+    return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat); use the real "
+            "DeepSpeed for it")
 
 
 def target_of(fullname: str) -> str:

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 from typing import Any, Iterable
 
-from deepshard.compat.aliases import target_of
+from deepshard.compat.aliases import refusal, target_of
 
 DEEPSPEED_CONTRACT = "0.19.8"
 """The DeepSpeed release whose public contract deepshard follows (what the shim reports as its version)."""
@@ -49,9 +49,7 @@ class AliasModule(types.ModuleType):
         try:
             return getattr(target, name)
         except AttributeError:
-            raise AttributeError(
-                f"module {self.__name__!r} (deepshard's {target.__name__}, via deepshard.compat) has no attribute "
-                f"{name!r}: deepshard does not implement DeepSpeed's {self.__name__}.{name}") from None
+            raise AttributeError(refusal(f"{self.__name__}.{name}"), name=name, obj=self) from None
 
     def __dir__(self) -> list[str]:
         return sorted(set(dir(self.__dict__["_deepshard_target"])) | set(self.__dict__))

@@ -34,12 +34,17 @@ def _run(args: list[str], as_module: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    # the launcher passes --local_rank=N right after the program it starts (this module); the script
+    # gets it right after its own path, where DeepSpeed's launcher puts it
+    local_rank = args[:1] if args and args[0].startswith("--local_rank=") else []
+    args = args[len(local_rank):]
     keep = bool(args) and args[0] == KEEP_DEEPSPEED
     args = args[1:] if keep else args
     as_module = bool(args) and args[0] == "-m"
     args = args[1:] if as_module else args
     if not args:
         raise SystemExit(f"usage: python -m deepshard.compat.run [{KEEP_DEEPSPEED}] [-m] SCRIPT_OR_MODULE [ARGS...]")
+    args = [args[0], *local_rank, *args[1:]]
     if not keep:
         install()
     from deepshard.config.base import ConfigError

@@ -1,7 +1,7 @@
 """The ``deepshard`` command: DeepSpeed's launcher flags, on one machine or many.
 
 ``deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json`` starts two ranks of
-``train.py`` on this machine (``--local_rank=N`` appended to each, the ``env://`` variables set) and
+``train.py`` on this machine (``--local_rank=N`` after the script path in each, the ``env://`` variables set) and
 supervises them (see :mod:`deepshard.launcher.supervisor`).
 
 Slots: on CUDA a slot is a visible GPU (``torch.cuda.device_count()``); on a CPU machine a slot is a

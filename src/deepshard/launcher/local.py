@@ -61,8 +61,10 @@ class RankSpec:
 def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int, *,
                        module: bool = False, no_python: bool = False, no_local_rank: bool = False,
                        python: str = sys.executable) -> list[str]:
-    """The argv of one rank: ``python -u script args`` (``-m module`` with ``module``, the bare
-    ``script`` with ``no_python``), then ``--local_rank=N`` unless ``no_local_rank``."""
+    """The argv of one rank: ``python -u script --local_rank=N args`` (``-m module`` with ``module``, the
+    bare ``script`` with ``no_python``; no ``--local_rank`` with ``no_local_rank``). ``--local_rank``
+    comes right after the script, where DeepSpeed's launcher puts it (a script that reads
+    ``sys.argv[1]`` or stops parsing at a ``--`` sees it there)."""
     if module and no_python:
         raise ValueError("--module and --no_python cannot be combined: --module runs "
                          "'python -m <module>', --no_python runs the program without python; pick one")
@@ -72,9 +74,9 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
         cmd = [python, "-u", "-m", user_script]
     else:
         cmd = [python, "-u", user_script]
-    cmd.extend(user_args)
     if not no_local_rank:
         cmd.append(f"--local_rank={local_rank}")
+    cmd.extend(user_args)
     return cmd
 
 

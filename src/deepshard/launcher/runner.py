@@ -6,10 +6,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from deepshard.launcher import cli
+
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
+"""The env file every node's ranks get (DeepSpeed's name; deepshard also reads ``.deepshard_env``,
+:mod:`deepshard.launcher.envfile`)."""
 
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:

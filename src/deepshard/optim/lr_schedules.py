@@ -26,12 +26,12 @@ With ``t = last_batch_iteration`` and ``W = max(2, warmup_num_steps)``:
 - ``LRRangeTest``: ``min_lr * (1 + step_rate * (t + 1) / step_size)``, with ``floor`` of the
   interval when ``lr_range_test_staircase``.
 
-Where deepshard differs from DeepSpeed on purpose (documented at each class): an unknown
-``warmup_type`` is an error (DeepSpeed falls back to "log" with a warning); WarmupLR's default
-``warmup_max_lr`` is each group's own lr (DeepSpeed copies the first group's to all groups);
-OneCycle keeps each group's ``beta2`` (DeepSpeed sets it to 0.99), also cycles ``momentum`` for
-SGD-like optimizers, and starts at the formula's momentum (``cycle_max_mom``); ``load_state_dict``
-also writes the resumed lr into the optimizer.
+As in DeepSpeed: an unknown ``warmup_type`` warms up with "log" (with a warning); OneCycle cycles only
+Adam-style ``betas``, writing ``(beta1, 0.99)`` (``get_mom()`` returns those pairs), starts the first
+step at ``(cycle_min_mom, 0.99)``, and accepts ``cycle_second_step_size=0`` (a cycle that only rises).
+Where deepshard differs on purpose (documented at each class): WarmupLR's default ``warmup_max_lr`` is
+each group's own lr (DeepSpeed copies the first group's to all groups); ``load_state_dict`` also writes
+the resumed lr into the optimizer.
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ WARMUP_COSINE_LR = "WarmupCosineLR"
 VALID_LR_SCHEDULES: list[str] = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR,
                                  WARMUP_COSINE_LR]
 WARMUP_LOG_RATE = "log"
+ONE_CYCLE_BETA2 = 0.99
+"""The beta2 OneCycle writes with each cycled beta1, whatever the optimizer had (DeepSpeed's value)."""
 WARMUP_LINEAR_RATE = "linear"
 _WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
 
@@ -109,14 +111,20 @@ def _check_int(name: str, value: Any, minimum: int, schedule: str) -> int:
     return value
 
 
-def _check_warmup(warmup_num_steps: Any, warmup_type: Any, schedule: str) -> int:
-    """Validate the warmup arguments; return the effective step count ``max(2, steps)``."""
+def _check_warmup(warmup_num_steps: Any, schedule: str) -> int:
+    """Validate the warmup step count; return the effective count ``max(2, steps)``."""
     _check_int("warmup_num_steps", warmup_num_steps, 1, schedule)
-    if warmup_type not in _WARMUP_TYPES:
-        raise ValueError(f"{schedule}: warmup_type {warmup_type!r} is not supported; use "
-                         f"'{WARMUP_LOG_RATE}' or '{WARMUP_LINEAR_RATE}'")
     # log(1) = 0 would divide by zero, so (like DeepSpeed) a warmup lasts at least 2 steps.
     return max(2, warmup_num_steps)
+
+
+def _warmup_kind(warmup_type: Any, schedule: str) -> str:
+    """``warmup_type`` if known, else "log" with a warning (DeepSpeed's fallback)."""
+    if warmup_type in _WARMUP_TYPES:
+        return str(warmup_type)
+    logger.warning("%s: unknown warmup_type %r; warming up with '%s' (DeepSpeed's default). Use '%s' or '%s'",
+                   schedule, warmup_type, WARMUP_LOG_RATE, WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
+    return WARMUP_LOG_RATE
 
 
 def _warmup_fraction(t: int, warmup_steps: int, warmup_type: str) -> float:
@@ -249,8 +257,8 @@ class WarmupLR(_BatchSchedule):
         self.min_lrs = _per_group(warmup_min_lr, len(groups), "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, len(groups), "warmup_max_lr")
         self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]
-        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type, type(self).__name__)
-        self.warmup_type = warmup_type
+        self.warmup_num_steps = _check_warmup(warmup_num_steps, type(self).__name__)
+        self.warmup_type = _warmup_kind(warmup_type, type(self).__name__)
         self._validate_extra(warmup_num_steps)
         self._apply()
 
@@ -322,8 +330,8 @@ class WarmupCosineLR(_BatchSchedule):
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
                  warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type, "WarmupCosineLR")
-        self.warmup_type = warmup_type
+        self.warmup_num_steps = _check_warmup(warmup_num_steps, "WarmupCosineLR")
+        self.warmup_type = _warmup_kind(warmup_type, "WarmupCosineLR")
         self.total_num_steps = _check_total(total_num_steps, warmup_num_steps, "WarmupCosineLR")
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
@@ -355,9 +363,10 @@ class OneCycle(_BatchSchedule):
     Smith 2018, "A disciplined approach to neural network hyper-parameters: Part 1"
     (arXiv:1803.09820). Formulas in the module docstring.
 
-    Momentum cycling writes ``betas[0]`` for Adam-like optimizers (``betas`` in the defaults)
-    and ``momentum`` for SGD-like ones (DeepSpeed cycles only ``betas`` and disables cycling
-    otherwise). Each group keeps its own ``beta2`` (DeepSpeed overwrites it with 0.99).
+    Momentum cycling writes ``betas = (beta1, 0.99)`` for Adam-like optimizers (``betas`` in the
+    defaults), as DeepSpeed does; for others it is disabled with a warning. Before the first
+    ``step()`` the groups hold ``(cycle_min_mom, 0.99)`` while ``get_mom()`` already answers the
+    formula's ``cycle_max_mom`` (DeepSpeed's order).
 
     Args:
         optimizer: the wrapped optimizer.
@@ -365,7 +374,7 @@ class OneCycle(_BatchSchedule):
         cycle_max_lr: lr at the peak of the cycle (a number or one per group).
         decay_lr_rate: post-cycle lr decay rate (0: hold ``cycle_min_lr``).
         cycle_first_step_size: iterations of the rising half.
-        cycle_second_step_size: iterations of the falling half (None: same as the first).
+        cycle_second_step_size: iterations of the falling half (None: same as the first; 0: none).
         cycle_first_stair_count: stairs in the rising half (0 or less: continuous).
         cycle_second_stair_count: stairs in the falling half (None: same as the first).
         decay_step_size: iterations per decay interval after the cycle (0: no decay).
@@ -394,9 +403,12 @@ class OneCycle(_BatchSchedule):
         self.min_moms = _per_group(cycle_min_mom, n_groups, "cycle_min_mom")
         self.max_moms = _per_group(cycle_max_mom, n_groups, "cycle_max_mom")
         self.decay_mom_rate = float(decay_mom_rate)
-        self.momentum_key = self._momentum_key(optimizer) if cycle_momentum else None
-        self.cycle_momentum = self.momentum_key is not None
+        self.cycle_momentum = bool(cycle_momentum) and self._has_betas(optimizer)
         self._apply()
+        if self.cycle_momentum and last_batch_iteration == -1:
+            # DeepSpeed's start: the first optimizer step runs with (cycle_min_mom, 0.99)
+            for group, mom in zip(self.optimizer.param_groups, self.min_moms):
+                group["betas"] = (mom, ONE_CYCLE_BETA2)
 
     def step(self, batch_iteration: int | None = None) -> None:
         """Advance to ``batch_iteration`` (default: the next one) and write its values.
@@ -410,9 +422,10 @@ class OneCycle(_BatchSchedule):
         """Validate and store the cycle's half lengths, stair counts and decay interval."""
         second = first if second is None else second
         second_stairs = first_stairs if second_stairs is None else second_stairs
-        for name, value in (("cycle_first_step_size", first), ("cycle_second_step_size", second)):
-            if value <= 0:
-                raise ValueError(f"OneCycle: {name} must be > 0, got {value!r}")
+        if first <= 0:
+            raise ValueError(f"OneCycle: cycle_first_step_size must be > 0, got {first!r}")
+        if second < 0:  # 0: the cycle only rises, then restarts (DeepSpeed accepts it too)
+            raise ValueError(f"OneCycle: cycle_second_step_size must be >= 0, got {second!r}")
         if decay_step_size < 0:
             raise ValueError(f"OneCycle: decay_step_size must be >= 0 (0 disables the post-cycle "
                              f"decay), got {decay_step_size!r}")
@@ -424,16 +437,15 @@ class OneCycle(_BatchSchedule):
         self.decay_step_size = decay_step_size
 
     @staticmethod
-    def _momentum_key(optimizer: Any) -> str | None:
-        """"betas" (cycle beta1) or "momentum", whichever the optimizer has; else None."""
+    def _has_betas(optimizer: Any) -> bool:
+        """Whether the optimizer has Adam-style ``betas`` to cycle (DeepSpeed cycles nothing else)."""
         defaults = getattr(optimizer, "defaults", None) or optimizer.param_groups[0]
-        for key in ("betas", "momentum"):
-            if key in defaults:
-                return key
-        logger.warning("OneCycle: cycle_momentum is disabled because %s has neither 'betas' nor "
-                       "'momentum'; set cycle_momentum to false to silence this",
+        if "betas" in defaults:
+            return True
+        logger.warning("OneCycle: cycle_momentum is disabled because %s has no 'betas' (as in DeepSpeed, only "
+                       "Adam-style beta1 is cycled); set cycle_momentum to false to silence this",
                        type(optimizer).__name__)
-        return None
+        return False
 
     def _scale(self) -> float:
         """Position in the cycle as a fraction of the lr range (0 at the ends, 1 at the peak)."""
@@ -464,23 +476,20 @@ class OneCycle(_BatchSchedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_intervals()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum (``beta1``) of each group at the current iteration; None if not cycled."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's ``betas`` at the current iteration: (the cycled beta1, 0.99), DeepSpeed's pair;
+        None if momentum is not cycled."""
         if not self.cycle_momentum:
             return None
         if self.last_batch_iteration < self.total_size:
             scale = self._scale()
-            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        factor = 1.0 + self.decay_mom_rate * self._decay_intervals()
-        return [hi * factor for hi in self.max_moms]
+            moms = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        else:
+            factor = 1.0 + self.decay_mom_rate * self._decay_intervals()
+            moms = [hi * factor for hi in self.max_moms]
+        return [(mom, ONE_CYCLE_BETA2) for mom in moms]
 
     def _apply(self) -> None:
         super()._apply()
-        moms = self.get_mom()
-        if moms is None:
-            return
-        for group, mom in zip(self.optimizer.param_groups, moms):
-            if self.momentum_key == "betas":
-                group["betas"] = (mom, *tuple(group["betas"])[1:])
-            else:
-                group["momentum"] = mom
+        for group, betas in zip(self.optimizer.param_groups, self.get_mom() or []):
+            group["betas"] = betas

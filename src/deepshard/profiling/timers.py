@@ -81,6 +81,7 @@ class ThroughputTimer:
         self.total_time = 0.0
         self.total_samples = 0
         self.last_step_time = 0.0
+        self._window = (0.0, 0)  # seconds and steps since the last print
 
     def start(self) -> None:
         """Mark the start of a step (no-op while a step is already being timed)."""
@@ -96,9 +97,15 @@ class ThroughputTimer:
         self.last_step_time = time.perf_counter() - self._start
         self._start = None
         self.steps += 1
+        self._window = (self._window[0] + self.last_step_time, self._window[1] + 1)
         if self.steps > self.skip:
             self.total_time += self.last_step_time
             self.total_samples += self.samples_per_step
+
+    def take_iter_time(self) -> float:
+        """Mean seconds per step since the last call (DeepSpeed's ``iter time (s)``); starts a new window."""
+        (seconds, steps), self._window = self._window, (0.0, 0)
+        return seconds / steps if steps else 0.0
 
     @property
     def avg_samples_per_sec(self) -> float:

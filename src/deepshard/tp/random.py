@@ -62,6 +62,15 @@ class RngTracker:
             self._states[name] = self._get()
             self._set(saved)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stream's generator state, by name (what a checkpoint keeps)."""
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        """Set the streams named in ``states`` to those generator states (other streams are left as they are)."""
+        for name, state in states.items():
+            self._states[name] = state.clone()
+
 
 def tensor_parallel_rng(seed: int, tp_rank: int, device: torch.device | str = "cpu") -> RngTracker:
     """A tracker whose ``tensor-parallel`` stream is seeded ``seed + 2718 + tp_rank`` (Megatron)."""

@@ -1,0 +1,8 @@
+"""``deepspeed.runtime.zero.stage_1_and_2`` under deepshard: DeepSpeed's documented import path for the
+ZeRO-2 memory estimators (implemented in :mod:`deepshard.profiling.ds_estimators`)."""
+from deepshard.profiling.ds_estimators import (estimate_zero2_model_states_mem_needs,
+                                               estimate_zero2_model_states_mem_needs_all_cold,
+                                               estimate_zero2_model_states_mem_needs_all_live)
+
+__all__ = ["estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
+           "estimate_zero2_model_states_mem_needs_all_live"]

@@ -1,0 +1,56 @@
+"""The inventory of ``deepspeed`` names real clients use (tests/compat_inventory/names.tsv: DeepSpeedExamples,
+Accelerate, transformers, TRL, LLaMA-Factory, OpenRLHF, Megatron-DeepSpeed): under ``deepshard.compat``
+each resolves to deepshard's implementation, or fails with an error that says why and what to use."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import deepshard.compat as compat
+from tests.compat_inventory.resolve import resolve
+
+TSV = Path(__file__).resolve().parents[1] / "compat_inventory" / "names.tsv"
+
+
+def _entries() -> list[tuple[str, str, int, str]]:
+    rows = [line.rstrip("\n").split("\t") for line in TSV.read_text().splitlines() if not line.startswith("#")]
+    assert rows[0] == ["name", "expect", "uses", "sources"]
+    return [(name, expect, int(uses), sources) for name, expect, uses, sources in rows[1:]]
+
+
+@pytest.fixture()
+def shim():
+    compat.uninstall()
+    saved = sys.modules.pop("deepspeed", None)
+    compat.install(replace_installed=True)
+    yield
+    compat.uninstall()
+    if saved is not None:
+        sys.modules["deepspeed"] = saved
+
+
+def test_inventory_is_whole_and_sourced() -> None:
+    entries = _entries()
+    assert len(entries) >= 190 and len({e[0] for e in entries}) == len(entries)
+    projects = {s.split(":")[0] for e in entries for s in e[3].split()}
+    assert {"DeepSpeedExamples", "accelerate", "trl", "LLaMA-Factory", "OpenRLHF", "Megatron-DeepSpeed",
+            "transformers"} <= projects
+    assert all(e[1] in ("real", "refused") and e[2] >= 1 for e in entries)
+
+
+def test_every_name_resolves_or_is_refused_with_what_to_use(shim: None) -> None:
+    wrong = []
+    for name, expect, _, _ in _entries():
+        try:
+            value = resolve(name)
+        except (ImportError, AttributeError, NotImplementedError) as exc:
+            text = str(exc)
+            clear = "deepshard" in text and ("use " in text or "instead" in text)
+            if expect != "refused" or not clear:
+                wrong.append(f"{name}: expected {expect}, raised {type(exc).__name__}: {text}")
+            continue
+        if expect != "real" or value is None:
+            wrong.append(f"{name}: expected {expect}, resolved to {value!r}")
+    assert not wrong, "\n".join(wrong)

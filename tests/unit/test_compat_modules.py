@@ -1,0 +1,145 @@
+"""DeepSpeed module paths clients import (the CIFAR tutorial's ``deepspeed.moe.utils``, the pipeline example's
+``deepspeed.runtime.utils.set_random_seed``, the estimators' documented paths, config constants ...) do
+DeepSpeed's thing under ``import deepspeed`` = deepshard; MoE layers are refused with the reason."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import sys
+from contextlib import redirect_stdout
+
+import numpy
+import pytest
+import torch
+from torch import nn
+
+import deepshard.compat as compat
+
+
+@pytest.fixture()
+def shim():
+    compat.uninstall()
+    saved = sys.modules.pop("deepspeed", None)
+    compat.install(replace_installed=True)
+    yield
+    compat.uninstall()
+    if saved is not None:
+        sys.modules["deepspeed"] = saved
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 10))
+
+
+def test_moe_utils_leave_a_dense_model_as_it_is(shim: None) -> None:
+    from deepspeed.moe.utils import (configure_moe_param_groups, has_moe_layers, is_moe_param,
+                                     split_params_into_different_moe_groups_for_optimizer,
+                                     split_params_into_shared_and_expert_params)
+
+    net = _net()
+    params = list(net.parameters())
+    # the CIFAR tutorial's create_moe_param_groups: one group of every parameter, its name and lr kept
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "parameters", "lr": 0.1})
+    assert len(groups) == 1 and groups[0]["name"] == "parameters" and groups[0]["lr"] == 0.1
+    assert [id(p) for p in groups[0]["params"]] == [id(p) for p in params]
+    two = ({"params": params[:2], "name": "a"}, {"params": params[2:], "name": "b", "weight_decay": 0.0})
+    assert [g["name"] for g in split_params_into_different_moe_groups_for_optimizer(two)] == ["a", "b"]
+    assert configure_moe_param_groups(params)[0]["name"] == "dense-params"
+    assert has_moe_layers(net) == (False, 0) and not any(is_moe_param(p) for p in params)
+    assert split_params_into_shared_and_expert_params(params) == (params, [])
+    with pytest.raises(ValueError, match="Unknown param group type"):
+        split_params_into_different_moe_groups_for_optimizer("params")  # type: ignore[arg-type]
+    params[0].allreduce = False  # DeepSpeed's marker of an expert parameter
+    with pytest.raises(NotImplementedError, match="no expert parallelism"):
+        split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "parameters"})
+
+
+def test_moe_layer_is_refused_with_the_reason(shim: None) -> None:
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    assert deepspeed.moe.layer.MoE is MoE  # the tutorial's attribute spelling reaches it too
+    with pytest.raises(NotImplementedError, match="no mixture-of-experts layers.*use the real DeepSpeed"):
+        MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1)
+    with pytest.raises(ImportError, match="mixture-of-experts"):
+        import deepspeed.moe.sharded_moe  # noqa: F401
+
+
+def test_runtime_utils(shim: None) -> None:
+    import deepspeed
+
+    deepspeed.runtime.utils.set_random_seed(2**40 + 5)  # the pipeline example's spelling, no import of utils
+    got = (random.random(), float(numpy.random.rand()), float(torch.rand(1)))
+    random.seed(2**40 + 5)
+    numpy.random.seed((2**40 + 5) % 2**32)
+    torch.manual_seed(2**40 + 5)
+    assert got == (random.random(), float(numpy.random.rand()), float(torch.rand(1)))
+
+    from deepspeed.runtime.utils import move_to_device, see_memory_usage
+
+    t = torch.ones(2, dtype=torch.float64)
+    moved = move_to_device({"a": [t, (t, 3)], "b": "x"}, "cpu", criterion_func=lambda x: torch.is_tensor(x))
+    assert moved["a"][0] is t and moved["a"][1][1] == 3 and moved["b"] == "x"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        see_memory_usage("quiet")
+        see_memory_usage("loud", force=True)
+    assert "quiet" not in out.getvalue() and "loud" in out.getvalue() and "MA " in out.getvalue()
+
+
+def test_estimators_at_deepspeeds_documented_paths(shim: None) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+
+    from deepshard.profiling import ds_estimators
+
+    assert estimate_zero3_model_states_mem_needs_all_live is ds_estimators.estimate_zero3_model_states_mem_needs_all_live
+    assert estimate_zero2_model_states_mem_needs_all_live is ds_estimators.estimate_zero2_model_states_mem_needs_all_live
+    out = io.StringIO()
+    with redirect_stdout(out):
+        estimate_zero2_model_states_mem_needs_all_live(_net(), num_gpus_per_node=2)
+    assert "offload_optimizer" in out.getvalue()
+    from deepspeed.runtime.zero.stage3 import GatheredParameters  # the rest of the module's names stay
+
+    assert GatheredParameters is not None
+
+
+def test_config_constants_and_helpers(shim: None) -> None:
+    from deepspeed.runtime import config, config_utils, lr_schedules
+
+    assert (config.ADAM_OPTIMIZER, config.ADAMW_OPTIMIZER, config.LAMB_OPTIMIZER, config.ADAGRAD_OPTIMIZER,
+            config.LION_OPTIMIZER, config.MUON_OPTIMIZER) == ("adam", "adamw", "lamb", "adagrad", "lion", "muon")
+    assert len(config.DEEPSPEED_OPTIMIZERS) == 9 and config.DeepSpeedConfig.__name__ == "DeepShardConfig"
+    assert config.load_config is not None  # deepshard.config's names are there too
+    assert len(lr_schedules.CONFIG_KEYS) == 25 and lr_schedules.WARMUP_MIN_LR == "warmup_min_lr"
+    assert (lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.LR_RANGE_TEST_STAIRCASE, lr_schedules.TOTAL_NUM_STEPS) == (
+        "cycle_first_step_size", "lr_range_test_staircase", "total_num_steps")
+    with pytest.raises(ValueError, match=r"Duplicate keys in DeepSpeed config: \['a'\]"):
+        json.loads('{"a": 1, "b": 2, "a": 3}', object_pairs_hook=config_utils.dict_raise_error_on_duplicate_keys)
+    assert config_utils.get_scalar_param({"x": 1}, "y", 7) == 7
+    assert repr(config_utils.pp_int(100000)) == "100,000"
+    assert json.dumps({"n": 20000, "m": 5}, cls=config_utils.ScientificNotationEncoder) == (
+        '{\n    "n": 2.000000e+04, \n    "m": 5\n}')
+
+
+def test_accelerator_and_version_info(shim: None) -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator, is_current_accelerator_supported
+    from deepspeed.git_version_info import git_hash, installed_ops, version
+
+    assert is_current_accelerator_supported() and deepspeed.get_accelerator is get_accelerator
+    acc = get_accelerator()
+    t = acc.FloatTensor([1, 2])
+    assert t.dtype == torch.float32 and t.device.type == acc.device_name().split(":")[0]
+    assert acc.LongTensor([1]).dtype == torch.int64 and acc.BFloat16Tensor([1.0]).dtype == torch.bfloat16
+    calls = []
+    acc.lazy_call(lambda: calls.append(1))
+    assert calls == [1] or acc.device_name() != "cpu"
+    assert isinstance(acc.default_generator(0), torch.Generator)
+    with pytest.raises(NotImplementedError, match="builds no DeepSpeed ops"):
+        acc.get_op_builder("CPUAdamBuilder")
+    assert version == deepspeed.__version__ and installed_ops == {} and git_hash == "unknown"
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert DeepSpeedEngine is deepspeed.DeepSpeedEngine and deepspeed.PipelineEngine.__name__ == "PipelineEngine"
