@@ -10,6 +10,7 @@ import torch
 from deepshard.accelerator import get_accelerator
 from deepshard.compile import adopt_compiled
 from deepshard.config import load_config, resolve_config_source
+from deepshard.config.agree import check_same_on_every_rank
 from deepshard.config.inert import warn_unused_pipeline
 from deepshard.config.loader import read_config_source
 from deepshard.distributed import init_distributed
@@ -43,6 +44,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     raw, _ = read_config_source(source)
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
+    check_same_on_every_rank(cfg, topology.world)  # before the first collective that depends on it
     warn_unused_pipeline(cfg, model)
     engine = parallelize(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler, mpu=mpu)
     if training_data is not None:

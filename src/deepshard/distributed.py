@@ -192,18 +192,12 @@ def resolve_dist_env(environ: Mapping[str, str], rank: int = -1, world_size: int
 
 
 def default_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
-    """The process-group timeout: ``DEEPSHARD_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` (minutes), else 10 min."""
-    for key in ("DEEPSHARD_TIMEOUT", "DEEPSPEED_TIMEOUT"):
-        value = environ.get(key)
-        if value:
-            try:
-                minutes = float(value)
-            except ValueError:
-                raise ValueError(f"{key}={value!r} is not a number of minutes; e.g. {key}=30") from None
-            if minutes <= 0:
-                raise ValueError(f"{key}={value!r} must be a positive number of minutes")
-            return datetime.timedelta(minutes=minutes)
-    return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+    """The process-group timeout: ``DEEPSHARD_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` (minutes), else 10 min.
+    The same setting bounds every wait of the library's collective watchdog (``comm/watchdog.py``)."""
+    from deepshard.comm.watchdog import timeout_minutes
+
+    found = timeout_minutes(environ)
+    return datetime.timedelta(minutes=found[1] if found is not None else DEFAULT_TIMEOUT_MINUTES)
 
 
 def _is_loopback(address: str) -> bool:

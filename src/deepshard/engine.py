@@ -72,6 +72,10 @@ class EngineCore(torch.nn.Module):
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
         self.monitor = monitor
         self.state = TrainState()
+        for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel, topology.sp,
+                      topology.seq_dp):
+            if group is not None:
+                group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
         self._last_loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's micro-batch losses
         self.tools = EngineTools(config, accelerator.synchronize, topology.rank)

@@ -194,3 +194,41 @@ def test_ranks_in_different_collectives_end_with_the_watchdog_diagnosis_in_the_r
     assert "is waiting in a different collective" in report or "did not arrive" in report, report
     assert "save_checkpoint's barrier" in report or "all_reduce" in report, report
     assert "finished without noticing" not in result.stdout
+
+
+def _launch_merged(args: list[str], timeout: float) -> tuple[int, str, float]:
+    """(exit code, stdout and stderr interleaved as printed, seconds)."""
+    cmd = [*_deepshard(), "--master_port", str(_free_port()), *args]
+    start = time.monotonic()
+    result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=timeout)
+    return result.returncode, result.stdout, time.monotonic() - start
+
+
+def test_a_rank_that_ends_its_loop_early_is_named_by_the_launcher() -> None:
+    """Rank 1 skips an iteration and exits 0 while rank 0 waits in its last one: the report used to blame
+    rank 0 alone. Now it says first that rank 1 exited 0 while the others were still running."""
+    code, text, seconds = _launch_merged(["--num_gpus", "2", str(SCRIPTS / "rank_leaves_early.py"), "skip"], 90)
+    assert code == 1, text
+    early = text.find("deepshard: rank 1 exited 0 while the others were still running")
+    report = text.find("deepshard: rank 0 (local rank 0")
+    assert 0 <= early < report, text
+    assert "CollectiveTimeout" in text[report:] and "step 2" in text[report:], text
+    assert "rank 1 finished its loop" in text and "rank 0 finished its loop" not in text, text
+    assert seconds < 60, seconds
+
+
+def test_the_report_comes_before_the_other_ranks_fallout_which_is_folded() -> None:
+    """Rank 1 raises while rank 0 is in a collective: rank 0's lost-connection traceback used to print
+    before the launcher's report. Now the report (rank 1's traceback) comes first, then rank 0's output
+    without the backend's connection noise."""
+    code, text, seconds = _launch_merged(["--num_gpus", "2", str(SCRIPTS / "rank_leaves_early.py"), "crash"], 90)
+    assert code == 1, text
+    report = text.find("deepshard: rank 1 (local rank 1")
+    assert report >= 0 and "rank 1 fails on purpose" in text[report:], text
+    before = text[:report]
+    assert "CollectiveTimeout" not in before and "Connection closed" not in before, before
+    after = text[report:]
+    assert "rank 0's output after the failure" in after and "torch.distributed.all_reduce" in after, after
+    assert "Connection closed by peer" in after and "frame #" not in after, after
+    assert seconds < 60, seconds

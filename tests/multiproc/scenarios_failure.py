@@ -150,7 +150,7 @@ def asymmetric_zero3(rank: int, world: int, case: str) -> str:
     from tests.multiproc.models import make_token_batches, make_transformer
     from tests.multiproc.scenarios_stage3 import z3_config
 
-    os.environ["DEEPSHARD_WATCHDOG_TIMEOUT"] = "4"
+    os.environ["DEEPSHARD_TIMEOUT"] = str(4 / 60)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(4 // world, 1))
     x, y = make_token_batches(1, 4)[0]
     start = time.monotonic()
@@ -161,6 +161,118 @@ def asymmetric_zero3(rank: int, world: int, case: str) -> str:
         if not (rank == 1 and case == "skipped_forward"):
             loss = engine(x[:2], y[:2])
             engine.backward(loss)
+        engine.step()
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def save_on_one_rank(rank: int, world: int, stage: int) -> str:
+    """Only rank 0 calls save_checkpoint (after one step) while rank 1 trains on: the save's agreement meets
+    the gradient all-reduce (stage 0) or reduce-scatter; the error each rank ends with, and how fast."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage))
+    batches = make_batches(2, 2 * world)
+    run_steps(engine, batches[:1], 2, 1, rank, world)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            engine.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"save-one-{os.getpid()}"))
+        else:
+            run_steps(engine, batches[1:], 2, 1, rank, world)
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def pipeline_disagreement(rank: int, world: int, case: str) -> str:
+    """Two pipeline stages that disagree: ``gas`` (stage 1 configured with 4 micro-batches, stage 0 with 2),
+    or ``short`` (the first stage's iterator holds one item fewer than a batch needs, after one good batch).
+    The error each rank ends with, and how fast."""
+    from tests.multiproc.scenarios_pipe import _engine, _step_data
+
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    m = 4 if (case == "gas" and rank == 1) else 2
+    start = time.monotonic()
+    try:
+        _, engine = _engine(2, m, 0)
+        engine.train_batch(_step_data(0, m, 1, 0))
+        data = list(_step_data(1, m, 1, 0))
+        engine.train_batch(iter(data[:1] if rank == 0 else data))
+        return f"no error after {time.monotonic() - start:.1f}s"
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__} after {time.monotonic() - start:.1f}s: {err}"
+
+
+def _damaged_copy(tmp: Path, name: str, damage: Any) -> None:
+    """Rank 0: copy checkpoint 'good' to ``name``, apply ``damage(dir)``, rewrite the manifest to match (so
+    only the files' contents can tell)."""
+    target = tmp / name
+    shutil.copytree(tmp / "good", target)
+    damage(target)
+    (target / ckpt_io.MANIFEST_NAME).unlink()
+    ckpt_io.write_manifest(target, [p.name for p in target.iterdir()])
+
+
+def _swap(a: str, b: str) -> Any:
+    def damage(d: Path) -> None:
+        os.rename(d / a, d / "swap.tmp")
+        os.rename(d / b, d / a)
+        os.rename(d / "swap.tmp", d / b)
+    return damage
+
+
+def _edit_json(name: str, edit: Any) -> Any:
+    def damage(d: Path) -> None:
+        import json
+
+        (d / name).write_text(json.dumps(edit(json.loads((d / name).read_text()))))
+    return damage
+
+
+DAMAGES = {
+    "steps_not_a_number": _edit_json("engine.json", lambda m: {**m, "global_steps": "abc"}),
+    "no_state": _edit_json("engine.json", lambda m: {k: v for k, v in m.items() if k != "state"}),
+    "rank_file_a_list": _edit_json("zero_rank0.json", lambda m: [1, 2, 3]),
+    "rank_jsons_swapped": _swap("zero_rank0.json", "zero_rank1.json"),
+    "rank_tensors_swapped": _swap("zero_rank0.safetensors", "zero_rank1.safetensors"),
+    "rng_and_rank_tensors_swapped": _swap("rng_rank0.safetensors", "zero_rank1.safetensors"),
+    "rng_deleted": lambda d: (d / "rng_rank0.safetensors").unlink(),  # last: only rank 0 can tell
+}
+
+
+def damaged_checkpoints(rank: int, world: int, tmp_root: str) -> dict[str, str]:
+    """Checkpoints whose files were edited, swapped or deleted behind a valid manifest: what loading each
+    raises (the message and the seconds it took)."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    tmp = Path(tmp_root)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(2))
+    run_steps(engine, make_batches(1, 2 * world), 2, 1, rank, world)
+    engine.save_checkpoint(str(tmp), tag="good")
+    if rank == 0:
+        for name, damage in DAMAGES.items():
+            _damaged_copy(tmp, name, damage)
+    dist.barrier()
+    out = {}
+    for name in DAMAGES:
+        start = time.monotonic()
+        message = _error(lambda: engine.load_checkpoint(str(tmp), tag=name))
+        out[name] = f"{message} [{time.monotonic() - start:.1f}s]"
+    return out
+
+
+def stalled_rank(rank: int, world: int, stage: int) -> str:
+    """Rank 1 stalls 12 s before its backward (DEEPSHARD_TIMEOUT = 3 s): rank 0's gradient reduction must
+    end at the timeout, naming it; rank 1 then finds rank 0 gone."""
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
+    engine, *_ = deepshard.initialize(model=make_model(), config=_config(stage))
+    x, y = make_batches(1, 2 * world)[0]
+    start = time.monotonic()
+    try:
+        loss = engine(x[:2], y[:2])
+        if rank == 1:
+            time.sleep(12)
+        engine.backward(loss)
         engine.step()
         return f"no error after {time.monotonic() - start:.1f}s"
     except Exception as err:  # noqa: BLE001 - the test reads the message

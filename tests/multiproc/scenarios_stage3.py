@@ -152,7 +152,7 @@ def init_memory(rank: int, world: int) -> dict[str, Any]:
 
 
 def watchdog(rank: int, world: int) -> str:
-    os.environ["DEEPSHARD_WATCHDOG_TIMEOUT"] = "3"
+    os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(8 // world, 1))
     x, y = make_token_batches(1, 8)[0]
     if rank == 1:  # rank 1 does something else entirely: rank 0's gather can never complete

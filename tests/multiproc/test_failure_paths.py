@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_failure import asymmetric_zero3, checkpoint_failures
+from tests.multiproc.scenarios_failure import (asymmetric_zero3, checkpoint_failures, damaged_checkpoints,
+                                              pipeline_disagreement, save_on_one_rank, stalled_rank)
 
 WORLD = 2
 
@@ -72,3 +73,84 @@ def test_rank_asymmetric_zero3_code_ends_naming_the_other_rank_and_module() -> N
         assert f"Rank {other} is waiting in a different collective" in msg, msg
         assert "all_gather of parameter group" in msg and ("(block." in msg or "(norm)" in msg), msg
         assert float(msg.split(" after ")[1].split("s:")[0]) < 30, msg
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_save_called_on_one_rank_ends_naming_both_positions_and_the_step(stage: int) -> None:
+    """Rank 0 saves while rank 1 trains on: at ZeRO-0 the save's agreement met the gradient all-reduce and
+    gloo aborted rank 0 (SIGABRT, no message). Now both ranks end within seconds, each naming its own wait
+    and the other's, at which step, and the timeout that fired (DEEPSHARD_TIMEOUT)."""
+    outs = run_world(save_on_one_rank, WORLD, stage, timeout=120)
+    assert outs[0].startswith("CollectiveTimeout"), outs
+    assert "save_checkpoint's barrier" in outs[0] and "step 1" in outs[0], outs[0]
+    assert "Rank 1 is waiting in a different collective" in outs[0] and "at step 1" in outs[0], outs[0]
+    assert "DEEPSHARD_TIMEOUT=0.05 minutes" in outs[0] or "closed its connection" in outs[0], outs[0]
+    assert outs[1].startswith("CollectiveTimeout") and "save_checkpoint's barrier" in outs[1], outs[1]
+    for out in outs:
+        assert float(out.split(" after ")[1].split("s:")[0]) < 30, out
+
+
+def _seconds(out: str) -> float:
+    return float(out.split(" after ")[1].split("s:")[0])
+
+
+def test_pipeline_stages_given_different_accumulation_steps_are_refused_at_initialize() -> None:
+    """Stage 1 configured with 4 micro-batches per batch, stage 0 with 2: the stages used to run out of step
+    until gloo's receive timed out (60 s at DEEPSHARD_TIMEOUT=1), blaming the wrong rank."""
+    outs = run_world(pipeline_disagreement, WORLD, "gas", timeout=120)
+    for out in outs:
+        assert out.startswith("ConfigError"), out
+        assert "gradient_accumulation_steps: 2 on rank(s) [0], 4 on rank(s) [1]" in out, out
+        assert _seconds(out) < 30, out
+
+
+def test_a_pipeline_stage_whose_data_runs_short_ends_both_stages_naming_the_transfer() -> None:
+    """The first stage's iterator runs short in the second batch: it raises; the last stage, waiting for
+    activations, used to wait for gloo's own timeout. Now it ends within seconds naming the transfer, the
+    stage it waited for and the step."""
+    outs = run_world(pipeline_disagreement, WORLD, "short", timeout=120)
+    assert outs[0].startswith("PipelineError") and "ran out at micro-batch 1 of 2" in outs[0], outs[0]
+    assert outs[1].startswith("CollectiveTimeout"), outs[1]
+    assert "stage 1 (rank 1): receive of activations of micro-batch 1 from stage 0 (rank 0)" in outs[1], outs[1]
+    assert "step 1" in outs[1], outs[1]
+    assert _seconds(outs[1]) < 30, outs[1]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: Any) -> list[dict[str, str]]:
+    return run_world(damaged_checkpoints, WORLD, str(tmp_path_factory.mktemp("damaged")), timeout=180)
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("steps_not_a_number", ["engine.json is not a valid engine file", "'global_steps' should be an integer",
+                            "str 'abc'"]),
+    ("no_state", ["engine.json is not a valid engine file", "'state' is missing"]),
+    ("rank_file_a_list", ["zero_rank0.json is not a valid rank file", "should be a mapping, found list"]),
+    ("rank_jsons_swapped", ["zero_rank0.json holds rank 1's fragments, not rank 0's", "swapped or renamed"]),
+    ("rank_tensors_swapped", ["zero_rank0.safetensors holds the tensors written as zero_rank1.safetensors"]),
+    ("rng_and_rank_tensors_swapped", ["holds the tensors written as", "swapped or renamed"]),
+])
+def test_a_damaged_file_behind_a_valid_manifest_is_named(damaged: list[dict[str, str]], case: str,
+                                                         expect: list[str]) -> None:
+    """Raw KeyError / AttributeError / 'invalid literal for int()' before; each names the file now."""
+    for out in damaged:
+        msg = out[case]
+        assert msg.startswith("CheckpointError"), msg
+        for part in expect:
+            assert part in msg, msg
+        assert float(msg.rsplit("[", 1)[1].rstrip("s]")) < 30, msg
+
+
+def test_a_missing_rng_file_is_an_error_not_a_silent_skip(damaged: list[dict[str, str]]) -> None:
+    msg = damaged[0]["rng_deleted"]
+    assert msg.startswith("CheckpointError") and "rng_rank0.safetensors" in msg and "is missing" in msg, msg
+
+
+def test_a_stalled_rank_ends_the_others_at_deepshard_timeout_naming_it() -> None:
+    """ZeRO-2, rank 1 stalls: with DEEPSHARD_TIMEOUT=1 rank 0 used to wait on (the watchdog's own 300 s
+    overrode it). Now rank 0 ends at the configured 3 s, and the message states that timeout and its source."""
+    out = run_world(stalled_rank, WORLD, 2, timeout=120)[0]
+    assert out.startswith("CollectiveTimeout"), out
+    assert "did not complete within 3s (DEEPSHARD_TIMEOUT=0.05 minutes)" in out, out
+    assert "Rank(s) [1] did not arrive" in out and "step 0" in out, out
+    assert _seconds(out) < 12, out

@@ -3,6 +3,7 @@ launcher (pure: no process is started)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,29 @@ def test_deepshard_config_writes_a_launchable_yaml(tmp_path: Path) -> None:
     plan = ac.plan(written, flags([]), "t.py", [])
     assert plan.env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3" and plan.env["DEEPSHARD_ACCELERATOR"] == "cpu"
     assert config_main(["--config_file", str(path), "-y", "--zero_stage", "7"]) == 2
+
+
+@pytest.mark.parametrize("content,expect", [
+    (b"distributed_type: DEEPSPEED\nnum_processes: [2\n", ["c.yaml:3:1: not valid YAML"]),
+    (b"distributed_type: DEEPSPEED\ndeepspeed_config:\n\tzero_stage: 2\n",
+     ["c.yaml:3:1: not valid YAML", "indented with spaces, not tabs"]),
+    (b"distributed_type: DEEPSPEED\n\x89PNG\xff\xfe\n", ["c.yaml:2: not a text file", "not UTF-8"]),
+    (b"distributed_type: DEEPSPEED\ndeepspeed_config: zero2\n", ["c.yaml:2: deepspeed_config must be a mapping",
+                                                                  "'zero2'"]),
+    (b"", ["c.yaml is empty"]),
+    (b"# only a comment\n\n", ["c.yaml holds no settings"]),
+])
+def test_a_bad_accelerate_file_is_one_line_naming_the_file_and_line(tmp_path: Path, content: bytes,
+                                                                    expect: list[str], capsys: Any) -> None:
+    """Raw yaml.ParserError / ScannerError / UnicodeDecodeError / 'dictionary update sequence' tracebacks
+    before, and an empty file started one process; now `deepshard launch` exits 2 with one line."""
+    pytest.importorskip("yaml", reason="reading YAML needs PyYAML (the accelerate extra)")
+    from deepshard.launcher.accelerate_cli import launch_main
+
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    assert launch_main(["--config_file", str(path), "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("deepshard launch: error: "), err
+    for part in expect:
+        assert part in err, err

@@ -261,3 +261,24 @@ def test_local_rank_failure_becomes_job_failure() -> None:
     failure = failure_from_rank(_job(1), RankFailure(3, 1, 77, -9, "bye", None))
     assert failure.headline() == "rank 3 (local rank 1, pid 77) on host node-b (node 1) exited with signal SIGKILL"
     assert (failure.exit_code, failure.rank, failure.tail, failure.restartable) == (1, 3, "bye", True)
+
+
+def test_a_node_that_never_joined_is_not_waited_for_at_the_end() -> None:
+    """Node 2 never starts: node 0's join times out and it used to wait EXIT_WAIT_S (15 s) more for node 2
+    to confirm the end of a job it never began. Now it closes at once (node 1 confirmed)."""
+    clock = Clock()
+    node0, node1, _ = _channels(clock=clock)
+    agent0 = _Agent(NodeJob({h: [0] for h in HOSTS}, 0, LocalLaunch("t.py", [])), node0, {}, [0], None, None, None)
+    node1.store.set("round0/joined/1", "1")
+    node1.mark_exited()
+
+    def tick(_: float) -> None:
+        clock.now += 0.5
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("deepshard.launcher.coordination.time.sleep", tick)
+        with pytest.raises(TimeoutError, match="node 2 \\(node-c\\) did not join within 3 s"):
+            agent0.run(3.0)
+        joined_at = clock.now
+        agent0.close()
+    assert clock.now - joined_at < 1.0 and agent0.lost == [2]

@@ -59,8 +59,7 @@ def _failed_ranks(comm: CommGroup, phase: str, failed_here: bool) -> list[int]:
         return [0] if failed_here else []
     flags = torch.zeros(comm.size, dtype=torch.float32, device=comm._device())
     flags[comm.rank] = 1.0 if failed_here else 0.0
-    work = dist.all_reduce(flags, group=comm.group, async_op=True)
-    comm.wait(work, f"save_checkpoint's barrier after {phase}")
+    comm.all_reduce_control(flags, f"save_checkpoint's barrier after {phase}")
     return [r for r in range(comm.size) if flags[r].item() > 0]
 
 

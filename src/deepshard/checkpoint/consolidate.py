@@ -241,7 +241,7 @@ def _prepare_for_format(state_dict: dict[str, torch.Tensor], safe: bool) -> dict
 
 def _write_one(path: Path, tensors: dict[str, torch.Tensor], safe: bool) -> None:
     if safe:
-        ckpt_io.save_tensors(path, tensors, metadata={"format": "pt"})
+        ckpt_io.save_tensors(path, tensors, metadata={"format": "pt"}, record_name=False)
     else:  # package-internal use of io's atomic writer (temporary name, fsync, rename)
         ckpt_io._atomic_write(path, lambda tmp: torch.save(tensors, tmp),
                               sum(t.numel() * t.element_size() for t in tensors.values()))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint import schema
 from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
 from deepshard.checkpoint.rng_streams import restore_streams, stream_states
 from deepshard.checkpoint.state import flatten_state, unflatten_state
@@ -162,10 +163,24 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
-    ckpt_io.verify_manifest(path)
-    meta = ckpt_io.load_json(path / ENGINE_JSON)
+    listed = ckpt_io.verify_manifest(path)
+    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
+    rng_path = path / _rng_file(engine.topology.rank)
+    dims = engine.topology.dims
+    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
+    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
+    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
+    if same_grid and rng_saved and rng_path.name not in listed:
+        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
+                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
+                                      "load another tag")
     engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
-    state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    try:
+        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
+                                      f"({type(err).__name__}: {err}): the files are from different saves or "
+                                      "edited; load another tag") from err
     if load_module_only:
         return str(path), state.get("client_state", {})
     engine.global_steps = int(meta["global_steps"])
@@ -176,11 +191,7 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    rng_path = path / _rng_file(engine.topology.rank)
-    dims = engine.topology.dims
-    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
-    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
-    if rng_path.exists() and same_grid:
+    if same_grid and rng_saved:
         restore_streams(engine.module, ckpt_io.load_tensors(rng_path))  # deepshard's streams; not torch's
     engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
@@ -229,7 +240,7 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         save_dir.mkdir(parents=True, exist_ok=True)
         target = save_dir / filename
         if filename.endswith(".safetensors"):
-            ckpt_io.save_tensors(target, state)
+            ckpt_io.save_tensors(target, state, record_name=False)  # for other tools: no checkpoint stamp
         else:
             tmp = target.with_name(target.name + ".tmp")
             torch.save({k: v.clone() for k, v in state.items()}, tmp)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
+from deepshard.checkpoint import schema
 from deepshard.checkpoint.matching import check_coverage
 from deepshard.utils.progress import progress
 
@@ -135,7 +136,7 @@ def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.
         raise ckpt_io.CheckpointError(
             f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
             "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
-    infos = [(rank, ckpt_io.load_json(path)) for rank, path in json_files]
+    infos = [(rank, schema.check_rank_info(path, ckpt_io.load_json(path), rank)) for rank, path in json_files]
     aliases: dict[str, str] = {}
     for _, info in infos:
         aliases.update(info.get("aliases", {}))

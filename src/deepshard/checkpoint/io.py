@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+NAME_KEY = "deepshard_file"
+"""The safetensors metadata key recording the name a checkpoint file was written under."""
 LATEST_NAME = "latest"
 MANIFEST_FORMAT = "deepshard-checkpoint"
 MANIFEST_VERSION = 1
@@ -167,12 +169,14 @@ def _prepare_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, record_name: bool = True) -> None:
     """Write ``tensors`` to a safetensors file at ``path`` atomically.
 
     Tensors are detached, moved to CPU and made contiguous; tensors that share storage (views of one
     another, tied weights) are cloned, because safetensors refuses shared storage. ``metadata`` is
-    the safetensors header's string-to-string map.
+    the safetensors header's string-to-string map; with ``record_name`` (checkpoint files; not files
+    exported for other tools) the file's own name is recorded there too (:data:`NAME_KEY`), so a file
+    renamed or swapped with another is recognised on load.
     """
     from safetensors.torch import save_file
 
@@ -181,6 +185,8 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
         if bad:
             raise TypeError(f"safetensors metadata must map str to str; offending entries: {bad!r}; "
                             "convert the values with str() or json.dumps()")
+    if record_name:
+        metadata = {**(metadata or {}), NAME_KEY: Path(path).name}
     prepared = _prepare_tensors(tensors)
     header = 8 + 128 * (len(prepared) + 1) + sum(len(k) for k in prepared)  # an over-estimate
     header += sum(len(k) + len(v) + 8 for k, v in (metadata or {}).items())
@@ -193,33 +199,28 @@ def load_tensors(path: Path, device: str | torch.device = "cpu", names: Optional
     """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those, read from the
     header's offsets; the rest of the file is not read); never unpickles.
 
-    Raises :class:`CheckpointError` naming the file if it is missing, truncated or has a corrupt
-    header.
+    Raises :class:`CheckpointError` naming the file if it is missing, truncated, has a corrupt header,
+    or was written under another name (files of a checkpoint swapped or renamed).
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "or the path/tag is wrong (check the directory and its 'latest' file)")
     try:
-        if names is None:
-            return load_file(str(path), device=str(device))
-        return _load_some(path, device, names)
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            written_as = (f.metadata() or {}).get(NAME_KEY)
+            if written_as is not None and written_as != path.name:
+                raise CheckpointError(f"{path} holds the tensors written as {written_as}: files of the checkpoint "
+                                      "were swapped or renamed; restore their names or load another tag")
+            return {key: f.get_tensor(key) for key in f.keys() if names is None or key in names}
     except (SafetensorError, OSError, ValueError) as err:
         size = path.stat().st_size
         raise CheckpointError(
             f"cannot read tensors from {path} ({size} bytes): {err}. The file is truncated or "
             "corrupted; run verify_manifest() on its checkpoint directory to confirm, and load "
             "another tag") from err
-
-
-def _load_some(path: Path, device: str | torch.device, names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        return {key: f.get_tensor(key) for key in f.keys() if key in names}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,11 +313,16 @@ def _read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     if manifest.get("version") != MANIFEST_VERSION:
         raise CheckpointError(f"{path} has format version {manifest.get('version')!r}; this deepshard "
                               f"reads version {MANIFEST_VERSION}; upgrade deepshard to load it")
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise _damaged(directory, f"{MANIFEST_NAME}'s entry for {name!r} should be "
+                                      f"{{\"bytes\": <int>, \"sha256\": <hex>}}, found {entry!r:.60}")
     return manifest["files"]
 
 
-def verify_manifest(directory: Path) -> None:
-    """Check every file recorded in ``directory/manifest.json``; raise on the first bad one.
+def verify_manifest(directory: Path) -> list[str]:
+    """Check every file recorded in ``directory/manifest.json``; raise on the first bad one. Returns the
+    recorded names.
 
     Sizes are checked for all files before any digest is computed, so a truncated file is reported
     without hashing the whole checkpoint.
@@ -336,6 +342,7 @@ def verify_manifest(directory: Path) -> None:
         if digest != entry.get("sha256"):
             raise _damaged(directory, f"{name} is corrupted (sha256 {digest[:16]}... differs from "
                                       f"{str(entry.get('sha256'))[:16]}... in {MANIFEST_NAME})")
+    return sorted(files)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -90,6 +90,8 @@ class CommGroup:
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
         self._watchdog: Optional[Watchdog] = None
+        self.progress: Any = None
+        """What the watchdog reads the training step from (``global_steps``): the owning engine's state."""
 
     @property
     def watchdog(self) -> Watchdog:
@@ -244,10 +246,29 @@ class CommGroup:
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
 
+    def all_reduce_control(self, tensor: torch.Tensor, what: str, op: str = "sum", label: str | None = None) -> None:
+        """Reduce a small ``tensor`` in place (``op``: "sum" or "max") for the library's own bookkeeping:
+        barriers, overflow flags, norms, save agreements. On pairwise groups it is a tagged exchange
+        (``pairwise.all_reduce_small``), so a rank that reaches it while another rank is in a different
+        collective (a rank-dependent ``save_checkpoint``) waits, and the watchdog names both positions,
+        instead of gloo aborting the process on a size mismatch. ``label``: the comms logger's key
+        (None: not counted, as for barriers)."""
+        if self.size == 1:
+            return
+        if label is not None:
+            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0)
+        if self.pairwise_for(tensor):
+            tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
+            work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)
+        else:
+            reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+        self._settle(work, False, what)
+
     def barrier(self, what: str = "barrier") -> None:
         """Wait for every rank (under the watchdog; ``what`` names the barrier in its diagnosis)."""
         if self.size > 1:
-            self._settle(dist.barrier(group=self.group, async_op=True), False, what)
+            self.all_reduce_control(torch.zeros(1, dtype=torch.float32, device=self._device()), what)
 
     # ------------------------------------------------------------------------------------- helpers
     def all_reduce_max_flag(self, flag: bool) -> bool:
@@ -255,9 +276,7 @@ class CommGroup:
         if self.size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=self._device())
-        self.logger.record(self._label("all_reduce(flag)"), 1, 4, 2.0)
-        self._settle(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), False,
-                     "all_reduce of the overflow flag")
+        self.all_reduce_control(t, "all_reduce of the overflow flag", op="max", label="all_reduce(flag)")
         return bool(t.item() > 0)
 
     def all_reduce_sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
@@ -265,8 +284,7 @@ class CommGroup:
         if self.size == 1:
             return value
         t = value.detach().clone().reshape(1)
-        self.logger.record(self._label("all_reduce(scalar)"), 1, t.element_size(), 2.0)
-        self._settle(dist.all_reduce(t, group=self.group, async_op=True), False, "all_reduce of a scalar")
+        self.all_reduce_control(t, "all_reduce of a scalar", label="all_reduce(scalar)")
         return t.reshape(value.shape)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:

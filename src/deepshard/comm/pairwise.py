@@ -173,3 +173,34 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
         return acc if acc.dtype == dtype else acc.to(dtype)
 
     return CollectiveWork(works, finish, scratch_bytes=incoming.numel() * incoming.element_size())
+
+
+def all_reduce_small(tensor: torch.Tensor, op: str, rank: int, peers: list[int],
+                     group: Optional[dist.ProcessGroup], tag: int) -> CollectiveWork:
+    """Reduce a small contiguous ``tensor`` in place (``op``: "sum" or "max"): every rank sends it whole to
+    every other rank and combines the N copies in rank order, so every rank gets bit-identical results.
+    Used for the library's control collectives (barriers, flags, norms, save agreements): tagged like the
+    other pairwise forms, they never meet a different collective (gloo aborts the process when a native
+    collective meets one of another size)."""
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce_small: the tensor must be contiguous")
+    size = len(peers)
+    flat = tensor.reshape(-1)
+    copies = torch.empty((size, flat.numel()), dtype=flat.dtype, device=flat.device)
+    copies[rank].copy_(flat)
+    works = []
+    for dst, src in _exchange(rank, size):
+        works.append(dist.isend(copies[rank], peers[dst], group=group, tag=tag))
+        works.append(dist.irecv(copies[src], peers[src], group=group, tag=tag))
+
+    def finish() -> torch.Tensor:
+        acc = copies[0].clone()
+        for r in range(1, size):
+            if op == "max":
+                torch.maximum(acc, copies[r], out=acc)
+            else:
+                acc.add_(copies[r])
+        flat.copy_(acc)
+        return tensor
+
+    return CollectiveWork(works, finish, scratch_bytes=copies.numel() * copies.element_size())

@@ -1,15 +1,19 @@
-"""Turn a collective that never completes, or that a vanished peer broke, into an error that says what is
-stuck and which rank is missing.
+"""Turn a collective or transfer that never completes, or that a vanished peer broke, into an error that
+says what is stuck, at which step, and which rank is missing.
+
+One setting bounds every wait: ``DEEPSHARD_TIMEOUT`` (minutes; DeepSpeed's ``DEEPSPEED_TIMEOUT`` is read
+too), which is also the process-group timeout ``deepshard.init_distributed`` sets. Without it the
+process group's own timeout applies (10 minutes under ``deepshard.init_distributed``).
 
 Every rank counts the collectives it waits on through its group's watchdog (the same sequence on every
-rank, since every rank issues the same collectives in the same order). When a wait exceeds the timeout
-(``DEEPSHARD_WATCHDOG_TIMEOUT`` seconds, default 300; 0 switches the watchdog off) or fails because a
-peer closed its connection (gloo closes a timed-out rank's connections, so its peers see "Connection
-closed by peer" first), the rank publishes its position in the process group's key-value store, gives the
-others a grace period to do the same (they are usually stuck or failing too), and raises
-:class:`CollectiveTimeout` naming the collective and the ranks that reported a different position or
-reported nothing. Every rank that sees the failure composes the same kind of diagnosis, so whichever
-rank the launcher reports first, its message carries it.
+rank, since every rank issues the same collectives in the same order) and knows its training step (the
+engine's ``global_steps``). When a wait exceeds the timeout, or fails because a peer closed its connection
+(a rank that raised, exited, or whose own watchdog gave up), the rank publishes its position (collective
+number, step, what it waits on) in the process group's key-value store, gives the others a grace period
+to do the same (they are usually stuck or failing too), and raises :class:`CollectiveTimeout` naming its
+wait, the timeout that fired and where it came from, and the ranks that reported another position or
+reported nothing. Point-to-point transfers (the pipeline's) are waited on the same way, without a
+sequence number (the two ends of a transfer issue different operations).
 """
 from __future__ import annotations
 
@@ -17,35 +21,76 @@ import datetime
 import os
 import re
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deepshard.comm.group import CommGroup
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 600.0
 GRACE_S = 5.0
+TIMEOUT_VARS = ("DEEPSHARD_TIMEOUT", "DEEPSPEED_TIMEOUT")
 _KEY = "deepshard/watchdog/last/"
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
               "socket closed", "end of file", "connection abort")
 _MISMATCH = ("size doesn't match", "size does not match", "mismatch", "doesn't match expected")
+_GLOO_WAITED = re.compile(r"timed out waiting (\d+)\s*ms", re.IGNORECASE)
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time, or a peer vanished during it (a hang turned into an error)."""
 
 
-def timeout_from_env(timeout_s: float | None = None) -> float:
-    """The watchdog timeout: ``timeout_s``, else ``DEEPSHARD_WATCHDOG_TIMEOUT``, else 300 s."""
-    if timeout_s is not None:
-        return float(timeout_s)
-    env = os.environ.get("DEEPSHARD_WATCHDOG_TIMEOUT", "").strip()
-    if not env:
-        return DEFAULT_TIMEOUT_S
+@dataclass(frozen=True)
+class WaitLimit:
+    """How long a wait may last, and the setting it comes from (quoted in every timeout message)."""
+
+    seconds: float
+    source: str
+
+
+def timeout_minutes(environ: Mapping[str, str]) -> tuple[str, float] | None:
+    """``(variable, minutes)`` from ``DEEPSHARD_TIMEOUT`` / ``DEEPSPEED_TIMEOUT``, or None when neither is set."""
+    if environ.get("DEEPSHARD_WATCHDOG_TIMEOUT", "").strip():
+        raise ValueError("DEEPSHARD_WATCHDOG_TIMEOUT is no longer read: DEEPSHARD_TIMEOUT (minutes) bounds every "
+                         "wait, collectives and pipeline transfers alike; e.g. DEEPSHARD_TIMEOUT=0.5 for 30 s. "
+                         "Unset DEEPSHARD_WATCHDOG_TIMEOUT")
+    for key in TIMEOUT_VARS:
+        value = environ.get(key, "").strip()
+        if value:
+            try:
+                minutes = float(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} is not a number of minutes; e.g. {key}=30") from None
+            if not minutes > 0:
+                raise ValueError(f"{key}={value!r} must be a positive number of minutes (0.5 = 30 s)")
+            return key, minutes
+    return None
+
+
+def wait_limit(group: Any = None, environ: Mapping[str, str] | None = None) -> WaitLimit:
+    """The timeout of every wait on ``group`` (None = the default group): ``DEEPSHARD_TIMEOUT`` when set,
+    else the process group's own timeout, else 10 minutes."""
+    found = timeout_minutes(os.environ if environ is None else environ)
+    if found is not None:
+        key, minutes = found
+        return WaitLimit(minutes * 60.0, f"{key}={minutes:g} minutes")
+    seconds = _process_group_timeout(group)
+    if seconds is not None:
+        return WaitLimit(seconds, "the process group's timeout; set DEEPSHARD_TIMEOUT (minutes) to change it")
+    return WaitLimit(DEFAULT_TIMEOUT_S, "the default; set DEEPSHARD_TIMEOUT (minutes) to change it")
+
+
+def _process_group_timeout(group: Any) -> float | None:
     try:
-        return float(env)
-    except ValueError:
-        raise ValueError(f"DEEPSHARD_WATCHDOG_TIMEOUT={env!r} is not a number of seconds; set it to e.g. "
-                         "300 (0 switches the collective watchdog off)") from None
+        import torch
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.group.WORLD
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private API, absent on some backends: the default applies
+        return None
 
 
 def failure_kind(err: BaseException) -> str | None:
@@ -61,62 +106,90 @@ def failure_kind(err: BaseException) -> str | None:
     return None
 
 
-class Watchdog:
-    """``wait(work, what)`` with a timeout and a diagnosis; ``sequence`` counts the collectives waited on
-    (in the order every rank issues them)."""
+_COLLECTIVE_ADVICE = ("Every rank must issue the same collectives in the same order: no rank-dependent branches "
+                      "around forward/backward/step/save_checkpoint; gather parameters used outside forward with "
+                      "deepshard.zero.GatheredParameters on every rank.")
+_TRANSFER_ADVICE = ("Every pipeline stage must run the same batches: the same gradient_accumulation_steps, as many "
+                    "train_batch/eval_batch calls, and data iterators on the first and last stages that do not run "
+                    "short.")
 
-    def __init__(self, comm: "CommGroup", timeout_s: float | None = None) -> None:
+
+class Watchdog:
+    """``wait(work, what)`` with the timeout of :func:`wait_limit` and a diagnosis; ``sequence`` counts the
+    collectives waited on (in the order every rank issues them)."""
+
+    def __init__(self, comm: "CommGroup", limit: WaitLimit | None = None) -> None:
         self.comm = comm
-        self.timeout_s = timeout_from_env(timeout_s)
+        self.limit = limit if limit is not None else wait_limit(comm.group)
         self.sequence = 0
         self._store = _default_store()
 
-    def wait(self, work: Any, what: str) -> None:
-        self.sequence += 1
-        if self.comm.size == 1 or self.timeout_s <= 0:
-            work.wait()
-            return
+    @property
+    def timeout_s(self) -> float:
+        return self.limit.seconds
+
+    def step(self) -> int | None:
+        """The training step of the engine that owns this group (None outside an engine)."""
+        steps = getattr(getattr(self.comm, "progress", None), "global_steps", None)
+        return steps if isinstance(steps, int) else None
+
+    def wait(self, work: Any, what: str, transfer: bool = False) -> None:
+        """Wait for ``work``; a timeout or a lost peer raises :class:`CollectiveTimeout`. ``transfer``: a
+        point-to-point transfer (not counted in the collective sequence)."""
+        if not transfer:
+            self.sequence += 1
+            if self.comm.size == 1:
+                work.wait()
+                return
         try:
-            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            done = work.wait(timeout=datetime.timedelta(seconds=self.limit.seconds))
         except RuntimeError as err:
             kind = failure_kind(err)
             if kind is None:
                 raise
-            if kind in ("peer", "mismatch"):
-                raise CollectiveTimeout(self.diagnose(what, peer_error=str(err), kind=kind)) from err
-            done = False
+            raise CollectiveTimeout(self.diagnose(what, peer_error=str(err), kind=kind, transfer=transfer)) from err
         if done is False:
-            raise CollectiveTimeout(self.diagnose(what))
+            raise CollectiveTimeout(self.diagnose(what, transfer=transfer))
 
-    def diagnose(self, what: str, peer_error: str | None = None, kind: str = "timeout") -> str:
-        """Publish this rank's position, collect the others' for a grace period, and say who is missing."""
-        me, seq = self.comm.rank, self.sequence
-        if peer_error is None:
-            head = f"did not complete within {self.timeout_s:.0f}s."
-        elif kind == "mismatch":
-            first = _first_line(peer_error, "size mismatch")
-            head = (f"failed: another rank sent data of a different size ({first}): the ranks issued "
+    def _head(self, peer_error: str | None, kind: str) -> str:
+        if kind == "timeout":
+            seconds, source = self.limit.seconds, self.limit.source
+            fired = _GLOO_WAITED.search(peer_error or "")
+            if fired is not None and abs(int(fired.group(1)) / 1000.0 - seconds) >= 1.0:
+                seconds = int(fired.group(1)) / 1000.0
+                source = "the process group's timeout, given when it was created; DEEPSHARD_TIMEOUT sets it " \
+                         "when deepshard creates the process group"
+            return f"did not complete within {seconds:g}s ({source})."
+        if kind == "mismatch":
+            first = _first_line(peer_error or "", "size mismatch")
+            return (f"failed: another rank sent data of a different size ({first}): the ranks issued "
                     "different collectives at this point.")
-        else:
-            first = _first_line(peer_error, "connection lost")
-            head = (f"failed: another rank closed its connection ({first}): it raised an error, "
-                    "exited, or its own watchdog gave up on a collective.")
-        lines = [f"rank {me}: {what} (collective #{seq} of this rank) {head}"]
-        reports = self._exchange_positions(f"{seq}|{what}")
+        first = _first_line(peer_error or "", "connection lost")
+        return (f"failed: another rank closed its connection ({first}): it raised an error, exited, or its "
+                "own watchdog gave up.")
+
+    def diagnose(self, what: str, peer_error: str | None = None, kind: str = "timeout",
+                 transfer: bool = False) -> str:
+        """Publish this rank's position, collect the others' for a grace period, and say who is missing."""
+        me, step = self.comm.rank, self.step()
+        seq = "-" if transfer else str(self.sequence)
+        at = "" if step is None else f"step {step}"
+        where = f"({at})" if transfer else f"(collective #{seq} of this rank{', ' + at if at else ''})"
+        lines = [f"rank {self.comm.peers[me] if me < len(self.comm.peers) else me}: {what} {where} "
+                 f"{self._head(peer_error, kind)}"]
+        mine = f"{seq}|{'' if step is None else step}|{what}"
+        reports = self._exchange_positions(mine)
         if reports is None:
             lines.append("No key-value store is reachable to tell which rank is missing.")
             return " ".join(lines)
-        missing = [r for r in range(self.comm.size) if r != me and r not in reports]
+        missing = [self.comm.peers[r] for r in range(self.comm.size) if r != me and r not in reports]
         if missing:
-            lines.append(f"Rank(s) {missing} did not arrive: they issued no matching collective and report "
-                         "nothing (still computing, stuck outside the library's collectives, or dead).")
+            lines.append(f"Rank(s) {missing} did not arrive: they issued no matching operation and report "
+                         "nothing (still computing, stuck outside the library's waits, exited, or dead).")
         for r, v in sorted(reports.items()):
-            if v != f"{seq}|{what}":
-                other_seq, other_what = v.split("|", 1)
-                lines.append(f"Rank {r} is waiting in a different collective: #{other_seq}, {other_what}.")
-        lines.append("Every rank must issue the same collectives in the same order: no rank-dependent "
-                     "branches around forward/backward/step/save_checkpoint; gather parameters used outside "
-                     "forward with deepshard.zero.GatheredParameters on every rank.")
+            if v != mine:
+                lines.append(_describe_position(self.comm.peers[r], v))
+        lines.append(_TRANSFER_ADVICE if transfer else _COLLECTIVE_ADVICE)
         return " ".join(lines)
 
     def _exchange_positions(self, mine: str) -> dict[int, str] | None:
@@ -142,6 +215,15 @@ class Watchdog:
         """Where a rank of this group publishes its position (the group's members name the group)."""
         members = ",".join(map(str, self.comm.peers))
         return f"{_KEY}{members}/{self.comm.peers[group_rank] if group_rank < len(self.comm.peers) else group_rank}"
+
+
+def _describe_position(rank: int, report: str) -> str:
+    """A published position (``seq|step|what``) in words."""
+    seq, step, what = (report.split("|", 2) + ["", ""])[:3]
+    at = f" at step {step}" if step else ""
+    if seq == "-":
+        return f"Rank {rank} is waiting in a transfer{at}: {what}."
+    return f"Rank {rank} is waiting in a different collective: #{seq}{at}, {what}."
 
 
 def _first_line(error: str, default: str) -> str:

@@ -54,8 +54,9 @@ class OneBitAdam(CompressedCommOptimizer):
             compressed momentum exchange starts (DeepSpeed's default: 100000).
         bias_correction: Adam's bias correction (on, as in DeepSpeed).
         eps_inside_sqrt: ``sqrt(v + eps)`` instead of ``sqrt(v) + eps``.
-        cuda_aware, comm_backend_name: accepted for DeepSpeed configs; the exchange runs over the
-            engine's data-parallel group, whatever its backend.
+        cuda_aware: accepted for DeepSpeed configs. comm_backend_name: 'nccl' (DeepSpeed's default) or
+            'gloo'; the exchange runs over the engine's data-parallel group, whatever its backend; 'mpi',
+            'hccl' and 'compressed' are refused.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, freeze_step: int = 100000,
@@ -68,6 +69,10 @@ class OneBitAdam(CompressedCommOptimizer):
         if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
             raise ValueError(f"optimizer.params.freeze_step = {freeze_step!r} is invalid: expected a whole number "
                              ">= 1 of warm-up steps (DeepSpeed's default is 100000)")
+        if str(comm_backend_name).lower() not in ("nccl", "gloo"):
+            raise ValueError(f"optimizer.params.comm_backend_name = {comm_backend_name!r}: deepshard runs 1-bit "
+                             "Adam's exchange over the engine's data-parallel process group (gloo or nccl) and has "
+                             "no MPI, HCCL or 'compressed' backend; remove comm_backend_name (or set 'nccl')")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
         super().__init__(params, defaults)

@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 from deepshard.config.base import AUTO, ConfigError, DtypeName, Section, exact_error
 from deepshard.config.batch import BATCH_KEYS, resolve_batch_sizes
 from deepshard.config.inert import check_inert
+from deepshard.config.loose_sections import check_loose_sections
 from deepshard.config.misc import (ActivationCheckpointingConfig, AIOConfig, CheckpointConfig,
                                    FlopsProfilerConfig, PipelineConfig)
 from deepshard.config.monitor import (CometConfig, CommsLoggerConfig, CSVConfig, TensorBoardConfig,
@@ -190,6 +191,7 @@ class DeepShardConfig(Section):
                               "(bf16 needs no loss scaling and is the recommended choice where supported)")
         if self.bf16.bf16_optimizer_states and not self.bf16.bf16_master_weights_and_grads:
             raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: true")
+        check_loose_sections(self)
 
     # ------------------------------------------------------------------ convenience
     @property

@@ -98,17 +98,63 @@ def yaml_module(purpose: str) -> Any:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """An Accelerate config file (YAML, or JSON by extension) as a dict."""
-    text = Path(path).read_text(encoding="utf-8")
+    """An Accelerate config file (YAML, or JSON by extension) as a dict. Anything else (unreadable, not
+    UTF-8 text, a syntax error, empty, not a mapping, a ``*_config`` section that is not a mapping) is a
+    one-line :class:`LaunchError` naming the file and, where known, the line."""
+    text = _config_text(Path(path))
     if str(path).endswith(".json"):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise LaunchError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
     else:
-        data = yaml_module(f"reading {path}").safe_load(text)
+        data = _parse_yaml(path, text)
     if data is None:
-        return {}
+        raise LaunchError(f"{path} holds no settings (only comments or blank lines): write the config with "
+                          "`accelerate config`")
     if not isinstance(data, dict):
         raise LaunchError(f"{path}: an Accelerate config is a mapping of keys, got {type(data).__name__}")
+    for key, value in data.items():
+        if isinstance(key, str) and key.endswith("_config") and value is not None and not isinstance(value, dict):
+            raise LaunchError(f"{path}:{_line_of(text, key)}: {key} must be a mapping of keys (e.g. "
+                              f"'{key}:' then indented 'zero_stage: 2'), got {value!r}")
     return data
+
+
+def _config_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise LaunchError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise LaunchError(f"{path}:{line}: not a text file (byte {err.start} is not UTF-8); an Accelerate config "
+                          "is YAML or JSON text") from None
+    if not text.strip():
+        raise LaunchError(f"{path} is empty: write the config with `accelerate config`")
+    return text
+
+
+def _parse_yaml(path: str | Path, text: str) -> Any:
+    yaml = yaml_module(f"reading {path}")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        hint = "; YAML is indented with spaces, not tabs" if ("\\t" in str(problem) or "\t" in str(problem)) else ""
+        raise LaunchError(f"{where}: not valid YAML ({problem}){hint}") from None
+
+
+def _line_of(text: str, key: str) -> int:
+    """The 1-based line where top-level ``key`` is set (0 when not found)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith((f"{key}:", f'"{key}"', f"'{key}'")):
+            return number
+    return 0
 
 
 def _closest(unknown: list[str], known: frozenset[str]) -> str:

@@ -85,6 +85,15 @@ def _key(round_: int, name: str) -> str:
     return f"round{round_}/{name}"
 
 
+class JoinTimeout(TimeoutError):
+    """Some nodes did not join an attempt in time; ``missing``: their node ranks (they never started it, so
+    nobody waits for them to confirm its end)."""
+
+    def __init__(self, missing: list[int], message: str) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class JobChannel:
     """One agent's view of the coordination store (``store`` is any c10d ``Store``; tests pass a
     ``HashStore``). ``clock`` is injectable so heartbeat timing can be tested without sleeping."""
@@ -153,7 +162,7 @@ class JobChannel:
                 raise ChannelLost(f"job aborted while waiting for the nodes: {failure.headline()}")
             if self._clock() >= deadline:
                 names = ", ".join(f"node {n} ({self.hosts[n]})" for n in missing)
-                raise TimeoutError(
+                raise JoinTimeout(missing,
                     f"attempt {round_}: {names} did not join within {timeout_s:.0f} s; start the same "
                     "command there (with its --node_rank), check that it can reach "
                     "master_addr:master_port+1, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)")

@@ -40,6 +40,7 @@ from deepshard.launcher.coordination import (
     JobChannel,
     JobConfigMismatch,
     JobFailure,
+    JoinTimeout,
     coordination_port,
     open_store,
 )
@@ -304,7 +305,11 @@ class _Agent:
 
     def run(self, join_timeout_s: float) -> int:
         for attempt in range(self.job.max_restarts + 1):
-            self.channel.join(attempt, join_timeout_s)
+            try:
+                self.channel.join(attempt, join_timeout_s)
+            except JoinTimeout as exc:
+                self.lost = sorted(set(self.lost) | set(exc.missing))  # never joined: nothing to confirm
+                raise
             if attempt == 0 or self.job.node_rank == 0:
                 logger.info("node %d (%s): attempt %d, all %d nodes joined", self.job.node_rank,
                             self.job.host, attempt, len(self.job.world))

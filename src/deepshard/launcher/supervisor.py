@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import select
 import signal
 import subprocess
@@ -45,6 +46,8 @@ TAIL_BYTES = 8192
 GRACE_S = 5.0
 _POLL_S = 0.1
 PARTIAL_LINE_S = 0.05
+FALLOUT_HOLD_S = 2.0
+_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF")
 
 
 @dataclass
@@ -55,6 +58,11 @@ class _Child:
     reader: threading.Thread | None = None
     waiter: threading.Thread | None = None
     log_path: str | None = None
+    held: bytearray = field(default_factory=bytearray)
+    """Output that arrived after a rank failed, printed after the report (see :class:`_Output`)."""
+    held_since: float = 0.0
+    ended_at: float | None = None
+    """``time.monotonic()`` when the rank exited."""
 
 
 @dataclass(frozen=True)
@@ -93,26 +101,62 @@ class GroupResult:
 
 
 class _Output:
-    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only."""
+    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only.
+
+    Once a rank fails (``hold()``, called by its waiter thread the moment it is reaped), the other ranks'
+    output is held in their ``_Child.held`` instead: what they print then is mostly the fallout (a
+    backend's "Connection closed by peer" traceback), and the launcher's report must come first. The
+    report then prints it with that noise folded (:func:`fold_noise`). A lost-connection message that
+    arrives *before* the failing rank is reaped (its sockets close as it exits, a moment before the
+    launcher can see it gone) is held too, for :data:`FALLOUT_HOLD_S`: when no rank fails meanwhile,
+    ``flush_stale`` forwards it late but intact."""
 
     def __init__(self) -> None:
         self._stream: BinaryIO | None = getattr(sys.stdout, "buffer", None)
         self._lock = threading.Lock()
         self._broken = False
+        self._holding = False
 
-    def write(self, chunk: bytes) -> None:
+    def hold(self) -> None:
         with self._lock:
-            if self._broken:
+            self._holding = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holding = False
+
+    def write(self, chunk: bytes, child: "_Child | None" = None) -> None:
+        with self._lock:
+            if child is not None and (self._holding or child.held or _FALLOUT.search(chunk)):
+                if not child.held:
+                    child.held_since = time.monotonic()
+                child.held.extend(chunk)
+                del child.held[:-TAIL_BYTES]
                 return
-            try:
-                if self._stream is not None:
-                    self._stream.write(chunk)
-                    self._stream.flush()
-                else:
-                    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                    sys.stdout.flush()
-            except (BrokenPipeError, ValueError):
-                self._broken = True
+            self._emit(chunk)
+
+    def flush_stale(self, children: Sequence["_Child"], after_s: float) -> None:
+        """Forward output held longer than ``after_s`` while no rank has failed."""
+        with self._lock:
+            if self._holding:
+                return
+            for child in children:
+                if child.held and time.monotonic() - child.held_since >= after_s:
+                    self._emit(bytes(child.held))
+                    child.held.clear()
+
+    def _emit(self, chunk: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            if self._stream is not None:
+                self._stream.write(chunk)
+                self._stream.flush()
+            else:
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            self._broken = True
 
 
 def _split_complete(data: bytes) -> tuple[bytes, bytes]:
@@ -133,7 +177,7 @@ def _pump(stream: BinaryIO, child: _Child, out: _Output, log: BinaryIO | None) -
     try:
         while True:
             if pending and not select.select([stream], [], [], PARTIAL_LINE_S)[0]:
-                out.write(pending)
+                out.write(pending, child)
                 pending = b""
                 continue
             try:
@@ -149,13 +193,13 @@ def _pump(stream: BinaryIO, child: _Child, out: _Output, log: BinaryIO | None) -
             del child.tail[:-TAIL_BYTES]
             complete, pending = _split_complete(pending + chunk)
             if complete:
-                out.write(complete)
+                out.write(complete, child)
             if len(pending) > TAIL_BYTES:
-                out.write(pending)
+                out.write(pending, child)
                 pending = b""
     finally:
         if pending:
-            out.write(pending)
+            out.write(pending, child)
         stream.close()
         if log is not None:
             log.close()
@@ -168,9 +212,13 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _wait_and_report(child: _Child, index: int, exits: queue.Queue) -> None:
-    """Waiter thread: reap the rank, end leftovers in its group, queue its index."""
+def _wait_and_report(child: _Child, index: int, exits: queue.Queue, out: _Output) -> None:
+    """Waiter thread: reap the rank, end leftovers in its group, queue its index (a failure first holds
+    the other ranks' output, so the launcher's report comes before their fallout)."""
     child.proc.wait()
+    child.ended_at = time.monotonic()
+    if child.proc.returncode != 0:
+        out.hold()
     _signal_group(child.proc.pid, signal.SIGTERM)  # orphaned helpers of a rank that ended
     exits.put(index)
 
@@ -206,7 +254,7 @@ def _start(specs: Sequence[RankSpec], log_dir: str | None, out: _Output,
                 raise
             child.reader = threading.Thread(target=_pump, args=(child.proc.stdout, child, out, log),
                                             name=f"deepshard-out-{spec.rank}", daemon=True)
-            child.waiter = threading.Thread(target=_wait_and_report, args=(child, index, exits),
+            child.waiter = threading.Thread(target=_wait_and_report, args=(child, index, exits, out),
                                             name=f"deepshard-wait-{spec.rank}", daemon=True)
             children.append(child)
             child.reader.start()
@@ -320,9 +368,57 @@ class _Hooks:
     noun: str = "rank"
 
 
+_NOISE = re.compile(r"GLHF|Connection closed by peer|Connection reset by peer|Broken pipe|^frame #\d+|"
+                    r"^Exception raised from|<omitting python frames>|\[c10d\]|ProcessGroupGloo|TCPStore|"
+                    r"terminate called after|gloo::")
+
+
+_OWN = re.compile(r"CollectiveTimeout|deepshard|^(\[rank\d+\]: )?[\w.]+(Error|Exception|Timeout): ")
+
+
+def fold_noise(text: str) -> tuple[str, int]:
+    """``text`` without the lines of a backend's lost-connection fallout (gloo's "Connection closed by
+    peer" warnings, c10d's C++ frames), and how many lines were folded. Python's exception lines and the
+    library's own diagnoses stay."""
+    kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
+    return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
+
+
+def early_exits(children: Sequence[_Child], failed: _Child) -> str | None:
+    """A line naming the ranks that exited 0 before ``failed`` failed (they left the others waiting in
+    their next collective), or None."""
+    early = [c for c in children if c is not failed and c.proc.returncode == 0 and c.ended_at is not None
+             and failed.ended_at is not None and c.ended_at <= failed.ended_at]
+    if not early:
+        return None
+    names = ", ".join(c.spec.label or f"rank {c.spec.rank}" for c in early)
+    lead = max(failed.ended_at - c.ended_at for c in early)  # type: ignore[operator]
+    verb = "was" if len(early) == 1 else "were"
+    return (f"deepshard: {names} exited 0 while the others were still running ({lead:.1f}s before "
+            f"{failed.spec.label or 'rank ' + str(failed.spec.rank)} failed): {names} {verb} done while the "
+            "others still expected it in their collectives. Every rank must run the same number of steps "
+            "(and call save_checkpoint) alike; look for a rank-dependent loop bound, break or early return")
+
+
+def _report_held(children: Sequence[_Child], failed: _Child) -> None:
+    """The other ranks' output since the failure, after the report, their connection noise folded."""
+    for child in children:
+        if child is failed or not child.held:
+            continue
+        text, folded = fold_noise(bytes(child.held).decode("utf-8", errors="replace"))
+        name = child.spec.label or f"rank {child.spec.rank}"
+        if text:
+            print(f"----- {name}'s output after the failure -----\n{text}", file=sys.stderr, flush=True)
+        if folded:
+            where = f" (in {child.log_path})" if child.log_path else ""
+            print(f"deepshard: folded {folded} lines of {name}'s lost-connection fallout{where}",
+                  file=sys.stderr, flush=True)
+
+
 def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Queue,
-          hooks: _Hooks, signals: "_SignalForwarder") -> GroupResult:
-    """A child failed: tell ``on_failure`` (with its output so far), stop the rest, report."""
+          hooks: _Hooks, signals: "_SignalForwarder", out: _Output) -> GroupResult:
+    """A child failed: tell ``on_failure`` (with its output so far), stop the rest, report first, then
+    the others' output since (their connection noise folded)."""
     children[index].reader.join(1.0)  # type: ignore[union-attr]  # its last words, if its pipe closed
     failure = _failure_of(children[index])
     if hooks.on_failure is not None:
@@ -334,17 +430,33 @@ def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Qu
     _join_readers(children)
     failure = _failure_of(children[index])
     if hooks.report:
+        early = early_exits(children, children[index])
+        if early is not None:
+            print(early, file=sys.stderr, flush=True)
         errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
         reported = any(failure.rank in ranks for ranks in errors.values())
         if errors:
             print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
         print(format_failure(failure, len(others), hooks.noun, with_tail=not reported), file=sys.stderr,
               flush=True)
+        _report_held(children, children[index])
+    else:
+        _flush_held([c for c in children if c is not children[index]], out)
+    out.release()
     return GroupResult(failure.exit_code, failure=failure)
 
 
+def _flush_held(children: Sequence[_Child], out: _Output) -> None:
+    """Forward held output as it is (no report to put first) and stop holding."""
+    out.release()
+    for child in children:
+        if child.held:
+            out.write(bytes(child.held))
+            child.held.clear()
+
+
 def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder,
-               hooks: _Hooks) -> GroupResult:
+               hooks: _Hooks, out: _Output) -> GroupResult:
     running = set(range(len(children)))
     while running:
         if signals.received:
@@ -353,21 +465,25 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwa
                   f"running {hooks.noun}s", file=sys.stderr, flush=True)
             _stop(children, sorted(running), sig)
             _join_readers(children)
+            _flush_held(children, out)
             return GroupResult(128 + sig, signal=sig)
         if hooks.watch is not None:
             reason = hooks.watch()
             if reason is not None:
                 _stop(children, sorted(running), signal.SIGTERM)
                 _join_readers(children)
+                _flush_held(children, out)
                 return GroupResult(1, stopped_by=reason)
         try:
             index = exits.get(timeout=_POLL_S)
         except queue.Empty:
+            out.flush_stale(children, FALLOUT_HOLD_S)
             continue
         running.discard(index)
         if children[index].proc.returncode != 0:
-            return _fail(children, index, running, exits, hooks, signals)
+            return _fail(children, index, running, exits, hooks, signals, out)
     _join_readers(children)
+    _flush_held(children, out)
     return GroupResult(0)
 
 
@@ -403,7 +519,7 @@ def supervise_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
         if on_started is not None:
             on_started([child.proc.pid for child in children])
         try:
-            return _supervise(children, exits, signals, hooks)
+            return _supervise(children, exits, signals, hooks, out)
         except BaseException:
             _stop(children, list(range(len(children))), signal.SIGKILL, grace_s=0.0)
             raise

@@ -96,7 +96,8 @@ class PipelineEngine(EngineCore):
         dims, coord = self.topology.dims, self.topology.coord
         self.num_stages, self.stage_id = dims.pp, coord.pp
         self.num_chunks = self.module.num_chunks
-        self.link = StageLink(self.stage_id, self.global_rank, self.device)
+        self.link = StageLink(self.stage_id, self.global_rank, self.device,
+                              watchdog=self.topology.pp.watchdog if self.device.type == "cpu" else None)
         self._data_iter: Iterator[Any] | None = None
         self._batch_fn: Callable[[Any], Any] | None = None
         self._plans: dict[tuple[str, int, bool], tuple[list[Action], dict[int, int]]] = {}
@@ -298,7 +299,8 @@ class PipelineEngine(EngineCore):
             run.units.pop((a.micro_batch, a.chunk), None)
 
     def _recv_act(self, run: _BatchRun, a: Action) -> None:
-        tensors, _, is_tuple = self.link.recv(self._peer(a), "activations", src_stage=a.peer)
+        tensors, _, is_tuple = self.link.recv(self._peer(a), f"activations of micro-batch {a.micro_batch}",
+                                              src_stage=a.peer)
         if run.train:
             for t in tensors:
                 if t.is_floating_point():
@@ -308,7 +310,8 @@ class PipelineEngine(EngineCore):
     def _recv_grad(self, run: _BatchRun, a: Action) -> None:
         unit = run.units[(a.micro_batch, a.chunk)]
         expect = [TensorMeta(tuple(t.shape), t.dtype, False) for t in unit.out_tensors if t.is_floating_point()]
-        unit.grad_out, _, _ = self.link.recv(self._peer(a), "output gradients", expect, src_stage=a.peer)
+        unit.grad_out, _, _ = self.link.recv(self._peer(a), f"output gradients of micro-batch {a.micro_batch}",
+                                            expect, src_stage=a.peer)
 
     def _send_grad(self, run: _BatchRun, a: Action) -> None:
         unit = run.units[(a.micro_batch, a.chunk)]

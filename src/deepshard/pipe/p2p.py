@@ -100,12 +100,19 @@ class _Posted:
 
 
 class StageLink:
-    """This rank's sends and receives to its pipeline neighbours (global ranks)."""
+    """This rank's sends and receives to its pipeline neighbours (global ranks).
 
-    def __init__(self, stage: int, rank: int, device: torch.device, post_ahead: bool | None = None) -> None:
+    ``watchdog`` (the pipeline group's, on gloo): every wait on a transfer goes through it, so a transfer
+    that never completes (stages that disagree on the micro-batch count, a stage whose data ran out, a
+    stage that died) ends after ``DEEPSHARD_TIMEOUT`` (at once when the peer's connection closed) with a
+    message naming this stage, the peer, what was expected and each rank's position."""
+
+    def __init__(self, stage: int, rank: int, device: torch.device, post_ahead: bool | None = None,
+                 watchdog: Any = None) -> None:
         self.stage, self.rank, self.device = stage, rank, device
+        self.watchdog = watchdog
         self.post_ahead = device.type == "cpu" if post_ahead is None else post_ahead
-        self._pending: list[tuple[Any, list[torch.Tensor]]] = []
+        self._pending: list[tuple[Any, list[torch.Tensor], int]] = []
         self._last_sent: dict[int, Shapes] = {}
         self._last_received: dict[int, Shapes] = {}
         self._posted: dict[int, _Posted] = {}
@@ -142,6 +149,13 @@ class StageLink:
             raise PipeCommError(f"stage {self.stage} (rank {self.rank}) ended a batch with messages announced but "
                                 f"not received (by rank: {left}); the schedule's receive counts are wrong")
 
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for one transfer, under the watchdog when there is one."""
+        if self.watchdog is None:
+            work.wait()
+        else:
+            self.watchdog.wait(work, f"stage {self.stage} (rank {self.rank}): {what}", transfer=True)
+
     def _post(self, src: int) -> None:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         header_work = dist.irecv(header, src)
@@ -162,8 +176,8 @@ class StageLink:
         works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in throwaway + payload]
         self._last_sent[dst] = shapes
         if len(self._pending) >= 8:  # drop the buffers of completed sends now and then, not on every send
-            self._pending = [(w, held) for w, held in self._pending if not all(x.is_completed() for x in w)]
-        self._pending.append((works, [header] + throwaway + payload))
+            self._pending = [p for p in self._pending if not all(x.is_completed() for x in p[0])]
+        self._pending.append((works, [header] + throwaway + payload, dst))
 
     def recv(self, src: int, what: str, expect: Sequence[TensorMeta] | None = None,
              src_stage: int | None = None) -> tuple[list[torch.Tensor], list[TensorMeta], bool]:
@@ -173,11 +187,12 @@ class StageLink:
         if self._in_batch and posted is None:
             raise PipeCommError(f"stage {self.stage} (rank {self.rank}) receives more messages from rank {src} than "
                                 "the batch announced in begin(); the schedule's receive counts are wrong")
+        where = f"receive of {what} from stage {src_stage if src_stage is not None else '?'} (rank {src})"
         if posted is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(header, src)
+            self._wait(dist.irecv(header, src), where)
         else:
-            posted.header_work.wait()
+            self._wait(posted.header_work, where)
             header = posted.header
         metas, is_tuple = decode_header(header)
         if expect is not None:
@@ -192,7 +207,7 @@ class StageLink:
         tensors: list[torch.Tensor] | None = None
         if posted is not None and posted.shapes is not None:
             for w in posted.works:
-                w.wait()
+                self._wait(w, where)
             if posted.shapes == shapes:
                 tensors = posted.buffers
                 self.received_ahead += 1
@@ -202,7 +217,7 @@ class StageLink:
             tensors = []
             for m in metas:
                 t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                dist.recv(t, src)
+                self._wait(dist.irecv(t, src), where)
                 tensors.append(t)
         self._last_received[src] = shapes
         if self._in_batch:
@@ -213,7 +228,7 @@ class StageLink:
 
     def wait_sends(self) -> None:
         """Wait for every posted send (their buffers may then be freed)."""
-        for works, _ in self._pending:
+        for works, _, dst in self._pending:
             for w in works:
-                w.wait()
+                self._wait(w, f"send to rank {dst}")
         self._pending.clear()

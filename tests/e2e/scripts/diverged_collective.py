@@ -8,7 +8,7 @@ import torch
 
 import deepshard
 
-os.environ.setdefault("DEEPSHARD_WATCHDOG_TIMEOUT", "3")
+os.environ.setdefault("DEEPSHARD_TIMEOUT", "0.05")  # 3 s
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},

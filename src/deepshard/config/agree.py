@@ -1,0 +1,50 @@
+"""The config values every rank must share, compared across the ranks at ``initialize``.
+
+Ranks that disagree on the batch arithmetic issue different numbers of collectives or pipeline transfers
+per step (a stage with more micro-batches waits for transfers its neighbour never sends; a data-parallel
+rank with more accumulation steps reduces gradients at other times), which ends in a hang or a timeout far
+from the cause. One exchange at start-up turns that into an error naming the key and each rank's value.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deepshard.comm.group import CommGroup
+from deepshard.config.base import ConfigError
+
+
+def shared_values(cfg: Any) -> dict[str, Any]:
+    """The values that must be equal on every rank."""
+    return {"train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_batch_size": cfg.train_batch_size,
+            "zero_optimization.stage": cfg.zero_optimization.stage,
+            "pipeline.schedule": cfg.pipeline.schedule}
+
+
+def disagreements(values: list[dict[str, Any]]) -> list[str]:
+    """One line per key whose value differs between ranks (``values[r]`` is rank ``r``'s)."""
+    lines = []
+    for key in values[0]:
+        seen = [v.get(key) for v in values]
+        if any(s != seen[0] for s in seen):
+            by_value: dict[str, list[int]] = {}
+            for rank, value in enumerate(seen):
+                by_value.setdefault(repr(value), []).append(rank)
+            lines.append(f"{key}: " + ", ".join(f"{value} on rank(s) {ranks}" for value, ranks in by_value.items()))
+    return lines
+
+
+def check_same_on_every_rank(cfg: Any, world: CommGroup) -> None:
+    """Raise the same :class:`ConfigError` on every rank when the ranks' configs disagree on a shared value."""
+    if world.size == 1:
+        return
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world.size
+    dist.all_gather_object(gathered, shared_values(cfg), group=world.group)
+    lines = disagreements(gathered)
+    if lines:
+        raise ConfigError("the ranks were given different configs; every rank (every pipeline stage) must run "
+                          "the same batch arithmetic, or their collectives and transfers never match: "
+                          + "; ".join(lines) + ". Pass every rank the same config")
