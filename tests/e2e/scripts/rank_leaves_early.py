@@ -12,7 +12,7 @@ import torch
 import deepshard
 
 os.environ.setdefault("DEEPSHARD_TIMEOUT", "0.1")  # 6 s
-mode = sys.argv[1]
+mode = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]  # the launcher may pass --local_rank first
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
