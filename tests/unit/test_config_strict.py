@@ -57,10 +57,13 @@ def test_a_valid_autotuning_section_loads() -> None:
 
 
 def test_an_unwritable_profiler_output_file_is_refused_at_load(tmp_path: Path) -> None:
-    missing = str(tmp_path / "no" / "such" / "dir" / "flops.txt")
+    (tmp_path / "a_file").write_text("")
+    impossible = str(tmp_path / "a_file" / "dir" / "flops.txt")
     with pytest.raises(ValueError) as info:
-        _load(flops_profiler={"enabled": True, "output_file": missing})
-    assert "flops_profiler.output_file" in str(info.value) and "does not exist" in str(info.value)
+        _load(flops_profiler={"enabled": True, "output_file": impossible})
+    assert "flops_profiler.output_file" in str(info.value) and "cannot be created" in str(info.value)
+    to_make = str(tmp_path / "no" / "such" / "dir" / "flops.txt")  # made by the profiler when it writes
+    assert _load(flops_profiler={"enabled": True, "output_file": to_make}).flops_profiler.enabled
     assert _load(flops_profiler={"enabled": True, "output_file": str(tmp_path / "f.txt")}).flops_profiler.enabled
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"

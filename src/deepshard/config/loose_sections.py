@@ -80,16 +80,21 @@ def check_autotuning(section: Any) -> None:
 
 
 def check_profiler_output(enabled: bool, output_file: str | None) -> None:
-    """``flops_profiler.output_file`` must be writable where it points (checked now, not at the profile step)."""
+    """``flops_profiler.output_file`` must be writable where it points (checked now, not at the profile step).
+    A directory that does not exist yet is fine when it can be made there (the profiler makes it when it
+    writes, as the monitors make their ``output_path``)."""
     if not enabled or not output_file:
         return
     folder = os.path.dirname(os.path.abspath(output_file))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"flops_profiler.output_file = {output_file!r}: the directory {folder} does not exist; "
-                          "create it or point output_file elsewhere")
-    if not os.access(folder, os.W_OK) or (os.path.exists(output_file) and not os.access(output_file, os.W_OK)):
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"flops_profiler.output_file = {output_file!r}: its directory {folder} cannot be created "
+                          f"({existing} is a file); point output_file elsewhere")
+    if not os.access(existing, os.W_OK) or (os.path.exists(output_file) and not os.access(output_file, os.W_OK)):
         raise ConfigError(f"flops_profiler.output_file = {output_file!r} cannot be written (no permission in "
-                          f"{folder}); point output_file at a writable place")
+                          f"{existing}); point output_file at a writable place")
 
 
 def check_loose_sections(cfg: Any) -> None:

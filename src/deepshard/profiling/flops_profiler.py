@@ -19,6 +19,8 @@ or through the ``flops_profiler`` config section (the engine profiles global ste
 """
 from __future__ import annotations
 
+import os
+
 import sys
 import time
 from typing import Any, Callable, Iterable
@@ -150,6 +152,7 @@ class FlopsProfiler:
         """Print the report (to ``output_file`` when given, else stdout) and return its text."""
         text = render(self.summary(), self.module_stats(), module_depth, top_modules, detailed, profile_step)
         if output_file:
+            os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
             with open(output_file, "w", encoding="utf-8") as fh:
                 fh.write(text + "\n")
         else:
