@@ -53,7 +53,6 @@ class Plan:
 
     dims: ParallelDims
     stage: int
-    caps: Capabilities
     pipeline: bool = False
     num_chunks: int = 1
     schedule: str = "1f1b"
@@ -68,6 +67,11 @@ class Plan:
     step_in_backward: bool = False
     compressed_optimizer: Optional[str] = None
     fp32_accumulation: bool = False
+
+    @property
+    def caps(self) -> Capabilities:
+        """What the stage's strategy composes with (declared on its class)."""
+        return strategy_class(self.stage).capabilities
 
     @property
     def model_parallel(self) -> int:
@@ -86,7 +90,7 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     opt_policy, param_policy = make_offload_policies(zero, cfg.aio, accelerator_kind, quiet=True)
     pipeline = isinstance(model, PipelineModule)
     accum = cfg.data_types.grad_accum_dtype
-    return Plan(dims=dims, stage=int(zero.stage), caps=strategy_class(int(zero.stage)).capabilities,
+    return Plan(dims=dims, stage=int(zero.stage),
                 pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
                 schedule=str(cfg.pipeline.schedule), autotp=resolve_tp_config(model, cfg.tensor_parallel).enabled,
                 fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,

@@ -3,12 +3,9 @@ Accelerate, transformers, TRL, LLaMA-Factory, OpenRLHF, Megatron-DeepSpeed): und
 each resolves to deepshard's implementation, or fails with an error that says why and what to use."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import pytest
 
-import deepshard.compat as compat
 from tests.compat_inventory.resolve import resolve
 
 TSV = Path(__file__).resolve().parents[1] / "compat_inventory" / "names.tsv"
@@ -18,17 +15,6 @@ def _entries() -> list[tuple[str, str, int, str]]:
     rows = [line.rstrip("\n").split("\t") for line in TSV.read_text().splitlines() if not line.startswith("#")]
     assert rows[0] == ["name", "expect", "uses", "sources"]
     return [(name, expect, int(uses), sources) for name, expect, uses, sources in rows[1:]]
-
-
-@pytest.fixture()
-def shim():
-    compat.uninstall()
-    saved = sys.modules.pop("deepspeed", None)
-    compat.install(replace_installed=True)
-    yield
-    compat.uninstall()
-    if saved is not None:
-        sys.modules["deepspeed"] = saved
 
 
 def test_inventory_is_whole_and_sourced() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import sys
 from contextlib import redirect_stdout
 
 import numpy
@@ -14,18 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import deepshard.compat as compat
-
-
-@pytest.fixture()
-def shim():
-    compat.uninstall()
-    saved = sys.modules.pop("deepspeed", None)
-    compat.install(replace_installed=True)
-    yield
-    compat.uninstall()
-    if saved is not None:
-        sys.modules["deepspeed"] = saved
 
 
 def _net() -> nn.Module:

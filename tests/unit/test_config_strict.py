@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from deepshard.config import ConfigError, load_config
+from deepshard.config import load_config
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -13,6 +14,21 @@ import torch
 import deepshard.optim as optim
 from deepshard.optim import (VALID_LR_SCHEDULES, LRRangeTest, OneCycle, WarmupCosineLR,
                              WarmupDecayLR, WarmupLR, build_scheduler)
+
+
+
+@contextlib.contextmanager
+def _logged() -> Iterator[list[logging.LogRecord]]:
+    """The records deepshard's logger emits inside the block."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("deepshard")
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
 
 
 def _sgd(lr: float = 0.1, groups: int = 1, **kwargs: Any) -> torch.optim.Optimizer:
@@ -196,16 +212,9 @@ def test_one_cycle_leaves_sgd_momentum_and_optimizers_without_betas_alone() -> N
 ])
 def test_unknown_warmup_type_warms_up_with_log(make: Callable[..., Any]) -> None:
     """As DeepSpeed: an unknown warmup_type warns and warms up with 'log' (same values as 'log')."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("deepshard")
-    log.addHandler(handler)
-    try:
+    with _logged() as records:
         unknown, log_opt = _adam(), _adam()
         a, b = make(unknown, "cosine"), make(log_opt, "log")
-    finally:
-        log.removeHandler(handler)
     assert a.warmup_type == "log" and any("unknown warmup_type 'cosine'" in r.getMessage() for r in records)
     for _ in range(6):
         assert unknown.param_groups[0]["lr"] == log_opt.param_groups[0]["lr"]
@@ -302,15 +311,8 @@ def test_invalid_arguments_raise(make: Callable[..., Any], fragment: str) -> Non
 
 
 def test_total_steps_inside_warmup_warns() -> None:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("deepshard")
-    log.addHandler(handler)
-    try:
+    with _logged() as records:
         WarmupDecayLR(_sgd(), total_num_steps=5, warmup_num_steps=10)
-    finally:
-        log.removeHandler(handler)
     assert any("total_num_steps (5) is less than warmup_num_steps (10)" in r.getMessage()
                for r in records)
 
