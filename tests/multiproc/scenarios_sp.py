@@ -54,13 +54,47 @@ def _one_case(sp: SequenceParallel, case: tuple, seed: int) -> dict[str, float]:
     return errors
 
 
+# (mode, ulysses_size): packed documents in one sample, padding inside the other (13 tokens, 6 heads over 2)
+SEGMENT_CASES = [("ulysses", None), ("ring", None), ("hybrid", 2)]
+
+
+def _segment_case(sp: SequenceParallel, seed: int) -> dict[str, float]:
+    from deepshard.sp.softmax_merge import segment_ids
+    from tests.unit.test_sp_math import segment_reference
+
+    s = 13
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2], list(range(s))])
+    mask = torch.tensor([[1] * s, [0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0]])
+    seg = segment_ids(positions, mask)
+    assert seg is not None
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, n, s, 8, generator=g, dtype=torch.float64) for n in (6, 2, 2))
+    dout = torch.randn(2, 6, s, 8, generator=g, dtype=torch.float64) * (seg >= 0)[:, None, :, None]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    segment_reference(*full, seg).backward(dout)
+    want = segment_reference(q, k, v, seg)
+    batch = sp.shard_batch({"input_ids": torch.zeros(2, s, dtype=torch.long), "position_ids": positions,
+                            "attention_mask": mask})
+    mine = [sp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    got = sp.attention(*mine, seq_len=s, segments=batch["segments"])
+    got.backward(sp.shard(dout, dim=2))
+    valid = (sp.shard(seg, dim=1, pad_value=-1) >= 0)[:, None, :, None]  # [b, 1, local, 1]
+    errors = {"out": float(((got - sp.shard(want, dim=2)) * valid).abs().max()),
+              "positions": float((batch["position_ids"] - sp.shard(positions)).abs().max())}
+    for name, a, b in zip("qkv", mine, full):
+        errors[f"d{name}"] = float((a.grad - sp.shard(b.grad, dim=2)).abs().max())
+    return errors
+
+
 def attention_world(rank: int, world: int) -> dict[str, Any]:
-    """sp=4 (every mode) and dp=2 x sp=2 on one world of 4."""
+    """sp=4 (every mode, and packed/padded samples) and dp=2 x sp=2 on one world of 4."""
     out: dict[str, Any] = {}
     topo4 = Topology.build(ParallelDims(sp=4))
     for i, case in enumerate(ATTENTION_CASES_SP4):
         sp = SequenceParallel.build(topo4, case[0], case[1], balance=case[6])
         out[("sp4",) + case] = _one_case(sp, case, seed=i)
+    for i, (mode, u) in enumerate(SEGMENT_CASES):
+        out[("segments", mode)] = _segment_case(SequenceParallel.build(topo4, mode, u), seed=50 + i)
     topo2 = Topology.build(ParallelDims(dp=2, sp=2))
     for i, case in enumerate(ATTENTION_CASES_SP2):
         sp = SequenceParallel.build(topo2, case[0], case[1], balance=case[6])

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.multiproc.harness import run_world
-from tests.multiproc.scenarios_sp import ATTENTION_CASES_SP2, ATTENTION_CASES_SP4, attention_world
+from tests.multiproc.scenarios_sp import ATTENTION_CASES_SP2, ATTENTION_CASES_SP4, SEGMENT_CASES, attention_world
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +21,15 @@ def test_attention_equals_one_process(attention_results: list, case: tuple) -> N
     for rank, out in enumerate(attention_results):
         errors = out[case]
         assert max(errors.values()) < 1e-10, (rank, errors)
+
+
+@pytest.mark.parametrize("mode", [m for m, _ in SEGMENT_CASES])
+def test_packed_and_padded_samples_equal_one_process(attention_results: list, mode: str) -> None:
+    """Packed documents (position ids restarting) attend only within themselves and masked tokens are
+    never attended to, in every mode; fp64 against one process with the whole mask."""
+    for rank, out in enumerate(attention_results):
+        errors = out[("segments", mode)]
+        assert max(errors.values()) < 1e-10, (rank, mode, errors)
 
 
 def test_attention_traffic_is_counted_per_group(attention_results: list) -> None:
