@@ -176,7 +176,8 @@ def tiny_llama(attn: str) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                         use_cache=False)  # training: no cache (transformers then reads packed documents)
     config._attn_implementation = attn
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -186,11 +187,32 @@ def hf_samples(seq_len: int) -> torch.Tensor:
     return torch.randint(0, 64, (16, seq_len), generator=torch.Generator().manual_seed(9))
 
 
-def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool) -> dict[str, Any]:
+def hf_positions(seq_len: int, packed: bool) -> torch.Tensor:
+    """[1, seq_len] position ids: one document, or packed documents of 5, 4 and the rest (restarting at 0)."""
+    if not packed:
+        return torch.arange(seq_len).unsqueeze(0)
+    return torch.cat([torch.arange(5), torch.arange(4), torch.arange(seq_len - 9)]).unsqueeze(0)
+
+
+def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool, mode: str = "ulysses",
+                packed: bool = False) -> dict[str, Any]:
     """DeepSpeed's ALST tutorial loop, written against ``deepspeed`` names (deepshard's compat shim):
     rank r's DataLoader reads samples r, r + world, ...; the tutorial's token-weighted all_gather loss
     (``gather_loss``; torch's all_gather backward fails on gloo when sp < world, a torch bug) or
-    ``deepshard.sp.sp_token_mean``."""
+    ``deepshard.sp.sp_token_mean``. ``mode``: deepshard's ``sequence_parallel_mode`` (hybrid: Ulysses
+    pairs); ``packed``: documents packed in each sample (position ids restarting)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS[attn] if attn in ALL_ATTENTION_FUNCTIONS else None
+    try:
+        return _alst_loop(attn, sp_size, stage, seq_len, gather_loss, mode, packed)
+    finally:  # the next script registers its own wrapper around the real attention
+        if before is not None:
+            ALL_ATTENTION_FUNCTIONS[attn] = before
+
+
+def _alst_loop(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool, mode: str,
+               packed: bool) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnn
 
@@ -203,16 +225,17 @@ def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: 
     from deepspeed.utils import groups
 
     model = tiny_llama(attn)
+    extra = {} if mode == "ulysses" else {"sequence_parallel_mode": mode, "ulysses_size": 2 if mode == "hybrid" else None}
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attn, sequence_parallel_size=sp_size,
-        micro_batch_size=1, seq_length=seq_len, seq_length_is_variable=True)
+        micro_batch_size=1, seq_length=seq_len, seq_length_is_variable=True, **extra)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "sequence_parallel_size": sp_size}
     engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
     world, rank = dist.get_world_size(), dist.get_rank()
     ids = hf_samples(seq_len)[rank::world]
-    data = [{"input_ids": x.unsqueeze(0), "position_ids": torch.arange(seq_len).unsqueeze(0),
+    data = [{"input_ids": x.unsqueeze(0), "position_ids": hf_positions(seq_len, packed),
              "labels": x.unsqueeze(0)} for x in ids]
     sp_group = groups._get_sequence_parallel_group()
     sp_world_size = groups._get_sequence_parallel_world_size()
@@ -247,19 +270,25 @@ def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: 
 
 def hf_world(rank: int, world: int) -> dict[str, Any]:
     """sp4 with sdpa at ZeRO 3 (6 heads over 4 ranks, 14 tokens: both uneven); dp2 x sp2 with eager at ZeRO 1
-    (13 tokens)."""
+    (13 tokens, packed documents); ring sp4 (sdpa, packed, 14 tokens) at ZeRO 1; hybrid 2x2 (sdpa, 15
+    tokens, packed) at ZeRO 2."""
     return {"sdpa_sp4_z3": alst_script("sdpa", 4, 3, 14, gather_loss=True),
-            "eager_dp2sp2_z1": alst_script("eager", 2, 1, 13, gather_loss=False)}
+            "eager_dp2sp2_z1_packed": alst_script("eager", 2, 1, 13, gather_loss=False, packed=True),
+            "ring_sp4_z1_packed": alst_script("sdpa", 4, 1, 14, gather_loss=True, mode="ring", packed=True),
+            "hybrid_sp4_z2_packed": alst_script("sdpa", 4, 2, 15, gather_loss=True, mode="hybrid", packed=True)}
 
 
-def hf_reference(attn: str, seq_len: int, steps: list[list[int]]) -> dict[str, Any]:
-    """One process, the same model and samples: each step's loss is the mean of its samples' token means."""
+def hf_reference(attn: str, seq_len: int, steps: list[list[int]], packed: bool = False) -> dict[str, Any]:
+    """One process, the same model and samples (packed: transformers itself reads the documents from the
+    restarting position ids): each step's loss is the mean of its samples' token means."""
     model = tiny_llama(attn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     samples = hf_samples(seq_len)
+    positions = hf_positions(seq_len, packed)
     losses, norms = [], []
     for chosen in steps:
-        loss = sum(model(input_ids=samples[i:i + 1], labels=samples[i:i + 1]).loss for i in chosen) / len(chosen)
+        loss = sum(model(input_ids=samples[i:i + 1], position_ids=positions, labels=samples[i:i + 1]).loss
+                   for i in chosen) / len(chosen)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
