@@ -38,7 +38,7 @@ from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.supervisor import Output, describe_exit, fold_noise
+from deepshard.launcher.supervisor import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
@@ -100,18 +100,27 @@ class NodeAgent(LocalElasticAgent):
         self.first: RankStream | None = None
         self.job_failure: JobFailure | None = None
         self.stopped_others = 0
-        self._announced = False
+        self._announced = self._stopping = False
+        self._generation = 0
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------ torch's hooks
 
     def _start_workers(self, worker_group):  # type: ignore[no-untyped-def]
-        self.first, self.job_failure, self._announced = None, None, False
+        with self._lock:
+            self.first, self.job_failure, self._announced, self._stopping = None, None, False, False
+            self._generation += 1
         self.streams.out.release()
         pids = super()._start_workers(worker_group)
+        for local_rank, pid in pids.items():
+            threading.Thread(target=self._watch_exit, args=(local_rank, pid, self._generation), name=f"deepshard-wait-{local_rank}",
+                             daemon=True).start()
         if self.on_started is not None:
             self.on_started(sorted(pids.values()))
         logger.info("started %d ranks: %s", len(pids), ", ".join(
             f"rank {w.global_rank} pid {pids[w.local_rank]}" for w in worker_group.workers))
+        if self.job.log_dir is not None:
+            logger.info("per-rank logs: %s", ", ".join(str(s.log_path) for s in self.streams.streams.values()))
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -130,6 +139,8 @@ class NodeAgent(LocalElasticAgent):
             self.stopped_others = len(running)
             self._pcontext.close(timeout=GRACE_S)  # every other rank: SIGTERM, SIGKILL after the grace
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            self.streams.out.flush_stale(list(self.streams.streams.values()), FALLOUT_HOLD_S)
         if result.state == WorkerState.FAILED:
             self._note_exits()
             return self._failed(result)
@@ -140,10 +151,32 @@ class NodeAgent(LocalElasticAgent):
         return result
 
     def _restart_workers(self, worker_group):  # type: ignore[no-untyped-def]
+        self._stop_workers(worker_group)  # every rank gone and its output drained before the report
         self.report(restarting=True)
         super()._restart_workers(worker_group)
 
     # ------------------------------------------------------------------------------ bookkeeping
+
+    def _watch_exit(self, local_rank: int, pid: int, generation: int) -> None:
+        """Learn of a rank's exit the moment it happens (``WNOWAIT``: torch still reaps it), so the other ranks'
+        output is held before their fallout arrives."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # torch reaped it first
+            return
+        if info is None:
+            return
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        self._exited(local_rank, code, pid, generation)
+
+    def _exited(self, local_rank: int, code: int, pid: int, generation: int | None = None) -> None:
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return  # a rank of an attempt that already ended
+            stream = self.streams.mark_exited(local_rank, code, pid)
+            if code != 0 and self.first is None and not self._stopping:
+                self.first = stream
+                self.streams.out.hold()
 
     def _note_exits(self) -> list[int]:
         """Stamp the ranks that exited since the last look; the first failure holds the others' output."""
@@ -153,10 +186,7 @@ class NodeAgent(LocalElasticAgent):
             if code is None:
                 running.append(local_rank)
                 continue
-            stream = self.streams.mark_exited(local_rank, code, handler.proc.pid)
-            if code != 0 and self.first is None:
-                self.first = stream
-                self.streams.out.hold()
+            self._exited(local_rank, code, handler.proc.pid)
         return running
 
     def _end_attempt(self) -> None:
@@ -183,11 +213,16 @@ class NodeAgent(LocalElasticAgent):
         found = self.rdzv.check()
         if found is None:
             return result
-        self.job_failure = found
-        if not found.restartable:
-            self._remaining_restarts = 0
+        self._stop_for(found)
         self.stopped_others = len(self._note_exits())
         return RunResult(state=WorkerState.FAILED)
+
+    def _stop_for(self, failure: JobFailure) -> None:
+        """Another node's failure (or a lost node) ends this attempt here too."""
+        with self._lock:
+            self.job_failure, self._stopping = failure, True
+        if not failure.restartable:
+            self._remaining_restarts = 0
 
     def _await_others(self, result: RunResult) -> RunResult:
         """This node's ranks succeeded: wait for every node's, or a failure elsewhere (then restart or stop
@@ -197,14 +232,11 @@ class NodeAgent(LocalElasticAgent):
             while not self.rdzv.channel.all_finished(self.rdzv.round):
                 found = self.rdzv.check(force=True)
                 if found is not None:
-                    self.job_failure = found
-                    if not found.restartable:
-                        self._remaining_restarts = 0
+                    self._stop_for(found)
                     return RunResult(state=WorkerState.FAILED)
                 time.sleep(MONITOR_INTERVAL_S)
         except ChannelLost as exc:
-            self.job_failure = self.rdzv.store_lost(str(exc))
-            self._remaining_restarts = 0
+            self._stop_for(self.rdzv.store_lost(str(exc)))
             return RunResult(state=WorkerState.FAILED)
         return result
 
@@ -233,7 +265,11 @@ class NodeAgent(LocalElasticAgent):
             if restarting:
                 logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)", attempt,
                                self.exit_code(), attempt + 1, self.job.max_restarts)
-        report_held(self.streams, self.first)
+        if self.rdzv.multi_node:  # the ranks' own words, as they are: the report names the job's failure
+            self.streams.out.release()
+            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
+        else:
+            report_held(self.streams, self.first)
         self.streams.out.release()
 
 

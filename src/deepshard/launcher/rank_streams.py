@@ -114,6 +114,7 @@ class RankStreams(LogsSpecs):
         for stream in self.streams.values():
             if stream.reader is not None:
                 stream.reader.join(max(0.0, deadline - time.monotonic()))
+        self.out.flush_stale(list(self.streams.values()), 0.0)  # no failure to report first: all out now
 
     def cleanup(self) -> None:
         """End of the launch: readers drained, the pipes' directory removed."""

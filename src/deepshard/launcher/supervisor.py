@@ -47,7 +47,7 @@ GRACE_S = 5.0
 _POLL_S = 0.1
 PARTIAL_LINE_S = 0.05
 FALLOUT_HOLD_S = 2.0
-_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF")
+_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF|Traceback \(most recent call last\)")
 
 
 @dataclass
