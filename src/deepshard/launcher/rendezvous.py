@@ -17,6 +17,7 @@ order of arrival, any number of nodes between the minimum and the maximum.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import threading
@@ -106,6 +107,7 @@ class NodeRendezvous(RendezvousHandler):
         self.lost: list[int] = []
         self._next_check = 0.0
         self._seen: JobFailure | None = None
+        self._round_stores: list[Any] = []
 
     # -------------------------------------------------------------------------- torch's protocol
 
@@ -139,8 +141,25 @@ class NodeRendezvous(RendezvousHandler):
             except JoinTimeout as exc:
                 self.lost = sorted(set(self.lost) | set(exc.missing))
                 raise
-        return RendezvousInfo(PrefixStore(self.run_id, self._store), self.node_rank, len(self.hosts),
-                              RendezvousStoreInfo(self.master_addr, self.master_port))
+        return RendezvousInfo(PrefixStore(f"{self.run_id}/{self.round}", self._store), self.node_rank,
+                              len(self.hosts), RendezvousStoreInfo(self.master_addr, self._ranks_port()))
+
+    def _ranks_port(self) -> int:
+        """Where this attempt's ranks meet: the agents' store on ``master_port`` for the first attempt; a fresh
+        store of node 0 on a free port for each restart (torch's ranks keep no attempt prefix: the keys of the
+        ranks that died must not be found by their successors)."""
+        if self.round == 0:
+            return self.master_port
+        key = f"round{self.round}/ranks_port"
+        if self.node_rank == 0:
+            from torch.distributed import TCPStore
+
+            server = TCPStore(self.master_addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.join_timeout_s))
+            self._round_stores = [server]  # the previous attempt's store goes; this one lives
+            self.channel.store.set(key, str(server.port))
+            return int(server.port)
+        return int(self.channel.store.get(key))
 
     def _open(self) -> None:
         is_host = self.node_rank == 0
