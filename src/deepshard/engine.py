@@ -173,7 +173,8 @@ class EngineCore(torch.nn.Module):
         return self.tools.flops_profiler
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients (the buffers are kept and zeroed; ``set_to_none`` is accepted for torch parity)."""
+        """Clear gradients (``set_to_none`` is accepted for torch parity; what a cleared gradient reads as is the
+        stage's: None at stage 0, as in DeepSpeed)."""
         self._strategy().zero_grad()
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:

@@ -1,11 +1,12 @@
-"""The combination matrix: which cells of pp x tp x dp x ZeRO x precision x accumulation x offload x model
-are tested, which of them are refused (and with which reason), and the markdown table
+"""The combination matrix: which cells of pp x tp x dp x sp x ZeRO x precision x accumulation x offload x
+model are tested, which of them are refused (and with which reason), and the markdown table
 ``docs/parallelism.md`` shows. Pure Python (no process group): the test module, the per-rank scenario and
 ``python -m tests.multiproc.combinations`` (rewrites the docs table) all read it.
 
 Cells are an all-pairs design over the valid cells (every pair of axis values that can meet does, in at
 least one valid cell; generated here, deterministically), the cells where a bug lived (``EXTRA_CELLS``)
-and cells breaking each refusal rule (``REFUSED_CELLS``). Grids of 8 processes are left out (no pair needs
+cells breaking each refusal rule (``REFUSED_CELLS``) and the sequence-parallel cells (``SP_CELLS``: hand-picked,
+an attention model whose tokens are split over the sp ranks). Grids of 8 processes are left out (no pair needs
 pp, tp and dp all at 2; ``test_tp_3d.py`` runs that grid).
 """
 from __future__ import annotations
@@ -38,15 +39,20 @@ class Cell:
     """(pp, tp, dp) the checkpoint is loaded on; None: chosen by ``reload_grid``."""
     why: str = ""
     """Why the cell is in the matrix beyond the all-pairs design (a bug that lived there)."""
+    sp: int = 1
+    """``sequence_parallel_size`` (more than 1 only with the ``attn`` model)."""
+    sp_mode: str = "ulysses"
+    """``sequence_parallel.mode``: ulysses, ring or hybrid (hybrid: Ulysses pairs, a ring over them)."""
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.dp * self.sp
 
     @property
     def id(self) -> str:
         base = (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-z{self.zero}-{self.precision}-gas{self.gas}-"
                 f"off_{self.offload}-{self.model}")
+        base += f"-sp{self.sp}_{self.sp_mode}" if self.sp > 1 else ""
         return base + (f"-reload{''.join(map(str, self.reload))}" if self.reload else "")
 
 
@@ -107,12 +113,25 @@ REFUSED_CELLS: list[Cell] = [
 """Cells each breaking one refusal rule (every pair a rule forbids is among them)."""
 
 
+SP_CELLS: list[Cell] = [
+    Cell(1, 1, 1, 1, "fp32", 1, "none", "attn", sp=2, sp_mode="ulysses"),
+    Cell(1, 1, 1, 3, "bf16", 1, "none", "attn", sp=2, sp_mode="ring"),
+    Cell(1, 1, 2, 2, "fp32", 3, "optimizer", "attn", sp=2, sp_mode="ring"),
+    Cell(1, 1, 1, 0, "fp16", 1, "none", "attn", sp=4, sp_mode="hybrid"),
+    Cell(2, 1, 1, 1, "fp32", 1, "none", "attn", sp=2),
+    Cell(1, 2, 1, 1, "fp32", 1, "none", "attn", sp=2),
+]
+"""Sequence parallelism (an ``sp`` value beyond 1 is not an all-pairs axis: it needs the attention model):
+every ZeRO stage, each mode, accumulation, offload, the three precisions; refused with pp and with tp."""
+
+
 def cells() -> list[Cell]:
     """Every cell of the matrix in a fixed order: all-pairs rows over the valid cells (every pair of
-    values that can meet does, in a valid cell), the bug cells, then the refused cells."""
+    values that can meet does, in a valid cell), the bug cells, the refused cells, then the
+    sequence-parallel cells."""
     rows = [Cell(**row) for row in all_pairs(AXES, allowed)]
     seen = {c.id for c in rows}
-    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS if c.id not in seen]
+    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS + SP_CELLS if c.id not in seen]
     return rows + extra
 
 
@@ -126,6 +145,8 @@ REFUSALS: list[tuple[str, str, str, str]] = [
     ("autotp-pipeline", "model = autotp with pp = 2 and tp = 2", "with pipeline parallelism",
      "automatic TP does not split pipeline stages (nor does DeepSpeed's); build the stages with "
      "deepshard.tp's ColumnParallelLinear/RowParallelLinear"),
+    ("sp-model-parallel", "sp = 2 with pp = 2 or tp = 2", "sequence parallelism composes with data parallelism",
+     "sequence parallelism composes with data parallelism and ZeRO only"),
 ]
 """The expected refusals, in one place: a plan check that lists every conflict keeps these substrings."""
 
@@ -139,18 +160,21 @@ def rules_broken(row: dict) -> list[str]:
         out.append("offload-zero0")
     if row.get("model") == "autotp" and row.get("pp", 1) > 1 and row.get("tp", 1) > 1:
         out.append("autotp-pipeline")
+    if row.get("sp", 1) > 1 and (row.get("pp", 1) > 1 or row.get("tp", 1) > 1):
+        out.append("sp-model-parallel")
     return out
 
 
 def allowed(row: dict) -> bool:
     """A (partial) row the all-pairs rows may hold: valid, on at most ``MAX_WORLD`` processes."""
-    return row.get("pp", 1) * row.get("tp", 1) * row.get("dp", 1) <= MAX_WORLD and not rules_broken(row)
+    world = row.get("pp", 1) * row.get("tp", 1) * row.get("dp", 1) * row.get("sp", 1)
+    return world <= MAX_WORLD and not rules_broken(row)
 
 
 def refusals(cell: Cell) -> list[str]:
     """The rule names ``cell`` breaks (empty: it must train)."""
     return rules_broken({"pp": cell.pp, "tp": cell.tp, "dp": cell.dp, "zero": cell.zero, "offload": cell.offload,
-                         "model": cell.model})
+                         "model": cell.model, "sp": cell.sp})
 
 
 def refusal_substrings(cell: Cell) -> list[str]:
@@ -193,14 +217,30 @@ def reload_grid(cell: Cell) -> tuple[int, int, int]:
 def reload_cell(cell: Cell) -> Cell:
     """The engine the checkpoint is resumed in: ``reload_grid``'s grid; on a world of 1 (no other grid)
     the next ZeRO stage that is valid with the cell's offload, so the checkpoint still moves somewhere."""
-    pp, tp, dp = reload_grid(cell)
-    other = replace(cell, pp=pp, tp=tp, dp=dp, reload=None)
-    if (pp, tp, dp) == (cell.pp, cell.tp, cell.dp):
+    if cell.sp > 1:
+        other = _sp_reload(cell)
+    else:
+        pp, tp, dp = reload_grid(cell)
+        other = replace(cell, pp=pp, tp=tp, dp=dp, reload=None)
+    pp, tp, dp = other.pp, other.tp, other.dp
+    if (pp, tp, dp, other.sp) == (cell.pp, cell.tp, cell.dp, cell.sp):
         for step in (1, 2, 3):
             moved = replace(other, zero=(cell.zero + step) % 4)
             if not refusals(moved):
                 return moved
     return other
+
+
+def _sp_reload(cell: Cell) -> Cell:
+    """A sequence-parallel cell's checkpoint loads at another dp x sp split of its world (the weights do
+    not depend on sp), keeping the global batch; its own grid when there is none."""
+    rows = cell.dp * cell.gas
+    for dp, sp in ((cell.world, 1), (1, cell.world), (2, 2)):
+        if dp * sp != cell.world or (dp, sp) == (cell.dp, cell.sp) or rows % dp:
+            continue
+        mode = cell.sp_mode if sp == 4 or cell.sp_mode != "hybrid" else "ulysses"
+        return replace(cell, dp=dp, sp=sp, sp_mode=mode, reload=None)
+    return replace(cell, reload=None)
 
 
 # ------------------------------------------------------------------------------------- docs table
@@ -229,6 +269,12 @@ def markdown_table() -> str:
               "gas": "1, 3 (gradient accumulation steps)"}
     for name, values in AXES.items():
         lines.append(f"| {name} | {legend.get(name, ', '.join(map(str, values)))} |")
+    sp_valid = [c for c in SP_CELLS if not refusals(c)]
+    lines.append(f"| sp | 1; 2 and 4 (`sequence_parallel_size`) in {len(sp_valid)} cells of their own, on a model with "
+                 "causal self-attention whose tokens are split over the sp ranks: "
+                 + "; ".join(f"{'dp=2 x ' if c.dp > 1 else ''}sp={c.sp} {c.sp_mode} ZeRO {c.zero} {c.precision}"
+                             f"{f' gas {c.gas}' if c.gas > 1 else ''}"
+                             f"{f' offload {c.offload}' if c.offload != 'none' else ''}" for c in sp_valid) + " |")
     lines += ["", "| combination | result |", "| --- | --- |"]
     for _, where, _, reason in REFUSALS:
         lines.append(f"| {where} | refused: {reason} |")

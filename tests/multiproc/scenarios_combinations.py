@@ -4,7 +4,8 @@ spawned world, one after another.
 One small decoder, written four ways with the same parameter names and the same initial values: plain
 layers, plain layers split by automatic TP, user-written Megatron-style layers (slices marked with
 ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``, communicating themselves) and a
-version whose token embedding is also the output head (tied). At pp=1 it is one module whose children are
+version whose token embedding is also the output head (tied), and one whose blocks start with causal
+self-attention (attn: the sequence-parallel cells split its tokens over the sp ranks). At pp=1 it is one module whose children are
 named as a ``PipelineModule``'s layers (``0.``, ``1.``, ``tied_modules.embed.``), so a checkpoint moves
 between pipeline and non-pipeline grids. The reference is the plain (or tied) model in this process:
 SGD with momentum (sensitive to the clipping coefficient) and torch's ``clip_grad_norm_``.
@@ -22,7 +23,7 @@ from torch import nn
 
 from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
-VOCAB, HIDDEN, FFN, SEQ = 16, 8, 16, 4
+VOCAB, HIDDEN, FFN, SEQ, HEADS = 16, 8, 16, 4, 2
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
 
 
@@ -62,6 +63,26 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down_proj(F.gelu(self.up_proj(self.ln(x))))
+
+
+class AttnBlock(Block):
+    """Causal self-attention, then ``Block``'s MLP. With ``sp`` set (a ``deepshard.sp.SequenceParallel``) ``x``
+    holds this rank's tokens of a ``SEQ``-token sequence and the attention runs sequence-parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_ln = nn.LayerNorm(HIDDEN)
+        self.qkv_proj, self.o_proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.sp: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(self.attn_ln(x)).view(b, s, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
+        if self.sp is None:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = self.sp.attention(q, k, v, SEQ)
+        return super().forward(x + self.o_proj(att.transpose(1, 2).reshape(b, s, HIDDEN)))
 
 
 def _megatron_slice(linear: nn.Linear, name: str, dim: int, rank: int, size: int) -> None:
@@ -105,7 +126,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def layer_specs(model: str, tp_group: Any = None) -> list:
     from deepshard.pipe import LayerSpec, TiedLayerSpec
 
-    block = LayerSpec(MegatronBlock, tp_group) if model == "megatron" else LayerSpec(Block)
+    block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock)}.get(model, LayerSpec(Block))
     if model == "tied":
         return [TiedLayerSpec("embed", TiedEmbed), block, block, TiedLayerSpec("embed", TiedEmbed, forward_fn=tied_head)]
     return [LayerSpec(Embed), block, block, LayerSpec(Head)]
@@ -133,15 +154,24 @@ class Flat(nn.Module):
                 self.add_module(str(index), module)
                 self.funcs.append(module)
 
+        self.sp: Any = None
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = ids
         for fn in self.funcs:
             x = fn(x)
-        return lm_loss(x, labels)
+        return lm_loss(x, labels) if self.sp is None else self.sp.loss(x, labels)
+
+    def use_sequence_parallel(self, sp: Any) -> None:
+        """Split the tokens over ``sp``'s ranks: the attention blocks' and the loss's."""
+        self.sp = sp
+        for module in self.modules():
+            if isinstance(module, AttnBlock):
+                module.sp = sp
 
 
 def reference_kind(model: str) -> str:
-    return "tied" if model == "tied" else "plain"
+    return model if model in ("tied", "attn") else "plain"
 
 
 # ------------------------------------------------------------------------------------ data, reference
@@ -192,15 +222,15 @@ def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
 
 
 # ---------------------------------------------------------------------------------------- engine
-_TOPOLOGIES: dict[tuple[int, int, int], Any] = {}
+_TOPOLOGIES: dict[tuple[int, int, int, int], Any] = {}
 
 
-def topology(pp: int, tp: int, dp: int) -> Any:
+def topology(pp: int, tp: int, dp: int, sp: int = 1) -> Any:
     from deepshard.topology import ParallelDims, Topology
 
-    if (pp, tp, dp) not in _TOPOLOGIES:
-        _TOPOLOGIES[(pp, tp, dp)] = Topology.build(ParallelDims(pp=pp, dp=dp, tp=tp))
-    return _TOPOLOGIES[(pp, tp, dp)]
+    if (pp, tp, dp, sp) not in _TOPOLOGIES:
+        _TOPOLOGIES[(pp, tp, dp, sp)] = Topology.build(ParallelDims(pp=pp, dp=dp, tp=tp, sp=sp))
+    return _TOPOLOGIES[(pp, tp, dp, sp)]
 
 
 def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
@@ -220,6 +250,9 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if cell.model == "autotp":
         cfg["tensor_parallel"] = {"autotp_size": cell.tp}
+    if cell.sp > 1:
+        cfg["sequence_parallel_size"] = cell.sp
+        cfg["sequence_parallel"] = {"mode": cell.sp_mode, **({"ulysses_size": 2} if cell.sp_mode == "hybrid" else {})}
     return cfg
 
 
@@ -227,7 +260,7 @@ def make_model(cell: Cell) -> tuple[nn.Module, Any]:
     """``cell``'s model on its grid, and the grid."""
     from deepshard.pipe import PipelineModule
 
-    topo = topology(cell.pp, cell.tp, cell.dp)
+    topo = topology(cell.pp, cell.tp, cell.dp, cell.sp)
     specs = layer_specs(cell.model, topo.tp if cell.model == "megatron" and cell.tp > 1 else None)
     if cell.pp > 1:
         return PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
@@ -239,8 +272,10 @@ def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = Non
     """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
     import deepshard
 
-    made, topo = (model, topology(cell.pp, cell.tp, cell.dp)) if model is not None else make_model(cell)
+    made, topo = (model, topology(cell.pp, cell.tp, cell.dp, cell.sp)) if model is not None else make_model(cell)
     engine = deepshard.initialize(model=made, config=config(cell, gas, directory), mpu=topo)[0]
+    if isinstance(made, Flat):
+        made.use_sequence_parallel(engine.sequence_parallel)
     return engine, made, topo
 
 
@@ -257,6 +292,9 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
 def train_step(engine: Any, cell: Cell, topo: Any, batch: torch.Tensor, gas: int) -> tuple[float, float]:
     """One global batch: (mean loss over the global batch, the engine's reported gradient norm)."""
     micro = micro_batches(batch, gas, topo.coord.dp)
+    sp = engine.sequence_parallel
+    if sp is not None:  # this rank's tokens of each sample (labels padded with -100)
+        micro = [(sp.shard(x), sp.shard(y, pad_value=-100)) for x, y in micro]
     if cell.pp > 1:
         loss = float(engine.train_batch(iter(micro)))
     else:

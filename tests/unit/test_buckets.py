@@ -46,3 +46,44 @@ def test_grads_are_views_and_accumulate_in_place() -> None:
     lin(x).sum().backward()
     assert torch.allclose(lin.weight.grad, torch.ones(5, 2).T @ x)
     assert reducer.buffer_bytes() == sum(p.numel() * 4 for p in lin.parameters())
+
+
+def test_zero_sets_grads_to_none_and_the_next_backward_overwrites_the_views() -> None:
+    lin, unused = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.ones(4))
+    params = list(lin.parameters()) + [unused]
+    reducer = BucketedAllReduce(params, CommGroup(), bucket_elements=4)
+    x = torch.randn(5, 3)
+    unused.grad.fill_(7.0)  # a stale value the next backward must not keep
+    reducer.begin_backward(reduce=False)
+    lin(x).sum().backward()
+    reducer.end_backward()
+    reducer.zero_()
+    assert all(p.grad is None for p in params)
+    reducer.begin_backward(reduce=True)
+    lin(x).sum().backward()
+    reducer.end_backward()
+    assert torch.allclose(lin.weight.grad, torch.ones(5, 2).T @ x)  # one backward's worth, not two
+    assert torch.equal(unused.grad, torch.zeros(4))  # no gradient reached it: its view was cleared
+    views = {v.data_ptr() for v in reducer.grads()}
+    assert all(p.grad.data_ptr() in views for p in params)
+
+
+def test_grads_read_after_zero_without_a_backward_are_zeros() -> None:
+    lin = torch.nn.Linear(3, 2)
+    reducer = BucketedAllReduce(list(lin.parameters()), CommGroup(), bucket_elements=100, overlap=False)
+    reducer.begin_backward(reduce=False)
+    lin(torch.randn(2, 3)).sum().backward()
+    reducer.end_backward()
+    reducer.zero_()
+    assert all(float(g.abs().sum()) == 0.0 for g in reducer.grads())
+    assert all(p.grad is not None for p in lin.parameters())
+
+
+def test_stage0_overlaps_on_nccl_only_unless_the_config_says() -> None:
+    from deepshard.config.zero import ZeroConfig
+    from deepshard.zero.stage0 import overlap_for
+
+    unset = ZeroConfig(stage=0)
+    assert overlap_for(unset, "nccl") and not overlap_for(unset, "gloo")
+    assert overlap_for(ZeroConfig(stage=0, overlap_comm=True), "gloo")
+    assert not overlap_for(ZeroConfig(stage=0, overlap_comm=False), "nccl")

@@ -375,3 +375,26 @@ def test_runtime_module_matches_deepspeed_paths() -> None:
     args = parser.parse_args(["--lr_schedule", "WarmupLR", "--warmup_num_steps", "7"])
     assert (args.lr_schedule, args.warmup_num_steps, args.warmup_max_lr) == ("WarmupLR", 7, 0.001)
     assert args.cycle_momentum is False
+
+
+@pytest.mark.parametrize("extra, ratio, skip_lr, skip_mom", [
+    ({"cycle_second_step_size": 0}, 1.0, True, True),
+    ({"decay_step_size": 5}, 0.5, True, True),
+    ({"decay_step_size": 5, "decay_lr_rate": 0.1}, 0.5, False, True),
+    ({"decay_step_size": 5, "decay_mom_rate": 0.1}, 0.5, True, False),
+])
+def test_schedules_expose_deepspeeds_public_attributes(extra: dict[str, Any], ratio: float, skip_lr: bool,
+                                                      skip_mom: bool) -> None:
+    """The attributes DeepSpeed's own scheduler tests and scripts read (values taken from DeepSpeed 0.19.8)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    cycle = OneCycle(torch.optim.Adam([param], lr=0.1), cycle_min_lr=0.001, cycle_max_lr=0.1,
+                     cycle_first_step_size=10, **extra)
+    assert (cycle.step_ratio, cycle.skip_lr_decay, cycle.skip_mom_decay) == (ratio, skip_lr, skip_mom)
+    warm = WarmupLR(torch.optim.Adam([param], lr=0.1), warmup_num_steps=10)
+    cosine = WarmupCosineLR(torch.optim.Adam([param], lr=0.1), total_num_steps=100, warmup_num_steps=10)
+    assert warm.inverse_log_warm_up == cosine.inverse_log_warm_up == pytest.approx(0.43429448190325176)
+    assert cosine.org_lrs == [0.1]
+    stairs = LRRangeTest(torch.optim.Adam([param], lr=0.1), lr_range_test_step_size=4, lr_range_test_staircase=True)
+    for _ in range(4):
+        stairs.step()
+    assert stairs.interval_fn() == 1.0

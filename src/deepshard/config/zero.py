@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from deepshard.config.base import Count, Section, exact_error
 from deepshard.utils.logging import logger
@@ -109,7 +109,8 @@ class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
     contiguous_gradients: bool = True
     overlap_comm: Optional[bool] = None
-    """None resolves to True for stage 3 and False otherwise."""
+    """None resolves to True for stage 3 and False otherwise (``overlap_comm_given`` tells the two apart:
+    stage 0 picks its schedule by backend when the config leaves it out)."""
     reduce_scatter: bool = True
     reduce_bucket_size: Count = Field(500_000_000, ge=0)
     allgather_partitions: bool = True
@@ -118,6 +119,7 @@ class ZeroConfig(Section):
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
     offload_param: Optional[OffloadParamConfig] = None
+    _overlap_comm_given: bool = PrivateAttr(default=True)
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     sub_group_size: Count = Field(1_000_000_000, ge=0)
     round_robin_gradients: bool = False
@@ -182,9 +184,15 @@ class ZeroConfig(Section):
         _map_deprecated_gather(data)
         return data
 
+    @property
+    def overlap_comm_given(self) -> bool:
+        """True when the config set ``overlap_comm`` (False when it was left to its default)."""
+        return self._overlap_comm_given
+
     @model_validator(mode="after")
     def _resolve(self) -> "ZeroConfig":
         if self.overlap_comm is None:
+            self._overlap_comm_given = False
             self.overlap_comm = self.stage == 3
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
             raise exact_error(

@@ -36,6 +36,7 @@ the resumed lr into the optimizer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -223,6 +224,11 @@ class LRRangeTest(_BatchSchedule):
         """
         super().step(batch_iteration)
 
+    @property
+    def interval_fn(self) -> Callable[[], float]:
+        """DeepSpeed's name for the function giving the current interval (continuous or staircase)."""
+        return self._interval
+
     def _interval(self) -> float:
         """Iterations done, in units of ``step_size`` (whole units for the staircase)."""
         interval = (self.last_batch_iteration + 1) / self.step_size
@@ -261,6 +267,11 @@ class WarmupLR(_BatchSchedule):
         self.warmup_type = _warmup_kind(warmup_type, type(self).__name__)
         self._validate_extra(warmup_num_steps)
         self._apply()
+
+    @property
+    def inverse_log_warm_up(self) -> float:
+        """``1 / ln(warmup_num_steps)``, the log warmup's normaliser (DeepSpeed's attribute)."""
+        return 1.0 / math.log(self.warmup_num_steps)
 
     def _validate_extra(self, warmup_num_steps: int) -> None:
         """Hook for subclasses to check their own arguments before the first lr is written."""
@@ -337,6 +348,16 @@ class WarmupCosineLR(_BatchSchedule):
         self.cos_min_ratio = float(cos_min_ratio)
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._apply()
+
+    @property
+    def org_lrs(self) -> list[float]:
+        """DeepSpeed's name for ``base_lrs``: the optimizer's lrs when the schedule was built."""
+        return self.base_lrs
+
+    @property
+    def inverse_log_warm_up(self) -> float:
+        """``1 / ln(warmup_num_steps)``, the log warmup's normaliser (DeepSpeed's attribute)."""
+        return 1.0 / math.log(self.warmup_num_steps)
 
     def get_lr_ratio(self) -> float:
         """The factor applied to every base lr at the current iteration."""
@@ -435,6 +456,21 @@ class OneCycle(_BatchSchedule):
         self.first_stair_count = int(first_stairs)
         self.second_stair_count = int(second_stairs)
         self.decay_step_size = decay_step_size
+
+    @property
+    def step_ratio(self) -> float:
+        """The rising half's share of the cycle (1.0 when the cycle only rises)."""
+        return self.first_step_size / self.total_size
+
+    @property
+    def skip_lr_decay(self) -> bool:
+        """True when the lr holds ``cycle_min_lr`` after the cycle (no decay interval or a zero rate)."""
+        return self.decay_step_size == 0 or self.decay_lr_rate == 0.0
+
+    @property
+    def skip_mom_decay(self) -> bool:
+        """True when the momentum holds ``cycle_max_mom`` after the cycle."""
+        return self.decay_step_size == 0 or self.decay_mom_rate == 0.0
 
     @staticmethod
     def _has_betas(optimizer: Any) -> bool:

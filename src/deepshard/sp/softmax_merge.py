@@ -14,12 +14,12 @@ the query rows, so key/value gradients come out summed per key head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
 NEG_INF = float("-inf")
-ROW_BUDGET = 1 << 21
+ROW_BUDGET = 1 << 18
 """Score elements (query rows x keys) computed at once: longer blocks are done in slices of query rows, so
 the memory of a block grows with its length, not its square."""
 
@@ -65,22 +65,21 @@ Mask = Union[torch.Tensor, PositionMask]
 
 
 def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[Mask]
-                ) -> list[tuple[slice, Optional[torch.Tensor]]]:
-    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask."""
+                ) -> Iterator[tuple[slice, Optional[torch.Tensor]]]:
+    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask,
+    one at a time (the masks of all slices together would be the whole quadratic mask)."""
     sq = q.shape[2]
     rows = q.shape[1] // k.shape[1] * sq
     step = max(1, ROW_BUDGET // max(1, k.shape[2] * k.shape[1] * k.shape[0]))
-    out = []
     for r in range(0, rows, step):
-        index = torch.arange(r, min(r + step, rows)) % sq
+        index = torch.arange(r, min(r + step, rows), device=q.device) % sq
         if allowed is None:
             mask = None
         elif isinstance(allowed, PositionMask):
             mask = allowed.rows(index)
         else:
             mask = allowed[index]
-        out.append((slice(r, r + step), mask))
-    return out
+        yield slice(r, r + step), mask
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:

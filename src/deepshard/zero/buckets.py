@@ -1,5 +1,16 @@
-"""Gradient buckets: parameters' ``.grad`` are views into flat buffers that are all-reduced as backward
-produces them, overlapped with the rest of backward.
+"""Gradient buckets: parameters' ``.grad`` are views into flat buffers that are all-reduced either as
+backward produces them, overlapped with the rest of backward (``overlap=True``), or all at once when
+backward has finished (``overlap=False``).
+
+Which of the two is faster depends on where the collective runs. NCCL reduces on the GPU while the host
+keeps computing, so overlapping hides it. Gloo reduces on the CPU, in its own thread, which competes for
+the same cores as the backward it would overlap: on a host with a core or two per process, overlapping
+buys no concurrency and costs the thread switches (and the cache each switch evicts).
+
+After ``zero_()`` the buffers are not cleared: every ``.grad`` is set to None (as DeepSpeed's
+``zero_grad`` leaves it), so the next backward's autograd hands over a fresh gradient that is copied
+once into its view, instead of being added into a zero-filled buffer (a pass to clear, then a read of
+both). Views whose parameter got no gradient are cleared when that backward ends.
 
 Buckets are fixed at construction (parameters in reverse registration order, which approximates the
 order backward produces them, split by dtype and ``reduce_bucket_size`` elements) and are launched
@@ -59,8 +70,10 @@ class BucketedAllReduce:
 
     def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, bucket_elements: int,
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
-                 average: bool = True) -> None:
+                 average: bool = True, overlap: bool = True) -> None:
         self.comm = comm
+        self.overlap = overlap
+        self._stale = False  # after zero_(): the buffers hold old values and every .grad is None
         self.comm_dtype = comm_dtype
         self.predivide = predivide
         self.average = average
@@ -98,10 +111,13 @@ class BucketedAllReduce:
         self._next_launch = 0
         for b in self.buckets:
             b.ready.clear()
-        self._restore_views()
+        if not self._stale:  # accumulating: .grad must be the views autograd adds into
+            self._restore_views()
 
     def _restore_views(self) -> None:
-        """Re-point ``.grad`` at the buffers if a user's ``zero_grad(set_to_none=True)`` dropped them."""
+        """Point every ``.grad`` at its view: a view whose parameter has no gradient is cleared, a gradient
+        autograd (or the user) put elsewhere is copied in. The buffers are current afterwards."""
+        self._stale = False
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 if p.grad is None:
@@ -119,7 +135,7 @@ class BucketedAllReduce:
             # autograd made a fresh tensor (the user set .grad to None mid-accumulation)
             view.copy_(p.grad)
             p.grad = view
-        if not self.reduce_enabled:
+        if not self.reduce_enabled or not self.overlap:
             return
         bucket.ready.add(slot)
         self._launch_ready()
@@ -147,6 +163,8 @@ class BucketedAllReduce:
         if not self._in_backward:
             return
         self._in_backward = False
+        if self._stale:  # the first backward since zero_(): clear the views no gradient reached
+            self._restore_views()
         if not self.reduce_enabled:
             return
         while self._next_launch < len(self.buckets):
@@ -166,16 +184,23 @@ class BucketedAllReduce:
 
     # ------------------------------------------------------------------------------------- helpers
     def zero_(self) -> None:
+        """Forget the gradients: ``.grad`` becomes None; the buffers are overwritten by the next backward
+        (or cleared by the first reader, ``grads``)."""
         for b in self.buckets:
-            b.buffer.zero_()
-        self._restore_views()
+            for p in b.params:
+                p.grad = None
+        self._stale = True
 
     def grads(self) -> list[torch.Tensor]:
         """The gradient views in bucket order."""
+        if self._stale and not self._in_backward:
+            self._restore_views()
         return [v for b in self.buckets for v in b.views]
 
     def grads_of(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         """The gradient views of ``params``, in the order given."""
+        if self._stale and not self._in_backward:
+            self._restore_views()
         out = []
         for p in params:
             b_index, slot = self._bucket_of[id(p)]

@@ -1,8 +1,9 @@
 """ZeRO stage 0: plain data parallelism.
 
 Every process holds the whole model, its gradients and the whole optimizer state. Gradients are
-all-reduced in buckets as backward produces them (``reduce_bucket_size`` elements per bucket),
-overlapped with the rest of backward through async collective handles. With fp16/bf16 the optimizer
+all-reduced in buckets of ``reduce_bucket_size`` elements, either as backward produces them (overlapped
+with the rest of backward) or once backward has finished: ``zero_optimization.overlap_comm`` chooses;
+left unset, NCCL overlaps and gloo reduces after backward (``overlap_for``). With fp16/bf16 the optimizer
 updates fp32 master weights that are copied back into the module after each step.
 """
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Stage0Strategy(ZeroStrategy):
             self.compressed.attach(ctx.comm)
         self.reducer = BucketedAllReduce(
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
-            comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients)
+            comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
+            overlap=overlap_for(ctx.zero_config, ctx.comm.backend))
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -173,6 +175,16 @@ class Stage0Strategy(ZeroStrategy):
             return None
         value = self.optimizer.state.get(self._master_or_param(param), {}).get(key)
         return None if value is None else value.detach().clone()
+
+
+def overlap_for(zero_config: object, backend: str) -> bool:
+    """Whether stage 0 overlaps its all-reduces with backward: ``overlap_comm`` where the config sets it,
+    else only on NCCL. A gloo all-reduce runs on the host's cores, in a thread that competes with the
+    backward it would overlap, so there reducing once backward is done is as fast or faster (the
+    schedule DeepSpeed's stage 0 uses on every backend)."""
+    if getattr(zero_config, "overlap_comm_given", True):
+        return bool(getattr(zero_config, "overlap_comm"))
+    return backend == "nccl"
 
 
 def tensor_bytes(tensors: object) -> int:
