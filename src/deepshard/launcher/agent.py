@@ -258,6 +258,9 @@ class NodeAgent(LocalElasticAgent):
             return
         self._announced = True
         attempt = self.restart_count - (1 if restarting else 0)
+        if self.first is not None and self.first.held:  # the failing rank's own last words, where they belong
+            self.streams.out.write_now(bytes(self.first.held))
+            self.first.held.clear()
         if self.rdzv.multi_node:
             self.rdzv.report(self.job_failure, self.first, self.job, self.streams, attempt, restarting)
         elif self.first is not None:

@@ -2,7 +2,7 @@
 
 ``deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json`` starts two ranks of
 ``train.py`` on this machine (``--local_rank=N`` after the script path in each, the ``env://`` variables set) and
-supervises them (see :mod:`deepshard.launcher.supervisor`).
+supervises them with torch's elastic agent (see :mod:`deepshard.launcher.agent`).
 
 Slots: on CUDA a slot is a visible GPU (``torch.cuda.device_count()``); on a CPU machine a slot is a
 process, so ``--num_gpus N`` (alias ``--num_accelerators``) starts N processes and the default is one.

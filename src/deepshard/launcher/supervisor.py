@@ -135,6 +135,11 @@ class Output:
                 return
             self._emit(chunk)
 
+    def write_now(self, chunk: bytes) -> None:
+        """Forward ``chunk`` even while holding."""
+        with self._lock:
+            self._emit(chunk)
+
     def flush_stale(self, children: Sequence["_Child"], after_s: float) -> None:
         """Forward output held longer than ``after_s`` while no rank has failed."""
         with self._lock:
