@@ -109,6 +109,39 @@ def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, 
 NOISY_SPREAD = 1.5  # slowest / fastest measured step above which a step time is marked as disturbed
 
 
+def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the repeats of one engine (each a ``summarize_case`` row, run interleaved with the
+    other engines): the step time is the median of the repeats' medians and ``spread`` their
+    (fastest, slowest); the other figures are the median repeat's. A repeat that did not run makes the
+    row that repeat's status."""
+    bad = [r for r in runs if r["status"] != "ok"]
+    if bad:
+        return next((r for r in bad if r["status"] == "error"), bad[0])
+    medians = [r["step_time"] for r in runs]
+    base = sorted(runs, key=lambda r: r["step_time"])[len(runs) // 2]
+    row = dict(base)
+    step_time = statistics.median(medians)
+    row.update(step_time=step_time, throughput=base["throughput"] * base["step_time"] / step_time,
+               repeats=len(runs), repeat_step_times=medians, spread=(min(medians), max(medians)),
+               step_times=[t for r in runs for t in r["step_times"]],
+               peak_rss=statistics.median(r["peak_rss"] for r in runs),
+               final_losses=[r["final_loss"] for r in runs])
+    return row
+
+
+def spread_of(row: dict[str, Any]) -> tuple[float, float]:
+    """(fastest, slowest) repeat median of a row; a single run's own median twice."""
+    lo, hi = row.get("spread") or (row["step_time"], row["step_time"])
+    return float(lo), float(hi)
+
+
+def peers_of(row: dict[str, Any], ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engines a deepshard row is compared with: every other library's engine at its ZeRO stage
+    (DDP and DeepSpeed's stage 0 for stage 0, DeepSpeed's stage k for k, DeepSpeed's stage 3 and FSDP2
+    for stage 3)."""
+    return [a for a in ok if a["family"] != "deepshard" and a["stage"] == row["stage"]]
+
+
 def step_spread(row: dict[str, Any]) -> float | None:
     """Slowest / fastest measured step: ~1.0-1.2 on a quiet machine; far above when other work ran."""
     times = row.get("step_times") or []
@@ -124,10 +157,12 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         for r in ok:
             r["vs_ddp"] = ratio(r["step_time"], ddp["step_time"]) if ddp else None
             r["mem_vs_ddp"] = ratio(r["peak_rss"], ddp["peak_rss"]) if ddp else None
-            alts = [a for a in ok if a["family"] != "deepshard" and a["stage"] == r["stage"]]
+            alts = peers_of(r, ok)
             if r["family"] == "deepshard" and alts:
                 best = min(alts, key=lambda a: a["step_time"])
                 r["best_alternative"], r["vs_best_alternative"] = best["engine"], r["step_time"] / best["step_time"]
+                # slower outside the spread: even this row's fastest repeat is slower than the peer's slowest
+                r["slower_than"] = [a["engine"] for a in alts if spread_of(r)[0] > spread_of(a)[1]]
         check_losses(ok)
 
 

@@ -31,7 +31,7 @@ from benchmarks.spawn import REPO_ROOT, run_case  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe, make_workload  # noqa: E402
 
 SCALING_ENGINES = ("deepshard-z3", "fsdp2")
-DEFAULT_STEPS = {"mlp": (2, 3), "gpt": (3, 10)}  # (warm-up, measured)
+DEFAULT_STEPS = {"mlp": (2, 3), "mlp12": (2, 3), "gpt": (3, 10)}  # (warm-up, measured)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,10 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small models (~4M MLP, ~1M GPT): a minute or two")
     p.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=[n for n, s in ENGINES.items() if s.default],
+                   help="default: all but deepshard-z0-overlap")
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=None,
                    help="default: fp32 bf16 (--quick: fp32)")
     p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to run (default 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every engine, interleaved (engine A, B, C, then A, B, C again ...); the "
+                        "table shows the median of their medians and the spread (default 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: mlp 2, gpt 3; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default: mlp 3, gpt 10; --quick 4)")
     p.add_argument("--scaling", type=int, nargs="*", default=None,
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scaling = args.scaling if args.scaling is not None else ([1, 2, 4] if args.quick else [1, 2, 4, 8])
     if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         p.error(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+    if args.repeats < 1:
+        p.error(f"--repeats ({args.repeats}) must be >= 1")
     return args
 
 
@@ -105,23 +111,33 @@ def collective_costs(nprocs: int, timeout: float) -> dict[str, Any]:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    """Every case, one after another; then the comparisons, targets and scaling."""
-    cases = [(e, w, d, n, *steps_for(w, args)) for w in args.workload for d in args.dtype
-             for n in args.nprocs for e in args.engines]
+    """Every case: per workload x dtype x process count, ``--repeats`` rounds of every engine in turn
+    (so a disturbance on the shared machine hits every engine alike); then the scaling runs, the
+    comparisons and the targets."""
+    groups = [(w, d, n) for w in args.workload for d in args.dtype for n in args.nprocs]
+    cases = [(e, w, d, n, *steps_for(w, args)) for (w, d, n) in groups for _ in range(args.repeats)
+             for e in args.engines]
     scaling = [(e, args.scaling_workload, "fp32", n, 0, 1) for e in SCALING_ENGINES for n in args.scaling]
-    rows, scale_rows = [], []
+    runs: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
+    scale_rows = []
     total = len(cases) + len(scaling)
     load_before = report.machine_info()["load_average"]
     collectives = collective_costs(max(args.nprocs), args.timeout)
     unavailable: dict[tuple[str, str, int], dict[str, Any]] = {}
     for i, c in enumerate(cases + scaling, 1):
         start = time.perf_counter()
-        # a stage that is not implemented is so for every workload: run it once per dtype and size
-        row = _one(*c, args, known=unavailable.get((c[0], c[2], c[3])))
+        # a stage that is not implemented (or an engine that crashed) is so every time: run it once
+        row = _one(*c, args, known=unavailable.get((c[0], c[1], c[2], c[3])) or unavailable.get((c[0], c[2], c[3])))
         if row["status"] in ("not implemented", "not installed"):
             unavailable[(c[0], c[2], c[3])] = {"status": row["status"], "reason": row["reason"]}
+        elif row["status"] != "ok":
+            unavailable[(c[0], c[1], c[2], c[3])] = {"status": row["status"], "reason": row["reason"]}
         _progress(i, total, row, time.perf_counter() - start)
-        (rows if i <= len(cases) else scale_rows).append(row)
+        if i <= len(cases):
+            runs.setdefault((c[0], c[1], c[2], c[3]), []).append(row)
+        else:
+            scale_rows.append(row)
+    rows = [analysis.merge_repeats(r) for r in runs.values()]
     analysis.add_comparisons(rows)
     targets = analysis.evaluate_targets(rows)
     workloads = {w: describe(make_workload(w, quick=args.quick)) for w in set(args.workload) | {args.scaling_workload}}
@@ -147,6 +163,11 @@ def _notes(rows: list[dict[str, Any]]) -> list[str]:
         notes.append("noisy (slowest measured step > 1.5x the fastest: other work ran on the machine; every "
                      "step's time is in bench.json): " + ", ".join(
                          f"{r['engine']} {r['workload']} {r['dtype']} ({analysis.step_spread(r):.1f}x)" for r in noisy))
+    slower = [r for r in rows if r["status"] == "ok" and r.get("slower_than")]
+    if slower:
+        notes.append("SLOWER than a peer outside the spread (deepshard's fastest repeat slower than the peer's "
+                     "slowest): " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']} N={r['nprocs']} vs "
+                                              f"{', '.join(r['slower_than'])}" for r in slower))
     crashed = [r for r in rows if r["status"] == "error"]
     if crashed:
         notes.append("crashed: " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']}" for r in crashed))

@@ -15,7 +15,8 @@ so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is
 - deepshard: its public API only (``deepshard.initialize(model=..., config=...)``, ``engine(x, y)``,
   ``engine.backward``, ``engine.step``, ``engine.memory_report``, ``engine.comms_logger``), with
   ``reduce_bucket_size`` = DDP's 25 MB; ``deepshard-z3-sib`` is stage 3 with its opt-in
-  ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N).
+  ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N); ``deepshard-z0-overlap`` is stage 0 with
+  ``overlap_comm: true`` (not run unless named in ``--engines``).
 
 A runner that cannot run raises ``EngineUnavailable`` with a status: ``not implemented`` (deepshard
 raises NotImplementedError for a stage that has not landed), ``refused: <reason>`` (the engine
@@ -78,6 +79,8 @@ class EngineSpec:
     stage: int
     offload: bool = False
     step_in_backward: bool = False  # deepshard's zero_optimization.optimizer_step_in_backward
+    overlap_comm: bool | None = None  # deepshard's zero_optimization.overlap_comm (None: left to the stage)
+    default: bool = True  # run when --engines is not given
 
     @property
     def is_deepshard(self) -> bool:
@@ -91,6 +94,9 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in [
     *(EngineSpec(f"deepshard-z{k}", "deepshard", k) for k in range(4)),
     EngineSpec("deepshard-offload", "deepshard", 2, offload=True),
     EngineSpec("deepshard-z3-sib", "deepshard", 3, step_in_backward=True),
+    # stage 0 with its all-reduces overlapped with backward, for comparing the two schedules on a host
+    # (without a spare core per process, stage 0 reduces after backward on gloo)
+    EngineSpec("deepshard-z0-overlap", "deepshard", 0, overlap_comm=True, default=False),
 ]}
 
 
@@ -213,6 +219,8 @@ class DeepShardRunner(Runner):
             zero["offload_optimizer"] = {"device": "cpu"}
         if self.spec.step_in_backward:
             zero["optimizer_step_in_backward"] = True
+        if self.spec.overlap_comm is not None:
+            zero["overlap_comm"] = self.spec.overlap_comm
         config = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch,
             "gradient_accumulation_steps": 1,

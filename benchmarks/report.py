@@ -58,7 +58,7 @@ def _short(reason: str, limit: int = 70) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-COLUMNS = ["engine", "step ms", "thrpt/s", "x DDP", "x best alt", "peak RSS MiB", "mem x DDP", "state MiB",
+COLUMNS = ["engine", "step ms (spread)", "thrpt/s", "x DDP", "x best alt", "peak RSS MiB", "mem x DDP", "state MiB",
            "x formula", "comm MiB/step", "x analytic", "final loss"]
 
 
@@ -72,19 +72,35 @@ def row_cells(r: dict[str, Any]) -> list[str]:
     state_cell = _mib(state) + ("" if r["model_state"] is not None else " (live)")
     state_ratio = r["state_vs_formula"] if r["model_state"] is not None else r["live_vs_formula"]
     loss = f"{r['final_loss']:.5f}" + ("" if r.get("loss_ok", True) else " MISMATCH")
-    spread = analysis.step_spread(r)
-    noisy = " (noisy)" if spread is not None and spread > analysis.NOISY_SPREAD else ""
-    return [r["engine"], f"{r['step_time'] * 1e3:,.0f}{noisy}", f"{r['throughput']:,.0f}", _num(r.get("vs_ddp")),
+    if r.get("slower_than"):
+        best_cell += " SLOWER"
+    return [r["engine"], step_cell(r), f"{r['throughput']:,.0f}", _num(r.get("vs_ddp")),
             best_cell,
             _mib(r["peak_rss"]), _num(r.get("mem_vs_ddp")), state_cell, _num(state_ratio), _mib(r["comm_bytes"]),
             _num(r.get("volume_vs_analytic"), "{:.3f}"), loss]
+
+
+def step_cell(r: dict[str, Any]) -> str:
+    """The median step in ms, then the repeats' spread (fastest-slowest median) when there were several;
+    ``(noisy)`` when the slowest timed step took more than 1.5x the fastest."""
+    cell = f"{r['step_time'] * 1e3:,.0f}"
+    if r.get("repeats", 1) > 1:
+        lo, hi = analysis.spread_of(r)
+        cell += f" ({lo * 1e3:,.0f}-{hi * 1e3:,.0f})"
+    spread = analysis.step_spread(r)
+    return cell + (" (noisy)" if spread is not None and spread > analysis.NOISY_SPREAD else "")
 
 
 def _group_title(rows: list[dict[str, Any]], workloads: dict[str, str]) -> str:
     r = rows[0]
     unit = "tokens" if r["workload"] == "gpt" else "samples"
     return (f"{workloads.get(r['workload'], r['workload'])} | {r['dtype']} | {r['nprocs']} processes | "
-            f"{r['warmup']} + {r['steps']} steps | throughput in {unit}/s")
+            f"{r['warmup']} + {r['steps']} steps{_repeats(rows)} | throughput in {unit}/s")
+
+
+def _repeats(rows: list[dict[str, Any]]) -> str:
+    n = max((r.get("repeats", 1) for r in rows), default=1)
+    return f", {n} interleaved repeats (step: median of their medians, spread: fastest-slowest)" if n > 1 else ""
 
 
 def grouped(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -6,6 +6,8 @@ so the global-batch loss is comparable across engines and process counts.
 
 - ``mlp``: a stack of pre-norm residual MLP blocks (LayerNorm, Linear d->h, GELU, Linear h->d),
   regression onto a fixed function of the input (MSE). The default size is ~100M parameters.
+- ``mlp12``: the same blocks, narrower and deeper (width 1024, 12 blocks, ~101M parameters) with a
+  small batch (16: 8 per process on 2), where the optimizer and the gradient reduction dominate the step.
 - ``gpt``: a small GPT-style decoder (token + position embeddings, pre-norm attention and MLP
   blocks, causal self-attention, untied LM head), next-token prediction on synthetic arithmetic
   sequences ``t_i = (start + stride * i) mod vocab`` (learnable, no download).
@@ -174,20 +176,24 @@ _MAKERS: dict[str, Callable[[Workload, torch.Generator], tuple[torch.Tensor, tor
 
 
 def make_workload(name: str, quick: bool = False, global_batch: int | None = None) -> Workload:
-    """``mlp`` (~100M parameters; ``quick``: ~4M) or ``gpt`` (~11M; ``quick``: ~0.9M)."""
+    """``mlp`` (~100M parameters; ``quick``: ~4M), ``mlp12`` (~101M: width 1024, 12 blocks, global batch 16,
+    i.e. micro batch 8 on 2 processes; ``quick``: ~6M) or ``gpt`` (~11M; ``quick``: ~0.9M)."""
     if name == "mlp":
         dims = {"dim": 512, "hidden": 1024, "blocks": 4} if quick else {"dim": 2048, "hidden": 4096, "blocks": 6}
         return Workload("mlp", "mlp", global_batch or 64, dims)
+    if name == "mlp12":  # deeper and narrower, 8 samples per process: the optimizer and the reduction weigh more
+        dims = {"dim": 256, "hidden": 1024, "blocks": 12} if quick else {"dim": 1024, "hidden": 4096, "blocks": 12}
+        return Workload("mlp12", "mlp", global_batch or 16, dims)
     if name == "gpt":
         dims = ({"vocab": 256, "dim": 128, "layers": 4, "heads": 4, "seq_len": 64} if quick else
                 {"vocab": 512, "dim": 384, "layers": 6, "heads": 6, "seq_len": 128})
         return Workload("gpt", "gpt", global_batch or 16, dims, tokens_per_sample=dims["seq_len"])
     if name == "tiny":  # ~10k parameters: the harness smoke test
         return Workload("tiny", "mlp", global_batch or 8, {"dim": 32, "hidden": 64, "blocks": 2})
-    raise ValueError(f"unknown workload {name!r}; choose one of: mlp, gpt, tiny")
+    raise ValueError(f"unknown workload {name!r}; choose one of: mlp, mlp12, gpt, tiny")
 
 
-WORKLOADS: tuple[str, ...] = ("mlp", "gpt")
+WORKLOADS: tuple[str, ...] = ("mlp", "mlp12", "gpt")
 
 
 def describe(w: Workload) -> str:

@@ -76,6 +76,13 @@ def oracle_world(rank: int, world: int, stage: int = 0) -> dict[str, Any]:
             results[f"fp32_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, stage=stage)
             results[f"sgd_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, clip=0.5, stage=stage,
                                                     extra={"optimizer": sgd_config()})
+    if stage == 0:  # the other reduction schedule than this host picks by default (overlapped or after backward)
+        from deepshard.zero.stage0 import overlap_for
+
+        overlap = not overlap_for(type("Unset", (), {"overlap_comm_given": False})(), "gloo")
+        results[f"fp32_overlap{int(overlap)}_m1_g{8 // world}"] = train(
+            rank, world, 1, 8 // world, steps=5, stage=0,
+            extra={"zero_optimization": {"stage": 0, "reduce_bucket_size": 500, "overlap_comm": overlap}})
     micro, gas = 8 // (2 * world) if world <= 4 else 1, 2
     results["bf16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="bf16", stage=stage)
     results["fp16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="fp16", stage=stage)

@@ -186,3 +186,26 @@ def test_chart_draws_the_spread_of_the_timed_steps(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the chart needs matplotlib (the bench extra)")
     assert report.write_chart(tmp_path / "bench.png", {"rows": rows}) == str(tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _row(engine: str, family: str, stage: int, medians: list[float]) -> dict:
+    runs = [analysis.summarize_case(_case(engine), _ranks([[9, m, m * 1.1, m * 0.9]] * 2, [[4, 3, 2, 1]] * 2,
+                                                          3 * 2 * PSI, peak=100 + i), PSI, 64, family, stage)
+            for i, m in enumerate(medians)]
+    return analysis.merge_repeats(runs)
+
+
+def test_repeats_merge_to_the_median_and_slower_rows_are_flagged() -> None:
+    ddp = _row("ddp", "ddp", 0, [2.0, 2.4, 2.2])
+    assert ddp["step_time"] == 2.2 and ddp["spread"] == (2.0, 2.4) and ddp["repeats"] == 3
+    assert ddp["throughput"] == pytest.approx(64 / 2.2) and len(ddp["step_times"]) == 9 and ddp["peak_rss"] == 101
+    within = _row("deepshard-z0", "deepshard", 0, [2.3, 2.5, 2.35])  # slower median, inside DDP's spread
+    outside = _row("deepshard-z1", "deepshard", 1, [3.0, 3.1, 3.2])
+    ds1 = _row("deepspeed-z1", "deepspeed", 1, [2.5, 2.6, 2.9])
+    rows = [ddp, within, outside, ds1]
+    analysis.add_comparisons(rows)
+    assert within["slower_than"] == [] and outside["slower_than"] == ["deepspeed-z1"]
+    assert "SLOWER" in report.row_cells(outside)[4] and "SLOWER" not in report.row_cells(within)[4]
+    assert report.row_cells(ddp)[1] == "2,200 (2,000-2,400)"
+    failed = analysis.merge_repeats([{**_row("x", "ddp", 0, [1.0])}, {"status": "error", "reason": "boom"}])
+    assert failed["status"] == "error"

@@ -79,11 +79,13 @@ def test_grads_read_after_zero_without_a_backward_are_zeros() -> None:
     assert all(p.grad is not None for p in lin.parameters())
 
 
-def test_stage0_overlaps_on_nccl_only_unless_the_config_says() -> None:
+def test_stage0_overlaps_on_nccl_or_with_a_spare_core_per_process_unless_the_config_says() -> None:
     from deepshard.config.zero import ZeroConfig
     from deepshard.zero.stage0 import overlap_for
 
     unset = ZeroConfig(stage=0)
-    assert overlap_for(unset, "nccl") and not overlap_for(unset, "gloo")
-    assert overlap_for(ZeroConfig(stage=0, overlap_comm=True), "gloo")
+    assert overlap_for(unset, "nccl", cores=2, local_procs=2, threads=1)
+    assert not overlap_for(unset, "gloo", cores=2, local_procs=2, threads=1)  # comm threads would compete
+    assert overlap_for(unset, "gloo", cores=8, local_procs=2, threads=2)  # 2 x (2 compute + 1 comm) <= 8
+    assert overlap_for(ZeroConfig(stage=0, overlap_comm=True), "gloo", cores=2, local_procs=2, threads=1)
     assert not overlap_for(ZeroConfig(stage=0, overlap_comm=False), "nccl")
