@@ -2,7 +2,7 @@
 
 ``deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json`` starts two ranks of
 ``train.py`` on this machine (``--local_rank=N`` after the script path in each, the ``env://`` variables set) and
-supervises them (see :mod:`deepshard.launcher.supervisor`).
+supervises them with torch's elastic agent (see :mod:`deepshard.launcher.agent`).
 
 Slots: on CUDA a slot is a visible GPU (``torch.cuda.device_count()``); on a CPU machine a slot is a
 process, so ``--num_gpus N`` (alias ``--num_accelerators``) starts N processes and the default is one.
@@ -238,8 +238,14 @@ def _write_pid_file(path: str, pids: list[int]) -> None:
         handle.write("\n".join(str(pid) for pid in [os.getpid(), *pids]) + "\n")
 
 
-def _with_restart_count(environ: Mapping[str, str], attempt: int) -> dict[str, str]:
-    return {**environ, node.RESTART_COUNT_ENV: str(attempt)}
+def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_devices: list[str] | None,
+              names: set[str]) -> node.NodeJob:
+    """A one-machine launch as a one-node job for torch's agent."""
+    active = select_nodes(args, hostfile, cuda_devices, names)
+    host = _single_node(active, names)
+    slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
+    return node.NodeJob({host: slots}, 0, _local_launch(args, cuda_devices), args.max_restarts,
+                        args.enable_each_rank_log)
 
 
 def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:
@@ -275,9 +281,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
         check_port_free(args.master_addr or "127.0.0.1", args.master_port)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
-        return mode, lambda started: multinode.run_with_restarts(
-            lambda k: plan_launch(args, _with_restart_count(os.environ, k), hostfile, cuda_devices, cores, names),
-            args.max_restarts, args.enable_each_rank_log, started)
+        job = local_job(args, hostfile, cuda_devices, names)
+        return mode, lambda started: node.run_node(job, os.environ, cores, started)
     master_addr = args.master_addr or next(iter(active))
     if mode == "no_ssh":
         job = node.job_from_args(argparse.Namespace(**{**vars(args), "master_addr": master_addr}), active,
