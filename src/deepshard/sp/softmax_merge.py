@@ -41,18 +41,27 @@ def _scores(qf: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], sca
 @dataclass(frozen=True)
 class PositionMask:
     """Which (query, key) pairs attend, from their global positions: built a slice of query rows at a time
-    (a whole [queries, keys] mask would grow with the square of the sequence)."""
+    (a whole [queries, keys] mask would grow with the square of the sequence).
+
+    ``q_seg``/``k_seg`` [batch, tokens] (optional, together): the segment of each query and key (packed
+    documents: a query attends only to keys of its own segment; a key of segment -1 is padding, never
+    attended to). The mask is then [batch, 1, rows, keys]."""
 
     q_pos: torch.Tensor
     k_pos: torch.Tensor
     causal: bool
     seq_len: int
+    q_seg: Optional[torch.Tensor] = None
+    k_seg: Optional[torch.Tensor] = None
 
     def rows(self, query_index: torch.Tensor) -> torch.Tensor:
         allowed = (self.k_pos < self.seq_len).unsqueeze(0).expand(query_index.numel(), -1)
         if self.causal:
             allowed = allowed & (self.q_pos[query_index].unsqueeze(1) >= self.k_pos.unsqueeze(0))
-        return allowed
+        if self.q_seg is None or self.k_seg is None:
+            return allowed
+        same = self.q_seg[:, query_index].unsqueeze(-1) == self.k_seg.unsqueeze(1)  # [b, rows, keys]
+        return (allowed.unsqueeze(0) & same & (self.k_seg >= 0).unsqueeze(1)).unsqueeze(1)
 
     def any(self) -> bool:
         valid = self.k_pos[self.k_pos < self.seq_len]
@@ -131,10 +140,33 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: O
     return torch.cat(dqs, 2).reshape(b, h, sq, d), dk, dv
 
 
-def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int) -> Optional[PositionMask]:
-    """Which (query, key) pairs attend: keys past ``seq_len`` (padding) never; later keys not when causal.
-    None when everything is allowed."""
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, seq_len: int,
+                 segments: Optional[torch.Tensor] = None) -> Optional[PositionMask]:
+    """Which (query, key) pairs attend: keys past ``seq_len`` (padding) never; later keys not when causal;
+    with ``segments`` ([batch, padded length] segment ids by global position, -1 for padding) only keys of
+    the query's segment. None when everything is allowed."""
+    if segments is not None:
+        return PositionMask(q_pos, k_pos, causal, seq_len, segments[:, q_pos], segments[:, k_pos])
     every_key_valid = bool(k_pos.max() < seq_len)
     if every_key_valid and (not causal or bool(q_pos.min() >= k_pos.max())):
         return None
     return PositionMask(q_pos, k_pos, causal, seq_len)
+
+
+def segment_ids(position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None
+                ) -> Optional[torch.Tensor]:
+    """The segment of each token of whole sequences [batch, tokens]: a new segment starts wherever a
+    position id does not follow the previous one by 1 (packed documents, as transformers reads them);
+    tokens whose ``attention_mask`` is 0 get -1 (never attended to). None when there is one segment and
+    no padding (plain causal attention)."""
+    seg = None
+    if position_ids is not None:
+        first = position_ids[:, :1] - 1
+        seg = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        if not bool((seg[:, -1] != 0).any()):
+            seg = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        base = seg if seg is not None else torch.zeros(attention_mask.shape, dtype=torch.long,
+                                                       device=attention_mask.device)
+        seg = base.masked_fill(attention_mask == 0, -1)
+    return seg
