@@ -198,3 +198,35 @@ def test_a_killed_node_is_named_even_when_a_rank_elsewhere_fails_first(tmp_path:
     headline = [line for line in err0.splitlines() if line.startswith("deepshard: ")][0]
     assert "the node agent on host node-b (node 1) sent no heartbeat" in headline, err0
     assert took < 25, f"node 0 needed {took:.1f} s"
+
+
+def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tmp_path: Path) -> None:
+    """``--elastic_training``: two agents meet through torch's c10d rendezvous. Node 1's agent is killed
+    outright; node 0's rank loses its peer, and with ``--max_restarts 1`` node 0's agent forms a new world
+    without node 1 (``--min_elastic_nodes 1``) and finishes; node 1's rank died with its agent."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = free_port_pair()
+    script = [str(SCRIPTS / "elastic_probe.py"), "--steps", "60"]
+    extra = ["--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2", "--max_restarts", "1"]
+    node0 = start_node(0, hostfile, port, script, extra)
+    time.sleep(1.0)  # node 0 hosts the rendezvous store (both agents are on this machine)
+    node1 = start_node(1, hostfile, port, script, extra)
+    try:
+        line = ""
+        while "of 2 attempt 0" not in line:
+            line = node1.stdout.readline()  # type: ignore[union-attr]
+            assert line, "node 1 ended before its rank started"
+        rank1 = int(re.search(r"pid=(\d+)", line).group(1))  # type: ignore[union-attr]
+        node1.send_signal(signal.SIGKILL)
+        (rc0, out0, err0), = finish([node0], 120)
+    finally:
+        finish([node1], 5)
+    assert rc0 == 0, out0 + err0
+    assert re.search(r"rank 0 of 2 attempt 0 pid=\d+ sleeping", out0), out0
+    assert "rank 0 of 1 attempt 1 done" in out0, out0  # the job went on in a world without node 1
+    assert "restarting every rank (restart 1 of 1)" in err0, err0
+    deadline = time.monotonic() + 5
+    while not _gone(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(rank1), "node 1's rank outlived its agent"

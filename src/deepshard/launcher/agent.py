@@ -45,7 +45,7 @@ MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
 RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
 LOCAL_RANK_MACRO = "${local_rank}"
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 RANK_SHIM = (
     "import ctypes, json, os, signal, sys\n"
@@ -354,6 +354,7 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's
     exit code, 1 for a rank killed by a signal or a lost node, 128+N for signal N)."""
     _quiet_torch(logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
     entrypoint, args = entry(job, os.getpid(), python)
     spec = WorkerSpec(role="default", local_world_size=job.nproc, rdzv_handler=rdzv, entrypoint=entrypoint,
                       args=tuple(args), max_restarts=job.max_restarts, monitor_interval=MONITOR_INTERVAL_S)

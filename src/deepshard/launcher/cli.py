@@ -160,9 +160,8 @@ def _check_supported(args: argparse.Namespace) -> None:
     if args.autotuning:
         raise LaunchError(f"--autotuning {args.autotuning} is run by deepshard.autotuning.tuner (the "
                           "`deepshard` command), not by a node plan")
-    if args.elastic_training:
-        raise LaunchError("--elastic_training (a changing number of nodes) is not supported by deepshard; "
-                          "drop it; --max_restarts N restarts a failed job on the same nodes")
+    if (args.min_elastic_nodes != -1 or args.max_elastic_nodes != -1) and not args.elastic_training:
+        raise LaunchError("--min_elastic_nodes / --max_elastic_nodes apply with --elastic_training; add it")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be combined; pick one")
     if args.max_restarts < 0:
@@ -245,7 +244,7 @@ def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_de
     host = _single_node(active, names)
     slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
     return node.NodeJob({host: slots}, 0, _local_launch(args, cuda_devices), args.max_restarts,
-                        args.enable_each_rank_log)
+                        args.enable_each_rank_log, elastic=node.elastic_range(args, 1))
 
 
 def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:

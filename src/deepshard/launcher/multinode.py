@@ -45,8 +45,11 @@ SSH_SETTLE_S = 25.0
 
 def process_flags(args: argparse.Namespace) -> list[str]:
     """The launcher flags that tell a node agent how to run each rank."""
-    flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet")
-             if getattr(args, name)]
+    flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet",
+                                      "elastic_training") if getattr(args, name, False)]
+    for name in ("min_elastic_nodes", "max_elastic_nodes"):
+        if getattr(args, "elastic_training", False) and getattr(args, name) != -1:
+            flags += [f"--{name}", str(getattr(args, name))]
     for name in ("enable_each_rank_log", "bind_core_list", "log_level"):
         value = getattr(args, name)
         if value:

@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepshard.launcher.agent import LOCAL_RANK_MACRO, RESTART_COUNT_ENV, AgentJob, run_agent
 from deepshard.launcher.hostfile import decode_world_info
@@ -40,8 +41,8 @@ from deepshard.launcher.local import (
     parse_core_list,
     plan_local_ranks,
 )
-from deepshard.launcher.options import LaunchError, add_process_args, add_script_args
-from deepshard.launcher.rendezvous import NodeRendezvous
+from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args
+from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
 from deepshard.utils.logging import logger
 
 RUN_ID = "deepshard"
@@ -62,6 +63,8 @@ class NodeJob:
     report_on_node0: bool = False
     """Started by ssh / pdsh: every node's output reaches one terminal, so only node 0 prints the
     failure report (otherwise the failing node prints its own too)."""
+    elastic: tuple[int, int] | None = None
+    """``--elastic_training``: the fewest and most nodes of torch's c10d rendezvous (None: static ranks)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < len(self.world):
@@ -130,12 +133,29 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     specs = plan_node_ranks(job, base_env, available_cores)
     ajob = agent_job(specs, job.launch, base_env, job.max_restarts, job.log_dir, job.report_on_node0)
+    rdzv: Any
+    if job.elastic is not None:
+        endpoint = f"{job.launch.master_addr}:{job.launch.master_port}"
+        rdzv = ElasticRendezvous(endpoint, RUN_ID, job.elastic[0], job.elastic[1], base_env)
+        logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, endpoint, *job.elastic)
+        return run_agent(ajob, rdzv, on_started)
     rdzv = NodeRendezvous(job.hosts, job.node_rank, job.launch.master_addr, job.launch.master_port, RUN_ID,
                           job.fingerprint(), base_env, job.exit_on_stdin_close, len(specs))
     if rdzv.multi_node:
         logger.info("node %d (%s): %s the agents' store %s:%d", job.node_rank, job.host,
                     "serving" if job.node_rank == 0 else "joining", job.launch.master_addr, job.launch.master_port)
     return run_agent(ajob, rdzv, on_started)
+
+
+def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] | None:
+    """``(min, max)`` nodes of ``--elastic_training`` (defaults 1 and the selected hosts), else None."""
+    if not getattr(args, "elastic_training", False):
+        return None
+    low = 1 if args.min_elastic_nodes == -1 else args.min_elastic_nodes
+    high = num_nodes if args.max_elastic_nodes == -1 else args.max_elastic_nodes
+    if not 1 <= low <= high:
+        raise LaunchError(f"--min_elastic_nodes {low} / --max_elastic_nodes {high}: need 1 <= min <= max")
+    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop the job when stdin reaches end-of-file (the ssh launcher went away)")
     parser.add_argument("--report_on_node0", action="store_true",
                         help="only node 0 prints failure reports (all nodes share one terminal)")
+    add_elastic_args(parser)
     add_process_args(parser)
     add_script_args(parser)
     return parser
@@ -168,7 +189,8 @@ def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], environ
                          no_python=args.no_python, no_local_rank=args.no_local_rank, visible_devices=devices,
                          bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
     return NodeJob(world, args.node_rank, launch, args.max_restarts, args.enable_each_rank_log,
-                   getattr(args, "exit_on_stdin_close", False), getattr(args, "report_on_node0", False))
+                   getattr(args, "exit_on_stdin_close", False), getattr(args, "report_on_node0", False),
+                   elastic_range(args, len(world)))
 
 
 def main(argv: list[str] | None = None) -> int:
