@@ -86,6 +86,19 @@ def _segment_case(sp: SequenceParallel, seed: int) -> dict[str, float]:
     return errors
 
 
+def _dropout_case(sp: SequenceParallel) -> float:
+    """The largest difference between this rank's ``sp.dropout`` and one process's mask on the same tokens."""
+    from deepshard.sp.dropout import positional_dropout
+
+    x = torch.randn(2, 300, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(11)
+    whole = positional_dropout(x, 0.4, torch.arange(300))
+    torch.manual_seed(11)
+    got = sp.dropout(sp.shard(x), 0.4, 300)
+    real = sp.layout(300).positions(sp.rank) < 300
+    return float((got[:, real] - sp.shard(whole)[:, real]).abs().max())
+
+
 def attention_world(rank: int, world: int) -> dict[str, Any]:
     """sp=4 (every mode, and packed/padded samples) and dp=2 x sp=2 on one world of 4."""
     out: dict[str, Any] = {}
@@ -94,7 +107,9 @@ def attention_world(rank: int, world: int) -> dict[str, Any]:
         sp = SequenceParallel.build(topo4, case[0], case[1], balance=case[6])
         out[("sp4",) + case] = _one_case(sp, case, seed=i)
     for i, (mode, u) in enumerate(SEGMENT_CASES):
-        out[("segments", mode)] = _segment_case(SequenceParallel.build(topo4, mode, u), seed=50 + i)
+        sp = SequenceParallel.build(topo4, mode, u)
+        out[("segments", mode)] = _segment_case(sp, seed=50 + i)
+        out[("dropout", mode)] = _dropout_case(sp)
     topo2 = Topology.build(ParallelDims(dp=2, sp=2))
     for i, case in enumerate(ATTENTION_CASES_SP2):
         sp = SequenceParallel.build(topo2, case[0], case[1], balance=case[6])

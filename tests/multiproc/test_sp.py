@@ -32,6 +32,11 @@ def test_packed_and_padded_samples_equal_one_process(attention_results: list, mo
         assert max(errors.values()) < 1e-10, (rank, mode, errors)
 
 
+@pytest.mark.parametrize("mode", [m for m, _ in SEGMENT_CASES])
+def test_dropout_mask_of_a_token_does_not_depend_on_the_layout(attention_results: list, mode: str) -> None:
+    assert max(out[("dropout", mode)] for out in attention_results) == 0.0
+
+
 def test_attention_traffic_is_counted_per_group(attention_results: list) -> None:
     labels = attention_results[0]["labels"]
     assert "sp:all_to_all" in labels and "sp:ring_send" in labels

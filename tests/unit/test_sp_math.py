@@ -146,3 +146,24 @@ def test_packed_and_padded_attention_matches_a_masked_reference(budget: int | No
     assert torch.allclose(got * valid, want * valid, atol=1e-12)
     for a, b in zip(mine, grads):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_positional_dropout_mask_follows_the_token_not_the_layout() -> None:
+    """The mask of a token is the same whichever slice holds it (any layout), and in one piece."""
+    from deepshard.sp.dropout import BLOCK, positional_dropout
+
+    x = torch.ones(2, 3 * BLOCK + 5, 4)
+    torch.manual_seed(7)
+    whole = positional_dropout(x, 0.3, torch.arange(x.shape[1]))
+    for layout in (SeqLayout(x.shape[1], ring=4), SeqLayout(x.shape[1], ulysses=3), SeqLayout(x.shape[1], ring=2, ulysses=2)):
+        for rank in range(layout.sp):
+            torch.manual_seed(7)
+            mine = layout.positions(rank)
+            real = mine < x.shape[1]
+            got = positional_dropout(x[:, mine[real]], 0.3, mine[real])
+            assert torch.equal(got, whole[:, mine[real]])
+    kept = float((whole != 0).float().mean())
+    assert abs(kept - 0.7) < 0.02 and torch.allclose(whole[whole != 0], torch.tensor(1 / 0.7))
+    torch.manual_seed(7)
+    positional_dropout(x, 0.3, torch.arange(x.shape[1]))
+    assert not torch.equal(positional_dropout(x, 0.3, torch.arange(x.shape[1])), whole)  # the next call differs

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from deepshard.sp.attention import SPGroups, sp_attention
 from deepshard.sp.collectives import as_comm, sum_over_group
+from deepshard.sp.dropout import positional_dropout
 from deepshard.sp.groups import Mode, build_sp_groups
 from deepshard.sp.layout import SeqLayout, pad_sequence
 from deepshard.sp.softmax_merge import segment_ids
@@ -117,6 +118,12 @@ class SequenceParallel:
         whole sequence of ``seq_len`` tokens; ``segments`` (``shard_batch``'s): packed documents attend
         only within themselves, masked-out tokens are never attended to."""
         return sp_attention(q, k, v, self.groups, self.layout(seq_len), causal=causal, scale=scale, segments=segments)
+
+    def dropout(self, x: torch.Tensor, p: float, seq_len: int, training: bool = True, dim: int = 1) -> torch.Tensor:
+        """Dropout on this rank's tokens (along ``dim``) whose mask depends on each token's global position
+        only, not on the layout (``dropout.positional_dropout``): the same masks on any number of ranks and
+        in one process (with ``positions = arange``), given the same seed."""
+        return positional_dropout(x, p, self.layout(seq_len).positions(self.rank), training, dim)
 
     def loss(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """The token-mean cross entropy of the whole sequence (every rank returns the same value)."""
