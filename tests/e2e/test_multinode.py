@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -230,3 +231,32 @@ def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tm
     while not _gone(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(rank1), "node 1's rank outlived its agent"
+
+
+def test_agents_started_by_srun_or_mpirun_take_their_node_rank_from_the_runner(tmp_path: Path) -> None:
+    """What ``srun`` / ``mpirun`` do with ``--launcher slurm|openmpi`` (one task per host, no --node_rank):
+    node 0 is ``deepshard --no_ssh`` with Slurm's variables, node 1 the agent module with OpenMPI's; each
+    reads its node rank from them and the four ranks follow the hostfile."""
+    from deepshard.launcher.hostfile import encode_world_info
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    port = free_port_pair()
+    script = [str(SCRIPTS / "allreduce.py")]
+    node0 = subprocess.Popen([*_deepshard(), "-H", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1",
+                              "--master_port", str(port), *script], cwd=ROOT, text=True,
+                             env=_clean_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NODEID="0"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    world = encode_world_info({"node-a": [0, 1], "node-b": [0, 1]})
+    node1 = subprocess.Popen([sys.executable, "-u", "-m", "deepshard.launcher.node", "--world_info", world,
+                              "--master_addr", "127.0.0.1", "--master_port", str(port), "--report_on_node0",
+                              *script], cwd=ROOT, text=True,
+                             env=_clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    (rc0, out0, err0), (rc1, out1, err1) = finish([node0, node1], 90)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert "node rank 0 from SLURM_PROCID" in err0 and "node rank 1 from OMPI_COMM_WORLD_RANK" in err1
+    found = {int(r): (int(lr), int(w)) for r, lr, w in
+             re.findall(r"rank (\d) ok local_rank=(\d) env_local_rank=\d world=(\d)", out0 + out1)}
+    assert found == {0: (0, 4), 1: (1, 4), 2: (0, 4), 3: (1, 4)}
+    assert sorted(int(r) for r in re.findall(r"rank (\d) ok", out1)) == [2, 3]

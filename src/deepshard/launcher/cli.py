@@ -272,6 +272,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     names = local_hostnames()
     active = select_nodes(args, hostfile, cuda_devices, names)
     _say_cpu_default(args, hostfile, cuda_devices)
+    if args.no_ssh:
+        args = node.with_node_rank(args, os.environ)  # `srun deepshard --no_ssh ...`: one per node
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
     cores = sorted(os.sched_getaffinity(0))
     args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
@@ -297,13 +299,10 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
                     master_addr: str) -> Callable[[Callable[[list[int]], None] | None], int]:
     exports, cwd = job_exports(os.environ), os.getcwd()
     if mode in multinode.MPI_LAUNCHERS:
-        for flag in ("enable_each_rank_log", "bind_core_list"):
-            if getattr(args, flag):
-                logger.warning("--%s is not applied with --launcher %s (the runner starts the ranks)", flag, mode)
-        multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)  # errors surface now
-        return lambda started: multinode.run_with_restarts(
-            lambda k: [multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ, k)],
-            args.max_restarts, None, started)
+        spec = multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)
+        logger.info("starting %d node agents with %s (master %s:%d)", len(active), spec.cmd[0], master_addr,
+                    args.master_port)
+        return lambda started: multinode.run_agents([spec], started)
     if not args.no_ssh_check:
         multinode.check_ssh(list(active), args.ssh_port, shlex.split(args.launcher_args))
     if mode == "pdsh":

@@ -147,6 +147,30 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     return run_agent(ajob, rdzv, on_started)
 
 
+NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+"""Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank."""
+
+
+def node_rank_from_env(environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """``(node rank, variable)`` from an MPI or Slurm runner's variables, or None outside one."""
+    for name in NODE_RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value), name
+    return None
+
+
+def with_node_rank(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
+    """``args`` with ``--node_rank`` filled in from the runner's variables when it was not given."""
+    if args.node_rank >= 0:
+        return args
+    found = node_rank_from_env(environ)
+    if found is None:
+        return args
+    logger.info("node rank %d from %s (started by an MPI / Slurm runner)", *found)
+    return argparse.Namespace(**{**vars(args), "node_rank": found[0]})
+
+
 def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] | None:
     """``(min, max)`` nodes of ``--elastic_training`` (defaults 1 and the selected hosts), else None."""
     if not getattr(args, "elastic_training", False):
@@ -163,9 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deepshard.launcher.node",
                                      description="deepshard's per-node agent (started by the launcher)")
     parser.add_argument("--world_info", required=True, help="the selected hosts and slots (base64 JSON)")
-    parser.add_argument("--node_rank", type=int, required=True, help="this node's index in the world")
+    parser.add_argument("--node_rank", type=int, default=-1,
+                        help="this node's index in the world (default: from OMPI_COMM_WORLD_RANK, PMI_RANK, "
+                             "PMIX_RANK, MV2_COMM_WORLD_RANK or SLURM_PROCID)")
     parser.add_argument("--master_addr", required=True, help="node 0's address")
-    parser.add_argument("--master_port", type=int, required=True, help="rendezvous port (agents use port+1)")
+    parser.add_argument("--master_port", type=int, required=True, help="port of node 0's store (agents and ranks)")
     parser.add_argument("--max_restarts", type=int, default=0, help="restarts after a failure")
     parser.add_argument("--exit_on_stdin_close", action="store_true",
                         help="stop the job when stdin reaches end-of-file (the ssh launcher went away)")
@@ -199,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
     base_env = dict(os.environ)
+    args = with_node_rank(args, base_env)
     try:
+        if args.node_rank < 0:
+            raise LaunchError("no --node_rank, and none of " + ", ".join(NODE_RANK_VARIABLES) + " is set; pass "
+                              "--node_rank N, or start one agent per node with mpirun / srun")
         job = job_from_args(args, decode_world_info(args.world_info), base_env)
         return run_node(job, base_env, sorted(os.sched_getaffinity(0)))
     except (LaunchError, ValueError) as exc:
