@@ -163,20 +163,34 @@ def bytes_table(seq_len: int) -> list[dict[str, Any]]:
 
 
 def longest(world: int, mode: str, cap: int, start: int) -> tuple[int, int]:
-    """The longest length (a multiple of 256) whose peak stays under ``cap`` bytes on every rank."""
-    good, bad = 0, None
-    length = start
+    """The longest length (a multiple of 256) whose peak stays under ``cap`` bytes on every rank, and its
+    peak. The peak grows about linearly with the length, so each next length is read off the line through
+    the two measurements nearest the cap (bisection when that falls outside the bracket)."""
+    peaks: dict[int, int] = {}
+
+    def measure(length: int) -> None:
+        peaks[length] = max(r["peak"] for r in run(world, {"mode": mode, "seq_len": length}))
+        print(f"  {mode} sp={world} {length} tokens: peak {peaks[length] / 2**20:.1f} MiB", flush=True)
+
+    measure(start)
     while True:
-        peak = max(r["peak"] for r in run(world, {"mode": mode, "seq_len": length}))
-        if peak <= cap:
-            good = length
-            length = length * 2 if bad is None else (length + bad) // 2
-        else:
-            bad = length
-            length = (good + length) // 2 if good else length // 2
-        length = max(256, length // 256 * 256)
-        if bad is not None and bad - good <= 256 or length in (good, bad):
-            return good, peak
+        good = max((n for n, p in peaks.items() if p <= cap), default=0)
+        bad = min((n for n, p in peaks.items() if p > cap), default=None)
+        if bad is not None and bad - good <= 256:
+            return good, peaks.get(good, 0)
+        near = sorted(peaks, key=lambda n: abs(peaks[n] - cap))[:2]
+        if len(near) == 2 and peaks[near[0]] != peaks[near[1]]:
+            (n1, p1), (n2, p2) = ((n, peaks[n]) for n in near)
+            guess = int(n1 + (cap - p1) * (n2 - n1) / (p2 - p1)) // 256 * 256
+        else:  # one point: the peak taken as proportional to the length
+            (n1, p1), = peaks.items()
+            guess = int(n1 * cap / max(p1, 1)) // 256 * 256
+        guess = max(guess, good + 256)  # strictly inside the bracket
+        if bad is not None:
+            guess = min(guess, bad - 256)
+        if guess in peaks or guess < 256:
+            return good, peaks.get(good, 0)
+        measure(guess)
 
 
 def main() -> None:
@@ -193,8 +207,8 @@ def main() -> None:
     if not args.skip_memory:
         cap = args.cap_mib << 20
         report["memory"] = {}
-        for world, mode in ((1, "ulysses"), (2, "ulysses"), (2, "ring"), (4, "ring"), (4, "ulysses")):
-            report["memory"][f"{mode} sp{world}"] = longest(world, mode, cap, 2048 * world)
+        for world, mode in ((1, "ulysses"), (2, "ulysses"), (4, "ulysses"), (2, "ring"), (4, "ring")):
+            report["memory"][f"{mode} sp{world}"] = longest(world, mode, cap, 3072 * world)
             print(f"{mode} sp={world}: longest {report['memory'][f'{mode} sp{world}'][0]} tokens under "
                   f"{args.cap_mib} MiB", flush=True)
     if not args.skip_time:

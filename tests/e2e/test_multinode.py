@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -198,3 +199,64 @@ def test_a_killed_node_is_named_even_when_a_rank_elsewhere_fails_first(tmp_path:
     headline = [line for line in err0.splitlines() if line.startswith("deepshard: ")][0]
     assert "the node agent on host node-b (node 1) sent no heartbeat" in headline, err0
     assert took < 25, f"node 0 needed {took:.1f} s"
+
+
+def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tmp_path: Path) -> None:
+    """``--elastic_training``: two agents meet through torch's c10d rendezvous. Node 1's agent is killed
+    outright; node 0's rank loses its peer, and with ``--max_restarts 1`` node 0's agent forms a new world
+    without node 1 (``--min_elastic_nodes 1``) and finishes; node 1's rank died with its agent."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = free_port_pair()
+    script = [str(SCRIPTS / "elastic_probe.py"), "--steps", "60"]
+    extra = ["--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2", "--max_restarts", "1"]
+    node0 = start_node(0, hostfile, port, script, extra)
+    time.sleep(1.0)  # node 0 hosts the rendezvous store (both agents are on this machine)
+    node1 = start_node(1, hostfile, port, script, extra)
+    try:
+        line = ""
+        while "of 2 attempt 0" not in line:
+            line = node1.stdout.readline()  # type: ignore[union-attr]
+            assert line, "node 1 ended before its rank started"
+        rank1 = int(re.search(r"pid=(\d+)", line).group(1))  # type: ignore[union-attr]
+        node1.send_signal(signal.SIGKILL)
+        (rc0, out0, err0), = finish([node0], 120)
+    finally:
+        finish([node1], 5)
+    assert rc0 == 0, out0 + err0
+    assert re.search(r"rank 0 of 2 attempt 0 pid=\d+ sleeping", out0), out0
+    assert "rank 0 of 1 attempt 1 done" in out0, out0  # the job went on in a world without node 1
+    assert "restarting every rank (restart 1 of 1)" in err0, err0
+    deadline = time.monotonic() + 5
+    while not _gone(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(rank1), "node 1's rank outlived its agent"
+
+
+def test_agents_started_by_srun_or_mpirun_take_their_node_rank_from_the_runner(tmp_path: Path) -> None:
+    """What ``srun`` / ``mpirun`` do with ``--launcher slurm|openmpi`` (one task per host, no --node_rank):
+    node 0 is ``deepshard --no_ssh`` with Slurm's variables, node 1 the agent module with OpenMPI's; each
+    reads its node rank from them and the four ranks follow the hostfile."""
+    from deepshard.launcher.hostfile import encode_world_info
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    port = free_port_pair()
+    script = [str(SCRIPTS / "allreduce.py")]
+    node0 = subprocess.Popen([*_deepshard(), "-H", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1",
+                              "--master_port", str(port), *script], cwd=ROOT, text=True,
+                             env=_clean_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NODEID="0"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    world = encode_world_info({"node-a": [0, 1], "node-b": [0, 1]})
+    node1 = subprocess.Popen([sys.executable, "-u", "-m", "deepshard.launcher.node", "--world_info", world,
+                              "--master_addr", "127.0.0.1", "--master_port", str(port), "--report_on_node0",
+                              *script], cwd=ROOT, text=True,
+                             env=_clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    (rc0, out0, err0), (rc1, out1, err1) = finish([node0, node1], 90)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert "node rank 0 from SLURM_PROCID" in err0 and "node rank 1 from OMPI_COMM_WORLD_RANK" in err1
+    found = {int(r): (int(lr), int(w)) for r, lr, w in
+             re.findall(r"rank (\d) ok local_rank=(\d) env_local_rank=\d world=(\d)", out0 + out1)}
+    assert found == {0: (0, 4), 1: (1, 4), 2: (0, 4), 3: (1, 4)}
+    assert sorted(int(r) for r in re.findall(r"rank (\d) ok", out1)) == [2, 3]

@@ -54,13 +54,62 @@ def _one_case(sp: SequenceParallel, case: tuple, seed: int) -> dict[str, float]:
     return errors
 
 
+# (mode, ulysses_size): packed documents in one sample, padding inside the other (13 tokens, 6 heads over 2)
+SEGMENT_CASES = [("ulysses", None), ("ring", None), ("hybrid", 2)]
+
+
+def _segment_case(sp: SequenceParallel, seed: int) -> dict[str, float]:
+    from deepshard.sp.softmax_merge import segment_ids
+    from tests.unit.test_sp_math import segment_reference
+
+    s = 13
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2], list(range(s))])
+    mask = torch.tensor([[1] * s, [0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0]])
+    seg = segment_ids(positions, mask)
+    assert seg is not None
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, n, s, 8, generator=g, dtype=torch.float64) for n in (6, 2, 2))
+    dout = torch.randn(2, 6, s, 8, generator=g, dtype=torch.float64) * (seg >= 0)[:, None, :, None]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    segment_reference(*full, seg).backward(dout)
+    want = segment_reference(q, k, v, seg)
+    batch = sp.shard_batch({"input_ids": torch.zeros(2, s, dtype=torch.long), "position_ids": positions,
+                            "attention_mask": mask})
+    mine = [sp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    got = sp.attention(*mine, seq_len=s, segments=batch["segments"])
+    got.backward(sp.shard(dout, dim=2))
+    valid = (sp.shard(seg, dim=1, pad_value=-1) >= 0)[:, None, :, None]  # [b, 1, local, 1]
+    errors = {"out": float(((got - sp.shard(want, dim=2)) * valid).abs().max()),
+              "positions": float((batch["position_ids"] - sp.shard(positions)).abs().max())}
+    for name, a, b in zip("qkv", mine, full):
+        errors[f"d{name}"] = float((a.grad - sp.shard(b.grad, dim=2)).abs().max())
+    return errors
+
+
+def _dropout_case(sp: SequenceParallel) -> float:
+    """The largest difference between this rank's ``sp.dropout`` and one process's mask on the same tokens."""
+    from deepshard.sp.dropout import positional_dropout
+
+    x = torch.randn(2, 300, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(11)
+    whole = positional_dropout(x, 0.4, torch.arange(300))
+    torch.manual_seed(11)
+    got = sp.dropout(sp.shard(x), 0.4, 300)
+    real = sp.layout(300).positions(sp.rank) < 300
+    return float((got[:, real] - sp.shard(whole)[:, real]).abs().max())
+
+
 def attention_world(rank: int, world: int) -> dict[str, Any]:
-    """sp=4 (every mode) and dp=2 x sp=2 on one world of 4."""
+    """sp=4 (every mode, and packed/padded samples) and dp=2 x sp=2 on one world of 4."""
     out: dict[str, Any] = {}
     topo4 = Topology.build(ParallelDims(sp=4))
     for i, case in enumerate(ATTENTION_CASES_SP4):
         sp = SequenceParallel.build(topo4, case[0], case[1], balance=case[6])
         out[("sp4",) + case] = _one_case(sp, case, seed=i)
+    for i, (mode, u) in enumerate(SEGMENT_CASES):
+        sp = SequenceParallel.build(topo4, mode, u)
+        out[("segments", mode)] = _segment_case(sp, seed=50 + i)
+        out[("dropout", mode)] = _dropout_case(sp)
     topo2 = Topology.build(ParallelDims(dp=2, sp=2))
     for i, case in enumerate(ATTENTION_CASES_SP2):
         sp = SequenceParallel.build(topo2, case[0], case[1], balance=case[6])
@@ -142,7 +191,8 @@ def tiny_llama(attn: str) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                         use_cache=False)  # training: no cache (transformers then reads packed documents)
     config._attn_implementation = attn
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -152,11 +202,32 @@ def hf_samples(seq_len: int) -> torch.Tensor:
     return torch.randint(0, 64, (16, seq_len), generator=torch.Generator().manual_seed(9))
 
 
-def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool) -> dict[str, Any]:
+def hf_positions(seq_len: int, packed: bool) -> torch.Tensor:
+    """[1, seq_len] position ids: one document, or packed documents of 5, 4 and the rest (restarting at 0)."""
+    if not packed:
+        return torch.arange(seq_len).unsqueeze(0)
+    return torch.cat([torch.arange(5), torch.arange(4), torch.arange(seq_len - 9)]).unsqueeze(0)
+
+
+def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool, mode: str = "ulysses",
+                packed: bool = False) -> dict[str, Any]:
     """DeepSpeed's ALST tutorial loop, written against ``deepspeed`` names (deepshard's compat shim):
     rank r's DataLoader reads samples r, r + world, ...; the tutorial's token-weighted all_gather loss
     (``gather_loss``; torch's all_gather backward fails on gloo when sp < world, a torch bug) or
-    ``deepshard.sp.sp_token_mean``."""
+    ``deepshard.sp.sp_token_mean``. ``mode``: deepshard's ``sequence_parallel_mode`` (hybrid: Ulysses
+    pairs); ``packed``: documents packed in each sample (position ids restarting)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS[attn] if attn in ALL_ATTENTION_FUNCTIONS else None
+    try:
+        return _alst_loop(attn, sp_size, stage, seq_len, gather_loss, mode, packed)
+    finally:  # the next script registers its own wrapper around the real attention
+        if before is not None:
+            ALL_ATTENTION_FUNCTIONS[attn] = before
+
+
+def _alst_loop(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: bool, mode: str,
+               packed: bool) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnn
 
@@ -169,16 +240,17 @@ def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: 
     from deepspeed.utils import groups
 
     model = tiny_llama(attn)
+    extra = {} if mode == "ulysses" else {"sequence_parallel_mode": mode, "ulysses_size": 2 if mode == "hybrid" else None}
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attn, sequence_parallel_size=sp_size,
-        micro_batch_size=1, seq_length=seq_len, seq_length_is_variable=True)
+        micro_batch_size=1, seq_length=seq_len, seq_length_is_variable=True, **extra)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "sequence_parallel_size": sp_size}
     engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
     world, rank = dist.get_world_size(), dist.get_rank()
     ids = hf_samples(seq_len)[rank::world]
-    data = [{"input_ids": x.unsqueeze(0), "position_ids": torch.arange(seq_len).unsqueeze(0),
+    data = [{"input_ids": x.unsqueeze(0), "position_ids": hf_positions(seq_len, packed),
              "labels": x.unsqueeze(0)} for x in ids]
     sp_group = groups._get_sequence_parallel_group()
     sp_world_size = groups._get_sequence_parallel_world_size()
@@ -213,19 +285,25 @@ def alst_script(attn: str, sp_size: int, stage: int, seq_len: int, gather_loss: 
 
 def hf_world(rank: int, world: int) -> dict[str, Any]:
     """sp4 with sdpa at ZeRO 3 (6 heads over 4 ranks, 14 tokens: both uneven); dp2 x sp2 with eager at ZeRO 1
-    (13 tokens)."""
+    (13 tokens, packed documents); ring sp4 (sdpa, packed, 14 tokens) at ZeRO 1; hybrid 2x2 (sdpa, 15
+    tokens, packed) at ZeRO 2."""
     return {"sdpa_sp4_z3": alst_script("sdpa", 4, 3, 14, gather_loss=True),
-            "eager_dp2sp2_z1": alst_script("eager", 2, 1, 13, gather_loss=False)}
+            "eager_dp2sp2_z1_packed": alst_script("eager", 2, 1, 13, gather_loss=False, packed=True),
+            "ring_sp4_z1_packed": alst_script("sdpa", 4, 1, 14, gather_loss=True, mode="ring", packed=True),
+            "hybrid_sp4_z2_packed": alst_script("sdpa", 4, 2, 15, gather_loss=True, mode="hybrid", packed=True)}
 
 
-def hf_reference(attn: str, seq_len: int, steps: list[list[int]]) -> dict[str, Any]:
-    """One process, the same model and samples: each step's loss is the mean of its samples' token means."""
+def hf_reference(attn: str, seq_len: int, steps: list[list[int]], packed: bool = False) -> dict[str, Any]:
+    """One process, the same model and samples (packed: transformers itself reads the documents from the
+    restarting position ids): each step's loss is the mean of its samples' token means."""
     model = tiny_llama(attn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     samples = hf_samples(seq_len)
+    positions = hf_positions(seq_len, packed)
     losses, norms = [], []
     for chosen in steps:
-        loss = sum(model(input_ids=samples[i:i + 1], labels=samples[i:i + 1]).loss for i in chosen) / len(chosen)
+        loss = sum(model(input_ids=samples[i:i + 1], position_ids=positions, labels=samples[i:i + 1]).loss
+                   for i in chosen) / len(chosen)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()

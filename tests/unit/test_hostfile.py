@@ -284,8 +284,16 @@ def test_plan_module_no_local_rank_and_unsupported_flags() -> None:
     assert spec.cmd == [sys.executable, "-u", "-m", "pkg.train", "--x"]
     with pytest.raises(LaunchError, match="--autotuning"):
         _plan(["--autotuning", "tune", "t.py"])
-    with pytest.raises(LaunchError, match="--elastic_training .*--max_restarts"):
-        _plan(["--elastic_training", "t.py"])
+    with pytest.raises(LaunchError, match="apply with --elastic_training"):
+        _plan(["--min_elastic_nodes", "2", "t.py"])
+    from deepshard.launcher.node import elastic_range
+
+    assert elastic_range(parse_args(["--elastic_training", "t.py"]), 3) == (1, 3)
+    assert elastic_range(parse_args(["--elastic_training", "--min_elastic_nodes", "2", "t.py"]), 3) == (2, 3)
+    assert elastic_range(parse_args(["t.py"]), 3) is None
+    with pytest.raises(LaunchError, match="need 1 <= min <= max"):
+        elastic_range(parse_args(["--elastic_training", "--min_elastic_nodes", "3", "--max_elastic_nodes", "2",
+                                  "t.py"]), 3)
     with pytest.raises(LaunchError, match="--module and --no_python"):
         _plan(["--module", "--no_python", "t.py"])
 

@@ -2,6 +2,7 @@
 per-node rank plan, and the agent's stop decisions; no training processes."""
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import threading
@@ -14,19 +15,13 @@ from deepshard.launcher.coordination import (
     JobChannel,
     JobConfigMismatch,
     JobFailure,
-    coordination_port,
     open_store,
 )
-from deepshard.launcher.local import LocalLaunch, die_with_parent
-from deepshard.launcher.node import (
-    NodeJob,
-    _Agent,
-    _Watch,
-    format_job_failure,
-    plan_node_ranks,
-)
+from deepshard.launcher.agent import AgentJob, entry
+from deepshard.launcher.local import TORCH_SETS, LocalLaunch
+from deepshard.launcher.node import NodeJob, agent_job, plan_node_ranks
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.supervisor import RankFailure
+from deepshard.launcher.rendezvous import NodeRendezvous, format_job_failure
 
 HOSTS = ["node-a", "node-b", "node-c"]
 FAIL = JobFailure("rank", 1, "node-b", "rank 3 (local rank 1, pid 77)", "exited with code 3", 3, rank=3,
@@ -55,7 +50,6 @@ def test_failure_record_round_trip_and_headline() -> None:
                                  "----- last output of rank 3 (host node-b) -----", "line 1", "boom",
                                  "----- end of rank 3 output -----"]
     assert format_job_failure(FAIL, full=False) == full.splitlines()[0]
-    assert coordination_port(29500) == 29501
 
 
 def test_config_must_match_node_0() -> None:
@@ -194,33 +188,46 @@ def test_node_job_place_and_validation() -> None:
 
 
 def test_plan_node_ranks_global_ranks_and_environment() -> None:
-    specs = plan_node_ranks(_job(1, bind=True), {"KEEP": "1"}, [0, 1, 2, 3], restart_count=2, python="py")
+    specs = plan_node_ranks(_job(1, bind=True), {"KEEP": "1"}, [0, 1, 2, 3], python="py")
     assert [(s.rank, s.local_rank, s.slot) for s in specs] == [(2, 0, 0), (3, 1, 2)]
     env = specs[1].env
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
-                                "MASTER_ADDR", "MASTER_PORT", "DEEPSHARD_RESTART_COUNT", "KEEP")} == \
+                                "MASTER_ADDR", "MASTER_PORT", "KEEP")} == \
         {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2", "CROSS_RANK": "1",
-         "CROSS_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000", "DEEPSHARD_RESTART_COUNT": "2",
-         "KEEP": "1"}
+         "CROSS_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000", "KEEP": "1"}
     assert specs[1].cmd == ["py", "-u", "t.py", "--local_rank=1", "--x"]
     assert [s.cores for s in specs] == [(0, 1), (2, 3)] and env["OMP_NUM_THREADS"] == "2"
-    guarded = plan_node_ranks(_job(1), {}, [0, 1], python="py", agent_pid=4242)
-    if sys.platform.startswith("linux"):
-        assert guarded[0].cmd[:2] == ["py", "-c"] and guarded[0].cmd[3:] == ["4242", "py", "-u", "t.py",
-                                                                               "--local_rank=0", "--x"]
 
 
-def test_die_with_parent_shim_execs_the_command() -> None:
+def test_agent_job_hands_torch_one_command_and_the_shared_variables() -> None:
+    job = _job(1, bind=True)
+    specs = plan_node_ranks(job, {"KEEP": "1", "FROM_ENV_FILE": "x"}, [0, 1, 2, 3], python="py")
+    ajob = agent_job(specs, job.launch, {"KEEP": "1"}, 2, None, python="py", launcher_env={"KEEP": "1"})
+    assert ajob.argv == ["py", "-u", "t.py", "--local_rank=${local_rank}", "--x"]  # torch's macro
+    assert ajob.nproc == 2 and ajob.max_restarts == 2 and ajob.cores == [(0, 1), (2, 3)]
+    assert ajob.rank_env["FROM_ENV_FILE"] == "x" and ajob.rank_env["OMP_NUM_THREADS"] == "2"
+    assert not TORCH_SETS & set(ajob.rank_env) and "KEEP" not in ajob.rank_env  # torch / the launcher set those
+
+
+def test_rank_shim_binds_sets_and_execs_and_refuses_an_unguarded_start() -> None:
     import os
     import subprocess
 
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux only")
-    out = subprocess.run(die_with_parent([sys.executable, "-c", "import os; print(os.getpid())"], os.getpid()),
-                         capture_output=True, text=True, timeout=20)
-    assert out.returncode == 0 and out.stdout.strip().isdigit()
-    wrong_parent = subprocess.run(die_with_parent(["true"], 1), timeout=20)
-    assert wrong_parent.returncode == 1  # its parent is not pid 1: refuses to run unguarded
+    cores = sorted(os.sched_getaffinity(0))[:1]
+    probe = ("import os, json; print(json.dumps([os.getpid(), sorted(os.sched_getaffinity(0)), "
+             "os.environ['OMP_NUM_THREADS'], os.environ['DEEPSHARD_RESTART_COUNT'], os.environ['CROSS_RANK'], "
+             "os.environ['CROSS_SIZE'], os.environ['FROM_JOB']]))")
+    ajob = AgentJob([sys.executable, "-c", probe], 2, {"FROM_JOB": "y"}, [(), tuple(cores)])
+    python, args = entry(ajob, os.getpid())
+    env = {**os.environ, "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2", "GROUP_RANK": "1",
+           "GROUP_WORLD_SIZE": "3"}
+    out = subprocess.run([python, *args], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)[1:] == [cores, str(len(cores)), "2", "1", "3", "y"]
+    _, unguarded = entry(ajob, 1)  # its parent is not pid 1: refuses to run without the death signal
+    assert subprocess.run([python, *unguarded], env=env, timeout=30).returncode == 1
 
 
 class _Beat:
@@ -228,47 +235,56 @@ class _Beat:
         self.lost = lost
 
 
+def _rendezvous(node_rank: int, channel: JobChannel, store: object) -> NodeRendezvous:
+    rdzv = NodeRendezvous(HOSTS, node_rank, "127.0.0.1", 4000, "deepshard", "{}", {})
+    rdzv.channel, rdzv._store, rdzv.round = channel, store, 0  # type: ignore[assignment]
+    return rdzv
+
+
 def test_agent_check_decisions() -> None:
     clock = Clock()
     node0, node1, node2 = _channels(clock=clock)
-    job0 = NodeJob({h: [0] for h in HOSTS}, 0, LocalLaunch("t.py", []))
-    agent0 = _Agent(job0, node0, {}, [0], None, None, None)
-    assert agent0.check(0) is None
+    rdzv0 = _rendezvous(0, node0, node0.store)
+    assert rdzv0.check(force=True) is None
     node1.beat()
     node2.beat()
-    assert agent0.check(0) is None
+    assert rdzv0.check(force=True) is None
     clock.now = 11.0
     node1.beat()
-    lost = agent0.check(0)  # node 2 went silent: node 0 ends the job for everyone
+    lost = rdzv0.check(force=True)  # node 2 went silent: node 0 ends the job for everyone
     assert lost is not None and (lost.kind, lost.node, lost.restartable) == ("lost", 2, False)
-    assert "sent no heartbeat for 10 s" in lost.what and node1.abort() == lost and agent0.lost == [2]
+    assert "sent no heartbeat for 10 s" in lost.what and node1.abort() == lost and rdzv0.lost == [2]
 
     nodes = _channels()
-    agent1 = _Agent(NodeJob({h: [0] for h in HOSTS}, 1, LocalLaunch("t.py", [])), nodes[1], {}, [0],
-                    None, None, None)  # type: ignore[arg-type]
-    watch = _Watch(agent1, 0)
-    assert watch() is None
+    rdzv1 = _rendezvous(1, nodes[1], nodes[1].store)
+    assert rdzv1.check(force=True) is None
     nodes[2].publish_failure(0, FAIL)
-    assert watch(force=True) == FAIL.headline() and watch.failure == FAIL
-    agent1.heartbeat = _Beat("Connection reset")  # type: ignore[assignment]
-    gone = agent1.check(1)
+    assert rdzv1.check(force=True) == FAIL
+    rdzv1._seen = None
+    rdzv1._heartbeat = _Beat("Connection reset")  # type: ignore[assignment]
+    gone = rdzv1.check(force=True)
     assert gone is not None and gone.kind == "lost" and gone.node == 0 and "Connection reset" in gone.what
 
 
-def test_local_rank_failure_becomes_job_failure() -> None:
-    from deepshard.launcher.node import failure_from_rank
+def test_local_rank_failure_becomes_the_job_failure_first_one_wins() -> None:
+    from deepshard.launcher.rank_streams import RankStream
 
-    failure = failure_from_rank(_job(1), RankFailure(3, 1, 77, -9, "bye", None))
+    node0, node1, _ = _channels()
+    stream = RankStream(3, 1, tail=bytearray(b"bye"), returncode=-9, pid=77)
+    failure = _rendezvous(1, node1, node1.store).publish_rank_failure(stream, None)
     assert failure.headline() == "rank 3 (local rank 1, pid 77) on host node-b (node 1) exited with signal SIGKILL"
     assert (failure.exit_code, failure.rank, failure.tail, failure.restartable) == (1, 3, "bye", True)
+    later = RankStream(0, 0, returncode=1, pid=5)
+    assert _rendezvous(0, node0, node0.store).publish_rank_failure(later, None) == failure
 
 
-def test_a_node_that_never_joined_is_not_waited_for_at_the_end() -> None:
-    """Node 2 never starts: node 0's join times out and it used to wait EXIT_WAIT_S (15 s) more for node 2
-    to confirm the end of a job it never began. Now it closes at once (node 1 confirmed)."""
+def test_a_node_that_never_joined_is_named_and_not_waited_for_at_the_end() -> None:
+    """Node 2 never starts: node 0's join names it when the timeout ends, and node 0 closes at once (node 1
+    confirmed) instead of waiting EXIT_WAIT_S (15 s) for a node that never began."""
     clock = Clock()
     node0, node1, _ = _channels(clock=clock)
-    agent0 = _Agent(NodeJob({h: [0] for h in HOSTS}, 0, LocalLaunch("t.py", [])), node0, {}, [0], None, None, None)
+    rdzv0 = _rendezvous(0, node0, node0.store)
+    rdzv0.round, rdzv0.join_timeout_s = -1, 3.0
     node1.store.set("round0/joined/1", "1")
     node1.mark_exited()
 
@@ -278,7 +294,7 @@ def test_a_node_that_never_joined_is_not_waited_for_at_the_end() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("deepshard.launcher.coordination.time.sleep", tick)
         with pytest.raises(TimeoutError, match="node 2 \\(node-c\\) did not join within 3 s"):
-            agent0.run(3.0)
+            rdzv0.next_rendezvous()
         joined_at = clock.now
-        agent0.close()
-    assert clock.now - joined_at < 1.0 and agent0.lost == [2]
+        rdzv0.close()
+    assert clock.now - joined_at < 1.0 and rdzv0.lost == [2]

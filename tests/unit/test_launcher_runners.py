@@ -26,7 +26,7 @@ from deepshard.launcher.runners import (
 )
 
 WORLD = {"w0": [0, 1], "w1": [0, 1]}
-RANK_CMD = ["py", "-u", "train.py", "--lr", "1"]
+AGENT = ["py", "-u", "train.py", "--lr", "1"]
 
 
 def test_world_info_round_trip_keeps_order_and_rejects_garbage() -> None:
@@ -48,6 +48,8 @@ def test_node_agent_argv() -> None:
                     "--exit_on_stdin_close", "--report_on_node0", "--no_local_rank", "train.py", "--x", "a b"]
     plain = node_agent_argv("T", 0, "h", 1, "t.py", [], python="py")
     assert "--max_restarts" not in plain and "--exit_on_stdin_close" not in plain
+    numbered_by_runner = node_agent_argv("T", None, "h", 1, "t.py", [], python="py")
+    assert not any(word.startswith("--node_rank") for word in numbered_by_runner)
 
 
 def test_remote_shell_command_quotes_everything() -> None:
@@ -81,29 +83,28 @@ def test_pdsh_command_node_rank_and_percent_escaping() -> None:
     assert "PDSH_SSH_ARGS_APPEND" not in pdsh_environment({}, None)
 
 
-def test_openmpi_command() -> None:
-    world = {"w0": [0, 1, 2], "w1": [0]}
-    assert openmpi_command(world, RANK_CMD, ["MASTER_ADDR", "NCCL_DEBUG"], ["--mca", "btl", "^openib"]) == \
-        ["mpirun", "-n", "4", "--host", "w0:3,w1:1", "--mca", "btl", "^openib", "-x", "MASTER_ADDR",
-         "-x", "NCCL_DEBUG", *RANK_CMD]
-    with pytest.raises(ValueError, match="host 'w1' has slots \\[1, 3\\] selected"):
-        openmpi_command({"w0": [0], "w1": [1, 3]}, RANK_CMD, [])
+def test_mpi_and_slurm_commands_start_one_agent_per_host() -> None:
+    world = {"w0": [0, 1, 2], "w1": [1]}  # any slots: each agent starts its host's own
+    assert openmpi_command(world, AGENT, ["MASTER_ADDR", "NCCL_DEBUG"], ["--mca", "btl", "^openib"]) == \
+        ["mpirun", "-n", "2", "--host", "w0:1,w1:1", "--mca", "btl", "^openib", "-x", "MASTER_ADDR",
+         "-x", "NCCL_DEBUG", *AGENT]
+    assert hydra_command(world, AGENT, ["A", "B"]) == \
+        ["mpirun", "-n", "2", "-ppn", "1", "-hosts", "w0,w1", "-genvlist", "A,B", *AGENT]
+    assert hydra_command({"w0": [0]}, AGENT, [], ["-v"])[:8] == ["mpirun", "-n", "1", "-ppn", "1", "-hosts", "w0", "-v"]
+    assert slurm_command(world, AGENT, ["--partition", "gpu"]) == \
+        ["srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--nodelist", "w0,w1",
+         "--kill-on-bad-exit=1", "--export=ALL", "--partition", "gpu", *AGENT]
 
 
-def test_hydra_command_for_mpich_impi_mvapich() -> None:
-    assert hydra_command(WORLD, RANK_CMD, ["A", "B"]) == \
-        ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "w0,w1", "-genvlist", "A,B", *RANK_CMD]
-    assert hydra_command({"w0": [0]}, RANK_CMD, [], ["-v"])[:7] == ["mpirun", "-n", "1", "-ppn", "1", "-hosts", "w0"]
-    with pytest.raises(ValueError, match="--launcher impi starts the same number of ranks.*'w0': 2, 'w1': 1"):
-        hydra_command({"w0": [0, 1], "w1": [0]}, RANK_CMD, [], launcher="impi")
+def test_node_rank_from_the_runners_variables() -> None:
+    from deepshard.launcher.node import node_rank_from_env, with_node_rank
 
-
-def test_slurm_command() -> None:
-    assert slurm_command(WORLD, RANK_CMD, ["--partition", "gpu"]) == \
-        ["srun", "--nodes", "2", "--ntasks", "4", "--ntasks-per-node", "2", "--nodelist", "w0,w1",
-         "--kill-on-bad-exit=1", "--export=ALL", "--partition", "gpu", *RANK_CMD]
-    with pytest.raises(ValueError, match="--launcher slurm starts the same number"):
-        slurm_command({"w0": [0, 1], "w1": [0]}, RANK_CMD)
+    assert node_rank_from_env({"OMPI_COMM_WORLD_RANK": "3"}) == (3, "OMPI_COMM_WORLD_RANK")
+    assert node_rank_from_env({"PMI_RANK": "1", "SLURM_PROCID": "0"}) == (1, "PMI_RANK")
+    assert node_rank_from_env({"SLURM_PROCID": "2"}) == (2, "SLURM_PROCID")
+    assert node_rank_from_env({"SLURM_PROCID": "x"}) is None and node_rank_from_env({}) is None
+    assert with_node_rank(_args("--no_ssh"), {"SLURM_PROCID": "1"}).node_rank == 1
+    assert with_node_rank(_args("--no_ssh", "--node_rank", "0"), {"SLURM_PROCID": "1"}).node_rank == 0
 
 
 # ------------------------------------------------------------------------- the launcher's plans
@@ -140,24 +141,28 @@ def test_plan_pdsh_single_command() -> None:
     assert spec.env["PDSH_RCMD_TYPE"] == "ssh" and spec.env["PDSH_SSH_ARGS_APPEND"] == "-p 22"
 
 
-def test_plan_mpi_exports_by_name_values_in_environment() -> None:
-    args = _args("--master_port", "6000", "--launcher", "openmpi", "--launcher_args=--oversubscribe")
+def test_plan_mpi_starts_agents_exports_by_name_values_in_environment() -> None:
+    args = _args("--master_port", "6000", "--launcher", "openmpi", "--launcher_args=--oversubscribe",
+                 "--max_restarts", "2")
     spec = plan_mpi(args, "openmpi", WORLD, "w0", {"NCCL_DEBUG": "WARN", "SECRET": "s3"}, {"HOME": "/h"},
-                    restart_count=2, python="py")
-    assert spec.cmd == ["mpirun", "-n", "4", "--host", "w0:2,w1:2", "--oversubscribe",
-                        "-x", "DEEPSHARD_RESTART_COUNT", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
-                        "-x", "NCCL_DEBUG", "-x", "SECRET", "py", "-u", "t.py", "--lr", "1"]
+                    python="py")
+    assert spec.cmd[:9] == ["mpirun", "-n", "2", "--host", "w0:1,w1:1", "--oversubscribe", "-x", "NCCL_DEBUG",
+                            "-x"]
+    agent = spec.cmd[spec.cmd.index("py"):]
+    assert agent[:4] == ["py", "-u", "-m", "deepshard.launcher.node"] and decode_world_info(agent[5]) == WORLD
+    assert not any(w.startswith("--node_rank") for w in agent)  # each agent reads it from the runner
+    for expected in (["--master_addr", "w0"], ["--master_port", "6000"], ["--max_restarts", "2"],
+                     ["--report_on_node0"]):
+        i = agent.index(expected[0])
+        assert agent[i:i + len(expected)] == expected
+    assert agent[-3:] == ["t.py", "--lr", "1"]
     assert "s3" not in " ".join(spec.cmd)  # values are not on the command line
-    assert {k: spec.env[k] for k in ("HOME", "SECRET", "MASTER_ADDR", "MASTER_PORT", "DEEPSHARD_RESTART_COUNT")} \
-        == {"HOME": "/h", "SECRET": "s3", "MASTER_ADDR": "w0", "MASTER_PORT": "6000", "DEEPSHARD_RESTART_COUNT": "2"}
-    assert spec.label == "mpirun (4 ranks on 2 nodes)"
+    assert {k: spec.env[k] for k in ("HOME", "SECRET")} == {"HOME": "/h", "SECRET": "s3"}
+    assert spec.label == "mpirun (2 node agents, 4 ranks)"
     mpich = plan_mpi(_args("--module"), "mpich", WORLD, "w0", {}, {}, python="py")
-    assert mpich.cmd[mpich.cmd.index("-genvlist") + 1] == "DEEPSHARD_RESTART_COUNT,MASTER_ADDR,MASTER_PORT"
-    assert mpich.cmd[-5:] == ["-u", "-m", "t.py", "--lr", "1"]  # no --local_rank: ranks read MPI's env
-    srun = plan_mpi(_args(), "slurm", WORLD, "w0", {}, {}, python="py")
-    assert srun.cmd[0] == "srun" and srun.cmd[-4:] == ["-u", "t.py", "--lr", "1"]
-    with pytest.raises(LaunchError, match="cannot pick slots"):
-        plan_mpi(_args(), "slurm", {"w0": [1]}, "w0", {}, {})
+    assert "-genvlist" not in mpich.cmd and "--module" in mpich.cmd  # nothing to export; the agent runs -m
+    srun = plan_mpi(_args(), "slurm", {"w0": [1]}, "w0", {}, {}, python="py")  # slots are the agent's to pick
+    assert srun.cmd[0] == "srun" and srun.cmd[-3:] == ["t.py", "--lr", "1"]
 
 
 def test_process_flags_forward_rank_options_only() -> None:

@@ -100,3 +100,70 @@ def test_block_attention_forward_and_backward_match_autograd(causal: bool, seq_l
     dq = sum(block_backward(q.detach(), k.detach()[:, :, s], v.detach()[:, :, s], a, 8 ** -0.5, lse, dout, delta)[0]
              for s, a in zip((slice(0, 6), slice(6, 12)), allowed))
     assert torch.allclose(dq, q.grad, atol=1e-10)
+
+
+def segment_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """Causal attention where a query sees only keys of its segment (``seg`` [b, s]; -1: never attended to).
+    A query of segment -1 attends to itself only (its output is nobody's: the tests give it no gradient)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q.shape[2]
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool)) & (seg.unsqueeze(-1) == seg.unsqueeze(1)) & \
+        (seg >= 0).unsqueeze(1)
+    allowed = allowed | ((seg < 0).unsqueeze(-1) & torch.eye(s, dtype=torch.bool))
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def test_segment_ids_from_packed_positions_and_padding() -> None:
+    from deepshard.sp.softmax_merge import segment_ids
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    assert segment_ids(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert segment_ids(torch.arange(8).unsqueeze(0)) is None  # one document: plain causal attention
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]])
+    assert segment_ids(None, mask).tolist() == [[-1, -1, 0, 0, 0, -1, 0, 0]]
+    assert segment_ids(None, torch.ones(1, 8)) is None
+
+
+@pytest.mark.parametrize("budget", [None, 7])
+def test_packed_and_padded_attention_matches_a_masked_reference(budget: int | None, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """Packed documents (segments) and padding inside a sequence, forward and backward, GQA, in row slices."""
+    import deepshard.sp.softmax_merge as sm
+
+    if budget is not None:
+        monkeypatch.setattr(sm, "ROW_BUDGET", budget)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 11, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [-1, -1, 0, 0, 0, -1, 0, 0, 0, 0, -1]])
+    dout = torch.randn(2, 4, 11, 4, generator=g, dtype=torch.float64) * (seg >= 0).unsqueeze(1).unsqueeze(-1)
+    want = segment_reference(q, k, v, seg)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    got = ring_attention(q, k, v, CommGroup.single(name="sp_ring"), [torch.arange(11)], causal=True, segments=seg)
+    mine = torch.autograd.grad(got, (q, k, v), dout)
+    valid = (seg >= 0).unsqueeze(1).unsqueeze(-1)
+    assert torch.allclose(got * valid, want * valid, atol=1e-12)
+    for a, b in zip(mine, grads):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_positional_dropout_mask_follows_the_token_not_the_layout() -> None:
+    """The mask of a token is the same whichever slice holds it (any layout), and in one piece."""
+    from deepshard.sp.dropout import BLOCK, positional_dropout
+
+    x = torch.ones(2, 3 * BLOCK + 5, 4)
+    torch.manual_seed(7)
+    whole = positional_dropout(x, 0.3, torch.arange(x.shape[1]))
+    for layout in (SeqLayout(x.shape[1], ring=4), SeqLayout(x.shape[1], ulysses=3), SeqLayout(x.shape[1], ring=2, ulysses=2)):
+        for rank in range(layout.sp):
+            torch.manual_seed(7)
+            mine = layout.positions(rank)
+            real = mine < x.shape[1]
+            got = positional_dropout(x[:, mine[real]], 0.3, mine[real])
+            assert torch.equal(got, whole[:, mine[real]])
+    kept = float((whole != 0).float().mean())
+    assert abs(kept - 0.7) < 0.02 and torch.allclose(whole[whole != 0], torch.tensor(1 / 0.7))
+    torch.manual_seed(7)
+    positional_dropout(x, 0.3, torch.arange(x.shape[1]))
+    assert not torch.equal(positional_dropout(x, 0.3, torch.arange(x.shape[1])), whole)  # the next call differs

@@ -2,7 +2,7 @@
 
 ``deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json`` starts two ranks of
 ``train.py`` on this machine (``--local_rank=N`` after the script path in each, the ``env://`` variables set) and
-supervises them (see :mod:`deepshard.launcher.supervisor`).
+supervises them with torch's elastic agent (see :mod:`deepshard.launcher.agent`).
 
 Slots: on CUDA a slot is a visible GPU (``torch.cuda.device_count()``); on a CPU machine a slot is a
 process, so ``--num_gpus N`` (alias ``--num_accelerators``) starts N processes and the default is one.
@@ -160,9 +160,8 @@ def _check_supported(args: argparse.Namespace) -> None:
     if args.autotuning:
         raise LaunchError(f"--autotuning {args.autotuning} is run by deepshard.autotuning.tuner (the "
                           "`deepshard` command), not by a node plan")
-    if args.elastic_training:
-        raise LaunchError("--elastic_training (a changing number of nodes) is not supported by deepshard; "
-                          "drop it; --max_restarts N restarts a failed job on the same nodes")
+    if (args.min_elastic_nodes != -1 or args.max_elastic_nodes != -1) and not args.elastic_training:
+        raise LaunchError("--min_elastic_nodes / --max_elastic_nodes apply with --elastic_training; add it")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be combined; pick one")
     if args.max_restarts < 0:
@@ -238,8 +237,14 @@ def _write_pid_file(path: str, pids: list[int]) -> None:
         handle.write("\n".join(str(pid) for pid in [os.getpid(), *pids]) + "\n")
 
 
-def _with_restart_count(environ: Mapping[str, str], attempt: int) -> dict[str, str]:
-    return {**environ, node.RESTART_COUNT_ENV: str(attempt)}
+def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_devices: list[str] | None,
+              names: set[str]) -> node.NodeJob:
+    """A one-machine launch as a one-node job for torch's agent."""
+    active = select_nodes(args, hostfile, cuda_devices, names)
+    host = _single_node(active, names)
+    slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
+    return node.NodeJob({host: slots}, 0, _local_launch(args, cuda_devices), args.max_restarts,
+                        args.enable_each_rank_log, elastic=node.elastic_range(args, 1))
 
 
 def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:
@@ -267,6 +272,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     names = local_hostnames()
     active = select_nodes(args, hostfile, cuda_devices, names)
     _say_cpu_default(args, hostfile, cuda_devices)
+    if args.no_ssh:
+        args = node.with_node_rank(args, os.environ)  # `srun deepshard --no_ssh ...`: one per node
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
     cores = sorted(os.sched_getaffinity(0))
     args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
@@ -275,9 +282,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
         check_port_free(args.master_addr or "127.0.0.1", args.master_port)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
-        return mode, lambda started: multinode.run_with_restarts(
-            lambda k: plan_launch(args, _with_restart_count(os.environ, k), hostfile, cuda_devices, cores, names),
-            args.max_restarts, args.enable_each_rank_log, started)
+        job = local_job(args, hostfile, cuda_devices, names)
+        return mode, lambda started: node.run_node(job, os.environ, cores, started)
     master_addr = args.master_addr or next(iter(active))
     if mode == "no_ssh":
         job = node.job_from_args(argparse.Namespace(**{**vars(args), "master_addr": master_addr}), active,
@@ -293,13 +299,10 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
                     master_addr: str) -> Callable[[Callable[[list[int]], None] | None], int]:
     exports, cwd = job_exports(os.environ), os.getcwd()
     if mode in multinode.MPI_LAUNCHERS:
-        for flag in ("enable_each_rank_log", "bind_core_list"):
-            if getattr(args, flag):
-                logger.warning("--%s is not applied with --launcher %s (the runner starts the ranks)", flag, mode)
-        multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)  # errors surface now
-        return lambda started: multinode.run_with_restarts(
-            lambda k: [multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ, k)],
-            args.max_restarts, None, started)
+        spec = multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)
+        logger.info("starting %d node agents with %s (master %s:%d)", len(active), spec.cmd[0], master_addr,
+                    args.master_port)
+        return lambda started: multinode.run_agents([spec], started)
     if not args.no_ssh_check:
         multinode.check_ssh(list(active), args.ssh_port, shlex.split(args.launcher_args))
     if mode == "pdsh":

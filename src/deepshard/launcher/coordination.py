@@ -1,8 +1,7 @@
-"""The node agents' coordination channel: a ``torch.distributed.TCPStore`` hosted by node 0's agent.
+"""The node agents' job channel, kept in the store of their rendezvous (see :mod:`.rendezvous`).
 
-Every node agent of a multi-node job (see :mod:`deepshard.launcher.node`) talks to one store that
-node 0's agent serves on ``master_port + 1`` (the training processes' own rendezvous stays on
-``master_port``). Keys, all small:
+Every node agent of a multi-node job talks to the ``TCPStore`` node 0's agent serves on ``master_port``
+(torch's agent and the ranks use the same store under other prefixes). Keys, all small:
 
 * ``config``: node 0's description of the job (world, restarts); every agent compares its own with
   it, so nodes started with different command lines stop with a clear error instead of hanging;
@@ -16,9 +15,8 @@ node 0's agent serves on ``master_port + 1`` (the training processes' own rendez
 * ``exited/<node>``: an agent is leaving, so node 0 may close the store.
 
 A non-zero node that cannot reach the store (node 0 died or is unreachable) gets a
-:class:`ChannelLost` from any call and stops its ranks. torch's c10d rendezvous is built on the same
-store; deepshard uses the store directly because it also needs the failure report and the abort
-broadcast, which the rendezvous does not carry.
+:class:`ChannelLost` from any call and stops its ranks. torch's static rendezvous carries no failure
+report, abort broadcast or heartbeat; these keys add them.
 """
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ from typing import Any
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
 STORE_OP_TIMEOUT_S = 10.0
-COORDINATION_PORT_OFFSET = 1
 
 
 class ChannelLost(RuntimeError):
@@ -74,11 +71,6 @@ class JobFailure:
     def headline(self) -> str:
         """``rank 3 (local rank 1, pid 4242) on host worker-1 (node 1) exited with code 3``."""
         return f"{self.who} on host {self.host} (node {self.node}) {self.what}"
-
-
-def coordination_port(master_port: int) -> int:
-    """The port node 0's agent serves the coordination store on."""
-    return master_port + COORDINATION_PORT_OFFSET
 
 
 def _key(round_: int, name: str) -> str:
@@ -165,7 +157,7 @@ class JobChannel:
                 raise JoinTimeout(missing,
                     f"attempt {round_}: {names} did not join within {timeout_s:.0f} s; start the same "
                     "command there (with its --node_rank), check that it can reach "
-                    "master_addr:master_port+1, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)")
+                    "master_addr:master_port, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)")
             time.sleep(poll_s)
 
     def publish_failure(self, round_: int, failure: JobFailure) -> JobFailure:
@@ -255,8 +247,7 @@ def open_store(master_addr: str, port: int, is_host: bool, connect_timeout_s: fl
                              timeout=datetime.timedelta(seconds=op_timeout_s))
         except RuntimeError as exc:
             raise ChannelLost(f"node 0 cannot serve the coordination store on port {port} ({_first_line(exc)}); "
-                              "the port must be free: pick another --master_port (deepshard uses it and "
-                              "port+1)") from exc
+                              "the port must be free: pick another --master_port") from exc
         return store
     deadline = time.monotonic() + connect_timeout_s
     while True:
@@ -269,7 +260,7 @@ def open_store(master_addr: str, port: int, is_host: bool, connect_timeout_s: fl
                 raise ChannelLost(
                     f"cannot reach node 0's coordination store at {master_addr}:{port} within "
                     f"{connect_timeout_s:.0f} s ({_first_line(exc)}); start node 0 with the same command, "
-                    "check --master_addr / --master_port, and that port+1 is open between the nodes") from exc
+                    "check --master_addr / --master_port, and that the port is open between the nodes") from exc
     store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
     return store
 

@@ -1,7 +1,7 @@
 """Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions.
 
-The functions here only compute; :func:`run_local` hands the result to :mod:`.supervisor`, which
-starts the processes, forwards their output and stops every rank when one fails.
+The functions here only compute; :func:`deepshard.launcher.node.run_node` hands the plan to torch's
+elastic agent (:mod:`.agent`), which starts the processes and stops every rank when one fails.
 
 Each rank gets the environment ``torch.distributed``'s ``env://`` rendezvous and DeepSpeed scripts
 expect: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -58,7 +58,7 @@ class RankSpec:
     launcher dies); otherwise stdin is ``/dev/null``."""
 
 
-def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int, *,
+def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int | str, *,
                        module: bool = False, no_python: bool = False, no_local_rank: bool = False,
                        python: str = sys.executable) -> list[str]:
     """The argv of one rank: ``python -u script --local_rank=N args`` (``-m module`` with ``module``, the
@@ -80,20 +80,9 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
     return cmd
 
 
-_DEATH_SHIM = ("import ctypes, os, signal, sys\n"
-               "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-               "if os.getppid() != int(sys.argv[1]):\n"
-               "    os._exit(1)  # the agent died before the guard was set\n"
-               "os.execvp(sys.argv[2], sys.argv[2:])")
-
-
-def die_with_parent(cmd: Sequence[str], parent_pid: int, python: str = sys.executable) -> list[str]:
-    """Wrap ``cmd`` so the process gets SIGKILL if its parent (a node agent, pid ``parent_pid``) dies,
-    even by SIGKILL: a tiny python shim sets Linux's ``PR_SET_PDEATHSIG`` and execs ``cmd`` (same
-    pid). Not Linux: ``cmd`` unchanged."""
-    if not sys.platform.startswith("linux"):
-        return list(cmd)
-    return [python, "-c", _DEATH_SHIM, str(parent_pid), *cmd]
+TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
+"""Variables of a planned rank that torch's agent (or the rank shim) sets itself, per rank and attempt."""
 
 
 def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
@@ -232,12 +221,3 @@ def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mappin
                                  python=python)
         specs.append(RankSpec(rank, local_rank, slot, cmd, env, cores))
     return specs
-
-
-def run_local(specs: Sequence[RankSpec], log_dir: str | None = None,
-              on_started: Callable[[list[int]], None] | None = None) -> int:
-    """Start and supervise ``specs``; the exit code of the job (see
-    :func:`deepshard.launcher.supervisor.run_ranks`)."""
-    from deepshard.launcher.supervisor import run_ranks
-
-    return run_ranks(specs, log_dir=log_dir, on_started=on_started)

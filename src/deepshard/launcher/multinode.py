@@ -6,8 +6,8 @@
   handle failures and restarts among themselves; when one node's agent fails, the launcher lets the
   others end on their own (they are stopping too) so their reports reach the terminal.
 * pdsh: one ``pdsh -w h1,h2 '... --node_rank=%n ...'`` process.
-* openmpi / mpich / impi / mvapich / slurm: one ``mpirun`` / ``srun`` process that starts every rank;
-  ``--max_restarts`` re-runs it, with ``DEEPSHARD_RESTART_COUNT`` set to the attempt number.
+* openmpi / mpich / impi / mvapich / slurm: one ``mpirun`` / ``srun`` process that starts a node agent
+  on every host (the agents restart the ranks themselves with ``--max_restarts``).
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deepshard.launcher.hostfile import encode_world_info
-from deepshard.launcher.local import RankSpec, build_rank_command
-from deepshard.launcher.node import RESTART_COUNT_ENV
+from deepshard.launcher.local import RankSpec
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.runners import (
     hydra_command,
@@ -35,8 +34,7 @@ from deepshard.launcher.runners import (
     ssh_check_command,
     ssh_command,
 )
-from deepshard.launcher.supervisor import GroupResult, supervise_ranks
-from deepshard.utils.logging import logger
+from deepshard.launcher.supervisor import supervise_ranks
 
 MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
 SSH_SETTLE_S = 25.0
@@ -45,8 +43,11 @@ SSH_SETTLE_S = 25.0
 
 def process_flags(args: argparse.Namespace) -> list[str]:
     """The launcher flags that tell a node agent how to run each rank."""
-    flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet")
-             if getattr(args, name)]
+    flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet",
+                                      "elastic_training") if getattr(args, name, False)]
+    for name in ("min_elastic_nodes", "max_elastic_nodes"):
+        if getattr(args, "elastic_training", False) and getattr(args, name) != -1:
+            flags += [f"--{name}", str(getattr(args, name))]
     for name in ("enable_each_rank_log", "bind_core_list", "log_level"):
         value = getattr(args, name)
         if value:
@@ -54,7 +55,7 @@ def process_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _agent_argv(args: argparse.Namespace, world: dict[str, list[int]], node_rank: int | str,
+def _agent_argv(args: argparse.Namespace, world: dict[str, list[int]], node_rank: int | str | None,
                 master_addr: str, exit_on_stdin_close: bool, python: str) -> list[str]:
     return node_agent_argv(encode_world_info(world), node_rank, master_addr, args.master_port,
                            args.user_script, args.user_args, max_restarts=args.max_restarts,
@@ -88,29 +89,22 @@ def plan_pdsh(args: argparse.Namespace, world: dict[str, list[int]], master_addr
 
 
 def plan_mpi(args: argparse.Namespace, launcher: str, world: dict[str, list[int]], master_addr: str,
-             exports: Mapping[str, str], environ: Mapping[str, str], restart_count: int = 0,
-             python: str = sys.executable) -> RankSpec:
-    """One mpirun / srun process starting every rank of attempt ``restart_count`` (pure). The
-    exported variables' values travel in the runner's environment."""
-    variables = dict(exports)
-    variables.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(args.master_port),
-                      RESTART_COUNT_ENV: str(restart_count)})
-    names = sorted(variables)
-    rank_argv = build_rank_command(args.user_script, args.user_args, 0, module=args.module,
-                                   no_python=args.no_python, no_local_rank=True, python=python)
+             exports: Mapping[str, str], environ: Mapping[str, str], python: str = sys.executable) -> RankSpec:
+    """One mpirun / srun process starting a node agent on every host (pure); the agents number themselves
+    from the runner's variables and handle failures and restarts. The exported variables' values travel in
+    the runner's environment."""
+    names = sorted(exports)
+    argv = _agent_argv(args, world, None, master_addr, False, python)
     extra = shlex.split(args.launcher_args)
-    try:
-        if launcher == "openmpi":
-            cmd = openmpi_command(world, rank_argv, names, extra)
-        elif launcher == "slurm":
-            cmd = slurm_command(world, rank_argv, extra)
-        else:
-            cmd = hydra_command(world, rank_argv, names, extra, launcher=launcher)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
+    if launcher == "openmpi":
+        cmd = openmpi_command(world, argv, names, extra)
+    elif launcher == "slurm":
+        cmd = slurm_command(world, argv, extra)
+    else:
+        cmd = hydra_command(world, argv, names, extra)
     ranks = sum(len(slots) for slots in world.values())
-    return RankSpec(0, 0, 0, cmd, {**environ, **variables},
-                    label=f"{cmd[0]} ({ranks} ranks on {len(world)} nodes)")
+    return RankSpec(0, 0, 0, cmd, {**environ, **exports},
+                    label=f"{cmd[0]} ({len(world)} node agents, {ranks} ranks)")
 
 
 def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
@@ -142,20 +136,4 @@ def run_agents(specs: list[RankSpec], on_started: Callable[[list[int]], None] | 
         print(f"deepshard: the job failed with exit code {result.exit_code} ({result.failure.label} ended "
               f"first, with {result.failure.describe_exit()}); node 0's report above names the rank "
               "that failed", file=sys.stderr, flush=True)
-    return result.exit_code
-
-
-def run_with_restarts(spec_for_attempt: Callable[[int], Sequence[RankSpec]], max_restarts: int,
-                      log_dir: str | None = None,
-                      on_started: Callable[[list[int]], None] | None = None) -> int:
-    """Run attempt 0, 1, ... until one succeeds, ``max_restarts`` restarts are spent, or the launcher
-    is signalled (one machine, or one mpirun / srun process)."""
-    result = GroupResult(0)
-    for attempt in range(max_restarts + 1):
-        result = supervise_ranks(spec_for_attempt(attempt), log_dir=log_dir, on_started=on_started)
-        if result.exit_code == 0 or result.signal is not None:
-            return result.exit_code
-        if attempt < max_restarts:
-            logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)",
-                           attempt, result.exit_code, attempt + 1, max_restarts)
     return result.exit_code

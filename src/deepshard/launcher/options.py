@@ -67,12 +67,19 @@ def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
                              "its checkpoint; DEEPSHARD_RESTART_COUNT tells it which attempt it is)")
     parser.add_argument("--autotuning", default="", choices=["", "tune", "run"],
                         help="search ZeRO stage x micro batch with short trials (tune), then train with the best (run)")
+    add_elastic_args(parser)
+
+
+def add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    """DeepSpeed's elastic flags: torch's c10d rendezvous, nodes joining and leaving between restarts."""
     parser.add_argument("--elastic_training", action="store_true",
-                        help="DeepSpeed's elastic training: not supported, refused (see --max_restarts)")
+                        help="let nodes join and leave: torch's c10d rendezvous on master_addr:master_port forms "
+                             "each attempt's world from the nodes present (ranks numbered by arrival); a lost "
+                             "node restarts the others (--max_restarts) without it")
     parser.add_argument("--min_elastic_nodes", type=int, default=-1,
-                        help="DeepSpeed's elastic training: accepted, not used")
+                        help="with --elastic_training: fewest nodes to train with (-1: 1)")
     parser.add_argument("--max_elastic_nodes", type=int, default=-1,
-                        help="DeepSpeed's elastic training: accepted, not used")
+                        help="with --elastic_training: most nodes (-1: the selected hosts)")
 
 
 def add_process_args(parser: argparse.ArgumentParser) -> None:

@@ -1,18 +1,18 @@
-"""Commands that start a multi-node job: ssh / pdsh (one node agent per machine) and mpirun / srun
-(one process per rank). Pure functions: they build argument lists, nothing runs here.
+"""Commands that start a multi-node job: one node agent per machine, through ssh, pdsh, mpirun or srun.
+Pure functions: they build argument lists, nothing runs here.
 
 * ssh and pdsh start :mod:`deepshard.launcher.node` on every machine with the same arguments except
   ``--node_rank``; the remote shell command is ``[. VENV &&] cd CWD && export NAME=VALUE ... &&
   exec python -u -m deepshard.launcher.node ...``. pdsh substitutes ``%n`` with each host's index in
   its ``-w`` list (which keeps our order), so one pdsh command serves every node; a literal ``%`` is
   written ``%%`` for pdsh.
-* OpenMPI (``mpirun -n N --host h1:n1,h2:n2 -x NAME ...``), MPICH / Intel MPI / MVAPICH (Hydra:
-  ``mpirun -n N -ppn P -hosts h1,h2 -genvlist A,B ...``) and Slurm (``srun --nodes K --ntasks N
-  --ntasks-per-node P --nodelist h1,h2 --kill-on-bad-exit=1 --export=ALL ...``) start the user's
-  script once per rank; each rank finds its rank and world size in the MPI or Slurm environment
-  (:func:`deepshard.init_distributed` reads it). Exported variables are named on the command line
-  and their values travel in the runner's environment, so secrets from an env file do not show up in
-  ``ps``.
+* OpenMPI (``mpirun -n K --host h1:1,h2:1 -x NAME ...``), MPICH / Intel MPI / MVAPICH (Hydra:
+  ``mpirun -n K -ppn 1 -hosts h1,h2 -genvlist A,B ...``) and Slurm (``srun --nodes K --ntasks K
+  --ntasks-per-node 1 --nodelist h1,h2 --kill-on-bad-exit=1 --export=ALL ...``) start the same node agent
+  once per host, as ``srun torchrun ...`` would; each agent reads its node rank from the runner's
+  variables (``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``SLURM_PROCID``) and starts its host's ranks.
+  Exported variables are named on the command line and their values travel in the runner's environment,
+  so secrets from an env file do not show up in ``ps``.
 """
 from __future__ import annotations
 
@@ -26,14 +26,17 @@ PDSH_NODE_RANK = "%n"
 _PLACEHOLDER = "@@DEEPSHARD_NODE_RANK@@"
 
 
-def node_agent_argv(world_token: str, node_rank: int | str, master_addr: str, master_port: int,
+def node_agent_argv(world_token: str, node_rank: int | str | None, master_addr: str, master_port: int,
                     user_script: str, user_args: Sequence[str], *, max_restarts: int = 0,
                     process_flags: Sequence[str] = (), exit_on_stdin_close: bool = False,
                     python: str = sys.executable) -> list[str]:
-    """The argv of one node's agent started by ssh / pdsh (``node_rank`` may be pdsh's ``%n``); only
-    node 0 prints failure reports, since every node's output reaches the launcher's terminal."""
-    argv = [python, "-u", "-m", NODE_MODULE, "--world_info", world_token, f"--node_rank={node_rank}",
-            "--master_addr", master_addr, "--master_port", str(master_port)]
+    """The argv of one node's agent (``node_rank`` may be pdsh's ``%n``, or None where an MPI / Slurm runner
+    numbers the agents); only node 0 prints failure reports, since every node's output reaches the
+    launcher's terminal."""
+    argv = [python, "-u", "-m", NODE_MODULE, "--world_info", world_token]
+    if node_rank is not None:
+        argv.append(f"--node_rank={node_rank}")
+    argv += ["--master_addr", master_addr, "--master_port", str(master_port)]
     if max_restarts:
         argv += ["--max_restarts", str(max_restarts)]
     if exit_on_stdin_close:
@@ -100,57 +103,31 @@ def pdsh_environment(base_env: Mapping[str, str], ssh_port: int | None) -> dict[
     return env
 
 
-def _check_contiguous(world: Mapping[str, Sequence[int]], launcher: str) -> None:
-    for host, slots in world.items():
-        if list(slots) != list(range(len(slots))):
-            raise ValueError(
-                f"--launcher {launcher} starts ranks 0..n-1 on each host and cannot pick slots, but host "
-                f"{host!r} has slots {list(slots)} selected; select whole hosts or --num_gpus N, or use "
-                "the ssh / --no_ssh launch, which can")
-
-
-def _uniform_count(world: Mapping[str, Sequence[int]], launcher: str) -> int:
-    counts = {host: len(slots) for host, slots in world.items()}
-    if len(set(counts.values())) != 1:
-        raise ValueError(f"--launcher {launcher} starts the same number of ranks on every host, but the "
-                         f"selection has {counts}; give every host the same slots (e.g. --num_gpus "
-                         f"{min(counts.values())})")
-    return next(iter(counts.values()))
-
-
-def openmpi_command(world: Mapping[str, Sequence[int]], rank_argv: Sequence[str],
+def openmpi_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
                     export_names: Sequence[str], extra_args: Sequence[str] = ()) -> list[str]:
-    """``mpirun -n N --host h1:n1,h2:n2 [EXTRA] -x NAME ... python -u script args`` (OpenMPI fills
-    the hosts in order, so ranks follow the hostfile)."""
-    _check_contiguous(world, "openmpi")
-    total = sum(len(slots) for slots in world.values())
-    hosts = ",".join(f"{host}:{len(slots)}" for host, slots in world.items())
-    cmd = ["mpirun", "-n", str(total), "--host", hosts, *extra_args]
+    """``mpirun -n K --host h1:1,h2:1 [EXTRA] -x NAME ... python -u -m deepshard.launcher.node ...``: one node
+    agent per host, in hostfile order (each reads its node rank from ``OMPI_COMM_WORLD_RANK``)."""
+    hosts = ",".join(f"{host}:1" for host in world)
+    cmd = ["mpirun", "-n", str(len(world)), "--host", hosts, *extra_args]
     for name in export_names:
         cmd += ["-x", name]
-    return cmd + list(rank_argv)
+    return cmd + list(agent_argv)
 
 
-def hydra_command(world: Mapping[str, Sequence[int]], rank_argv: Sequence[str],
-                  export_names: Sequence[str], extra_args: Sequence[str] = (),
-                  launcher: str = "mpich") -> list[str]:
-    """MPICH / Intel MPI / MVAPICH (Hydra process manager): ``mpirun -n N -ppn P -hosts h1,h2 [EXTRA]
-    -genvlist A,B python -u script args``."""
-    _check_contiguous(world, launcher)
-    per_node = _uniform_count(world, launcher)
-    cmd = ["mpirun", "-n", str(per_node * len(world)), "-ppn", str(per_node), "-hosts", ",".join(world),
-           *extra_args]
+def hydra_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
+                  export_names: Sequence[str], extra_args: Sequence[str] = ()) -> list[str]:
+    """MPICH / Intel MPI / MVAPICH (Hydra process manager): ``mpirun -n K -ppn 1 -hosts h1,h2 [EXTRA]
+    -genvlist A,B python -u -m deepshard.launcher.node ...`` (one agent per host; ``PMI_RANK``)."""
+    cmd = ["mpirun", "-n", str(len(world)), "-ppn", "1", "-hosts", ",".join(world), *extra_args]
     if export_names:
         cmd += ["-genvlist", ",".join(export_names)]
-    return cmd + list(rank_argv)
+    return cmd + list(agent_argv)
 
 
-def slurm_command(world: Mapping[str, Sequence[int]], rank_argv: Sequence[str],
+def slurm_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
                   extra_args: Sequence[str] = ()) -> list[str]:
-    """``srun --nodes K --ntasks N --ntasks-per-node P --nodelist h1,h2 --kill-on-bad-exit=1
-    --export=ALL [EXTRA] python -u script args`` (the exported variables are in srun's environment)."""
-    _check_contiguous(world, "slurm")
-    per_node = _uniform_count(world, "slurm")
-    return ["srun", "--nodes", str(len(world)), "--ntasks", str(per_node * len(world)),
-            "--ntasks-per-node", str(per_node), "--nodelist", ",".join(world), "--kill-on-bad-exit=1",
-            "--export=ALL", *extra_args, *rank_argv]
+    """``srun --nodes K --ntasks K --ntasks-per-node 1 --nodelist h1,h2 --kill-on-bad-exit=1 --export=ALL
+    [EXTRA] python -u -m deepshard.launcher.node ...`` (one agent per node; the exported variables are in
+    srun's environment)."""
+    return ["srun", "--nodes", str(len(world)), "--ntasks", str(len(world)), "--ntasks-per-node", "1",
+            "--nodelist", ",".join(world), "--kill-on-bad-exit=1", "--export=ALL", *extra_args, *agent_argv]

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from deepshard.launcher import rank_errors
 from deepshard.launcher.local import RankSpec
@@ -47,7 +47,7 @@ GRACE_S = 5.0
 _POLL_S = 0.1
 PARTIAL_LINE_S = 0.05
 FALLOUT_HOLD_S = 2.0
-_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF")
+_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF|Traceback \(most recent call last\)")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class _Child:
     waiter: threading.Thread | None = None
     log_path: str | None = None
     held: bytearray = field(default_factory=bytearray)
-    """Output that arrived after a rank failed, printed after the report (see :class:`_Output`)."""
+    """Output that arrived after a rank failed, printed after the report (see :class:`Output`)."""
     held_since: float = 0.0
     ended_at: float | None = None
     """``time.monotonic()`` when the rank exited."""
@@ -100,7 +100,7 @@ class GroupResult:
     stopped_by: str | None = None
 
 
-class _Output:
+class Output:
     """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only.
 
     Once a rank fails (``hold()``, called by its waiter thread the moment it is reaped), the other ranks'
@@ -135,6 +135,11 @@ class _Output:
                 return
             self._emit(chunk)
 
+    def write_now(self, chunk: bytes) -> None:
+        """Forward ``chunk`` even while holding."""
+        with self._lock:
+            self._emit(chunk)
+
     def flush_stale(self, children: Sequence["_Child"], after_s: float) -> None:
         """Forward output held longer than ``after_s`` while no rank has failed."""
         with self._lock:
@@ -165,7 +170,7 @@ def _split_complete(data: bytes) -> tuple[bytes, bytes]:
     return data[:cut], data[cut:]
 
 
-def _pump(stream: BinaryIO, child: _Child, out: _Output, log: BinaryIO | None) -> None:
+def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None) -> None:
     """Reader thread: copy one rank's output until its pipe closes.
 
     ``stream`` is unbuffered, so each ``read`` returns what the rank wrote so far. Text up to the last
@@ -212,7 +217,7 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _wait_and_report(child: _Child, index: int, exits: queue.Queue, out: _Output) -> None:
+def _wait_and_report(child: _Child, index: int, exits: queue.Queue, out: Output) -> None:
     """Waiter thread: reap the rank, end leftovers in its group, queue its index (a failure first holds
     the other ranks' output, so the launcher's report comes before their fallout)."""
     child.proc.wait()
@@ -239,7 +244,7 @@ def _popen(spec: RankSpec) -> subprocess.Popen:
             os.sched_setaffinity(0, saved)
 
 
-def _start(specs: Sequence[RankSpec], log_dir: str | None, out: _Output,
+def _start(specs: Sequence[RankSpec], log_dir: str | None, out: Output,
            exits: queue.Queue) -> list[_Child]:
     children: list[_Child] = []
     try:
@@ -252,7 +257,7 @@ def _start(specs: Sequence[RankSpec], log_dir: str | None, out: _Output,
                 if log is not None:
                     log.close()
                 raise
-            child.reader = threading.Thread(target=_pump, args=(child.proc.stdout, child, out, log),
+            child.reader = threading.Thread(target=pump, args=(child.proc.stdout, child, out, log),
                                             name=f"deepshard-out-{spec.rank}", daemon=True)
             child.waiter = threading.Thread(target=_wait_and_report, args=(child, index, exits, out),
                                             name=f"deepshard-wait-{spec.rank}", daemon=True)
@@ -416,7 +421,7 @@ def _report_held(children: Sequence[_Child], failed: _Child) -> None:
 
 
 def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Queue,
-          hooks: _Hooks, signals: "_SignalForwarder", out: _Output) -> GroupResult:
+          hooks: _Hooks, signals: "_SignalForwarder", out: Output) -> GroupResult:
     """A child failed: tell ``on_failure`` (with its output so far), stop the rest, report first, then
     the others' output since (their connection noise folded)."""
     children[index].reader.join(1.0)  # type: ignore[union-attr]  # its last words, if its pipe closed
@@ -446,7 +451,7 @@ def _fail(children: list[_Child], index: int, running: set[int], exits: queue.Qu
     return GroupResult(failure.exit_code, failure=failure)
 
 
-def _flush_held(children: Sequence[_Child], out: _Output) -> None:
+def _flush_held(children: Sequence[_Child], out: Output) -> None:
     """Forward held output as it is (no report to put first) and stop holding."""
     out.release()
     for child in children:
@@ -456,7 +461,7 @@ def _flush_held(children: Sequence[_Child], out: _Output) -> None:
 
 
 def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder,
-               hooks: _Hooks, out: _Output) -> GroupResult:
+               hooks: _Hooks, out: Output) -> GroupResult:
     running = set(range(len(children)))
     while running:
         if signals.received:
@@ -503,7 +508,7 @@ def supervise_ranks(specs: Sequence[RankSpec], log_dir: str | None = None,
     if log_dir is not None:
         prepare_log_dir(log_dir)
     exits: queue.Queue = queue.Queue()
-    out = _Output()
+    out = Output()
     hooks = _Hooks(watch, on_failure, report, settle_s, noun)
     with _SignalForwarder() as signals:
         try:

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from deepshard.sp.attention import SPGroups, sp_attention
 from deepshard.sp.collectives import as_comm, sum_over_group
+from deepshard.sp.dropout import positional_dropout
 from deepshard.sp.groups import Mode, build_sp_groups
 from deepshard.sp.layout import SeqLayout, pad_sequence
+from deepshard.sp.softmax_merge import segment_ids
 from deepshard.topology import Topology
 
 IGNORE_INDEX = -100
@@ -82,14 +84,23 @@ class SequenceParallel:
         return self.layout(seq_len).positions(self.rank).unsqueeze(0).expand(batch, -1)
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A whole-sequence batch (``input_ids`` [b, s], optional ``labels``, ``attention_mask``) as this
-        rank's piece: ``input_ids``, ``position_ids`` (global), ``shift_labels`` (the next token's label,
-        -100 on padding and the last token) and ``seq_len`` (the unpadded length)."""
+        """A whole-sequence batch (``input_ids`` [b, s], optional ``labels``, ``attention_mask``,
+        ``position_ids``) as this rank's piece: ``input_ids``, ``position_ids`` (the batch's, else the global
+        positions), ``shift_labels`` (the next token's label, -100 on padding and the last token),
+        ``seq_len`` (the unpadded length) and ``segments`` (None, or when ``position_ids`` restart (packed
+        documents) or ``attention_mask`` has zeros, the segment of every position for ``attention``)."""
         ids = batch["input_ids"]
         seq_len = ids.shape[1]
         out: dict[str, Any] = {k: v for k, v in batch.items() if not torch.is_tensor(v)}
         out["input_ids"] = self.shard(ids)
-        out["position_ids"] = self.positions(seq_len, ids.shape[0]).to(ids.device)
+        given = batch.get("position_ids")
+        if given is not None:
+            out["position_ids"] = self.shard(given.expand(ids.shape[0], -1))
+        else:
+            out["position_ids"] = self.positions(seq_len, ids.shape[0]).to(ids.device)
+        segments = segment_ids(given, batch.get("attention_mask"))
+        out["segments"] = None if segments is None else pad_sequence(
+            segments.expand(ids.shape[0], -1), self.layout(seq_len).padded_len, dim=1, value=-1)
         labels = batch.get("labels")
         if labels is not None:
             shifted = pad_sequence(labels[:, 1:], seq_len, dim=1, value=IGNORE_INDEX)
@@ -102,10 +113,17 @@ class SequenceParallel:
 
     # ------------------------------------------------------------------------------------- compute
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, causal: bool = True,
-                  scale: Optional[float] = None) -> torch.Tensor:
+                  scale: Optional[float] = None, segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of this rank's tokens ([b, h, local, d]; ``k``/``v`` may have fewer heads) over the
-        whole sequence of ``seq_len`` tokens."""
-        return sp_attention(q, k, v, self.groups, self.layout(seq_len), causal=causal, scale=scale)
+        whole sequence of ``seq_len`` tokens; ``segments`` (``shard_batch``'s): packed documents attend
+        only within themselves, masked-out tokens are never attended to."""
+        return sp_attention(q, k, v, self.groups, self.layout(seq_len), causal=causal, scale=scale, segments=segments)
+
+    def dropout(self, x: torch.Tensor, p: float, seq_len: int, training: bool = True, dim: int = 1) -> torch.Tensor:
+        """Dropout on this rank's tokens (along ``dim``) whose mask depends on each token's global position
+        only, not on the layout (``dropout.positional_dropout``): the same masks on any number of ranks and
+        in one process (with ``positions = arange``), given the same seed."""
+        return positional_dropout(x, p, self.layout(seq_len).positions(self.rank), training, dim)
 
     def loss(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """The token-mean cross entropy of the whole sequence (every rank returns the same value)."""

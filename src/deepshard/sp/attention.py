@@ -41,8 +41,10 @@ class SPGroups:
 
 
 def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SPGroups, layout: SeqLayout,
-                 causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
-    """This rank's attention output [b, h, s_local, d] (see the module text)."""
+                 causal: bool = True, scale: Optional[float] = None, segments: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """This rank's attention output [b, h, s_local, d] (see the module text). ``segments``: [b, padded
+    length] segment ids by global position (packed documents, padding -1; ``softmax_merge.segment_ids``)."""
     if layout.ring != groups.ring.size or layout.ulysses != groups.ulysses.size:
         raise ValueError(f"the layout is ring {layout.ring} x ulysses {layout.ulysses} but the groups are "
                          f"{groups.ring.size} x {groups.ulysses.size}")
@@ -56,6 +58,10 @@ def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SPGr
     q, k, v = head_plan(heads, k.shape[1], u.size).apply(q, k, v)
     q, k, v = (all_to_all(t, u, scatter_dim=1, gather_dim=2) for t in (q, k, v))
     positions = [layout.shard_positions(j) for j in range(layout.ring)]
-    out = ring_attention(q, k, v, groups.ring, positions, causal=causal, seq_len=layout.seq_len, scale=scale)
+    if segments is not None and segments.shape[-1] != layout.padded_len:
+        raise ValueError(f"segments cover {segments.shape[-1]} positions; the layout's padded length is "
+                         f"{layout.padded_len} (pad them with -1)")
+    out = ring_attention(q, k, v, groups.ring, positions, causal=causal, seq_len=layout.seq_len, scale=scale,
+                         segments=segments)
     out = all_to_all(out, u, scatter_dim=2, gather_dim=1)
     return out[:, :heads]

@@ -26,7 +26,7 @@ def attach_sequence_parallel(engine: Any, sp: SequenceParallel | None) -> None:
     if sp is not None:
         from deepshard.utils.groups import register_topology
 
-        register_topology(topology)  # deepspeed.utils.groups' accessors answer for this grid
+        register_topology(topology, sp)  # deepspeed.utils.groups' accessors answer for this grid
     engine.sequence_parallel = sp
     engine.sequence_parallel_size = topology.dims.sp
     engine.seq_parallel_group = topology.sp.group if sp is not None else None

@@ -82,7 +82,8 @@ def _core_attention(name: str) -> Any:
 
 def register(cls: Any, model_name_or_path: Any, core_attn_implementation: str, sequence_parallel_size: int,
              micro_batch_size: int, seq_length: Optional[int], seq_length_is_variable: bool,
-             disable_in_eval: bool) -> Optional[SequenceParallelMpu]:
+             disable_in_eval: bool, mode: str = "ulysses", ulysses_size: Optional[int] = None,
+             load_balance: bool = True) -> Optional[SequenceParallelMpu]:
     if sequence_parallel_size == 1:
         return None
     if not seq_length_is_variable and seq_length is None:
@@ -98,7 +99,10 @@ def register(cls: Any, model_name_or_path: Any, core_attn_implementation: str, s
     config = _model_config(model_name_or_path, core_attn_implementation).get_text_config()
     core = _core_attention(core_attn_implementation)
     topology = Topology.build(ParallelDims.for_world(dist.get_world_size(), sp=sequence_parallel_size))
-    sequence_parallel = SequenceParallel.build(topology, "ulysses")
+    if mode not in ("ulysses", "ring", "hybrid"):
+        raise ValueError(f"register_with_transformers: sequence_parallel_mode={mode!r}; use 'ulysses', 'ring' or "
+                         "'hybrid' (with ulysses_size)")
+    sequence_parallel = SequenceParallel.build(topology, mode, ulysses_size, load_balance)  # type: ignore[arg-type]
     local = None if seq_length_is_variable else -(-int(seq_length) // sequence_parallel_size)  # type: ignore[arg-type]
     heads = config.num_attention_heads
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -108,6 +112,7 @@ def register(cls: Any, model_name_or_path: Any, core_attn_implementation: str, s
                 global_seq_length=None if local is None else local * sequence_parallel_size,
                 disable_in_eval=disable_in_eval)
     uattn.core_attn_implementation = core_attn_implementation
+    uattn.sequence_parallel = sequence_parallel
 
     def uattn_wrapper(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -115,8 +120,8 @@ def register(cls: Any, model_name_or_path: Any, core_attn_implementation: str, s
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn_wrapper
-    register_topology(topology)
+    register_topology(topology, sequence_parallel)
     if topology.rank == 0:
-        logger.info("Ulysses sequence parallelism: %d ranks per sequence, %s attention, %s", sequence_parallel_size,
-                    core_attn_implementation, topology.dims)
+        logger.info("sequence parallelism (%s): %d ranks per sequence, %s attention, %s", mode,
+                    sequence_parallel_size, core_attn_implementation, topology.dims)
     return SequenceParallelMpu(topology, sequence_parallel)

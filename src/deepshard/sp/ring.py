@@ -33,7 +33,8 @@ def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tens
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CommGroup,
-                positions: Sequence[torch.Tensor], causal: bool, seq_len: int, scale: float) -> torch.Tensor:
+                positions: Sequence[torch.Tensor], causal: bool, seq_len: int, scale: float,
+                segments: Optional[torch.Tensor]) -> torch.Tensor:
         n, me = comm.size, comm.rank
         ring = RingPass(comm) if n > 1 else None
         kv = _pack(k, v)
@@ -43,7 +44,7 @@ class _RingAttention(torch.autograd.Function):
             if ring is not None and step < n - 1:
                 ring.start(kv)
             kb, vb = _unpack(kv, (k, v))
-            allowed = allowed_mask(positions[me], positions[(me - step) % n], causal, seq_len)
+            allowed = allowed_mask(positions[me], positions[(me - step) % n], causal, seq_len, segments)
             if allowed is None or allowed.any():
                 out, lse = merge(out, lse, *block_forward(q, kb, vb, allowed, scale))
             if ring is not None and step < n - 1:
@@ -53,6 +54,7 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.positions, ctx.causal, ctx.seq_len, ctx.scale = comm, positions, causal, seq_len, scale
+        ctx.segments = segments
         return out
 
     @staticmethod
@@ -68,7 +70,7 @@ class _RingAttention(torch.autograd.Function):
         like = (k, v, k, v)
         for step in range(n):
             kb, vb, dkb, dvb = _unpack(travelling, like)
-            allowed = allowed_mask(positions[me], positions[(me - step) % n], ctx.causal, ctx.seq_len)
+            allowed = allowed_mask(positions[me], positions[(me - step) % n], ctx.causal, ctx.seq_len, ctx.segments)
             if allowed is None or allowed.any():
                 dq_b, dk_b, dv_b = block_backward(q, kb, vb, allowed, ctx.scale, lse, dout, delta)
                 dq += dq_b
@@ -79,19 +81,23 @@ class _RingAttention(torch.autograd.Function):
                 ring.start(travelling if step < n - 1 else _pack(dkb, dvb))
                 travelling = ring.finish()
         dk, dv = _unpack(travelling, (k, v)) if n > 1 else _unpack(travelling, like)[2:]
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CommGroup,
                    positions: Sequence[torch.Tensor], causal: bool = True, seq_len: Optional[int] = None,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, segments: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this rank's queries to every rank's keys around ``comm``'s ring.
 
     ``q`` [b, h, s, d], ``k``/``v`` [b, hk, s, d] (``h`` a multiple of ``hk``): this rank's tokens, whose
     global positions are ``positions[comm.rank]``; ``positions[j]`` are ring rank ``j``'s. Keys at
-    positions ``>= seq_len`` (padding) are never attended to. Returns [b, h, s, d]."""
+    positions ``>= seq_len`` (padding) are never attended to. ``segments`` [b, padded length] (optional):
+    the segment id of every global position (``softmax_merge.segment_ids``): a query attends only to keys
+    of its segment, never to segment -1. Returns [b, h, s, d]."""
     if len(positions) != comm.size:
         raise ValueError(f"ring_attention needs the positions of all {comm.size} ranks, got {len(positions)}")
     limit = int(max(int(p.max()) for p in positions)) + 1 if seq_len is None else seq_len
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, comm, [p.to(q.device) for p in positions], causal, limit, scale)
+    if segments is not None:
+        segments = segments.to(q.device)
+    return _RingAttention.apply(q, k, v, comm, [p.to(q.device) for p in positions], causal, limit, scale, segments)

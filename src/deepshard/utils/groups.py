@@ -13,12 +13,15 @@ from typing import Any, Optional
 
 from deepshard.topology import Topology
 
-_REGISTERED: dict[str, Topology] = {}  # the DeepSpeed API's process-wide state, one entry at most
+_REGISTERED: dict[str, Any] = {}  # the DeepSpeed API's process-wide state: one grid and its sp layout at most
 
 
-def register_topology(topology: Topology) -> None:
-    """Make ``topology`` the grid these accessors answer for."""
+def register_topology(topology: Topology, sequence_parallel: Any = None) -> None:
+    """Make ``topology`` the grid these accessors answer for; ``sequence_parallel`` (a
+    ``deepshard.sp.SequenceParallel``, or None) tells ``UlyssesSPDataLoaderAdapter`` which tokens each rank
+    holds (ring and hybrid modes cut the sequence otherwise than Ulysses)."""
     _REGISTERED["current"] = topology
+    _REGISTERED["sequence_parallel"] = sequence_parallel
 
 
 def forget_topology() -> None:
@@ -27,6 +30,11 @@ def forget_topology() -> None:
 
 def _topology() -> Optional[Topology]:
     return _REGISTERED.get("current")
+
+
+def registered_sequence_parallel() -> Any:
+    """The ``SequenceParallel`` registered with the grid (None: none, or plain Ulysses layout)."""
+    return _REGISTERED.get("sequence_parallel")
 
 
 def _require() -> Topology:
