@@ -38,7 +38,7 @@ from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.supervisor import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
@@ -379,8 +379,3 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
         return 0
     agent.report(restarting=False)
     return agent.exit_code()
-
-
-def user_variables(environ: Mapping[str, str], names: Sequence[str]) -> frozenset[str]:
-    """Which of ``names`` the user set in the launcher's environment."""
-    return frozenset(n for n in names if n in environ)
