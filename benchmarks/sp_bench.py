@@ -182,8 +182,9 @@ def longest(world: int, mode: str, cap: int, start: int) -> tuple[int, int]:
         if len(near) == 2 and peaks[near[0]] != peaks[near[1]]:
             (n1, p1), (n2, p2) = ((n, peaks[n]) for n in near)
             guess = int(n1 + (cap - p1) * (n2 - n1) / (p2 - p1)) // 256 * 256
-        else:
-            guess = 2 * good if good else start // 2
+        else:  # one point: the peak taken as proportional to the length
+            (n1, p1), = peaks.items()
+            guess = int(n1 * cap / max(p1, 1)) // 256 * 256
         guess = max(guess, good + 256)  # strictly inside the bracket
         if bad is not None:
             guess = min(guess, bad - 256)
@@ -199,6 +200,8 @@ def main() -> None:
     parser.add_argument("--skip-bytes", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--memory-cases", default="ulysses:1,ulysses:2,ulysses:4,ring:2,ring:4",
+                        help="mode:processes pairs for the memory search")
     args = parser.parse_args()
     report: dict[str, Any] = {"bytes": [] if args.skip_bytes else bytes_table(args.seq)}
     for row in report["bytes"]:
@@ -206,8 +209,8 @@ def main() -> None:
     if not args.skip_memory:
         cap = args.cap_mib << 20
         report["memory"] = {}
-        for world, mode in ((1, "ulysses"), (2, "ulysses"), (2, "ring"), (4, "ring"), (4, "ulysses")):
-            report["memory"][f"{mode} sp{world}"] = longest(world, mode, cap, 4096 * world)
+        for mode, world in ((m, int(w)) for m, w in (c.split(":") for c in args.memory_cases.split(","))):
+            report["memory"][f"{mode} sp{world}"] = longest(world, mode, cap, 3072 * world)
             print(f"{mode} sp={world}: longest {report['memory'][f'{mode} sp{world}'][0]} tokens under "
                   f"{args.cap_mib} MiB", flush=True)
     if not args.skip_time:

@@ -54,14 +54,25 @@ class PositionMask:
     q_seg: Optional[torch.Tensor] = None
     k_seg: Optional[torch.Tensor] = None
 
-    def rows(self, query_index: torch.Tensor) -> torch.Tensor:
-        allowed = (self.k_pos < self.seq_len).unsqueeze(0).expand(query_index.numel(), -1)
+    def key_end(self, query_index: torch.Tensor) -> int:
+        """Keys from this index on are hidden from every query of ``query_index`` (past the last one that is
+        neither padding nor, when causal, after all of them): the slice computes only the keys before."""
+        visible = self.k_pos < self.seq_len
         if self.causal:
-            allowed = allowed & (self.q_pos[query_index].unsqueeze(1) >= self.k_pos.unsqueeze(0))
+            visible = visible & (self.k_pos <= self.q_pos[query_index].max())
+        found = visible.nonzero()
+        return int(found.max()) + 1 if found.numel() else 1
+
+    def rows(self, query_index: torch.Tensor, key_end: Optional[int] = None) -> torch.Tensor:
+        k_pos = self.k_pos[:key_end]
+        allowed = (k_pos < self.seq_len).unsqueeze(0).expand(query_index.numel(), -1)
+        if self.causal:
+            allowed = allowed & (self.q_pos[query_index].unsqueeze(1) >= k_pos.unsqueeze(0))
         if self.q_seg is None or self.k_seg is None:
             return allowed
-        same = self.q_seg[:, query_index].unsqueeze(-1) == self.k_seg.unsqueeze(1)  # [b, rows, keys]
-        return (allowed.unsqueeze(0) & same & (self.k_seg >= 0).unsqueeze(1)).unsqueeze(1)
+        k_seg = self.k_seg[:, :key_end]
+        same = self.q_seg[:, query_index].unsqueeze(-1) == k_seg.unsqueeze(1)  # [b, rows, keys]
+        return (allowed.unsqueeze(0) & same & (k_seg >= 0).unsqueeze(1)).unsqueeze(1)
 
     def any(self) -> bool:
         valid = self.k_pos[self.k_pos < self.seq_len]
@@ -74,21 +85,24 @@ Mask = Union[torch.Tensor, PositionMask]
 
 
 def _row_slices(q: torch.Tensor, k: torch.Tensor, allowed: Optional[Mask]
-                ) -> Iterator[tuple[slice, Optional[torch.Tensor]]]:
-    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask,
+                ) -> Iterator[tuple[slice, Optional[torch.Tensor], int]]:
+    """Slices of the folded query rows (group-major: row = group * sq + query) with their part of the mask
+    and the number of leading keys they can see (causal: later keys are skipped, not computed and masked),
     one at a time (the masks of all slices together would be the whole quadratic mask)."""
     sq = q.shape[2]
     rows = q.shape[1] // k.shape[1] * sq
     step = max(1, ROW_BUDGET // max(1, k.shape[2] * k.shape[1] * k.shape[0]))
     for r in range(0, rows, step):
         index = torch.arange(r, min(r + step, rows), device=q.device) % sq
+        end = k.shape[2]
         if allowed is None:
             mask = None
         elif isinstance(allowed, PositionMask):
-            mask = allowed.rows(index)
+            end = allowed.key_end(index)
+            mask = allowed.rows(index, end)
         else:
             mask = allowed[index]
-        yield slice(r, r + step), mask
+        yield slice(r, r + step), mask, end
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -102,10 +116,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Op
     b, h, sq, d = q.shape
     qf = _fold(q, k.shape[1])
     outs, lses = [], []
-    for rows, mask in _row_slices(q, k, allowed):
-        scores = _scores(qf[:, :, rows], k, mask, scale)
+    for rows, mask, end in _row_slices(q, k, allowed):
+        scores = _scores(qf[:, :, rows], k[:, :, :end], mask, scale)
         lse = torch.logsumexp(scores, dim=-1)  # [b, hk, rows]
-        outs.append(torch.matmul(torch.exp(scores - _safe(lse).unsqueeze(-1)), v))
+        outs.append(torch.matmul(torch.exp(scores - _safe(lse).unsqueeze(-1)), v[:, :, :end]))
         lses.append(lse)
     return torch.cat(outs, 2).reshape(b, h, sq, v.shape[-1]), torch.cat(lses, 2).reshape(b, h, sq)
 
@@ -131,12 +145,13 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: O
     hk = k.shape[1]
     qf, lse_f, dout_f, delta_f = (_fold(t, hk) for t in (q, lse.unsqueeze(-1), dout, delta.unsqueeze(-1)))
     dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-    for rows, mask in _row_slices(q, k, allowed):
-        probs = torch.exp(_scores(qf[:, :, rows], k, mask, scale) - _safe(lse_f[:, :, rows]))  # [b, hk, r, sk]
-        dv += torch.matmul(probs.transpose(-1, -2), dout_f[:, :, rows])
-        dscores = probs * (torch.matmul(dout_f[:, :, rows], v.transpose(-1, -2)) - delta_f[:, :, rows])
-        dqs.append(torch.matmul(dscores, k) * scale)
-        dk += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
+    for rows, mask, end in _row_slices(q, k, allowed):
+        ks, vs = k[:, :, :end], v[:, :, :end]
+        probs = torch.exp(_scores(qf[:, :, rows], ks, mask, scale) - _safe(lse_f[:, :, rows]))  # [b, hk, r, end]
+        dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), dout_f[:, :, rows])
+        dscores = probs * (torch.matmul(dout_f[:, :, rows], vs.transpose(-1, -2)) - delta_f[:, :, rows])
+        dqs.append(torch.matmul(dscores, ks) * scale)
+        dk[:, :, :end] += torch.matmul(dscores.transpose(-1, -2), qf[:, :, rows]) * scale
     return torch.cat(dqs, 2).reshape(b, h, sq, d), dk, dv
 
 
