@@ -47,9 +47,9 @@ class EngineClientCalls:
                        non_blocking: bool = False) -> None:
         """Refused: moving the engine's states off the device on demand is not implemented."""
         raise NotImplementedError(
-            "engine.offload_states() is not implemented in deepshard: keep optimizer states or parameters in host "
-            "memory for the whole run with zero_optimization.offload_optimizer / offload_param "
-            "({\"device\": \"cpu\"}), or destroy the engine (engine.destroy()) to free its device memory")
+            "engine.offload_states() is not implemented in deepshard: to keep optimizer states or parameters in "
+            "host memory for the whole run, use zero_optimization.offload_optimizer / offload_param "
+            "({\"device\": \"cpu\"}) instead; to free the engine's device memory, use engine.destroy()")
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Refused, as :meth:`offload_states` (nothing is ever offloaded on demand)."""
@@ -61,5 +61,5 @@ class EngineClientCalls:
         """Refused: gradients are reduced inside ``engine.backward()`` / ``engine.step()``."""
         raise NotImplementedError(
             "engine.allreduce_gradients() is not available in deepshard: the engine reduces gradients itself "
-            "at the accumulation boundary; call engine.backward(loss) then engine.step() (the pipeline engine: "
-            "train_batch())")
+            "at the accumulation boundary; use engine.backward(loss) then engine.step() instead (the pipeline "
+            "engine: train_batch())")
