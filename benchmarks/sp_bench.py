@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--skip-bytes", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--memory-cases", default="ulysses:1,ulysses:2,ulysses:4,ring:2,ring:4",
+                        help="mode:processes pairs for the memory search")
     args = parser.parse_args()
     report: dict[str, Any] = {"bytes": [] if args.skip_bytes else bytes_table(args.seq)}
     for row in report["bytes"]:
@@ -207,7 +209,7 @@ def main() -> None:
     if not args.skip_memory:
         cap = args.cap_mib << 20
         report["memory"] = {}
-        for world, mode in ((1, "ulysses"), (2, "ulysses"), (4, "ulysses"), (2, "ring"), (4, "ring")):
+        for mode, world in ((m, int(w)) for m, w in (c.split(":") for c in args.memory_cases.split(","))):
             report["memory"][f"{mode} sp{world}"] = longest(world, mode, cap, 3072 * world)
             print(f"{mode} sp={world}: longest {report['memory'][f'{mode} sp{world}'][0]} tokens under "
                   f"{args.cap_mib} MiB", flush=True)
