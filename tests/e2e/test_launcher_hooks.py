@@ -1,14 +1,13 @@
-"""The supervisor's multi-node hooks with small real processes: ``watch`` stops every rank,
-``on_failure`` hears of a failure (with its output) before the others are stopped, ``settle_s`` lets
-the others end on their own, a ``stdin_pipe`` closes when they are stopped; and ``--max_restarts`` on
-one machine."""
+"""The runner supervisor (ssh / pdsh / mpirun processes) with small real processes: ``settle_s`` lets the
+others end on their own after one failed, a ``stdin_pipe`` stays open until the group is stopped, and
+``--max_restarts`` on one machine (torch's agent)."""
 from __future__ import annotations
 
 import sys
 import time
 
 from deepshard.launcher.local import RankSpec
-from deepshard.launcher.supervisor import RankFailure, supervise_ranks
+from deepshard.launcher.supervisor import supervise_ranks
 from tests.e2e.test_launcher import SCRIPTS, _gone, _launch
 
 
@@ -16,56 +15,32 @@ def _spec(rank: int, code: str, **kw: object) -> RankSpec:
     return RankSpec(rank, rank, rank, [sys.executable, "-c", code], {}, **kw)  # type: ignore[arg-type]
 
 
-SLEEP = "import time; print('up', flush=True); time.sleep(30)"
-
-
-def test_watch_stops_every_rank() -> None:
+def test_a_failure_names_the_first_and_settle_lets_others_finish() -> None:
     started: list[int] = []
-    calls = [0]
-
-    def watch() -> str | None:
-        calls[0] += 1
-        return "node 1 failed" if calls[0] > 3 else None
-
-    t0 = time.monotonic()
-    result = supervise_ranks([_spec(0, SLEEP), _spec(1, SLEEP)], on_started=started.extend, watch=watch)
-    assert time.monotonic() - t0 < 10
-    assert (result.exit_code, result.stopped_by, result.failure, result.signal) == (1, "node 1 failed", None, None)
-    assert len(started) == 2 and all(_gone(pid) for pid in started)
-
-
-def test_on_failure_comes_first_and_settle_lets_others_finish() -> None:
-    heard: list[tuple[RankFailure, bool]] = []
-    started: list[int] = []
-
-    def on_failure(failure: RankFailure) -> None:
-        heard.append((failure, _gone(started[1])))
-
     slow_ok = "import time; time.sleep(1.5); print('done', flush=True)"
     specs = [_spec(0, "import os; print('bye', flush=True); os._exit(4)", label="node 0 (ssh a)"),
              _spec(1, slow_ok)]
     t0 = time.monotonic()
-    result = supervise_ranks(specs, on_started=started.extend, on_failure=on_failure, report=False, settle_s=10)
+    result = supervise_ranks(specs, on_started=started.extend, settle_s=10)
     settled = time.monotonic() - t0
-    ((failure, other_gone_then),) = heard
-    assert not other_gone_then  # told before anything was stopped
-    assert (failure.rank, failure.exit_code, failure.tail, failure.label) == (0, 4, "bye", "node 0 (ssh a)")
-    assert result.exit_code == 4 and result.failure == failure
+    failure = result.failure
+    assert failure is not None and (failure.rank, failure.exit_code, failure.tail, failure.label) == \
+        (0, 4, "bye", "node 0 (ssh a)")
+    assert result.exit_code == 4 and failure.describe_exit() == "code 4"
     assert 1.4 < settled < 8  # rank 1 was left to finish its 1.5 s sleep, not stopped
+    assert len(started) == 2 and all(_gone(pid) for pid in started)
     long_sleep = [specs[0], _spec(1, "import time; time.sleep(20)")]
     t0 = time.monotonic()
-    supervise_ranks(long_sleep, report=False)  # without settle_s, rank 1 is stopped at once
+    supervise_ranks(long_sleep)  # without settle_s, rank 1 is stopped at once
     assert time.monotonic() - t0 < 10
 
 
 def test_stdin_pipe_is_held_open_and_closed_on_stop() -> None:
-    # the child exits as soon as its stdin reaches end-of-file; watch stops the group after ~1 s
+    # the reader exits as soon as its stdin reaches end-of-file; the other process fails after ~1 s
     reader = "import sys; sys.stdin.read(); print('eof', flush=True)"
     t0 = time.monotonic()
-    stop_at = t0 + 1.0
-    result = supervise_ranks([_spec(0, reader, stdin_pipe=True)],
-                             watch=lambda: "stop" if time.monotonic() > stop_at else None)
-    assert result.stopped_by == "stop" and time.monotonic() - t0 > 1.0  # it did not see EOF before
+    result = supervise_ranks([_spec(0, reader, stdin_pipe=True), _spec(1, "import time; time.sleep(1); exit(2)")])
+    assert result.failure is not None and result.failure.rank == 1 and time.monotonic() - t0 > 1.0
     with_devnull = supervise_ranks([_spec(0, reader)])
     assert with_devnull.exit_code == 0  # /dev/null: EOF at once
 

@@ -369,7 +369,7 @@ def test_default_timeout() -> None:
 
 
 def test_output_forwarding_splits_after_last_line_end() -> None:
-    from deepshard.launcher.supervisor import _split_complete
+    from deepshard.launcher.output import _split_complete
 
     assert _split_complete(b"a\nb") == (b"a\n", b"b")
     assert _split_complete(b"\r 50%|##  |\r 60%") == (b"\r 50%|##  |\r", b" 60%")

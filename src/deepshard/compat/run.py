@@ -10,7 +10,8 @@ script's ``import deepspeed`` is the real one (see :func:`deepshard.compat.insta
 A deepshard config error (:class:`deepshard.config.base.ConfigError`, the same on every rank) ends the
 rank with a one-line message and exit status 1, without the traceback (``DEEPSHARD_VERBOSE=1``, the
 launcher's ``--verbose``, shows it). Under the launcher (``DEEPSHARD_ERROR_DIR`` set) the message goes to
-``rank<RANK>.txt`` there and the launcher prints each distinct message once.
+``rank<RANK>.txt`` there and the launcher prints each distinct message once. Any other exception is
+written to torch's elastic error file (``TORCHELASTIC_ERROR_FILE``) before the rank ends with it.
 """
 from __future__ import annotations
 
@@ -56,6 +57,22 @@ def main(argv: list[str] | None = None) -> None:
             raise
         report(str(exc))
         raise SystemExit(1) from None
+    except Exception as exc:
+        _record(exc)
+        raise
+
+
+def _record(exc: BaseException) -> None:
+    """Under torch's elastic agent (``TORCHELASTIC_ERROR_FILE`` set), write the traceback to the rank's error
+    file, as torch's ``@record`` does, so the launcher's report shows it first."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        ErrorHandler().record_exception(exc)
+    except Exception:  # noqa: BLE001 -- the report falls back to the rank's output
+        pass
 
 
 if __name__ == "__main__":

@@ -38,12 +38,11 @@ from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.supervisor import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
-RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
 LOCAL_RANK_MACRO = "${local_rank}"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -304,13 +303,30 @@ def report_local(failed: RankStream, streams: RankStreams, stopped: int) -> None
     plural = "rank" if stopped == 1 else "ranks"
     lines = [f"deepshard: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.pid}) exited with "
              f"{describe_exit(failed.returncode or 1)}; stopped the other {stopped} {plural}"]
-    tail = failed.text()
-    if not reported:
-        lines += ([f"----- last output of rank {failed.rank} -----", tail, f"----- end of rank {failed.rank} output -----"]
-                  if tail else [f"(rank {failed.rank} printed nothing)"])
+    tail, trace = failed.text(), error_file_traceback(failed.error_file)
+    if trace and not reported:
+        lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
+    if not reported and not (trace and trace.strip().splitlines()[-1] in tail):
+        lines += ([f"----- last output of rank {failed.rank} -----", tail] if tail else
+                  [f"(rank {failed.rank} printed nothing)"])
+    if not reported and (tail or trace):
+        lines.append(f"----- end of rank {failed.rank} output -----")
     if failed.log_path:
         lines.append(f"full log of rank {failed.rank}: {failed.log_path}")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def error_file_traceback(path: str) -> str | None:
+    """The traceback a rank wrote to torch's elastic error file (``@record``, or deepshard's rank entry)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            message = json.load(handle).get("message", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    trace = message.get("extraInfo", {}).get("py_callstack")
+    return trace if isinstance(trace, str) and trace.strip() else None
 
 
 def report_held(streams: RankStreams, failed: RankStream | None) -> None:
@@ -363,6 +379,10 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
     try:
         with _Signals():
             result = agent.run()
+        if not result.is_failed():
+            return 0
+        agent.report(restarting=False)
+        return agent.exit_code()
     except SignalException as exc:
         running = sum(1 for s in streams.streams.values() if s.ended_at is None)
         print(f"deepshard: received {exc.sigval.name}; forwarding it to {running} running ranks",
@@ -375,12 +395,3 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
     finally:
         streams.cleanup()
         rdzv.close()
-    if not result.is_failed():
-        return 0
-    agent.report(restarting=False)
-    return agent.exit_code()
-
-
-def user_variables(environ: Mapping[str, str], names: Sequence[str]) -> frozenset[str]:
-    """Which of ``names`` the user set in the launcher's environment."""
-    return frozenset(n for n in names if n in environ)

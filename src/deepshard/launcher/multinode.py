@@ -131,7 +131,7 @@ def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
 def run_agents(specs: list[RankSpec], on_started: Callable[[list[int]], None] | None) -> int:
     """Supervise the ssh / pdsh processes; the node agents report failures themselves."""
     noun = "node" if len(specs) > 1 else "runner"
-    result = supervise_ranks(specs, on_started=on_started, report=False, settle_s=SSH_SETTLE_S, noun=noun)
+    result = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S, noun=noun)
     if result.failure is not None:
         print(f"deepshard: the job failed with exit code {result.exit_code} ({result.failure.label} ended "
               f"first, with {result.failure.describe_exit()}); node 0's report above names the rank "

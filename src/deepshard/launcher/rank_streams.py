@@ -2,7 +2,7 @@
 
 torch's agent starts the ranks with their stdout and stderr opened on the paths a ``LogsSpecs`` names.
 :class:`RankStreams` names one FIFO per local rank for both, so a rank's two streams arrive merged and in
-order, as they did through one pipe. A reader thread per rank (:func:`deepshard.launcher.supervisor.pump`)
+order, as they did through one pipe. A reader thread per rank (:func:`deepshard.launcher.output.pump`)
 forwards the bytes to the launcher's stdout as they come (``\\r`` progress bars keep working), keeps the
 last bytes for the failure report, writes ``rank_<RANK>.log`` with ``--enable_each_rank_log``, and holds
 the other ranks' output once a rank failed, so the report comes first.
@@ -24,12 +24,12 @@ from typing import BinaryIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from deepshard.launcher.preflight import prepare_log_dir
-from deepshard.launcher.supervisor import Output, pump
+from deepshard.launcher.output import Output, pump
 
 
 @dataclass
 class RankStream:
-    """One rank's output in one attempt (what :func:`~deepshard.launcher.supervisor.pump` fills)."""
+    """One rank's output in one attempt (what :func:`~deepshard.launcher.output.pump` fills)."""
 
     rank: int
     local_rank: int

@@ -43,6 +43,7 @@ from deepshard.launcher.coordination import (
     open_store,
 )
 from deepshard.launcher.options import LaunchError
+from deepshard.launcher.output import describe_exit
 
 JOIN_TIMEOUT_S = 300.0
 EXIT_WAIT_S = 15.0
@@ -237,8 +238,6 @@ class NodeRendezvous(RendezvousHandler):
         a node that vanished when the rank only lost its connection to it."""
         tail = stream.text()
         code = stream.returncode if stream.returncode and stream.returncode > 0 else 1
-        from deepshard.launcher.supervisor import describe_exit
-
         mine = JobFailure("rank", self.node_rank, self.host,
                           f"rank {stream.rank} (local rank {stream.local_rank}, pid {stream.pid})",
                           f"exited with {describe_exit(stream.returncode or 1)}", code, rank=stream.rank, tail=tail)

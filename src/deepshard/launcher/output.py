@@ -1,0 +1,162 @@
+"""The ranks' output on its way to the launcher's terminal (used by torch's agent path, :mod:`.rank_streams`,
+and by the runner supervisor, :mod:`.supervisor`).
+
+A reader thread per process (:func:`pump`) copies its stdout+stderr to the launcher's stdout in raw chunks as
+they arrive (a partial line waits up to 50 ms for its end, so two processes' lines are not spliced), so ``\\r``
+progress bars keep working; it keeps the last :data:`TAIL_BYTES` for the failure report and can write a log
+file. :class:`Output` can hold the other ranks' output once one failed, so the report comes first;
+:func:`fold_noise` folds a backend's lost-connection noise out of what was held.
+"""
+from __future__ import annotations
+
+import re
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+TAIL_BYTES = 8192
+PARTIAL_LINE_S = 0.05
+FALLOUT_HOLD_S = 2.0
+_FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF|Traceback \(most recent call last\)")
+
+
+class Output:
+    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only.
+
+    Once a rank fails (``hold()``, called by its waiter thread the moment it is reaped), the other ranks'
+    output is held in their ``held`` buffers instead: what they print then is mostly the fallout (a
+    backend's "Connection closed by peer" traceback), and the launcher's report must come first. The
+    report then prints it with that noise folded (:func:`fold_noise`). A lost-connection message that
+    arrives *before* the failing rank is reaped (its sockets close as it exits, a moment before the
+    launcher can see it gone) is held too, for :data:`FALLOUT_HOLD_S`: when no rank fails meanwhile,
+    ``flush_stale`` forwards it late but intact."""
+
+    def __init__(self) -> None:
+        self._stream: BinaryIO | None = getattr(sys.stdout, "buffer", None)
+        self._lock = threading.Lock()
+        self._broken = False
+        self._holding = False
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holding = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holding = False
+
+    def write(self, chunk: bytes, child: Any = None) -> None:
+        with self._lock:
+            if child is not None and (self._holding or child.held or _FALLOUT.search(chunk)):
+                if not child.held:
+                    child.held_since = time.monotonic()
+                child.held.extend(chunk)
+                del child.held[:-TAIL_BYTES]
+                return
+            self._emit(chunk)
+
+    def write_now(self, chunk: bytes) -> None:
+        """Forward ``chunk`` even while holding."""
+        with self._lock:
+            self._emit(chunk)
+
+    def flush_stale(self, children: Sequence[Any], after_s: float) -> None:
+        """Forward output held longer than ``after_s`` while no rank has failed."""
+        with self._lock:
+            if self._holding:
+                return
+            for child in children:
+                if child.held and time.monotonic() - child.held_since >= after_s:
+                    self._emit(bytes(child.held))
+                    child.held.clear()
+
+    def _emit(self, chunk: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            if self._stream is not None:
+                self._stream.write(chunk)
+                self._stream.flush()
+            else:
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            self._broken = True
+
+
+def _split_complete(data: bytes) -> tuple[bytes, bytes]:
+    """Split ``data`` after its last line end (``\n`` or ``\r``): (complete part, partial rest)."""
+    cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+    return data[:cut], data[cut:]
+
+
+def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None, hold: bool = True) -> None:
+    """Reader thread: copy one rank's output until its pipe closes (``child`` keeps its ``tail`` and, with
+    ``hold``, its ``held`` output; see :class:`Output`).
+
+    ``stream`` is unbuffered, so each ``read`` returns what the rank wrote so far. Text up to the last
+    line end (``\n`` or tqdm's ``\r``) is forwarded at once; a trailing partial line waits at most
+    :data:`PARTIAL_LINE_S` for its end, so two ranks' lines do not get spliced mid-line (``print``
+    writes the text and the newline separately) while progress bars still update live.
+    """
+    pending = b""
+    holder = child if hold else None
+    try:
+        while True:
+            if pending and not select.select([stream], [], [], PARTIAL_LINE_S)[0]:
+                out.write(pending, holder)
+                pending = b""
+                continue
+            try:
+                chunk = stream.read(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            if log is not None:
+                log.write(chunk)
+                log.flush()
+            child.tail.extend(chunk)
+            del child.tail[:-TAIL_BYTES]
+            complete, pending = _split_complete(pending + chunk)
+            if complete:
+                out.write(complete, holder)
+            if len(pending) > TAIL_BYTES:
+                out.write(pending, holder)
+                pending = b""
+    finally:
+        if pending:
+            out.write(pending, holder)
+        stream.close()
+        if log is not None:
+            log.close()
+
+
+def describe_exit(returncode: int) -> str:
+    """``Popen.returncode`` in words: ``code 3``, or ``signal SIGKILL`` for a negative code."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+_NOISE = re.compile(r"GLHF|Connection closed by peer|Connection reset by peer|Broken pipe|^frame #\d+|"
+                    r"^Exception raised from|<omitting python frames>|\[c10d\]|ProcessGroupGloo|TCPStore|"
+                    r"terminate called after|gloo::")
+
+
+_OWN = re.compile(r"CollectiveTimeout|deepshard|^(\[rank\d+\]: )?[\w.]+(Error|Exception|Timeout): ")
+
+
+def fold_noise(text: str) -> tuple[str, int]:
+    """``text`` without the lines of a backend's lost-connection fallout (gloo's "Connection closed by
+    peer" warnings, c10d's C++ frames), and how many lines were folded. Python's exception lines and the
+    library's own diagnoses stay."""
+    kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
+    return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
