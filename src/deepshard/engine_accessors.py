@@ -88,6 +88,8 @@ DISABLED_FEATURES: dict[str, Any] = {
     "data_efficiency_enabled": False,
     "data_sampling_enabled": False,
     "is_deepcompile_enabled": False,
+    "is_deepcompile_active": False,
+    "uses_parallelization_pass_only": False,
     "compile_zero_optimization_stage": False,
     "compile_autosp": False,
     "compile_autotp": False,

@@ -54,7 +54,8 @@ ACCESSORS = (
     "zero_save_muon_momentum_buffer_in_memory", "zero_sub_group_size", "zero_cpu_offload",
     "zero_use_cpu_optimizer", "zero_optimization_partition_gradients", "zero_optimization_partition_weights",
     "is_first_weights_partition_group", "zero_nvme_offload_optimizer", "get_data_types", "get_batch_info",
-    "get_data_parallel_rank", "get_model_parallel_rank", "get_tensor_parallel_rank",
+    "get_data_parallel_rank", "get_model_parallel_rank", "get_tensor_parallel_rank", "is_deepcompile_active",
+    "uses_parallelization_pass_only",
 )
 PROPERTIES = ("communication_data_type",)  # attributes, not methods, in DeepSpeed
 
