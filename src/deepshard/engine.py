@@ -15,6 +15,8 @@ import torch
 from deepshard.accelerator import DeviceAccelerator as DeviceKind
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
+from deepshard.engine_accessors import EngineAccessors
+from deepshard.engine_client_calls import EngineClientCalls
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.profiling.engine_tools import EngineTools
 from deepshard.step import StepRunner, TrainState
@@ -37,9 +39,9 @@ class _StateField:
         setattr(engine.state, self.name, int(value))
 
 
-class EngineCore(torch.nn.Module):
+class EngineCore(EngineAccessors, EngineClientCalls, torch.nn.Module):
     """What every engine ``deepshard.initialize`` returns shares (DeepSpeed's ``DeepSpeedEngine`` contract
-    minus the training calls): the module, the config accessors, the counters, the one step path
+    minus the training calls): the module, the config accessors (``deepshard.engine_accessors``), the counters, the one step path
     (``self.runner``, ``deepshard.step.StepRunner``), reporting, checkpoints, ``destroy``. The two engines
     add their training calls: :class:`DeepShardEngine` (``forward`` / ``backward`` / ``step``) and
     ``deepshard.pipe.engine.PipelineEngine`` (``train_batch`` / ``eval_batch``). ``deepspeed.DeepSpeedEngine``
@@ -107,15 +109,6 @@ class EngineCore(torch.nn.Module):
     def device(self) -> torch.device:
         return self.accelerator.device
 
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the accumulation steps (micro batch stays)."""
         micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
@@ -131,18 +124,6 @@ class EngineCore(torch.nn.Module):
             raise ValueError(f"micro batch size ({micro_batch_size}) must be > 0")
         self._config.train_micro_batch_size_per_gpu = micro_batch_size
         self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return bool(self._config.fp16.enabled)
-
-    def bfloat16_enabled(self) -> bool:
-        return bool(self._config.bf16.enabled)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
     def get_lr(self) -> list[float]:
         if self.optimizer is None:

@@ -43,7 +43,6 @@ from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
-RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
 LOCAL_RANK_MACRO = "${local_rank}"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 

@@ -80,6 +80,7 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
     return cmd
 
 
+RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
 TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
 """Variables of a planned rank that torch's agent (or the rank shim) sets itself, per rank and attempt."""

@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepshard.launcher.agent import LOCAL_RANK_MACRO, RESTART_COUNT_ENV, AgentJob, run_agent
 from deepshard.launcher.hostfile import decode_world_info
 from deepshard.launcher.local import (
+    RESTART_COUNT_ENV,
     TORCH_SETS,
     LocalLaunch,
     NodePlace,
@@ -42,7 +42,6 @@ from deepshard.launcher.local import (
     plan_local_ranks,
 )
 from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args
-from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
 from deepshard.utils.logging import logger
 
 RUN_ID = "deepshard"
@@ -112,9 +111,11 @@ def plan_node_ranks(job: NodeJob, base_env: Mapping[str, str], available_cores: 
 
 def agent_job(specs: Sequence[RankSpec], launch: LocalLaunch, base_env: Mapping[str, str], max_restarts: int,
               log_dir: str | None, report_on_node0: bool = False, python: str = sys.executable,
-              launcher_env: Mapping[str, str] = os.environ) -> AgentJob:
+              launcher_env: Mapping[str, str] = os.environ) -> Any:
     """The job torch's agent runs for the ranks ``specs`` plan (their command with torch's local-rank macro,
-    the variables they share, their cores)."""
+    the variables they share, their cores): an :class:`~deepshard.launcher.agent.AgentJob`."""
+    from deepshard.launcher.agent import LOCAL_RANK_MACRO, AgentJob  # torch's agent: imported when a job runs
+
     argv = build_rank_command(launch.user_script, launch.user_args, LOCAL_RANK_MACRO, module=launch.module,
                               no_python=launch.no_python, no_local_rank=launch.no_local_rank, python=python)
     shared = {k: v for k, v in specs[0].env.items() if k not in TORCH_SETS and launcher_env.get(k) != v}
@@ -131,6 +132,9 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     ``DEEPSHARD_HEARTBEAT_TIMEOUT`` (default 10) how long a silent node is tolerated.
     """
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
+    from deepshard.launcher.agent import run_agent
+    from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
+
     specs = plan_node_ranks(job, base_env, available_cores)
     ajob = agent_job(specs, job.launch, base_env, job.max_restarts, job.log_dir, job.report_on_node0)
     rdzv: Any
