@@ -79,7 +79,7 @@ def oracle_world(rank: int, world: int, stage: int = 0) -> dict[str, Any]:
     if stage == 0:  # the other reduction schedule than this host picks by default (overlapped or after backward)
         from deepshard.zero.stage0 import overlap_for
 
-        overlap = not overlap_for(type("Unset", (), {"overlap_comm_given": False})(), "gloo")
+        overlap = not overlap_for(type("Unset", (), {"overlap_comm_given": False})())
         results[f"fp32_overlap{int(overlap)}_m1_g{8 // world}"] = train(
             rank, world, 1, 8 // world, steps=5, stage=0,
             extra={"zero_optimization": {"stage": 0, "reduce_bucket_size": 500, "overlap_comm": overlap}})

@@ -10,7 +10,10 @@ buys no concurrency and costs the thread switches (and the cache each switch evi
 After ``zero_()`` the buffers are not cleared: every ``.grad`` is set to None (as DeepSpeed's
 ``zero_grad`` leaves it), so the next backward's autograd hands over a fresh gradient that is copied
 once into its view, instead of being added into a zero-filled buffer (a pass to clear, then a read of
-both). Views whose parameter got no gradient are cleared when that backward ends.
+both). Views whose parameter got no gradient are cleared when that backward ends. When that backward
+also reduces, the copy multiplies by the averaging factor on the way in (as DDP's reducer does), so no
+separate pass scales the buckets after the all-reduce; a gradient that arrives twice in one backward
+(a weight shared across reentrant checkpointed segments) is added in, scaled the same way.
 
 Buckets are fixed at construction (parameters in reverse registration order, which approximates the
 order backward produces them, split by dtype and ``reduce_bucket_size`` elements) and are launched
@@ -38,6 +41,7 @@ class GradBucket:
     buffer: torch.Tensor
     views: list[torch.Tensor]
     ready: set[int] = field(default_factory=set)
+    filled: set[int] = field(default_factory=set)  # slots written, already scaled, in this backward
     work: Any = None
     comm_buffer: torch.Tensor | None = None
 
@@ -83,6 +87,7 @@ class BucketedAllReduce:
         self.reduce_enabled = False
         self._next_launch = 0
         self._in_backward = False
+        self._fold = 0.0  # the factor the hooks' copies scale by in this backward; 0.0: not folding
         for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements)):
             self.buckets.append(self._make_bucket(index, plan))
         for b in self.buckets:
@@ -111,6 +116,12 @@ class BucketedAllReduce:
         self._next_launch = 0
         for b in self.buckets:
             b.ready.clear()
+            b.filled.clear()
+        post = averaging_factor(self.predivide, self.comm.size, self.average)
+        # fold the averaging into the copies only when every gradient of this backward arrives fresh
+        # (after zero_()) and is reduced as it is: no pre-division, no cast for the collective
+        foldable = reduce and self._stale and self.predivide == 1.0 and self.comm_dtype is None
+        self._fold = post if foldable and post != 1.0 else 0.0
         if not self._stale:  # accumulating: .grad must be the views autograd adds into
             self._restore_views()
 
@@ -131,7 +142,9 @@ class BucketedAllReduce:
         b_index, slot = self._bucket_of[id(p)]
         bucket = self.buckets[b_index]
         view = bucket.views[slot]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        if self._fold:
+            self._fold_in(bucket, slot, p, view)
+        elif p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             # autograd made a fresh tensor (the user set .grad to None mid-accumulation)
             view.copy_(p.grad)
             p.grad = view
@@ -139,6 +152,31 @@ class BucketedAllReduce:
             return
         bucket.ready.add(slot)
         self._launch_ready()
+
+    def _fold_in(self, bucket: GradBucket, slot: int, p: torch.nn.Parameter, view: torch.Tensor) -> None:
+        """Write the fresh gradient into its view already multiplied by the averaging factor. ``.grad``
+        goes back to None until backward ends, so a second arrival is a fresh tensor too, added in."""
+        if p.grad is None:
+            return
+        if slot in bucket.filled:
+            view.add_(p.grad, alpha=self._fold)
+        else:
+            torch.mul(p.grad, self._fold, out=view)
+            bucket.filled.add(slot)
+        p.grad = None
+
+    def _end_fold(self) -> None:
+        """After a folding backward: every ``.grad`` is its view again; views no gradient reached are
+        cleared."""
+        self._stale = False
+        for b in self.buckets:
+            for slot, (p, view) in enumerate(zip(b.params, b.views)):
+                if slot not in b.filled:
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        torch.mul(p.grad, self._fold, out=view)
+                p.grad = view
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -163,14 +201,18 @@ class BucketedAllReduce:
         if not self._in_backward:
             return
         self._in_backward = False
-        if self._stale:  # the first backward since zero_(): clear the views no gradient reached
+        folded = self._fold
+        if folded:
+            self._end_fold()
+        elif self._stale:  # the first backward since zero_(): clear the views no gradient reached
             self._restore_views()
         if not self.reduce_enabled:
             return
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-        post = averaging_factor(self.predivide, self.comm.size, self.average)
+        post = 1.0 if folded else averaging_factor(self.predivide, self.comm.size, self.average)
+        self._fold = 0.0
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
