@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small models (~4M MLP, ~1M GPT): a minute or two")
     p.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=[n for n, s in ENGINES.items() if s.default],
-                   help="default: all but deepshard-z0-overlap")
+                   help="default: all but deepshard-z0-after-backward")
     p.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=None,
                    help="default: fp32 bf16 (--quick: fp32)")
     p.add_argument("--nprocs", type=int, nargs="+", default=[2], help="process counts to run (default 2)")

@@ -15,8 +15,9 @@ so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is
 - deepshard: its public API only (``deepshard.initialize(model=..., config=...)``, ``engine(x, y)``,
   ``engine.backward``, ``engine.step``, ``engine.memory_report``, ``engine.comms_logger``), with
   ``reduce_bucket_size`` = DDP's 25 MB; ``deepshard-z3-sib`` is stage 3 with its opt-in
-  ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N); ``deepshard-z0-overlap`` is stage 0 with
-  ``overlap_comm: true`` (not run unless named in ``--engines``).
+  ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N); ``deepshard-z0-after-backward`` is stage 0
+  with ``overlap_comm: false``, the buckets reduced once backward is done (not run unless named in
+  ``--engines``).
 
 A runner that cannot run raises ``EngineUnavailable`` with a status: ``not implemented`` (deepshard
 raises NotImplementedError for a stage that has not landed), ``refused: <reason>`` (the engine
@@ -94,9 +95,9 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in [
     *(EngineSpec(f"deepshard-z{k}", "deepshard", k) for k in range(4)),
     EngineSpec("deepshard-offload", "deepshard", 2, offload=True),
     EngineSpec("deepshard-z3-sib", "deepshard", 3, step_in_backward=True),
-    # stage 0 with its all-reduces overlapped with backward, for comparing the two schedules on a host
-    # (without a spare core per process, stage 0 reduces after backward on gloo)
-    EngineSpec("deepshard-z0-overlap", "deepshard", 0, overlap_comm=True, default=False),
+    # stage 0 reducing once backward is done (DeepSpeed's stage-0 schedule), to compare with its default
+    # (all-reduces overlapped with backward) on a host
+    EngineSpec("deepshard-z0-after-backward", "deepshard", 0, overlap_comm=False, default=False),
 ]}
 
 
