@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.zero.offload.param_store import ShardSource
 
 
@@ -66,6 +67,7 @@ class ShardedGroup:
         if self.state is not GroupState.SHARDED:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
+        advise_huge_pages(self.full)  # written whole by the gather: 2 MiB faults instead of 4 KiB ones
         self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True,
                                                       key=2 * self.index + 1)
         self.state = GroupState.GATHERING
