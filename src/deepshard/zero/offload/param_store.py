@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.swapper import IOOp
@@ -137,6 +138,8 @@ class _OffloadedSource(ShardSource):
             return
         self.store.flush()  # never read bytes a pending write is still changing
         self._host = torch.empty(self.numel, dtype=self.dtype, pin_memory=self.store.pin)
+        if not self.store.pin:
+            advise_huge_pages(self._host)  # a fresh chunk every gather: fault it in 2 MiB at a time
         self._read = backing.read(PARAMS, self.start, self._host)
 
     def acquire(self) -> torch.Tensor:
