@@ -401,7 +401,7 @@ class SubGroupStates(ShardStates):
 
     # ------------------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
-        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes}
+        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes + self.grad_pool.allocated_bytes}
 
     def close(self) -> None:
         self.backing.close()
