@@ -1,14 +1,4 @@
-"""``deepshard launch`` and ``deepshard config``: Accelerate's launch front end on deepshard's launcher.
-
-    deepshard launch --config_file default_config.yaml my_training_script.py --its --args
-    deepshard launch --num_processes 2 --zero_stage 3 --use_cpu train.py      # no file: flags only
-    deepshard config --zero_stage 2 --num_processes 2 --use_cpu              # writes the YAML
-
-Without ``--config_file`` the file at Accelerate's default location is read when it exists. Flags win
-over the file. The processes are started by the ``deepshard`` launcher (supervision, restarts, multi-node
-runners), DeepSpeed-type runs through ``python -m deepshard.compat.run`` so the script's
-``import deepspeed`` (Accelerate's, the Trainer's) is deepshard. See :mod:`deepshard.launcher.accelerate_config`.
-"""
+"""``deepshard launch`` and ``deepshard config``: Accelerate's launch front end on deepshard's launcher."""
 from __future__ import annotations
 
 import argparse

@@ -1,15 +1,4 @@
-"""Accelerate's launch configuration (its YAML file, its flags) turned into a deepshard launch.
-
-``deepshard launch --config_file cfg.yaml script.py`` reads the file ``accelerate config`` writes, lets
-command-line flags win over it, checks it (an unknown key or a conflicting pair is one error naming it),
-and plans: the ``deepshard`` launcher's arguments and the environment Accelerate's own launcher would give
-the script. Everything here is pure (no process is started), so tests read the plan directly.
-
-Differences from ``accelerate launch``, by design: DeepSpeed runs on CPU (``use_cpu: true`` keeps DeepSpeed
-on and sets ``DEEPSHARD_ACCELERATOR=cpu``: Accelerate would turn DeepSpeed off and start one process);
-an unknown ``deepspeed_config`` sub-key is an error (Accelerate ignores it); with no
-``distributed_type`` anywhere the type is ``DEEPSPEED``.
-"""
+"""Accelerate's launch configuration (its YAML file, its flags) turned into a deepshard launch."""
 from __future__ import annotations
 
 import difflib

@@ -1,23 +1,4 @@
-"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on).
-
-``LocalElasticAgent`` starts this node's ranks, watches them every :data:`MONITOR_INTERVAL_S`, stops them
-all when one fails (SIGTERM, SIGKILL after :data:`GRACE_S`), restarts them up to ``--max_restarts`` times
-and forwards SIGINT / SIGTERM. Each rank sees what ``torchrun`` gives it (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT`` of the agents'
-store, ``TORCHELASTIC_*``), plus DeepSpeed's ``--local_rank=N`` and deepshard's ``CROSS_RANK`` /
-``CROSS_SIZE`` / ``DEEPSHARD_RESTART_COUNT``.
-
-deepshard adds, through :class:`NodeAgent`'s hooks:
-
-* the output path (:mod:`.rank_streams`) and the failure report: the first rank that failed, with its
-  exit code or signal and the end of its output (its traceback), printed before the other ranks' fallout;
-* the rendezvous (:mod:`.rendezvous`): static node ranks in hostfile order, or torch's c10d rendezvous for
-  ``--elastic_training``; with several nodes, the agents publish failures and heartbeats in the
-  rendezvous store, so a rank dying on one node stops (or restarts) every node at once, and a node
-  agent that vanishes is named;
-* the rank shim (:data:`RANK_SHIM`): each rank dies with its agent (``PR_SET_PDEATHSIG``), and gets its
-  CPU cores and per-rank variables.
-"""
+"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on)."""
 from __future__ import annotations
 
 import json
@@ -38,7 +19,7 @@ from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise, signal_handlers
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
@@ -349,22 +330,6 @@ def _quiet_torch(level: int) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(level)
 
 
-class _Signals:
-    """SIGINT / SIGTERM end the agent through torch's ``SignalException`` also while it waits for the
-    other nodes (before torch installs its own handlers); every handler is restored afterwards."""
-
-    def __enter__(self) -> "_Signals":
-        self._saved: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in HANDLED_SIGNALS:
-                self._saved[sig] = signal.signal(sig, _terminate_process_handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
 def run_agent(job: AgentJob, rdzv: NodeRendezvous,
               on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's
@@ -377,7 +342,7 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
     streams = RankStreams(Output(), job.log_dir)
     agent = NodeAgent(spec, job, streams, rdzv, on_started)
     try:
-        with _Signals():
+        with signal_handlers(_terminate_process_handler, HANDLED_SIGNALS):  # also while it waits for nodes
             result = agent.run()
         if not result.is_failed():
             return 0

@@ -1,13 +1,4 @@
-"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one.
-
-    deepshard [launcher flags] train.py [script args]   DeepSpeed's launcher (no subcommand)
-    deepshard launch [flags] train.py [script args]     Accelerate's launch front end
-    deepshard config | report | zero_to_fp32 | convert | estimate_memory ...
-
-Parsing only: each subcommand owns its parser and returns an exit status; nothing here starts a
-process. A new subcommand is one entry in :data:`COMMANDS` (``"module:function"`` taking
-``(argv, prog=...)``); the old console-script names stay as aliases of the same functions.
-"""
+"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one."""
 from __future__ import annotations
 
 import argparse

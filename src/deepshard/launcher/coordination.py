@@ -1,23 +1,4 @@
-"""The node agents' job channel, kept in the store of their rendezvous (see :mod:`.rendezvous`).
-
-Every node agent of a multi-node job talks to the ``TCPStore`` node 0's agent serves on ``master_port``
-(torch's agent and the ranks use the same store under other prefixes). Keys, all small:
-
-* ``config``: node 0's description of the job (world, restarts); every agent compares its own with
-  it, so nodes started with different command lines stop with a clear error instead of hanging;
-* ``round<k>/joined/<node>``: node ``node`` is ready to start attempt ``k`` (a barrier per attempt);
-* ``round<k>/failure``: the first failure of attempt ``k`` as JSON (first writer wins, via
-  ``compare_set``): which rank on which host died, how, and the end of its output;
-* ``round<k>/finished``: a counter of nodes whose ranks all exited 0 in attempt ``k``;
-* ``abort``: a failure that ends the job without restart (a signal, a lost node, a launcher gone);
-* ``heartbeat/<node>``: a counter each non-zero node's agent increments every second; node 0 declares
-  a node lost when its counter stops moving for ``heartbeat_timeout_s`` and publishes an abort;
-* ``exited/<node>``: an agent is leaving, so node 0 may close the store.
-
-A non-zero node that cannot reach the store (node 0 died or is unreachable) gets a
-:class:`ChannelLost` from any call and stops its ranks. torch's static rendezvous carries no failure
-report, abort broadcast or heartbeat; these keys add them.
-"""
+"""The node agents' job channel, kept in the store of their rendezvous (see :mod:`.rendezvous`)."""
 from __future__ import annotations
 
 import datetime

@@ -1,17 +1,4 @@
-"""The environment a multi-node job carries to every node: an env file plus well-known prefixes.
-
-Two sources, both DeepSpeed's conventions:
-
-* an env file of ``NAME=VALUE`` lines (``#`` comments and blank lines allowed, an optional leading
-  ``export``), looked for in the home directory, then the current directory (a later file wins).
-  Its name is ``DS_ENV_FILE`` (or ``DEEPSHARD_ENV_FILE``) when set, which may also be a path;
-  otherwise both ``.deepspeed_env`` and ``.deepshard_env`` are read, ``.deepshard_env`` last;
-* the launcher's own variables whose names start with one of :data:`EXPORT_PREFIXES`, so
-  ``PYTHONPATH``, ``NCCL_*``, ``OMP_NUM_THREADS`` ... reach ranks started over ssh or MPI.
-
-Values from the env file win over the prefixed variables. Pure functions: the caller passes the
-environment, the home directory and the current directory.
-"""
+"""The environment a multi-node job carries to every node: an env file plus well-known prefixes."""
 from __future__ import annotations
 
 import os

@@ -1,15 +1,4 @@
-"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes.
-
-A hostfile lists one machine per line with the number of process slots (GPUs, or processes on a CPU
-machine) it offers::
-
-    # comment
-    worker-0 slots=4
-    worker-1 slots=4   # trailing comment
-
-A node spec, as DeepSpeed's ``--include`` / ``--exclude`` take it, is ``NODE[@NODE...]`` with
-``NODE = HOST[:SLOT[,SLOT...]]``, e.g. ``worker-0@worker-1:0,2``.
-"""
+"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes."""
 from __future__ import annotations
 
 import base64

@@ -1,13 +1,4 @@
-"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions.
-
-The functions here only compute; :func:`deepshard.launcher.node.run_node` hands the plan to torch's
-elastic agent (:mod:`.agent`), which starts the processes and stops every rank when one fails.
-
-Each rank gets the environment ``torch.distributed``'s ``env://`` rendezvous and DeepSpeed scripts
-expect: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``CROSS_RANK`` (the node index, 0 here) and ``CROSS_SIZE`` (the node count, 1), plus
-``CUDA_VISIBLE_DEVICES`` on CUDA and ``OMP_NUM_THREADS`` so N ranks do not oversubscribe the cores.
-"""
+"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions."""
 from __future__ import annotations
 
 import os

@@ -1,14 +1,4 @@
-"""Start a multi-node job from one machine: ssh / pdsh (a node agent per machine) or mpirun / srun.
-
-* ssh: one ``ssh HOST '... python -m deepshard.launcher.node --node_rank N ...'`` per node, each
-  supervised like a rank (output forwarded). Its stdin is a pipe the launcher keeps open: if the
-  launcher dies, the remote agent reads end-of-file and stops the job (no orphans). The agents
-  handle failures and restarts among themselves; when one node's agent fails, the launcher lets the
-  others end on their own (they are stopping too) so their reports reach the terminal.
-* pdsh: one ``pdsh -w h1,h2 '... --node_rank=%n ...'`` process.
-* openmpi / mpich / impi / mvapich / slurm: one ``mpirun`` / ``srun`` process that starts a node agent
-  on every host (the agents restart the ranks themselves with ``--max_restarts``).
-"""
+"""Start a multi-node job from one machine: ssh / pdsh (a node agent per machine) or mpirun / srun."""
 from __future__ import annotations
 
 import argparse

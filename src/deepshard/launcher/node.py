@@ -1,23 +1,4 @@
-"""A node's part of a job: its ranks under torch's elastic agent, in step with the other nodes.
-
-One agent runs on every node: ``deepshard`` itself on one machine, ``deepshard --no_ssh --node_rank N
-...`` on each machine, or ``python -m deepshard.launcher.node --world_info ... --node_rank N ...``
-started by the launcher over ssh / pdsh (or by ``srun`` / ``mpirun``, one per node, the node rank then
-read from their variables). Each agent is torch's ``LocalElasticAgent`` (:mod:`.agent`) with deepshard's
-rendezvous (:mod:`.rendezvous`):
-
-1. node 0's agent serves the store on ``master_addr:master_port``, the others join it, and all check
-   they describe the same job; each attempt begins with a barrier that names the nodes that did not come;
-2. global ranks follow the hostfile order (``CROSS_RANK`` is the node index, ``DEEPSHARD_RESTART_COUNT``
-   and ``TORCHELASTIC_RESTART_COUNT`` the attempt number);
-3. when a rank dies, its agent publishes the failure (rank, host, exit, end of output) and stops its
-   other ranks; every other node stops (or restarts) its own at once; node 0 names a node agent whose
-   heartbeat stopped; the other nodes stop when node 0's store goes away;
-4. with ``--max_restarts R`` every node's ranks restart (the same world) up to R times; the script
-   resumes from its checkpoint. A signal, a lost node or an unreachable store end the job;
-5. exits 0 when every node's ranks succeeded, else the failing rank's exit code; node 0 prints the
-   job's failure report (which rank on which host, and the end of its output).
-"""
+"""A node's part of a job: its ranks under torch's elastic agent, in step with the other nodes."""
 from __future__ import annotations
 
 import argparse
@@ -207,20 +188,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_from_args(args: argparse.Namespace, devices: list[str] | None, master_addr: str) -> LocalLaunch:
+    """How each rank runs, from the launcher's / agent's parsed flags."""
+    core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
+    return LocalLaunch(user_script=args.user_script, user_args=list(args.user_args), master_addr=master_addr,
+                       master_port=args.master_port, module=args.module, no_python=args.no_python,
+                       no_local_rank=args.no_local_rank, visible_devices=devices,
+                       bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
+
+
 def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], environ: Mapping[str, str]) -> NodeJob:
     """A :class:`NodeJob` from the launcher's / agent's parsed flags (devices detected here)."""
-    core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
     try:
         devices = detect_cuda_devices(environ)
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
-    launch = LocalLaunch(user_script=args.user_script, user_args=list(args.user_args),
-                         master_addr=args.master_addr, master_port=args.master_port, module=args.module,
-                         no_python=args.no_python, no_local_rank=args.no_local_rank, visible_devices=devices,
-                         bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
-    return NodeJob(world, args.node_rank, launch, args.max_restarts, args.enable_each_rank_log,
-                   getattr(args, "exit_on_stdin_close", False), getattr(args, "report_on_node0", False),
-                   elastic_range(args, len(world)))
+    return NodeJob(world, args.node_rank, launch_from_args(args, devices, args.master_addr), args.max_restarts,
+                   args.enable_each_rank_log, getattr(args, "exit_on_stdin_close", False),
+                   getattr(args, "report_on_node0", False), elastic_range(args, len(world)))
 
 
 def main(argv: list[str] | None = None) -> int:

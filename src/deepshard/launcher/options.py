@@ -1,8 +1,4 @@
-"""Command-line options of the ``deepshard`` launcher and of its per-node agent (DeepSpeed's flags).
-
-Shared by :mod:`deepshard.launcher.cli` (what users type) and :mod:`deepshard.launcher.node` (what
-the launcher runs on each machine), so a process flag means the same thing in both.
-"""
+"""Command-line options of the ``deepshard`` launcher and of its per-node agent (DeepSpeed's flags)."""
 from __future__ import annotations
 
 import argparse

@@ -1,12 +1,5 @@
 """The ranks' output on its way to the launcher's terminal (used by torch's agent path, :mod:`.rank_streams`,
-and by the runner supervisor, :mod:`.supervisor`).
-
-A reader thread per process (:func:`pump`) copies its stdout+stderr to the launcher's stdout in raw chunks as
-they arrive (a partial line waits up to 50 ms for its end, so two processes' lines are not spliced), so ``\\r``
-progress bars keep working; it keeps the last :data:`TAIL_BYTES` for the failure report and can write a log
-file. :class:`Output` can hold the other ranks' output once one failed, so the report comes first;
-:func:`fold_noise` folds a backend's lost-connection noise out of what was held.
-"""
+and by the runner supervisor, :mod:`.supervisor`)."""
 from __future__ import annotations
 
 import re
@@ -15,7 +8,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 TAIL_BYTES = 8192
@@ -160,3 +154,16 @@ def fold_noise(text: str) -> tuple[str, int]:
     library's own diagnoses stay."""
     kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
     return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
+
+
+@contextmanager
+def signal_handlers(handler: Callable[[int, Any], Any], signals: Sequence[int]) -> Iterator[None]:
+    """``handler`` for ``signals`` while the block runs (main thread only); the old handlers after."""
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)

@@ -1,16 +1,4 @@
-"""Where torch's elastic agent sends each rank's output: a named pipe per rank that the launcher reads.
-
-torch's agent starts the ranks with their stdout and stderr opened on the paths a ``LogsSpecs`` names.
-:class:`RankStreams` names one FIFO per local rank for both, so a rank's two streams arrive merged and in
-order, as they did through one pipe. A reader thread per rank (:func:`deepshard.launcher.output.pump`)
-forwards the bytes to the launcher's stdout as they come (``\\r`` progress bars keep working), keeps the
-last bytes for the failure report, writes ``rank_<RANK>.log`` with ``--enable_each_rank_log``, and holds
-the other ranks' output once a rank failed, so the report comes first.
-
-Each attempt (torch calls :meth:`RankStreams.reify` before starting it) gets fresh pipes; the launcher
-keeps a write end of each open itself, so a reader never sees end-of-file before its rank opened the
-pipe. :meth:`RankStreams.finish` closes those and waits for the readers.
-"""
+"""Where torch's elastic agent sends each rank's output: a named pipe per rank that the launcher reads."""
 from __future__ import annotations
 
 import os
@@ -64,10 +52,6 @@ class RankStreams(LogsSpecs):
             prepare_log_dir(log_dir)
         self._tmp = tempfile.mkdtemp(prefix="deepshard-ranks-")
         self.streams: dict[int, RankStream] = {}
-
-    @property
-    def root_log_dir(self) -> str:
-        return self.log_dir or self._tmp
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Fresh pipes (and readers) for the attempt torch is about to start."""

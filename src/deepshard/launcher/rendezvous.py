@@ -1,20 +1,4 @@
-"""The node agents' rendezvous: torch's ``RendezvousHandler`` with static node ranks and a job channel.
-
-:class:`NodeRendezvous` is what torch's agent calls before every attempt (``next_rendezvous``). Node 0's
-agent serves a ``TCPStore`` on ``master_addr:master_port``; the ranks of every node use it too (torch's
-``TORCHELASTIC_USE_AGENT_STORE``), as under ``torchrun``. Node ranks are the ones given (hostfile order,
-``--node_rank``), so global ranks follow the hostfile like DeepSpeed's. Around torch's protocol the agents
-keep a small job channel in the same store (:class:`~deepshard.launcher.coordination.JobChannel`):
-
-* the join barrier of each attempt names the nodes that did not come (``DEEPSHARD_JOIN_TIMEOUT``);
-* the first failing rank's record (rank, host, exit, end of output), so every node stops or restarts
-  together and node 0 prints one report;
-* heartbeats: node 0 names a node agent that went silent for ``DEEPSHARD_HEARTBEAT_TIMEOUT`` seconds
-  (killed, machine gone); the others stop when node 0's store stops answering.
-
-``--elastic_training`` uses torch's own c10d rendezvous instead (:func:`elastic_rendezvous`): node ranks in
-order of arrival, any number of nodes between the minimum and the maximum.
-"""
+"""The node agents' rendezvous: torch's ``RendezvousHandler`` with static node ranks and a job channel."""
 from __future__ import annotations
 
 import datetime
@@ -307,10 +291,9 @@ class NodeRendezvous(RendezvousHandler):
             pass
 
 
-class ElasticRendezvous(RendezvousHandler):
-    """``--elastic_training``: torch's c10d rendezvous (node ranks by arrival, min..max nodes) behind the
-    hooks :class:`~deepshard.launcher.agent.NodeAgent` calls; torch's agent restarts every node's ranks when
-    one fails or a node joins or leaves."""
+class ElasticRendezvous:
+    """``--elastic_training``: torch's c10d rendezvous (node ranks by arrival, min..max nodes), with the few
+    hooks :class:`~deepshard.launcher.agent.NodeAgent` calls; everything else is torch's handler."""
 
     multi_node = False
     where = ""
@@ -322,36 +305,13 @@ class ElasticRendezvous(RendezvousHandler):
         self.join_timeout_s = env_seconds(environ, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
         params = RendezvousParameters("c10d", endpoint, run_id, min_nodes, max_nodes, local_addr,
                                       join_timeout=int(self.join_timeout_s), last_call_timeout=2)
-        self._inner = get_rendezvous_handler(params)
+        self._inner: RendezvousHandler = get_rendezvous_handler(params)
 
-    def get_backend(self) -> str:
-        return self._inner.get_backend()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return self._inner.use_agent_store
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self._inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self._inner.shutdown()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     def abort(self, what: str, code: int) -> None:
-        """Signalled: torch's agent already stopped this node's ranks; the rendezvous stays open for the
-        others."""
+        """Signalled: torch's agent already stopped this node's ranks; the rendezvous stays open for the others."""
 
     def close(self) -> None:
         self._inner.shutdown()
