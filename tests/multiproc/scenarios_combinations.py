@@ -23,7 +23,7 @@ from torch import nn
 
 from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
-VOCAB, HIDDEN, FFN, SEQ, HEADS = 16, 8, 16, 4, 2
+VOCAB, HIDDEN, FFN, SEQ, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 16, 4, 4, 2, 2
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
 
 
@@ -66,23 +66,32 @@ class Block(nn.Module):
 
 
 class AttnBlock(Block):
-    """Causal self-attention, then ``Block``'s MLP. With ``sp`` set (a ``deepshard.sp.SequenceParallel``) ``x``
-    holds this rank's tokens of a ``SEQ``-token sequence and the attention runs sequence-parallel."""
+    """Causal self-attention with grouped-query heads (``HEADS`` query heads, ``kv_heads`` key/value heads),
+    then ``Block``'s MLP. With ``sp`` set (a ``deepshard.sp.SequenceParallel``) ``x`` holds this rank's
+    tokens of a ``SEQ``-token sequence and the attention runs sequence-parallel. The head counts are
+    attributes automatic TP divides (each tensor-parallel rank holds heads/tp and kv_heads/tp)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_heads: int = KV_HEADS) -> None:
         super().__init__()
+        self.num_heads, self.num_key_value_heads = HEADS, kv_heads
         self.attn_ln = nn.LayerNorm(HIDDEN)
-        self.qkv_proj, self.o_proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.q_proj, self.o_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM), nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+        self.k_proj, self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM), nn.Linear(HIDDEN, kv_heads * HEAD_DIM)
         self.sp: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv_proj(self.attn_ln(x)).view(b, s, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
+        h = self.attn_ln(x)
+        q, k, v = (proj(h).view(b, s, n, HEAD_DIM).transpose(1, 2) for proj, n in (
+            (self.q_proj, self.num_heads), (self.k_proj, self.num_key_value_heads),
+            (self.v_proj, self.num_key_value_heads)))
         if self.sp is None:
+            group = self.num_heads // self.num_key_value_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = self.sp.attention(q, k, v, SEQ)
-        return super().forward(x + self.o_proj(att.transpose(1, 2).reshape(b, s, HIDDEN)))
+        return super().forward(x + self.o_proj(att.transpose(1, 2).reshape(b, s, self.num_heads * HEAD_DIM)))
 
 
 def _megatron_slice(linear: nn.Linear, name: str, dim: int, rank: int, size: int) -> None:
@@ -126,7 +135,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def layer_specs(model: str, tp_group: Any = None) -> list:
     from deepshard.pipe import LayerSpec, TiedLayerSpec
 
-    block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock)}.get(model, LayerSpec(Block))
+    block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock),
+             "attn_mqa": LayerSpec(AttnBlock, 1)}.get(model, LayerSpec(Block))
     if model == "tied":
         return [TiedLayerSpec("embed", TiedEmbed), block, block, TiedLayerSpec("embed", TiedEmbed, forward_fn=tied_head)]
     return [LayerSpec(Embed), block, block, LayerSpec(Head)]
@@ -171,7 +181,7 @@ class Flat(nn.Module):
 
 
 def reference_kind(model: str) -> str:
-    return model if model in ("tied", "attn") else "plain"
+    return model if model in ("tied", "attn", "attn_mqa") else "plain"
 
 
 # ------------------------------------------------------------------------------------ data, reference
@@ -248,7 +258,7 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
     if cell.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if cell.model == "autotp":
+    if cell.model == "autotp" or (cell.model.startswith("attn") and cell.tp > 1):
         cfg["tensor_parallel"] = {"autotp_size": cell.tp}
     if cell.sp > 1:
         cfg["sequence_parallel_size"] = cell.sp
