@@ -271,11 +271,11 @@ def test_local_rank_failure_becomes_the_job_failure_first_one_wins() -> None:
 
     node0, node1, _ = _channels()
     stream = RankStream(3, 1, tail=bytearray(b"bye"), returncode=-9, pid=77)
-    failure = _rendezvous(1, node1, node1.store).publish_rank_failure(stream, None)
+    failure = _rendezvous(1, node1, node1.store).publish_rank_failure(stream)
     assert failure.headline() == "rank 3 (local rank 1, pid 77) on host node-b (node 1) exited with signal SIGKILL"
     assert (failure.exit_code, failure.rank, failure.tail, failure.restartable) == (1, 3, "bye", True)
     later = RankStream(0, 0, returncode=1, pid=5)
-    assert _rendezvous(0, node0, node0.store).publish_rank_failure(later, None) == failure
+    assert _rendezvous(0, node0, node0.store).publish_rank_failure(later) == failure
 
 
 def test_a_node_that_never_joined_is_named_and_not_waited_for_at_the_end() -> None:

@@ -23,6 +23,7 @@ _INT_FLAGS = {"num_processes", "num_machines", "machine_rank", "main_process_por
               "gradient_accumulation_steps", "num_cpu_threads_per_process"}
 
 
+# Help text of every setting flag (the same key in the config file).
 _HELP = {
     "num_processes": "processes in total, over all machines",
     "num_machines": "machines (nodes) in the job",
@@ -53,7 +54,6 @@ _HELP = {
     "same_network": "the machines share a network (Accelerate's key; accepted)",
     "debug": "Accelerate's debug mode (ACCELERATE_DEBUG_MODE)",
 }
-"""Help text of every setting flag (the same key in the config file)."""
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise, signal_handlers
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, fold_noise, signal_handlers
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
@@ -48,13 +48,11 @@ RANK_SHIM = (
 class AgentJob:
     """What one node's agent runs."""
 
-    argv: list[str]
-    """One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank."""
+    argv: list[str]  # One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank.
     nproc: int
     rank_env: dict[str, str] = field(default_factory=dict)
     """Set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables)."""
-    cores: list[tuple[int, ...]] | None = None
-    """CPU cores of each local rank (``--bind_cores_to_rank``)."""
+    cores: list[tuple[int, ...]] | None = None  # CPU cores of each local rank (``--bind_cores_to_rank``).
     max_restarts: int = 0
     log_dir: str | None = None
     report_on_node0: bool = False
@@ -184,7 +182,7 @@ class NodeAgent(LocalElasticAgent):
             local = min(result.failures.values(), key=lambda f: f.timestamp).local_rank
             self.first = self.streams.streams[local]
         if self.rdzv.multi_node and self.job_failure is None:
-            self.job_failure = self.rdzv.publish_rank_failure(self.first, self.streams.out)
+            self.job_failure = self.rdzv.publish_rank_failure(self.first)
             if self.job_failure is not None and not self.job_failure.restartable:
                 self._remaining_restarts = 0
         return result
@@ -229,8 +227,7 @@ class NodeAgent(LocalElasticAgent):
     def exit_code(self) -> int:
         if self.job_failure is not None:
             return self.job_failure.exit_code
-        code = self.first.returncode if self.first is not None else 1
-        return code if code and code > 0 else 1
+        return exit_status(self.first.returncode if self.first is not None else 1)
 
     def report(self, restarting: bool) -> None:
         """Print this attempt's failure (once), then the other ranks' output since."""
@@ -241,18 +238,17 @@ class NodeAgent(LocalElasticAgent):
         if self.first is not None and self.first.held:  # the failing rank's own last words, where they belong
             self.streams.out.write_now(bytes(self.first.held))
             self.first.held.clear()
-        if self.rdzv.multi_node:
-            self.rdzv.report(self.job_failure, self.first, self.job, self.streams, attempt, restarting)
-        elif self.first is not None:
+        if self.rdzv.multi_node:  # then the ranks' own words, as they are: the report names the job's failure
+            self.rdzv.report(self.job_failure, self.first is not None, self.job, attempt, restarting)
+            self.streams.out.release()
+            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
+            return
+        if self.first is not None:
             report_local(self.first, self.streams, self.stopped_others)
             if restarting:
                 logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)", attempt,
                                self.exit_code(), attempt + 1, self.job.max_restarts)
-        if self.rdzv.multi_node:  # the ranks' own words, as they are: the report names the job's failure
-            self.streams.out.release()
-            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
-        else:
-            report_held(self.streams, self.first)
+        report_held(self.streams, self.first)
         self.streams.out.release()
 
 
@@ -282,8 +278,7 @@ def report_local(failed: RankStream, streams: RankStreams, stopped: int) -> None
         print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
     reported = any(failed.rank in ranks for ranks in errors.values())
     plural = "rank" if stopped == 1 else "ranks"
-    lines = [f"deepshard: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.pid}) exited with "
-             f"{describe_exit(failed.returncode or 1)}; stopped the other {stopped} {plural}"]
+    lines = [f"deepshard: {failed.who} exited with {failed.exit}; stopped the other {stopped} {plural}"]
     tail, trace = failed.text(), error_file_traceback(failed.error_file)
     if trace and not reported:
         lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
@@ -325,16 +320,12 @@ def report_held(streams: RankStreams, failed: RankStream | None) -> None:
                   file=sys.stderr, flush=True)
 
 
-def _quiet_torch(level: int) -> None:
-    """torch's agent logs every start and stop; deepshard reports those itself."""
-    logging.getLogger("torch.distributed.elastic").setLevel(level)
-
-
 def run_agent(job: AgentJob, rdzv: NodeRendezvous,
               on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's
     exit code, 1 for a rank killed by a signal or a lost node, 128+N for signal N)."""
-    _quiet_torch(logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL)
+    torch_level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(torch_level)  # deepshard reports starts and stops
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
     entrypoint, args = entry(job, os.getpid(), python)
     spec = WorkerSpec(role="default", local_world_size=job.nproc, rdzv_handler=rdzv, entrypoint=entrypoint,

@@ -54,18 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the launcher's command line; everything after the script belongs to the script."""
     return build_parser().parse_args(argv)
 
 
 def local_hostnames() -> set[str]:
-    """Names under which a hostfile may list this machine (no DNS lookups)."""
     name = socket.gethostname()
     return {LOCAL_HOST, "127.0.0.1", name, name.split(".")[0]}
 
 
 def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """The CUDA device ids visible to this launcher, in slot order, or ``None`` on a CPU machine."""
     try:
         return _detect_cuda_devices(environ)
     except ValueError as exc:
@@ -95,7 +92,6 @@ def _cpu_slot_count(args: argparse.Namespace, include: str) -> int:
 
 def _say_cpu_default(args: argparse.Namespace, hostfile: dict[str, int] | None,
                      cuda_devices: list[str] | None) -> None:
-    """Log once, before anything starts, that a CPU machine with no slot count runs one process."""
     if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
         logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
 
@@ -271,16 +267,14 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
 
 
 def help_parser() -> argparse.ArgumentParser:
-    """``deepshard --help``: the subcommands, then the launcher's own options."""
     parser = build_parser()
     add_command_list(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``deepshard`` console script; returns the exit status. A first word naming a
-    subcommand (:data:`deepshard.launcher.commands.COMMANDS`) runs it; anything else is DeepSpeed's
-    launcher. With no arguments at all it prints the help (to stderr) and returns 2."""
+    """Entry point of the ``deepshard`` console script: a subcommand, else DeepSpeed's launcher; no arguments
+    prints the help to stderr and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         help_parser().print_help(sys.stderr)

@@ -8,11 +8,7 @@ from dataclasses import dataclass, field
 
 
 def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """The CUDA device ids visible on this machine, in slot order, or ``None`` on a CPU machine.
-
-    torch is imported only when a GPU driver is present (or ``DEEPSHARD_ACCELERATOR=cuda``), so the
-    launcher starts fast on CPU machines.
-    """
+    """The visible CUDA device ids in slot order, or ``None`` on CPU (torch is imported only with a GPU driver)."""
     forced = environ.get("DEEPSHARD_ACCELERATOR") or environ.get("DS_ACCELERATOR")
     if forced == "cpu":
         return None
@@ -42,8 +38,7 @@ class RankSpec:
     env: dict[str, str]
     cores: tuple[int, ...] | None = field(default=None)
     """CPU cores the process is pinned to (``--bind_cores_to_rank``), or ``None`` for no pinning."""
-    label: str | None = field(default=None)
-    """How reports name the process (default ``rank N``), e.g. ``node 1 (ssh worker-1)``."""
+    label: str | None = None  # How reports name the process (default ``rank N``), e.g. ``node 1 (ssh worker-1)``.
     stdin_pipe: bool = field(default=False)
     """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
     launcher dies); otherwise stdin is ``/dev/null``."""
@@ -52,10 +47,8 @@ class RankSpec:
 def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int | str, *,
                        module: bool = False, no_python: bool = False, no_local_rank: bool = False,
                        python: str = sys.executable) -> list[str]:
-    """The argv of one rank: ``python -u script --local_rank=N args`` (``-m module`` with ``module``, the
-    bare ``script`` with ``no_python``; no ``--local_rank`` with ``no_local_rank``). ``--local_rank``
-    comes right after the script, where DeepSpeed's launcher puts it (a script that reads
-    ``sys.argv[1]`` or stops parsing at a ``--`` sees it there)."""
+    """One rank's argv, ``python -u script --local_rank=N args`` (``-m``, bare with ``no_python``), with
+    ``--local_rank`` right after the script, where DeepSpeed puts it."""
     if module and no_python:
         raise ValueError("--module and --no_python cannot be combined: --module runs "
                          "'python -m <module>', --no_python runs the program without python; pick one")
@@ -72,9 +65,9 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
 
 
 RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
+# Variables of a planned rank that torch's agent (or the rank shim) sets itself, per rank and attempt.
 TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
-"""Variables of a planned rank that torch's agent (or the rank shim) sets itself, per rank and attempt."""
 
 
 def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
@@ -82,11 +75,7 @@ def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, w
                    cross_rank: int = 0, cross_size: int = 1,
                    cuda_visible_devices: str | None = None,
                    omp_num_threads: int | None = None) -> dict[str, str]:
-    """A copy of ``base_env`` with the distributed variables of one rank set.
-
-    ``omp_num_threads`` is written as ``OMP_NUM_THREADS`` when not ``None`` (the caller decides
-    whether a user's own value wins); ``cuda_visible_devices`` likewise.
-    """
+    """A copy of ``base_env`` with one rank's distributed variables (and the two optional ones when given)."""
     env = dict(base_env)
     env.update({
         "RANK": str(rank),
@@ -165,10 +154,8 @@ class LocalLaunch:
 class NodePlace:
     """Where this machine's ranks sit in a multi-node world (the default: a one-node world)."""
 
-    rank_offset: int = 0
-    """Global rank of this node's local rank 0 (the slots of the nodes before it)."""
-    world_size: int | None = None
-    """Ranks in the whole job; ``None`` means this node's ranks only."""
+    rank_offset: int = 0  # Global rank of this node's local rank 0 (the slots of the nodes before it).
+    world_size: int | None = None  # Ranks in the whole job; ``None`` means this node's ranks only.
     node_rank: int = 0
     num_nodes: int = 1
 
@@ -176,9 +163,7 @@ class NodePlace:
 def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str],
                      available_cores: Sequence[int], python: str = sys.executable,
                      place: NodePlace = NodePlace()) -> list[RankSpec]:
-    """One :class:`RankSpec` per selected slot of this machine, local ranks in slot order; global
-    ranks start at ``place.rank_offset`` (``CROSS_RANK`` / ``CROSS_SIZE`` are the node's index and
-    the node count)."""
+    """One :class:`RankSpec` per selected slot, local ranks in slot order, global from ``place.rank_offset``."""
     nprocs = len(slots)
     world_size = place.world_size if place.world_size is not None else nprocs
     cuda_ids = None

@@ -27,8 +27,8 @@ from deepshard.launcher.runners import (
 from deepshard.launcher.supervisor import supervise_ranks
 
 MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
+# How long the ssh launcher lets the other nodes' agents stop on their own after one failed.
 SSH_SETTLE_S = 25.0
-"""How long the ssh launcher lets the other nodes' agents stop on their own after one failed."""
 
 
 def process_flags(args: argparse.Namespace) -> list[str]:

@@ -56,17 +56,14 @@ class NodeJob:
 
     @property
     def hosts(self) -> list[str]:
-        """Host names in node order."""
         return list(self.world)
 
     @property
     def host(self) -> str:
-        """This node's host name as the hostfile spells it."""
         return self.hosts[self.node_rank]
 
     @property
     def world_size(self) -> int:
-        """Ranks in the whole job."""
         return sum(len(slots) for slots in self.world.values())
 
     def place(self) -> NodePlace:
@@ -107,11 +104,7 @@ def agent_job(specs: Sequence[RankSpec], launch: LocalLaunch, base_env: Mapping[
 
 def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
              on_started: Callable[[list[int]], None] | None = None) -> int:
-    """Run this node's part of the job on torch's agent (see the module docstring); returns the exit status.
-
-    ``DEEPSHARD_JOIN_TIMEOUT`` (seconds, default 300) bounds the wait for the other nodes;
-    ``DEEPSHARD_HEARTBEAT_TIMEOUT`` (default 10) how long a silent node is tolerated.
-    """
+    """Run this node's part of the job on torch's agent; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
     from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
@@ -132,8 +125,8 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     return run_agent(ajob, rdzv, on_started)
 
 
+# Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank.
 NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-"""Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank."""
 
 
 def node_rank_from_env(environ: Mapping[str, str]) -> tuple[int, str] | None:

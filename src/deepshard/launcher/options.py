@@ -22,8 +22,8 @@ class LaunchError(ValueError):
     """A command line or resource selection that cannot be launched; the message says why and how to fix."""
 
 
+# ``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed.
 LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
-"""``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed."""
 
 
 def add_resource_args(parser: argparse.ArgumentParser) -> None:

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
-
-import sys
 
 ERROR_DIR_ENV = "DEEPSHARD_ERROR_DIR"
 VERBOSE_ENV = "DEEPSHARD_VERBOSE"

@@ -12,7 +12,7 @@ from typing import BinaryIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from deepshard.launcher.preflight import prepare_log_dir
-from deepshard.launcher.output import Output, pump
+from deepshard.launcher.output import Output, describe_exit, pump
 
 
 @dataclass
@@ -26,8 +26,7 @@ class RankStream:
     tail: bytearray = field(default_factory=bytearray)
     held: bytearray = field(default_factory=bytearray)
     held_since: float = 0.0
-    ended_at: float | None = None
-    """``time.monotonic()`` when the agent saw the rank exit."""
+    ended_at: float | None = None  # ``time.monotonic()`` when the agent saw the rank exit.
     returncode: int | None = None
     pid: int | None = None
     reader: threading.Thread | None = None
@@ -36,6 +35,14 @@ class RankStream:
     @property
     def name(self) -> str:
         return f"rank {self.rank}"
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
+
+    @property
+    def exit(self) -> str:
+        return describe_exit(self.returncode or 1)
 
     def text(self) -> str:
         return bytes(self.tail).decode("utf-8", errors="replace").rstrip()
@@ -52,6 +59,10 @@ class RankStreams(LogsSpecs):
             prepare_log_dir(log_dir)
         self._tmp = tempfile.mkdtemp(prefix="deepshard-ranks-")
         self.streams: dict[int, RankStream] = {}
+
+    @property
+    def root_log_dir(self) -> str:  # abstract in torch's LogsSpecs
+        return self.log_dir or self._tmp
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Fresh pipes (and readers) for the attempt torch is about to start."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deepshard.launcher.local import RankSpec
-from deepshard.launcher.output import Output, describe_exit, pump, signal_handlers
+from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_handlers
 from deepshard.utils.logging import logger
 
 GRACE_S = 5.0
@@ -25,7 +25,6 @@ class _Child:
     spec: RankSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
-    held: bytearray = field(default_factory=bytearray)
     reader: threading.Thread | None = None
     waiter: threading.Thread | None = None
 
@@ -36,18 +35,15 @@ class RankFailure:
 
     rank: int
     pid: int
-    returncode: int
-    """``Popen.returncode``: the exit code, or ``-N`` for death by signal N."""
+    returncode: int  # ``Popen.returncode``: the exit code, or ``-N`` for death by signal N.
     tail: str = ""
     label: str | None = None
 
     @property
     def exit_code(self) -> int:
-        """The code a launcher exits with for this failure (1 when the process died by a signal)."""
-        return self.returncode if self.returncode > 0 else 1
+        return exit_status(self.returncode)
 
     def describe_exit(self) -> str:
-        """``code 3`` or ``signal SIGKILL``."""
         return describe_exit(self.returncode)
 
 
