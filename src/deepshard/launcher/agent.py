@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -17,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
+from deepshard.launcher.local import LOCAL_RANK_MACRO, AgentJob
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
 from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, fold_noise, signal_handlers
@@ -24,7 +24,6 @@ from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
-LOCAL_RANK_MACRO = "${local_rank}"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 RANK_SHIM = (
@@ -42,23 +41,6 @@ RANK_SHIM = (
     "env['DEEPSHARD_RESTART_COUNT'] = env.get('TORCHELASTIC_RESTART_COUNT', '0')\n"
     "env['CROSS_RANK'], env['CROSS_SIZE'] = env.get('GROUP_RANK', '0'), env.get('GROUP_WORLD_SIZE', '1')\n"
     "os.execvp(sys.argv[3], sys.argv[3:])")
-
-
-@dataclass(frozen=True)
-class AgentJob:
-    """What one node's agent runs."""
-
-    argv: list[str]  # One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank.
-    nproc: int
-    rank_env: dict[str, str] = field(default_factory=dict)
-    """Set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables)."""
-    cores: list[tuple[int, ...]] | None = None  # CPU cores of each local rank (``--bind_cores_to_rank``).
-    max_restarts: int = 0
-    log_dir: str | None = None
-    report_on_node0: bool = False
-    """Every node's output reaches one terminal (ssh / pdsh): only node 0 prints the report."""
-    user_env: frozenset[str] = frozenset()
-    """Variables the user set themselves (an ``OMP_NUM_THREADS`` of theirs wins over core binding)."""
 
 
 def entry(job: AgentJob, agent_pid: int, python: str = sys.executable) -> tuple[str, list[str]]:

@@ -14,7 +14,7 @@ from deepshard.launcher import multinode, node, rank_errors
 from deepshard.launcher.commands import add_command_list, find_command, run_command
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
 from deepshard.launcher.hostfile import assign_ranks, parse_node_spec, read_hostfile, resolve_resources
-from deepshard.launcher.local import RankSpec, detect_cuda_devices as _detect_cuda_devices
+from deepshard.launcher.local import AgentJob, detect_cuda_devices
 from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
     DEFAULT_MASTER_PORT,
@@ -60,13 +60,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def local_hostnames() -> set[str]:
     name = socket.gethostname()
     return {LOCAL_HOST, "127.0.0.1", name, name.split(".")[0]}
-
-
-def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
-    try:
-        return _detect_cuda_devices(environ)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
 
 
 def _localize_spec(spec: str, names: set[str]) -> str:
@@ -172,10 +165,10 @@ def launch_mode(args: argparse.Namespace, active: dict[str, list[int]], pdsh_ava
 
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
                 cuda_devices: list[str] | None, available_cores: Sequence[int],
-                names: set[str]) -> list[RankSpec]:
-    """A single-machine launch: one :class:`RankSpec` per local rank (pure: nothing is started or
-    read from the system here). A selection of several nodes raises (see :func:`launch_mode`)."""
-    return node.plan_node_ranks(local_job(args, hostfile, cuda_devices, names), environ, available_cores)
+                names: set[str]) -> AgentJob:
+    """A single-machine launch as torch's agent will run it (pure: nothing is started or read from the system
+    here). A selection of several nodes raises (see :func:`launch_mode`)."""
+    return node.node_agent_job(local_job(args, hostfile, cuda_devices, names), environ, available_cores, environ)
 
 
 def _write_pid_file(path: str, pids: list[int]) -> None:
@@ -231,7 +224,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
     if mode == "local":
         job = local_job(args, hostfile, cuda_devices, names)
-        node.plan_node_ranks(job, os.environ, cores)  # errors surface now
+        node.node_agent_job(job, os.environ, cores)  # errors surface now
         check_port_free(args.master_addr or "127.0.0.1", args.master_port)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
@@ -242,7 +235,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
                                  os.environ)
         base_env = {**os.environ, **read_env_files(env_file_paths(os.environ, os.path.expanduser("~"),
                                                                   os.getcwd()))}
-        node.plan_node_ranks(job, base_env, cores)  # errors surface now
+        node.node_agent_job(job, base_env, cores)  # errors surface now
         return mode, lambda started: node.run_node(job, base_env, cores, started)
     return mode, _prepare_remote(args, mode, active, master_addr)
 
