@@ -30,23 +30,6 @@ def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
     return ids[:count] if ids else [str(i) for i in range(count)]
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything needed to start one local rank."""
-
-    rank: int
-    local_rank: int
-    slot: int
-    cmd: list[str]
-    env: dict[str, str]
-    cores: tuple[int, ...] | None = field(default=None)
-    """CPU cores the process is pinned to (``--bind_cores_to_rank``), or ``None`` for no pinning."""
-    label: str | None = None  # How reports name the process (default ``rank N``), e.g. ``node 1 (ssh worker-1)``.
-    stdin_pipe: bool = field(default=False)
-    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
-    launcher dies); otherwise stdin is ``/dev/null``."""
-
-
 def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int | str, *,
                        module: bool = False, no_python: bool = False, no_local_rank: bool = False,
                        python: str = sys.executable) -> list[str]:

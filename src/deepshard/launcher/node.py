@@ -51,10 +51,6 @@ class NodeJob:
     def host(self) -> str:
         return self.hosts[self.node_rank]
 
-    @property
-    def world_size(self) -> int:
-        return sum(len(slots) for slots in self.world.values())
-
     def fingerprint(self) -> str:
         """What every node must agree on (compared through the coordination store)."""
         return json.dumps({"world": self.world, "max_restarts": self.max_restarts,

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launcher.local import RankSpec
 from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_handlers
 from deepshard.utils.logging import logger
 
@@ -20,9 +19,22 @@ GRACE_S = 5.0
 _POLL_S = 0.1
 
 
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process the supervisor starts (an ssh, pdsh, mpirun or srun command); ``rank`` is its index."""
+
+    rank: int
+    cmd: list[str]
+    env: dict[str, str]
+    label: str | None = None  # How reports name the process, e.g. ``node 1 (ssh worker-1)``.
+    stdin_pipe: bool = False
+    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
+    launcher dies); otherwise stdin is ``/dev/null``."""
+
+
 @dataclass
 class _Child:
-    spec: RankSpec
+    spec: ProcessSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
     reader: threading.Thread | None = None
@@ -70,7 +82,7 @@ def _wait(child: _Child, index: int, exits: queue.Queue) -> None:
     exits.put(index)
 
 
-def _start(specs: Sequence[RankSpec], out: Output, exits: queue.Queue) -> list[_Child]:
+def _start(specs: Sequence[ProcessSpec], out: Output, exits: queue.Queue) -> list[_Child]:
     children: list[_Child] = []
     try:
         for index, spec in enumerate(specs):
@@ -150,7 +162,7 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], s
     return GroupResult(0)
 
 
-def supervise_ranks(specs: Sequence[RankSpec], on_started: Callable[[list[int]], None] | None = None,
+def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int]], None] | None = None,
                     settle_s: float = 0.0, noun: str = "process") -> GroupResult:
     """Start one process per spec and supervise them until all succeed, one fails (the others get
     ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
