@@ -40,7 +40,7 @@ class Cell:
     why: str = ""
     """Why the cell is in the matrix beyond the all-pairs design (a bug that lived there)."""
     sp: int = 1
-    """``sequence_parallel_size`` (more than 1 only with the ``attn`` model)."""
+    """``sequence_parallel_size`` (more than 1 only with the attention models ``attn*``)."""
     sp_mode: str = "ulysses"
     """``sequence_parallel.mode``: ulysses, ring or hybrid (hybrid: Ulysses pairs, a ring over them)."""
 
@@ -120,13 +120,16 @@ SP_CELLS: list[Cell] = [
     Cell(1, 1, 1, 0, "fp16", 1, "none", "attn", sp=4, sp_mode="hybrid"),
     Cell(1, 2, 1, 1, "fp32", 1, "none", "attn", sp=2, sp_mode="ulysses"),
     Cell(1, 2, 1, 3, "fp32", 1, "none", "attn", sp=2, sp_mode="ring"),
+    Cell(1, 2, 1, 2, "fp32", 1, "none", "attn_megatron", sp=2, sp_mode="ring"),
     Cell(2, 1, 1, 1, "fp32", 1, "none", "attn", sp=2),
     Cell(1, 2, 1, 1, "fp32", 1, "none", "attn_mqa", sp=2),
 ]
 """Sequence parallelism (an ``sp`` value beyond 1 is not an all-pairs axis: it needs the attention model,
 4 query heads over 2 key/value heads): every ZeRO stage, each mode, accumulation, offload, the three
 precisions; with automatic TP (tp=2 x sp=2: each tensor-parallel rank's 2 query heads and 1 key/value head
-go through the sequence-parallel attention); refused with pp, and with tp where the heads do not divide
+go through the sequence-parallel attention), and with the user's own Megatron-style attention layers
+(``attn_megatron``: each rank keeps its heads' rows of q/k/v; the plan cannot read the counts, the attention
+checks the local heads); refused with pp, and with tp where the heads do not divide
 (``attn_mqa``: one key/value head)."""
 
 
@@ -286,11 +289,13 @@ def markdown_table() -> str:
         lines.append(f"| {name} | {legend.get(name, ', '.join(map(str, values)))} |")
     sp_valid = [c for c in SP_CELLS if not refusals(c)]
     lines.append(f"| sp | 1; 2 and 4 (`sequence_parallel_size`) in {len(sp_valid)} cells of their own, on a model with "
-                 "causal self-attention (4 query heads, 2 key/value heads; the tp=2 cells split them with automatic TP) "
+                 "causal self-attention (4 query heads, 2 key/value heads; the tp=2 cells split them with automatic TP, "
+                 "or with the user's own Megatron-style attention layers where marked megatron) "
                  "whose tokens are split over the sp ranks: "
                  + "; ".join(f"{'dp=2 x ' if c.dp > 1 else ''}{'tp=2 x ' if c.tp > 1 else ''}sp={c.sp} {c.sp_mode} ZeRO {c.zero} {c.precision}"
                              f"{f' gas {c.gas}' if c.gas > 1 else ''}"
-                             f"{f' offload {c.offload}' if c.offload != 'none' else ''}" for c in sp_valid) + " |")
+                             f"{f' offload {c.offload}' if c.offload != 'none' else ''}"
+                             f"{' megatron' if c.model == 'attn_megatron' else ''}" for c in sp_valid) + " |")
     lines += ["", "| combination | result |", "| --- | --- |"]
     for _, where, _, reason in REFUSALS:
         lines.append(f"| {where} | refused: {reason} |")

@@ -206,3 +206,33 @@ def test_plain_blocks_take_torchs_fused_kernel_and_match_the_reference_with_gqa(
     torch.testing.assert_close(grads[0][0] + grads[1][0], q_r.grad[:, :, 6:].float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), k_r.grad.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), v_r.grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_head_tail_blocks_are_cut_into_runs_and_match_the_reference() -> None:
+    """A ring rank's head-tail chunk against another rank's: cut where positions jump, every pair is hidden,
+    fully visible or diagonal (the fused kernel); forward and backward equal plain causal attention."""
+    from deepshard.sp.softmax_merge import _run_pairs
+
+    torch.manual_seed(3)
+    q64, k64, v64 = (torch.randn(1, 4, 8, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mine, other = torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])  # ring of 2, head-tail layout
+    dout = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    reference_attention(q64, k64, v64, causal=True)[:, :, mine].backward(dout)
+    q, k, v, d32 = (t.detach().float() for t in (q64, k64, v64, dout))
+    qm = q[:, :, mine]
+    blocks = [(mine, allowed_mask(mine, mine, True, 8)), (other, allowed_mask(mine, other, True, 8))]
+    assert _run_pairs(qm, k[:, :, other], v[:, :, other], blocks[1][1]) is not None
+    parts = [block_forward(qm, k[:, :, pos], v[:, :, pos], a, 8 ** -0.5) for pos, a in blocks]
+    out, lse = merge(*parts[0], *parts[1])
+    torch.testing.assert_close(out, reference_attention(q64, k64, v64, True)[:, :, mine].float(),
+                               atol=2e-6, rtol=1e-5)
+    delta = (d32 * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(qm), torch.zeros_like(k), torch.zeros_like(v)
+    for pos, a in blocks:
+        g = block_backward(qm, k[:, :, pos], v[:, :, pos], a, 8 ** -0.5, lse, d32, delta, out)
+        dq += g[0]
+        dk[:, :, pos] += g[1]
+        dv[:, :, pos] += g[2]
+    torch.testing.assert_close(dq, q64.grad[:, :, mine].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dk, k64.grad.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv, v64.grad.float(), atol=1e-5, rtol=1e-5)

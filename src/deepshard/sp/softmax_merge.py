@@ -159,12 +159,77 @@ def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return dq, dk, dv
 
 
+def _runs(pos: torch.Tensor) -> list[slice]:
+    """The stretches of consecutive positions in ``pos`` (a head-tail shard has two)."""
+    breaks = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().tolist()
+    starts, ends = [0] + [b + 1 for b in breaks], [b + 1 for b in breaks] + [pos.numel()]
+    return [slice(a, e) for a, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
+class _RunPairs:
+    """A block cut where its queries' and keys' positions jump: each (query run, key run) pair is then
+    hidden, fully visible or a causal diagonal (for equal chunks), which the fused kernel computes."""
+
+    allowed: PositionMask
+    q_runs: list[slice]
+    k_runs: list[slice]
+
+    def pairs(self) -> Iterator[tuple[slice, slice, Optional[Mask]]]:
+        a = self.allowed
+        for qs in self.q_runs:
+            for ks in self.k_runs:
+                sub = allowed_mask(a.q_pos[qs], a.k_pos[ks], a.causal, a.seq_len)
+                if sub is None or sub.any():
+                    yield qs, ks, sub
+
+
+def _run_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask]) -> Optional[_RunPairs]:
+    if not isinstance(allowed, PositionMask) or allowed.q_seg is not None or _flash_causal(q, k, v, None) is None:
+        return None
+    q_runs, k_runs = _runs(allowed.q_pos), _runs(allowed.k_pos)
+    if len(q_runs) * len(k_runs) < 2 or len(q_runs) * len(k_runs) > 16:
+        return None
+    return _RunPairs(allowed, q_runs, k_runs)
+
+
+def _forward_by_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: _RunPairs,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for qs, ks, sub in runs.pairs():
+        part = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], sub, scale)
+        prev = merged.get(qs.start)
+        merged[qs.start] = part if prev is None else merge(*prev, *part)
+    for qs in runs.q_runs:
+        if qs.start in merged:
+            out[:, :, qs], lse[:, :, qs] = merged[qs.start]
+    return out, lse
+
+
+def _backward_by_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: _RunPairs, scale: float,
+                      lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks, sub in runs.pairs():
+        a, b, c = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], sub, scale, lse[:, :, qs],
+                                 dout[:, :, qs], delta[:, :, qs], out[:, :, qs])
+        dq[:, :, qs] += a
+        dk[:, :, ks] += b
+        dv[:, :, ks] += c
+    return dq, dk, dv
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask],
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d], lse [b, h, sq])`` of ``q`` attending to ``k``/``v`` where ``allowed``."""
     causal = _flash_causal(q, k, v, allowed)
     if causal is not None:
         return _flash_forward(q, k, v, causal, scale)
+    runs = _run_pairs(q, k, v, allowed)
+    if runs is not None:
+        return _forward_by_runs(q, k, v, runs, scale)
     b, h, sq, d = q.shape
     qf = _fold(q, k.shape[1])
     outs, lses = [], []
@@ -198,6 +263,9 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: O
     causal = _flash_causal(q, k, v, allowed) if out is not None else None
     if causal is not None and out is not None:
         return _flash_backward(q, k, v, causal, scale, out, lse, dout)
+    runs = _run_pairs(q, k, v, allowed) if out is not None else None
+    if runs is not None and out is not None:
+        return _backward_by_runs(q, k, v, runs, scale, lse, dout, delta, out)
     lse = lse.to(q.dtype)  # fp32 where a fused block took part in the merge
     b, h, sq, d = q.shape
     hk = k.shape[1]
