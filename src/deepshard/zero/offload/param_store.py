@@ -181,7 +181,7 @@ class OffloadedParamStore(ParamStore):
         # memory for every sub-group would fault in page by page); a larger write gets its own tensor.
         self.version += 1
         values = values.detach().reshape(-1)
-        nbytes = values.numel() * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = values.numel() * self.dtype.itemsize
         if nbytes <= STAGED_WRITE_BYTES and (self._staging is None or nbytes > self._staging.nbytes):
             self._staging = BufferPool(2, nbytes, self.pin, "offload_param")  # (buffers in flight go with the old)
         if self._staging is None or nbytes > self._staging.nbytes:
