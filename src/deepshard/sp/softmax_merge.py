@@ -118,11 +118,16 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _flash_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's fused CPU kernel takes these tensors at all."""
+    return q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and q.shape[-1] == v.shape[-1] \
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask]) -> Optional[bool]:
     """Whether torch's fused CPU kernel computes this block: ``False`` (every key visible), ``True`` (the
     causal diagonal), ``None`` (a mask it cannot express: computed here)."""
-    if q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES or q.shape[-1] != v.shape[-1] \
-            or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    if not _flash_ok(q, v):
         return None
     if allowed is None:
         return False
@@ -185,7 +190,7 @@ class _RunPairs:
 
 
 def _run_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask]) -> Optional[_RunPairs]:
-    if not isinstance(allowed, PositionMask) or allowed.q_seg is not None or _flash_causal(q, k, v, None) is None:
+    if not isinstance(allowed, PositionMask) or allowed.q_seg is not None or not _flash_ok(q, v):
         return None
     q_runs, k_runs = _runs(allowed.q_pos), _runs(allowed.k_pos)
     if len(q_runs) * len(k_runs) < 2 or len(q_runs) * len(k_runs) > 16:
