@@ -80,6 +80,11 @@ class Stage3Reducer:
             return
         self.accumulate(self.offsets[item.index], item.work.result, self.post)
 
+    def finish_in_flight(self) -> None:
+        """Complete the reduce-scatters in flight (a module's backward is about to produce more
+        gradients: what the earlier ones hold leaves first)."""
+        self.in_flight.drain()
+
     def end_backward(self) -> None:
         for gi in range(len(self.groups)):
             if gi not in self.launched:
