@@ -3,6 +3,7 @@
     python benchmarks/offload_bench.py                  # ~400M parameters, 2 processes: nvme vs in memory
     python benchmarks/offload_bench.py --params 50e6    # quicker
     python benchmarks/offload_bench.py --headline       # model states >= 1.5x this machine's RAM, nvme only
+    python benchmarks/offload_bench.py --dtype fp32 --repeats 3   # 400M fp32, defaults: memory/nvme interleaved, median ratio
 
 Each mode runs in fresh processes (gloo). The model is a stack of residual MLP blocks (LayerNorm,
 Linear h->4h, GELU, Linear 4h->h), built under ``deepshard.zero.Init`` so no process ever holds all of
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=["memory", "nvme"], default=["memory", "nvme"])
     p.add_argument("--headline", action="store_true",
                    help="size the model so its states are >= 1.5x this machine's RAM; nvme only, 1 timed step")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the modes this many times, interleaved (memory, nvme, memory, ...); the report gives "
+                        "each run's nvme / memory ratio and their median")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--timeout", type=float, default=3600.0)
     return p.parse_args(argv)
@@ -184,6 +188,7 @@ def _train(rank: int, args: argparse.Namespace, mode: str, path: Path) -> dict[s
             peak.reset()  # the warm-up step created the optimizer state; measure the steady state
         sr, sw = _swap_counters(engine)
         dr, dw = _proc_io()
+        cpu0 = time.process_time()  # every thread of the process: compute, gloo, swap I/O
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -193,6 +198,7 @@ def _train(rank: int, args: argparse.Namespace, mode: str, path: Path) -> dict[s
         sr2, sw2 = _swap_counters(engine)
         dr2, dw2 = _proc_io()
         steps.append({"step_s": end - start, "fwd_bwd_s": mid - start, "optimizer_s": end - mid,
+                      "cpu_s": time.process_time() - cpu0,
                       "loss": float(loss.detach()), "swap_read": sr2 - sr, "swap_written": sw2 - sw,
                       "disk_read": dr2 - dr, "disk_written": dw2 - dw})
         if rank == 0:
@@ -288,6 +294,8 @@ def summarize(mode: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"mode": mode, "psi": ranks[0]["psi"], "hidden": ranks[0]["hidden"], "blocks": ranks[0]["blocks"],
             "setup_s": max(r["setup_s"] for r in ranks), "step_s": statistics.median(s["step_s"] for s in timed),
             "optimizer_s": statistics.median(s["optimizer_s"] for s in timed),
+            "fwd_bwd_s": statistics.median(s["fwd_bwd_s"] for s in timed), "cpu_s": med("cpu_s"),
+            "loadavg": os.getloadavg()[0],
             "peak_rss_per_rank": [r["peak_rss"] for r in ranks], "peak_method": ranks[0]["peak_method"],
             "swap_read_per_step": med("swap_read"), "swap_written_per_step": med("swap_written"),
             "disk_read_per_step": med("disk_read"), "disk_written_per_step": med("disk_written"),
@@ -311,10 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"disk: sequential write {bandwidth['write_GBps']:.2f} GB/s, read {bandwidth['read_GBps']:.2f} GB/s",
               flush=True)
     rows = []
-    for mode in args.modes:
-        rows.append(summarize(mode, run_mode(args, mode, path)))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "memory_report"}, indent=1), flush=True)
-    report(rows, bandwidth, args.nprocs)
+    for repeat in range(max(args.repeats, 1)):
+        for mode in args.modes:
+            rows.append(summarize(mode, run_mode(args, mode, path)))
+            rows[-1]["repeat"] = repeat
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "memory_report"}, indent=1), flush=True)
+        report([r for r in rows if r["repeat"] == repeat], bandwidth, args.nprocs)
+    report_repeats(rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=1))
     return 1 if any("error" in r for r in rows) else 0
@@ -327,8 +338,8 @@ def report(rows: list[dict[str, Any]], bandwidth: dict[str, float], nprocs: int)
             print(f"{r['mode']}: FAILED\n" + "\n".join(r["error"]))
             continue
         peak = max(r["peak_rss_per_rank"]) / GiB
-        line = (f"{r['mode']:>6}: step {r['step_s']:.2f}s (optimizer {r['optimizer_s']:.2f}s), peak RSS per "
-                f"process {peak:.2f} GiB")
+        line = (f"{r['mode']:>6}: step {r['step_s']:.2f}s (optimizer {r['optimizer_s']:.2f}s, CPU {r['cpu_s']:.2f}s), "
+                f"peak RSS per process {peak:.2f} GiB")
         if r["mode"] == "nvme":
             io = r["swap_read_per_step"] + r["swap_written_per_step"]
             line += (f", per process per step: swap read {r['swap_read_per_step'] / GiB:.2f} GiB, written "
@@ -349,6 +360,24 @@ def report(rows: list[dict[str, Any]], bandwidth: dict[str, float], nprocs: int)
               + ("identical" if a == b else f"differ by up to {diff:.1e} relative (torch's fused AdamW "
                  "rounds the last elements of each tensor differently, and offload cuts the shard into "
                  "more tensors)"))
+
+
+def report_repeats(rows: list[dict[str, Any]]) -> None:
+    """With several interleaved runs: each run's wall and CPU time per step with the load average, each
+    run's nvme / memory step-time ratio, and their median."""
+    pairs: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r:
+            pairs.setdefault(r["repeat"], {})[r["mode"]] = r
+    ratios = [p["nvme"]["step_s"] / p["memory"]["step_s"] for p in pairs.values() if {"nvme", "memory"} <= p.keys()]
+    if len(pairs) < 2:
+        return
+    for k, p in sorted(pairs.items()):
+        print(f"run {k + 1}: " + ", ".join(f"{m} step {r['step_s']:.2f}s CPU {r['cpu_s']:.2f}s "
+                                          f"(load {r['loadavg']:.1f})" for m, r in p.items()))
+    if ratios:
+        print(f"nvme / memory step time over {len(ratios)} interleaved runs: "
+              + ", ".join(f"{x:.2f}" for x in ratios) + f"; median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ class Plan:
     step_in_backward: bool = False
     compressed_optimizer: Optional[str] = None
     fp32_accumulation: bool = False
+    heads: Optional[int] = None
+    """The attention's query heads (the model's config, or its attention modules under automatic TP);
+    None: not known (the user's own tensor-parallel layers decide)."""
+    kv_heads: Optional[int] = None
+    """The attention's key/value heads (``heads`` without grouped-query attention)."""
 
     @property
     def caps(self) -> Capabilities:
@@ -83,6 +88,7 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     """The plan of a run from its validated config, its model, its grid and the optimizer argument."""
     from deepshard.config.base import dtype_from_name
     from deepshard.pipe.module import PipelineModule
+    from deepshard.tp.autotp import attention_head_counts
     from deepshard.tp.autotp_config import resolve_tp_config
     from deepshard.zero.offload.policy import make_offload_policies
 
@@ -90,9 +96,11 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     opt_policy, param_policy = make_offload_policies(zero, cfg.aio, accelerator_kind, quiet=True)
     pipeline = isinstance(model, PipelineModule)
     accum = cfg.data_types.grad_accum_dtype
+    autotp = resolve_tp_config(model, cfg.tensor_parallel).enabled
+    heads, kv_heads = attention_head_counts(model, module_attributes=autotp)
     return Plan(dims=dims, stage=int(zero.stage),
                 pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
-                schedule=str(cfg.pipeline.schedule), autotp=resolve_tp_config(model, cfg.tensor_parallel).enabled,
+                schedule=str(cfg.pipeline.schedule), autotp=autotp, heads=heads, kv_heads=kv_heads,
                 fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,
                 accumulation=int(cfg.gradient_accumulation_steps),
                 managed_accumulation=bool(cfg.managed_gradient_accumulation),
@@ -216,12 +224,24 @@ def _step_in_backward_rules(plan: Plan) -> list[Conflict]:
 
 def _sequence_rules(plan: Plan) -> list[Conflict]:
     dims = plan.dims
-    if dims.sp == 1 or (dims.pp == 1 and dims.tp == 1):
+    if dims.sp == 1:
         return []
-    other = "pipeline stages" if dims.pp > 1 else "tensor parallelism"
-    return [Conflict(f"sequence_parallel_size={dims.sp} with {other} (pp={dims.pp}, tp={dims.tp})",
-                     "is not supported: sequence parallelism composes with data parallelism and ZeRO",
-                     "set the pipeline/tensor sizes to 1 or sequence_parallel_size to 1")]
+    if dims.pp > 1:
+        return [Conflict(f"sequence_parallel_size={dims.sp} with pipeline stages (pp={dims.pp})",
+                         "is not supported: sequence parallelism composes with data parallelism, ZeRO and "
+                         "tensor parallelism", "set the pipeline size to 1 or sequence_parallel_size to 1")]
+    if dims.tp == 1 or plan.heads is None:
+        return []
+    kv_heads = plan.kv_heads if plan.kv_heads is not None else plan.heads
+    if plan.heads % dims.tp == 0 and kv_heads % dims.tp == 0:
+        return []
+    fits = [t for t in range(1, plan.heads + 1) if plan.heads % t == 0 and kv_heads % t == 0]
+    return [Conflict(f"sequence_parallel_size={dims.sp} with tensor parallelism (tp={dims.tp}) on attention "
+                     f"with {plan.heads} query heads and {kv_heads} key/value heads",
+                     f"each tensor-parallel rank must hold whole heads (heads/tp and kv_heads/tp) before the "
+                     f"sequence-parallel attention exchanges them, and tp={dims.tp} does not divide both counts",
+                     f"use a tensor-parallel size in {fits}, or tensor_parallel size 1 with "
+                     f"sequence_parallel_size={dims.sp}")]
 
 
 RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (

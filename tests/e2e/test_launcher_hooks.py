@@ -6,13 +6,12 @@ from __future__ import annotations
 import sys
 import time
 
-from deepshard.launcher.local import RankSpec
-from deepshard.launcher.supervisor import supervise_ranks
+from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
 from tests.e2e.test_launcher import SCRIPTS, _gone, _launch
 
 
-def _spec(rank: int, code: str, **kw: object) -> RankSpec:
-    return RankSpec(rank, rank, rank, [sys.executable, "-c", code], {}, **kw)  # type: ignore[arg-type]
+def _spec(rank: int, code: str, **kw: object) -> ProcessSpec:
+    return ProcessSpec(rank, [sys.executable, "-c", code], {}, **kw)  # type: ignore[arg-type]
 
 
 def test_a_failure_names_the_first_and_settle_lets_others_finish() -> None:

@@ -40,7 +40,7 @@ class Cell:
     why: str = ""
     """Why the cell is in the matrix beyond the all-pairs design (a bug that lived there)."""
     sp: int = 1
-    """``sequence_parallel_size`` (more than 1 only with the ``attn`` model)."""
+    """``sequence_parallel_size`` (more than 1 only with the attention models ``attn*``)."""
     sp_mode: str = "ulysses"
     """``sequence_parallel.mode``: ulysses, ring or hybrid (hybrid: Ulysses pairs, a ring over them)."""
 
@@ -118,11 +118,19 @@ SP_CELLS: list[Cell] = [
     Cell(1, 1, 1, 3, "bf16", 1, "none", "attn", sp=2, sp_mode="ring"),
     Cell(1, 1, 2, 2, "fp32", 3, "optimizer", "attn", sp=2, sp_mode="ring"),
     Cell(1, 1, 1, 0, "fp16", 1, "none", "attn", sp=4, sp_mode="hybrid"),
+    Cell(1, 2, 1, 1, "fp32", 1, "none", "attn", sp=2, sp_mode="ulysses"),
+    Cell(1, 2, 1, 3, "fp32", 1, "none", "attn", sp=2, sp_mode="ring"),
+    Cell(1, 2, 1, 2, "fp32", 1, "none", "attn_megatron", sp=2, sp_mode="ring"),
     Cell(2, 1, 1, 1, "fp32", 1, "none", "attn", sp=2),
-    Cell(1, 2, 1, 1, "fp32", 1, "none", "attn", sp=2),
+    Cell(1, 2, 1, 1, "fp32", 1, "none", "attn_mqa", sp=2),
 ]
-"""Sequence parallelism (an ``sp`` value beyond 1 is not an all-pairs axis: it needs the attention model):
-every ZeRO stage, each mode, accumulation, offload, the three precisions; refused with pp and with tp."""
+"""Sequence parallelism (an ``sp`` value beyond 1 is not an all-pairs axis: it needs the attention model,
+4 query heads over 2 key/value heads): every ZeRO stage, each mode, accumulation, offload, the three
+precisions; with automatic TP (tp=2 x sp=2: each tensor-parallel rank's 2 query heads and 1 key/value head
+go through the sequence-parallel attention), and with the user's own Megatron-style attention layers
+(``attn_megatron``: each rank keeps its heads' rows of q/k/v; the plan cannot read the counts, the attention
+checks the local heads); refused with pp, and with tp where the heads do not divide
+(``attn_mqa``: one key/value head)."""
 
 
 def cells() -> list[Cell]:
@@ -145,8 +153,11 @@ REFUSALS: list[tuple[str, str, str, str]] = [
     ("autotp-pipeline", "model = autotp with pp = 2 and tp = 2", "with pipeline parallelism",
      "automatic TP does not split pipeline stages (nor does DeepSpeed's); build the stages with "
      "deepshard.tp's ColumnParallelLinear/RowParallelLinear"),
-    ("sp-model-parallel", "sp = 2 with pp = 2 or tp = 2", "sequence parallelism composes with data parallelism",
-     "sequence parallelism composes with data parallelism and ZeRO only"),
+    ("sp-pipeline", "sp = 2 with pp = 2", "sequence parallelism composes with data parallelism",
+     "sequence parallelism composes with data parallelism, ZeRO and tensor parallelism, not pipeline stages"),
+    ("sp-tp-heads", "sp = 2 with tp = 2 on attention whose head counts tp does not divide (model attn_mqa: "
+     "4 query heads, 1 key/value head)", "each tensor-parallel rank must hold whole heads",
+     "each tensor-parallel rank must hold whole query and key/value heads; use a tp size dividing both"),
 ]
 """The expected refusals, in one place: a plan check that lists every conflict keeps these substrings."""
 
@@ -160,8 +171,10 @@ def rules_broken(row: dict) -> list[str]:
         out.append("offload-zero0")
     if row.get("model") == "autotp" and row.get("pp", 1) > 1 and row.get("tp", 1) > 1:
         out.append("autotp-pipeline")
-    if row.get("sp", 1) > 1 and (row.get("pp", 1) > 1 or row.get("tp", 1) > 1):
-        out.append("sp-model-parallel")
+    if row.get("sp", 1) > 1 and row.get("pp", 1) > 1:
+        out.append("sp-pipeline")
+    if row.get("sp", 1) > 1 and row.get("tp", 1) > 1 and row.get("model") == "attn_mqa":
+        out.append("sp-tp-heads")
     return out
 
 
@@ -232,14 +245,19 @@ def reload_cell(cell: Cell) -> Cell:
 
 
 def _sp_reload(cell: Cell) -> Cell:
-    """A sequence-parallel cell's checkpoint loads at another dp x sp split of its world (the weights do
-    not depend on sp), keeping the global batch; its own grid when there is none."""
+    """A sequence-parallel cell's checkpoint loads at another tp x dp x sp split of its world (the weights
+    do not depend on sp), keeping the global batch and the tensor-parallel size where some split does;
+    its own grid when there is none."""
     rows = cell.dp * cell.gas
-    for dp, sp in ((cell.world, 1), (1, cell.world), (2, 2)):
-        if dp * sp != cell.world or (dp, sp) == (cell.dp, cell.sp) or rows % dp:
+    rest = cell.world // cell.tp
+    for tp, dp, sp in ((cell.tp, rest, 1), (cell.tp, 1, rest), (cell.tp, 2, 2), (1, 1, cell.world),
+                       (1, 2, cell.world // 2)):
+        if tp * dp * sp != cell.world or (tp, dp, sp) == (cell.tp, cell.dp, cell.sp) or rows % dp:
             continue
         mode = cell.sp_mode if sp == 4 or cell.sp_mode != "hybrid" else "ulysses"
-        return replace(cell, dp=dp, sp=sp, sp_mode=mode, reload=None)
+        moved = replace(cell, tp=tp, dp=dp, sp=sp, sp_mode=mode, reload=None)
+        if not refusals(moved):
+            return moved
     return replace(cell, reload=None)
 
 
@@ -271,10 +289,13 @@ def markdown_table() -> str:
         lines.append(f"| {name} | {legend.get(name, ', '.join(map(str, values)))} |")
     sp_valid = [c for c in SP_CELLS if not refusals(c)]
     lines.append(f"| sp | 1; 2 and 4 (`sequence_parallel_size`) in {len(sp_valid)} cells of their own, on a model with "
-                 "causal self-attention whose tokens are split over the sp ranks: "
-                 + "; ".join(f"{'dp=2 x ' if c.dp > 1 else ''}sp={c.sp} {c.sp_mode} ZeRO {c.zero} {c.precision}"
+                 "causal self-attention (4 query heads, 2 key/value heads; the tp=2 cells split them with automatic TP, "
+                 "or with the user's own Megatron-style attention layers where marked megatron) "
+                 "whose tokens are split over the sp ranks: "
+                 + "; ".join(f"{'dp=2 x ' if c.dp > 1 else ''}{'tp=2 x ' if c.tp > 1 else ''}sp={c.sp} {c.sp_mode} ZeRO {c.zero} {c.precision}"
                              f"{f' gas {c.gas}' if c.gas > 1 else ''}"
-                             f"{f' offload {c.offload}' if c.offload != 'none' else ''}" for c in sp_valid) + " |")
+                             f"{f' offload {c.offload}' if c.offload != 'none' else ''}"
+                             f"{' megatron' if c.model == 'attn_megatron' else ''}" for c in sp_valid) + " |")
     lines += ["", "| combination | result |", "| --- | --- |"]
     for _, where, _, reason in REFUSALS:
         lines.append(f"| {where} | refused: {reason} |")

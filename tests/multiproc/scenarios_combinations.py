@@ -23,7 +23,7 @@ from torch import nn
 
 from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
 
-VOCAB, HIDDEN, FFN, SEQ, HEADS = 16, 8, 16, 4, 2
+VOCAB, HIDDEN, FFN, SEQ, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 16, 4, 4, 2, 2
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
 
 
@@ -66,23 +66,35 @@ class Block(nn.Module):
 
 
 class AttnBlock(Block):
-    """Causal self-attention, then ``Block``'s MLP. With ``sp`` set (a ``deepshard.sp.SequenceParallel``) ``x``
-    holds this rank's tokens of a ``SEQ``-token sequence and the attention runs sequence-parallel."""
+    """Causal self-attention with grouped-query heads (``HEADS`` query heads, ``kv_heads`` key/value heads),
+    then ``Block``'s MLP. With ``sp`` set (a ``deepshard.sp.SequenceParallel``) ``x`` holds this rank's
+    tokens of a ``SEQ``-token sequence and the attention runs sequence-parallel. The head counts are
+    attributes automatic TP divides (each tensor-parallel rank holds heads/tp and kv_heads/tp)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_heads: int = KV_HEADS) -> None:
         super().__init__()
+        self.num_heads, self.num_key_value_heads = HEADS, kv_heads
         self.attn_ln = nn.LayerNorm(HIDDEN)
-        self.qkv_proj, self.o_proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.q_proj, self.o_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM), nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+        self.k_proj, self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM), nn.Linear(HIDDEN, kv_heads * HEAD_DIM)
         self.sp: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv_proj(self.attn_ln(x)).view(b, s, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
+        return super().forward(x + self.o_proj(self.heads(self.attn_ln(x))))
+
+    def heads(self, h: torch.Tensor) -> torch.Tensor:
+        """The attention of this block's heads over ``h`` [b, s, num_heads * HEAD_DIM] (before ``o_proj``)."""
+        b, s, _ = h.shape
+        q, k, v = (proj(h).view(b, s, n, HEAD_DIM).transpose(1, 2) for proj, n in (
+            (self.q_proj, self.num_heads), (self.k_proj, self.num_key_value_heads),
+            (self.v_proj, self.num_key_value_heads)))
         if self.sp is None:
+            group = self.num_heads // self.num_key_value_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = self.sp.attention(q, k, v, SEQ)
-        return super().forward(x + self.o_proj(att.transpose(1, 2).reshape(b, s, HIDDEN)))
+        return att.transpose(1, 2).reshape(b, s, self.num_heads * HEAD_DIM)
 
 
 def _megatron_slice(linear: nn.Linear, name: str, dim: int, rank: int, size: int) -> None:
@@ -119,6 +131,31 @@ class MegatronBlock(Block):
         return x + out + self.down_proj.bias
 
 
+class MegatronAttnBlock(AttnBlock):
+    """A user's own tensor-parallel attention (as Megatron-LM writes it): the full q/k/v/o layers are drawn
+    as in ``AttnBlock``, then each rank keeps its heads' rows of q/k/v and the matching columns of o, and
+    counts only its heads (Megatron's heads per partition; the plan cannot read a split model's counts, the
+    sequence-parallel attention checks the local heads it is given). The layer does its own communication."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        rank, size = (group.rank, group.size) if group is not None else (0, 1)
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            _megatron_slice(proj, "weight", 0, rank, size)
+            _megatron_slice(proj, "bias", 0, rank, size)
+        _megatron_slice(self.o_proj, "weight", 1, rank, size)  # its bias stays whole (replicated)
+        self.num_heads, self.num_key_value_heads = HEADS // size, KV_HEADS // size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from deepshard.tp.mappings import copy_to_tp_region, reduce_from_tp_region
+
+        if self.group is None:
+            return super().forward(x)
+        out = F.linear(self.heads(copy_to_tp_region(self.attn_ln(x), self.group)), self.o_proj.weight)
+        return Block.forward(self, x + reduce_from_tp_region(out, self.group) + self.o_proj.bias)
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
 
@@ -126,7 +163,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def layer_specs(model: str, tp_group: Any = None) -> list:
     from deepshard.pipe import LayerSpec, TiedLayerSpec
 
-    block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock)}.get(model, LayerSpec(Block))
+    block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock),
+             "attn_mqa": LayerSpec(AttnBlock, 1), "attn_megatron": LayerSpec(MegatronAttnBlock, tp_group)
+             }.get(model, LayerSpec(Block))
     if model == "tied":
         return [TiedLayerSpec("embed", TiedEmbed), block, block, TiedLayerSpec("embed", TiedEmbed, forward_fn=tied_head)]
     return [LayerSpec(Embed), block, block, LayerSpec(Head)]
@@ -171,7 +210,9 @@ class Flat(nn.Module):
 
 
 def reference_kind(model: str) -> str:
-    return model if model in ("tied", "attn") else "plain"
+    if model == "attn_megatron":  # the same full weights, split by the user's layers
+        return "attn"
+    return model if model in ("tied", "attn", "attn_mqa") else "plain"
 
 
 # ------------------------------------------------------------------------------------ data, reference
@@ -248,7 +289,7 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
     if cell.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if cell.model == "autotp":
+    if cell.model == "autotp" or (cell.model in ("attn", "attn_mqa") and cell.tp > 1):
         cfg["tensor_parallel"] = {"autotp_size": cell.tp}
     if cell.sp > 1:
         cfg["sequence_parallel_size"] = cell.sp
@@ -261,7 +302,7 @@ def make_model(cell: Cell) -> tuple[nn.Module, Any]:
     from deepshard.pipe import PipelineModule
 
     topo = topology(cell.pp, cell.tp, cell.dp, cell.sp)
-    specs = layer_specs(cell.model, topo.tp if cell.model == "megatron" and cell.tp > 1 else None)
+    specs = layer_specs(cell.model, topo.tp if cell.model in ("megatron", "attn_megatron") and cell.tp > 1 else None)
     if cell.pp > 1:
         return PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
                               partition_method="uniform"), topo

@@ -122,11 +122,21 @@ def attention_world(rank: int, world: int) -> dict[str, Any]:
 SEQ, STEPS, CLIP = 13, 3, 0.5
 
 
-def lm_config(stage: int, sp: int, gas: int, mode: str = "ulysses", ulysses_size: int | None = None) -> dict:
+TP_RULES = [{"patterns": [r"\.q$", r"mlp\.0$"], "partition_type": "column"},
+            {"patterns": [r"\.kv$"], "partition_type": "column", "shape": [8, 8]},  # [k | v], each split by heads
+            {"patterns": [r"\.o$", r"mlp\.2$"], "partition_type": "row"}]
+"""Automatic TP of TinyLM (its layer names are not Hugging Face's): q, kv by heads, o and the MLP."""
+
+
+def lm_config(stage: int, sp: int, gas: int, mode: str = "ulysses", ulysses_size: int | None = None,
+              tp: int = 1) -> dict:
     section: dict[str, Any] = {"mode": mode}
     if ulysses_size:
         section["ulysses_size"] = ulysses_size
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+    extra: dict[str, Any] = {}
+    if tp > 1:
+        extra["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"layer_specs": TP_RULES}}
+    return {**extra, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp, "sequence_parallel": section}
 
@@ -160,25 +170,32 @@ def train_lm(config: dict, steps: int, start: int = 0, ckpt: bool = False, load:
     if save is not None:
         engine.save_checkpoint(save)
     weights = _full_weights(engine)
+    split = sum(1 for m in engine.module.modules() if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear"))
     engine.destroy()
-    return {"losses": losses, "weights": weights, "norms": norms}
+    return {"losses": losses, "weights": weights, "norms": norms, "tp": engine.topology.dims.tp, "tp_layers": split}
 
 
 def _full_weights(engine: Any) -> dict[str, torch.Tensor]:
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()
         return {k: v.float() for k, v in (state or {}).items()}
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    from deepshard.tp.consolidate import gather_tensor_parallel
+
+    state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors under TP
 
 
 def training_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """dp2 x sp2 Ulysses at ZeRO 1 (accumulation 2, activation checkpointing) and ZeRO 3; sp4 ring and
-    hybrid 2x2 at ZeRO 2; a dp2 x sp2 checkpoint resumed at sp4 (ring) for one more step."""
+    hybrid 2x2 at ZeRO 2; tp2 x sp2 Ulysses at ZeRO 1 (automatic TP, accumulation 2); a dp2 x sp2
+    checkpoint resumed at sp4 (ring) for one more step."""
     out: dict[str, Any] = {}
     out["z1_ulysses_dp2sp2"] = train_lm(lm_config(1, 2, 2), STEPS, ckpt=True)
     out["z3_ulysses_dp2sp2"] = train_lm(lm_config(3, 2, 1), STEPS, save=f"{tmp}/ckpt")
     out["z2_ring_sp4"] = train_lm(lm_config(2, 4, 1, "ring"), STEPS)
     out["z2_hybrid_sp4"] = train_lm(lm_config(2, 4, 2, "hybrid", 2), STEPS)
+    # automatic TP x Ulysses: each tp rank's 3 query heads and 1 key/value head over its sp pair (uneven)
+    out["z1_ulysses_tp2sp2"] = train_lm(lm_config(1, 2, 2, tp=2), STEPS)
     out["resume_sp4"] = train_lm(lm_config(3, 4, 2, "ring"), 1, start=STEPS, load=f"{tmp}/ckpt")
     return out
 

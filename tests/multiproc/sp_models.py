@@ -26,6 +26,7 @@ class Block(nn.Module):
     def __init__(self, owner: "TinyLM") -> None:
         super().__init__()
         self.head_dim = DIM // HEADS
+        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS  # automatic TP divides them by tp
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.q = nn.Linear(DIM, DIM)
         self.kv = nn.Linear(DIM, 2 * KV_HEADS * self.head_dim)
@@ -36,8 +37,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
         b, s, _ = x.shape
         h = self.norm1(x)
-        q = self.q(h).view(b, s, HEADS, -1).transpose(1, 2)
-        k, v = self.kv(h).view(b, s, 2, KV_HEADS, -1).permute(2, 0, 3, 1, 4)
+        q = self.q(h).view(b, s, -1, self.head_dim).transpose(1, 2)  # this rank's heads (all of them without TP)
+        k, v = self.kv(h).view(b, s, 2, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = rope(q, positions), rope(k, positions)
         sp = self._owner[0].sp
         if sp is None:
@@ -46,7 +47,7 @@ class Block(nn.Module):
                                                  is_causal=True)
         else:
             att = sp.attention(q, k, v, seq_len)
-        x = x + self.o(att.transpose(1, 2).reshape(b, s, DIM))
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.norm2(x))
 
 

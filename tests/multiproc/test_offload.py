@@ -86,7 +86,8 @@ def test_memory_report_counts_offloaded_bytes_apart(acct: dict[Any, Any], stage:
     if stage == 3:
         assert got["parameters"] == 0 and ref["parameters"] > 0
         assert got["gradients"] == 0 and ref["gradients"] == 2 * shard  # the gradient shard is on disk too
-    assert 0 < got["offload_buffers"] <= 6 * 4 * 60  # buffer_count x sub-group elements x 4 bytes
+    # buffer_count x sub-group elements x 4 bytes, + 2 gradient buffers at stage 3 (gradient shard on disk)
+    assert 0 < got["offload_buffers"] <= (6 + (2 if stage == 3 else 0)) * 4 * 60
 
 
 @pytest.mark.parametrize("stage", [2, 3])

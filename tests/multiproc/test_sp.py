@@ -52,7 +52,7 @@ def training_results(tmp_path_factory: Any) -> list[dict[str, Any]]:
 
 # (result key, samples per step, steps)
 TRAINING = {"z1_ulysses_dp2sp2": (4, 3), "z3_ulysses_dp2sp2": (2, 3), "z2_ring_sp4": (1, 3),
-            "z2_hybrid_sp4": (2, 3)}
+            "z2_hybrid_sp4": (2, 3), "z1_ulysses_tp2sp2": (2, 3)}
 
 
 @pytest.mark.parametrize("key", sorted(TRAINING))
@@ -66,6 +66,8 @@ def test_training_equals_one_process(training_results: list, key: str) -> None:
     ref_losses, ref_weights = reference_lm(make_samples(64, SEQ), steps, per_step, CLIP, norms=ref_norms)
     for rank, out in enumerate(training_results):
         result = out[key]
+        if "tp2" in key:  # q, kv, o and the MLP's two layers of both blocks, and the output head
+            assert (result["tp"], result["tp_layers"]) == (2, 11), (key, result["tp"], result["tp_layers"])
         if rank == 0 or not key.startswith("z3"):
             for name, value in ref_weights.items():
                 assert rel_err(result["weights"][name], value) < 1e-5, (key, rank, name)

@@ -22,7 +22,6 @@ from deepshard.launcher.hostfile import (
 )
 from deepshard.launcher.local import (
     build_rank_command,
-    build_rank_env,
     omp_threads,
     parse_core_list,
     split_cores,
@@ -162,17 +161,6 @@ def test_build_rank_command_variants() -> None:
         build_rank_command("m", [], 0, module=True, no_python=True)
 
 
-def test_build_rank_env() -> None:
-    env = build_rank_env({"KEEP": "1", "RANK": "9"}, rank=1, local_rank=1, world_size=2, local_world_size=2,
-                         master_addr="127.0.0.1", master_port=4242, cuda_visible_devices="0,2",
-                         omp_num_threads=3)
-    assert env["KEEP"] == "1"
-    expected = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242", "CROSS_RANK": "0", "CROSS_SIZE": "1",
-                "CUDA_VISIBLE_DEVICES": "0,2", "OMP_NUM_THREADS": "3"}
-    assert {k: env[k] for k in expected} == expected
-
-
 def test_core_list_split_and_omp_threads() -> None:
     assert parse_core_list("0,3-5,4") == [0, 3, 4, 5]
     for bad in ["a", "3-1", "1-"]:
@@ -194,42 +182,37 @@ def _plan(argv: list[str], hostfile: dict[str, int] | None = None, cuda: list[st
 
 
 def test_plan_cpu_default_is_one_process_and_num_gpus_sets_count() -> None:
-    (only,) = _plan(["t.py"])
-    assert only.cmd == [sys.executable, "-u", "t.py", "--local_rank=0"]
-    assert only.env["WORLD_SIZE"] == "1" and "CUDA_VISIBLE_DEVICES" not in only.env
-    specs = _plan(["--num_gpus", "3", "--master_port", "3333", "t.py", "--lr", "1"], cores=[0, 1, 2, 3, 4, 5])
-    assert [(s.rank, s.local_rank, s.slot) for s in specs] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
-    assert specs[2].cmd[-4:] == ["t.py", "--local_rank=2", "--lr", "1"]
-    assert {s.env["MASTER_PORT"] for s in specs} == {"3333"} and specs[0].env["MASTER_ADDR"] == "127.0.0.1"
-    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2", "2"]
-    assert all(s.cores is None for s in specs)
+    only = _plan(["t.py"])
+    assert only.nproc == 1 and only.argv == [sys.executable, "-u", "t.py", "--local_rank=${local_rank}"]
+    assert "CUDA_VISIBLE_DEVICES" not in only.rank_env
+    job = _plan(["--num_gpus", "3", "t.py", "--lr", "1"], cores=[0, 1, 2, 3, 4, 5])
+    assert job.nproc == 3 and job.argv[-4:] == ["t.py", "--local_rank=${local_rank}", "--lr", "1"]
+    assert job.rank_env["OMP_NUM_THREADS"] == "2" and job.cores is None
 
 
 def test_plan_cpu_include_localhost_slots_and_aliases() -> None:
-    specs = _plan(["--include", "localhost:0,1", "t.py"])
-    assert [s.slot for s in specs] == [0, 1] and specs[1].env["WORLD_SIZE"] == "2"
-    assert [s.slot for s in _plan(["--include", "thishost:1,3", "t.py"])] == [1, 3]
+    assert _plan(["--include", "localhost:0,1", "t.py"]).nproc == 2
+    assert _plan(["--include", "thishost:1,3", "t.py"]).nproc == 2
     with pytest.raises(LaunchError, match="Cannot specify num_nodes/gpus"):
         _plan(["--include", "localhost:0", "--num_gpus", "2", "t.py"])
 
 
 def test_plan_cuda_maps_slots_to_visible_devices() -> None:
-    specs = _plan(["--include", "localhost:1,3", "t.py"], cuda=["4", "5", "6", "7"])
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["5,7", "5,7"]
-    assert [s.env["LOCAL_RANK"] for s in specs] == ["0", "1"]
-    assert len(_plan(["t.py"], cuda=["0", "1"])) == 2
+    job = _plan(["--include", "localhost:1,3", "t.py"], cuda=["4", "5", "6", "7"])
+    assert job.nproc == 2 and job.rank_env["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert _plan(["t.py"], cuda=["0", "1"]).nproc == 2
     with pytest.raises(LaunchError, match="--num_gpus 3 .* has \\(2\\)"):
         _plan(["--num_gpus", "3", "t.py"], cuda=["0", "1"])
 
 
 def test_plan_user_omp_threads_and_core_binding() -> None:
-    specs = _plan(["--num_gpus", "2", "t.py"], cores=[0, 1, 2, 3], environ={"OMP_NUM_THREADS": "5"})
-    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["5", "5"]
+    job = _plan(["--num_gpus", "2", "t.py"], cores=[0, 1, 2, 3], environ={"OMP_NUM_THREADS": "5"})
+    assert "OMP_NUM_THREADS" not in job.rank_env and job.user_env == {"OMP_NUM_THREADS"}  # theirs reaches the ranks
     bound = _plan(["--num_gpus", "2", "--bind_cores_to_rank", "t.py"], cores=[0, 1, 2, 3, 4])
-    assert [s.cores for s in bound] == [(0, 1), (2, 3)] and bound[0].env["OMP_NUM_THREADS"] == "2"
+    assert bound.cores == [(0, 1), (2, 3)] and bound.rank_env["OMP_NUM_THREADS"] == "2"
     listed = _plan(["--num_gpus", "2", "--bind_cores_to_rank", "--bind_core_list", "1,3", "t.py"],
                    cores=[0, 1, 2, 3])
-    assert [s.cores for s in listed] == [(1,), (3,)]
+    assert listed.cores == [(1,), (3,)]
     with pytest.raises(LaunchError, match="cores \\[9\\]"):
         _plan(["--num_gpus", "1", "--bind_cores_to_rank", "--bind_core_list", "9", "t.py"])
 
@@ -237,11 +220,10 @@ def test_plan_user_omp_threads_and_core_binding() -> None:
 def test_plan_single_node_from_hostfile_and_multi_node_selection() -> None:
     with pytest.raises(LaunchError, match="spans 2 nodes \\(w0, w1\\): a multi-node launch"):
         _plan(["t.py"], hostfile={"w0": 2, "w1": 2})
-    specs = _plan(["--num_nodes", "1", "t.py"], hostfile={"w0": 2, "w1": 2})
-    assert len(specs) == 2
-    assert [s.slot for s in _plan(["-i", "w1:1", "t.py"], hostfile={"w0": 2, "w1": 2})] == [1]
-    specs = _plan(["t.py"], hostfile={"localhost": 3})
-    assert len(specs) == 3
+    assert _plan(["--num_nodes", "1", "t.py"], hostfile={"w0": 2, "w1": 2}).nproc == 2
+    one = _plan(["-i", "w1:1", "t.py"], hostfile={"w0": 2, "w1": 2}, cuda=["0", "1"])
+    assert one.nproc == 1 and one.rank_env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert _plan(["t.py"], hostfile={"localhost": 3}).nproc == 3
     with pytest.raises(LaunchError, match="--force_multi"):
         _plan(["--force_multi", "t.py"], hostfile={"localhost": 3})
     with pytest.raises(LaunchError, match="needs a hostfile"):
@@ -280,8 +262,8 @@ def test_launch_mode() -> None:
 
 
 def test_plan_module_no_local_rank_and_unsupported_flags() -> None:
-    (spec,) = _plan(["--module", "--no_local_rank", "pkg.train", "--x"])
-    assert spec.cmd == [sys.executable, "-u", "-m", "pkg.train", "--x"]
+    assert _plan(["--module", "--no_local_rank", "pkg.train", "--x"]).argv == [sys.executable, "-u", "-m", "pkg.train",
+                                                                                "--x"]
     with pytest.raises(LaunchError, match="--autotuning"):
         _plan(["--autotuning", "tune", "t.py"])
     with pytest.raises(LaunchError, match="apply with --elastic_training"):
@@ -381,7 +363,7 @@ def test_plan_rejects_non_positive_counts() -> None:
         _plan(["--num_gpus", "0", "t.py"])
     with pytest.raises(LaunchError, match="--num_nodes 0 must be >= 1"):
         _plan(["--num_nodes", "0", "t.py"])
-    assert len(_plan(["--num_nodes", "1", "--num_gpus", "2", "t.py"])) == 2
+    assert _plan(["--num_nodes", "1", "--num_gpus", "2", "t.py"]).nproc == 2
 
 
 def test_gloo_interface_is_the_route_to_master() -> None:

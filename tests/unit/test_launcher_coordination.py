@@ -19,7 +19,7 @@ from deepshard.launcher.coordination import (
 )
 from deepshard.launcher.agent import AgentJob, entry
 from deepshard.launcher.local import TORCH_SETS, LocalLaunch
-from deepshard.launcher.node import NodeJob, agent_job, plan_node_ranks
+from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.rendezvous import NodeRendezvous, format_job_failure
 
@@ -174,12 +174,9 @@ def _job(node_rank: int = 1, **kw: object) -> NodeJob:
     return NodeJob({"node-a": [0, 1], "node-b": [0, 2], "node-c": [0]}, node_rank, launch, **kw)  # type: ignore[arg-type]
 
 
-def test_node_job_place_and_validation() -> None:
+def test_node_job_hosts_and_validation() -> None:
     job = _job(1)
-    assert (job.host, job.world_size, job.hosts) == ("node-b", 5, HOSTS)
-    place = job.place()
-    assert (place.rank_offset, place.world_size, place.node_rank, place.num_nodes) == (2, 5, 1, 3)
-    assert _job(2).place().rank_offset == 4
+    assert (job.host, job.hosts) == ("node-b", HOSTS)
     with pytest.raises(LaunchError, match="--node_rank 3 is out of range.*0..2"):
         _job(3)
     with pytest.raises(LaunchError, match="--max_restarts -1"):
@@ -187,26 +184,15 @@ def test_node_job_place_and_validation() -> None:
     assert _job(0).fingerprint() == _job(2).fingerprint() != _job(0, max_restarts=1).fingerprint()
 
 
-def test_plan_node_ranks_global_ranks_and_environment() -> None:
-    specs = plan_node_ranks(_job(1, bind=True), {"KEEP": "1"}, [0, 1, 2, 3], python="py")
-    assert [(s.rank, s.local_rank, s.slot) for s in specs] == [(2, 0, 0), (3, 1, 2)]
-    env = specs[1].env
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
-                                "MASTER_ADDR", "MASTER_PORT", "KEEP")} == \
-        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2", "CROSS_RANK": "1",
-         "CROSS_SIZE": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000", "KEEP": "1"}
-    assert specs[1].cmd == ["py", "-u", "t.py", "--local_rank=1", "--x"]
-    assert [s.cores for s in specs] == [(0, 1), (2, 3)] and env["OMP_NUM_THREADS"] == "2"
-
-
-def test_agent_job_hands_torch_one_command_and_the_shared_variables() -> None:
-    job = _job(1, bind=True)
-    specs = plan_node_ranks(job, {"KEEP": "1", "FROM_ENV_FILE": "x"}, [0, 1, 2, 3], python="py")
-    ajob = agent_job(specs, job.launch, {"KEEP": "1"}, 2, None, python="py", launcher_env={"KEEP": "1"})
+def test_node_agent_job_hands_torch_one_command_and_the_variables_it_does_not_set() -> None:
+    job = _job(1, bind=True, max_restarts=2)
+    ajob = node_agent_job(job, {"KEEP": "1", "FROM_ENV_FILE": "x", "RANK": "9"}, [0, 1, 2, 3],
+                          launcher_env={"KEEP": "1"}, python="py")
     assert ajob.argv == ["py", "-u", "t.py", "--local_rank=${local_rank}", "--x"]  # torch's macro
     assert ajob.nproc == 2 and ajob.max_restarts == 2 and ajob.cores == [(0, 1), (2, 3)]
-    assert ajob.rank_env["FROM_ENV_FILE"] == "x" and ajob.rank_env["OMP_NUM_THREADS"] == "2"
-    assert not TORCH_SETS & set(ajob.rank_env) and "KEEP" not in ajob.rank_env  # torch / the launcher set those
+    # the launcher's own variables reach the ranks through the agent; torch sets RANK and its kin
+    assert ajob.rank_env == {"FROM_ENV_FILE": "x", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    assert not TORCH_SETS & set(ajob.rank_env)
 
 
 def test_rank_shim_binds_sets_and_execs_and_refuses_an_unguarded_start() -> None:
@@ -271,11 +257,11 @@ def test_local_rank_failure_becomes_the_job_failure_first_one_wins() -> None:
 
     node0, node1, _ = _channels()
     stream = RankStream(3, 1, tail=bytearray(b"bye"), returncode=-9, pid=77)
-    failure = _rendezvous(1, node1, node1.store).publish_rank_failure(stream, None)
+    failure = _rendezvous(1, node1, node1.store).publish_rank_failure(stream)
     assert failure.headline() == "rank 3 (local rank 1, pid 77) on host node-b (node 1) exited with signal SIGKILL"
     assert (failure.exit_code, failure.rank, failure.tail, failure.restartable) == (1, 3, "bye", True)
     later = RankStream(0, 0, returncode=1, pid=5)
-    assert _rendezvous(0, node0, node0.store).publish_rank_failure(later, None) == failure
+    assert _rendezvous(0, node0, node0.store).publish_rank_failure(later) == failure
 
 
 def test_a_node_that_never_joined_is_named_and_not_waited_for_at_the_end() -> None:

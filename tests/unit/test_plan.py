@@ -44,7 +44,7 @@ def _messages(cfg: Any, model: nn.Module, dims: ParallelDims = ParallelDims(), o
     ({"zero_optimization": {"stage": 2, "optimizer_step_in_backward": True}}, "plain", ParallelDims(), "stage is 2"),
     ({"zero_optimization": {"stage": 3, "optimizer_step_in_backward": True}}, "plain", ParallelDims(tp=2),
      "grid is grid"),
-    ({}, "plain", ParallelDims(sp=2, tp=2), "sequence_parallel_size=2 with tensor parallelism"),
+    ({}, "plain", ParallelDims(sp=2, pp=2), "sequence_parallel_size=2 with pipeline stages"),
 ])
 def test_each_rule_refuses_with_its_reason(sections: dict, model: str, dims: ParallelDims, needle: str,
                                            tmp_path: Path) -> None:
@@ -88,3 +88,41 @@ def test_a_compressed_optimizer_instance_is_checked_like_the_config_type() -> No
 def test_valid_plans_pass(sections: dict, model: str, dims: ParallelDims) -> None:
     module = {"plain": nn.Linear(4, 4), "pipe": _pipe(), "pipe2": _pipe(chunks=2)}[model]
     assert _messages(_cfg(**sections), module, dims) == []
+
+
+class _Attention(nn.Module):
+    """An attention module that counts its heads (what automatic TP divides)."""
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = heads, kv_heads
+        self.q_proj = nn.Linear(8, 8)
+
+
+class _Configured(nn.Linear):
+    """A model whose config names its head counts (as a Hugging Face model's does)."""
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__(4, 4)
+        self.config = type("Config", (), {"num_attention_heads": heads, "num_key_value_heads": kv_heads})()
+
+
+@pytest.mark.parametrize("model, sections, dims, refused", [
+    (_Configured(4, 2), {}, ParallelDims(tp=2, sp=2), False),           # GQA: 2 query + 1 kv head per tp rank
+    (_Configured(4, 1), {}, ParallelDims(tp=2, sp=2), True),            # one kv head cannot split over tp=2
+    (_Configured(6, 6), {}, ParallelDims(tp=4, sp=2), True),
+    (_Attention(4, 4), {"tensor_parallel": {"autotp_size": 2}}, ParallelDims(tp=2, sp=2), False),
+    (_Attention(3, 3), {"tensor_parallel": {"autotp_size": 2}}, ParallelDims(tp=2, sp=2), True),
+    (_Attention(3, 3), {}, ParallelDims(tp=2, sp=2), False),            # the user's own TP layers: counts are theirs
+])
+def test_sequence_parallel_with_tensor_parallel_needs_whole_heads(model: nn.Module, sections: dict,
+                                                                 dims: ParallelDims, refused: bool) -> None:
+    found = _messages(_cfg(**sections), model, dims)
+    if not refused:
+        assert found == []
+        return
+    assert len(found) == 1, found
+    heads, kv = (model.num_heads, model.num_key_value_heads) if isinstance(model, _Attention) else (
+        model.config.num_attention_heads, model.config.num_key_value_heads)
+    assert f"{heads} query heads and {kv} key/value heads" in found[0] and f"tp={dims.tp}" in found[0]
+    assert "use a tensor-parallel size in [1" in found[0], found[0]

@@ -167,3 +167,72 @@ def test_positional_dropout_mask_follows_the_token_not_the_layout() -> None:
     torch.manual_seed(7)
     positional_dropout(x, 0.3, torch.arange(x.shape[1]))
     assert not torch.equal(positional_dropout(x, 0.3, torch.arange(x.shape[1])), whole)  # the next call differs
+
+
+def test_plain_blocks_take_torchs_fused_kernel_and_match_the_reference_with_gqa() -> None:
+    """fp32 on the CPU: a causal diagonal block and a fully visible block run torch's flash kernel; their
+    merge and the summed backward (the kernel reading the merged out and lse) equal plain attention."""
+    from deepshard.sp.softmax_merge import _flash_causal
+
+    torch.manual_seed(2)
+    q64 = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
+    k64 = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    v64 = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 4, 12, 8, dtype=torch.float64)
+    want = reference_attention(q64, k64, v64, causal=True)
+    want.backward(dout)
+    q, k, v, d32 = (t.detach().float() for t in (q64, k64, v64, dout))
+    pos = torch.arange(12)
+    # queries 6..11 against keys 0..5 (all visible) and against keys 6..11 (the causal diagonal)
+    off, diag = allowed_mask(pos[6:], pos[:6], True, 12), allowed_mask(pos[6:], pos[6:], True, 12)
+    assert _flash_causal(q[:, :, 6:], k[:, :, :6], v[:, :, :6], off) is False
+    assert _flash_causal(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], diag) is True
+    assert _flash_causal(q64, k64, v64, diag) is None  # fp64: computed here
+    head_tail = allowed_mask(torch.tensor([0, 1, 10, 11]), torch.tensor([0, 1, 10, 11]), True, 12)
+    assert _flash_causal(q[:, :, :4], k[:, :, :4], v[:, :, :4], head_tail) is True  # increasing positions
+    padded = allowed_mask(pos, pos, True, 10)
+    assert _flash_causal(q, k, v, padded) is None
+    blocks = [(slice(0, 6), off), (slice(6, 12), diag)]
+    parts = [block_forward(q[:, :, 6:], k[:, :, s], v[:, :, s], a, 8 ** -0.5) for s, a in blocks]
+    out, lse = merge(*parts[0], *parts[1])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want[:, :, 6:].float(), atol=2e-6, rtol=1e-5)
+    delta = (d32[:, :, 6:] * out).sum(-1)
+    grads = [block_backward(q[:, :, 6:], k[:, :, s], v[:, :, s], a, 8 ** -0.5, lse, d32[:, :, 6:], delta, out)
+             for s, a in blocks]
+    # only queries 6..11 were computed: compare with the reference restricted to them
+    q_r, k_r, v_r = (t.detach().clone().requires_grad_() for t in (q64, k64, v64))
+    reference_attention(q_r, k_r, v_r, causal=True)[:, :, 6:].backward(dout[:, :, 6:])
+    torch.testing.assert_close(grads[0][0] + grads[1][0], q_r.grad[:, :, 6:].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), k_r.grad.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), v_r.grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_head_tail_blocks_are_cut_into_runs_and_match_the_reference() -> None:
+    """A ring rank's head-tail chunk against another rank's: cut where positions jump, every pair is hidden,
+    fully visible or diagonal (the fused kernel); forward and backward equal plain causal attention."""
+    from deepshard.sp.softmax_merge import _run_pairs
+
+    torch.manual_seed(3)
+    q64, k64, v64 = (torch.randn(1, 4, 8, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mine, other = torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])  # ring of 2, head-tail layout
+    dout = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    reference_attention(q64, k64, v64, causal=True)[:, :, mine].backward(dout)
+    q, k, v, d32 = (t.detach().float() for t in (q64, k64, v64, dout))
+    qm = q[:, :, mine]
+    blocks = [(mine, allowed_mask(mine, mine, True, 8)), (other, allowed_mask(mine, other, True, 8))]
+    assert _run_pairs(qm, k[:, :, other], v[:, :, other], blocks[1][1]) is not None
+    parts = [block_forward(qm, k[:, :, pos], v[:, :, pos], a, 8 ** -0.5) for pos, a in blocks]
+    out, lse = merge(*parts[0], *parts[1])
+    torch.testing.assert_close(out, reference_attention(q64, k64, v64, True)[:, :, mine].float(),
+                               atol=2e-6, rtol=1e-5)
+    delta = (d32 * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(qm), torch.zeros_like(k), torch.zeros_like(v)
+    for pos, a in blocks:
+        g = block_backward(qm, k[:, :, pos], v[:, :, pos], a, 8 ** -0.5, lse, d32, delta, out)
+        dq += g[0]
+        dk[:, :, pos] += g[1]
+        dv[:, :, pos] += g[2]
+    torch.testing.assert_close(dq, q64.grad[:, :, mine].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dk, k64.grad.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv, v64.grad.float(), atol=1e-5, rtol=1e-5)

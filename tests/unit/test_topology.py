@@ -63,6 +63,18 @@ def test_sequence_axis_layout_matches_deepspeed() -> None:
     assert ParallelDims.for_world(8, sp=4).dp == 2
 
 
+def test_sequence_groups_with_tensor_parallelism_share_the_tensor_index() -> None:
+    """dp=2 x sp=2 x tp=2: an sp group holds the ranks of one tensor index (the heads that rank holds), ZeRO's
+    dp x sp group the ranks of one tensor index too; the tp pairs are consecutive."""
+    dims = ParallelDims(dp=2, sp=2, tp=2)
+    assert dims.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.group_ranks("sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.group_ranks("seq_dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for group in dims.group_ranks("sp") + dims.group_ranks("seq_dp"):
+        assert len({dims.coord(r).tp for r in group}) == 1, group
+
+
 def test_for_world_derives_dp_and_prints_the_arithmetic() -> None:
     assert ParallelDims.for_world(8, pp=2, tp=2) == ParallelDims(2, 2, 2)
     assert ParallelDims.for_world(6, tp=3).dp == 2

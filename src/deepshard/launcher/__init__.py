@@ -1,10 +1,6 @@
 """The ``deepshard`` launcher: hostfile parsing and node selection, per-rank commands, local
 supervision, and multi-node launch (per-node agents coordinated through a TCPStore; ssh, pdsh,
-``--no_ssh``, MPI and Slurm runners; restarts).
-
-Entry points: :func:`deepshard.launcher.cli.main` (the ``deepshard`` console script) and
-:func:`deepshard.launcher.node.main` (``python -m deepshard.launcher.node``, the per-node agent).
-"""
+``--no_ssh``, MPI and Slurm runners; restarts)."""
 from deepshard.launcher.hostfile import (
     assign_ranks,
     decode_world_info,

@@ -1,14 +1,4 @@
-"""``deepshard launch`` and ``deepshard config``: Accelerate's launch front end on deepshard's launcher.
-
-    deepshard launch --config_file default_config.yaml my_training_script.py --its --args
-    deepshard launch --num_processes 2 --zero_stage 3 --use_cpu train.py      # no file: flags only
-    deepshard config --zero_stage 2 --num_processes 2 --use_cpu              # writes the YAML
-
-Without ``--config_file`` the file at Accelerate's default location is read when it exists. Flags win
-over the file. The processes are started by the ``deepshard`` launcher (supervision, restarts, multi-node
-runners), DeepSpeed-type runs through ``python -m deepshard.compat.run`` so the script's
-``import deepspeed`` (Accelerate's, the Trainer's) is deepshard. See :mod:`deepshard.launcher.accelerate_config`.
-"""
+"""``deepshard launch`` and ``deepshard config``: Accelerate's launch front end on deepshard's launcher."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +23,7 @@ _INT_FLAGS = {"num_processes", "num_machines", "machine_rank", "main_process_por
               "gradient_accumulation_steps", "num_cpu_threads_per_process"}
 
 
+# Help text of every setting flag (the same key in the config file).
 _HELP = {
     "num_processes": "processes in total, over all machines",
     "num_machines": "machines (nodes) in the job",
@@ -63,7 +54,6 @@ _HELP = {
     "same_network": "the machines share a network (Accelerate's key; accepted)",
     "debug": "Accelerate's debug mode (ACCELERATE_DEBUG_MODE)",
 }
-"""Help text of every setting flag (the same key in the config file)."""
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,15 +1,4 @@
-"""Accelerate's launch configuration (its YAML file, its flags) turned into a deepshard launch.
-
-``deepshard launch --config_file cfg.yaml script.py`` reads the file ``accelerate config`` writes, lets
-command-line flags win over it, checks it (an unknown key or a conflicting pair is one error naming it),
-and plans: the ``deepshard`` launcher's arguments and the environment Accelerate's own launcher would give
-the script. Everything here is pure (no process is started), so tests read the plan directly.
-
-Differences from ``accelerate launch``, by design: DeepSpeed runs on CPU (``use_cpu: true`` keeps DeepSpeed
-on and sets ``DEEPSHARD_ACCELERATOR=cpu``: Accelerate would turn DeepSpeed off and start one process);
-an unknown ``deepspeed_config`` sub-key is an error (Accelerate ignores it); with no
-``distributed_type`` anywhere the type is ``DEEPSPEED``.
-"""
+"""Accelerate's launch configuration (its YAML file, its flags) turned into a deepshard launch."""
 from __future__ import annotations
 
 import difflib
@@ -22,6 +11,7 @@ from typing import Any
 
 from deepshard.launcher.options import DEFAULT_HOSTFILE, LaunchError
 
+# Top-level keys of Accelerate's cluster config (``accelerate config`` writes a subset).
 TOP_KEYS = frozenset({
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
     "machine_rank", "num_machines", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
@@ -29,20 +19,20 @@ TOP_KEYS = frozenset({
     "fsdp_config", "parallelism_config", "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name",
     "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
     "dynamo_config", "ipex_config", "mpirun_config"})
-"""Top-level keys of Accelerate's cluster config (``accelerate config`` writes a subset)."""
 
+# ``deepspeed_config`` sub-keys Accelerate knows (all honoured here).
 DS_KEYS = frozenset({
     "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
     "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping",
     "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher", "deepspeed_hostfile",
     "deepspeed_inclusion_filter", "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names"})
-"""``deepspeed_config`` sub-keys Accelerate knows (all honoured here)."""
 
+# Sub-keys that a ``deepspeed_config_file`` already sets: giving both is a conflict.
 FILE_EXCLUSIVE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
                   "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
                   "zero3_save_16bit_model")
-"""Sub-keys that a ``deepspeed_config_file`` already sets: giving both is a conflict."""
 
+# ``deepspeed_config`` sub-key -> the variable Accelerate's ``DeepSpeedPlugin`` reads in the script.
 DS_ENV = {
     "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
     "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
@@ -56,7 +46,6 @@ DS_ENV = {
     "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
     "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
 }
-"""``deepspeed_config`` sub-key -> the variable Accelerate's ``DeepSpeedPlugin`` reads in the script."""
 
 DISTRIBUTED_TYPES = ("DEEPSPEED", "NO", "MULTI_CPU", "MULTI_GPU")
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")

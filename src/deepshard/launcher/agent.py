@@ -1,23 +1,4 @@
-"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on).
-
-``LocalElasticAgent`` starts this node's ranks, watches them every :data:`MONITOR_INTERVAL_S`, stops them
-all when one fails (SIGTERM, SIGKILL after :data:`GRACE_S`), restarts them up to ``--max_restarts`` times
-and forwards SIGINT / SIGTERM. Each rank sees what ``torchrun`` gives it (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT`` of the agents'
-store, ``TORCHELASTIC_*``), plus DeepSpeed's ``--local_rank=N`` and deepshard's ``CROSS_RANK`` /
-``CROSS_SIZE`` / ``DEEPSHARD_RESTART_COUNT``.
-
-deepshard adds, through :class:`NodeAgent`'s hooks:
-
-* the output path (:mod:`.rank_streams`) and the failure report: the first rank that failed, with its
-  exit code or signal and the end of its output (its traceback), printed before the other ranks' fallout;
-* the rendezvous (:mod:`.rendezvous`): static node ranks in hostfile order, or torch's c10d rendezvous for
-  ``--elastic_training``; with several nodes, the agents publish failures and heartbeats in the
-  rendezvous store, so a rank dying on one node stops (or restarts) every node at once, and a node
-  agent that vanishes is named;
-* the rank shim (:data:`RANK_SHIM`): each rank dies with its agent (``PR_SET_PDEATHSIG``), and gets its
-  CPU cores and per-rank variables.
-"""
+"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +9,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -36,14 +16,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, _term
 
 from deepshard.launcher import rank_errors
 from deepshard.launcher.coordination import ChannelLost, JobFailure
+from deepshard.launcher.local import LOCAL_RANK_MACRO, AgentJob
 from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.output import FALLOUT_HOLD_S, Output, describe_exit, fold_noise
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, fold_noise, signal_handlers
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
-LOCAL_RANK_MACRO = "${local_rank}"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 RANK_SHIM = (
@@ -61,25 +41,6 @@ RANK_SHIM = (
     "env['DEEPSHARD_RESTART_COUNT'] = env.get('TORCHELASTIC_RESTART_COUNT', '0')\n"
     "env['CROSS_RANK'], env['CROSS_SIZE'] = env.get('GROUP_RANK', '0'), env.get('GROUP_WORLD_SIZE', '1')\n"
     "os.execvp(sys.argv[3], sys.argv[3:])")
-
-
-@dataclass(frozen=True)
-class AgentJob:
-    """What one node's agent runs."""
-
-    argv: list[str]
-    """One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank."""
-    nproc: int
-    rank_env: dict[str, str] = field(default_factory=dict)
-    """Set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables)."""
-    cores: list[tuple[int, ...]] | None = None
-    """CPU cores of each local rank (``--bind_cores_to_rank``)."""
-    max_restarts: int = 0
-    log_dir: str | None = None
-    report_on_node0: bool = False
-    """Every node's output reaches one terminal (ssh / pdsh): only node 0 prints the report."""
-    user_env: frozenset[str] = frozenset()
-    """Variables the user set themselves (an ``OMP_NUM_THREADS`` of theirs wins over core binding)."""
 
 
 def entry(job: AgentJob, agent_pid: int, python: str = sys.executable) -> tuple[str, list[str]]:
@@ -203,7 +164,7 @@ class NodeAgent(LocalElasticAgent):
             local = min(result.failures.values(), key=lambda f: f.timestamp).local_rank
             self.first = self.streams.streams[local]
         if self.rdzv.multi_node and self.job_failure is None:
-            self.job_failure = self.rdzv.publish_rank_failure(self.first, self.streams.out)
+            self.job_failure = self.rdzv.publish_rank_failure(self.first)
             if self.job_failure is not None and not self.job_failure.restartable:
                 self._remaining_restarts = 0
         return result
@@ -248,8 +209,7 @@ class NodeAgent(LocalElasticAgent):
     def exit_code(self) -> int:
         if self.job_failure is not None:
             return self.job_failure.exit_code
-        code = self.first.returncode if self.first is not None else 1
-        return code if code and code > 0 else 1
+        return exit_status(self.first.returncode if self.first is not None else 1)
 
     def report(self, restarting: bool) -> None:
         """Print this attempt's failure (once), then the other ranks' output since."""
@@ -260,18 +220,17 @@ class NodeAgent(LocalElasticAgent):
         if self.first is not None and self.first.held:  # the failing rank's own last words, where they belong
             self.streams.out.write_now(bytes(self.first.held))
             self.first.held.clear()
-        if self.rdzv.multi_node:
-            self.rdzv.report(self.job_failure, self.first, self.job, self.streams, attempt, restarting)
-        elif self.first is not None:
+        if self.rdzv.multi_node:  # then the ranks' own words, as they are: the report names the job's failure
+            self.rdzv.report(self.job_failure, self.first is not None, self.job, attempt, restarting)
+            self.streams.out.release()
+            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
+            return
+        if self.first is not None:
             report_local(self.first, self.streams, self.stopped_others)
             if restarting:
                 logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)", attempt,
                                self.exit_code(), attempt + 1, self.job.max_restarts)
-        if self.rdzv.multi_node:  # the ranks' own words, as they are: the report names the job's failure
-            self.streams.out.release()
-            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
-        else:
-            report_held(self.streams, self.first)
+        report_held(self.streams, self.first)
         self.streams.out.release()
 
 
@@ -301,8 +260,7 @@ def report_local(failed: RankStream, streams: RankStreams, stopped: int) -> None
         print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
     reported = any(failed.rank in ranks for ranks in errors.values())
     plural = "rank" if stopped == 1 else "ranks"
-    lines = [f"deepshard: rank {failed.rank} (local rank {failed.local_rank}, pid {failed.pid}) exited with "
-             f"{describe_exit(failed.returncode or 1)}; stopped the other {stopped} {plural}"]
+    lines = [f"deepshard: {failed.who} exited with {failed.exit}; stopped the other {stopped} {plural}"]
     tail, trace = failed.text(), error_file_traceback(failed.error_file)
     if trace and not reported:
         lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
@@ -344,32 +302,12 @@ def report_held(streams: RankStreams, failed: RankStream | None) -> None:
                   file=sys.stderr, flush=True)
 
 
-def _quiet_torch(level: int) -> None:
-    """torch's agent logs every start and stop; deepshard reports those itself."""
-    logging.getLogger("torch.distributed.elastic").setLevel(level)
-
-
-class _Signals:
-    """SIGINT / SIGTERM end the agent through torch's ``SignalException`` also while it waits for the
-    other nodes (before torch installs its own handlers); every handler is restored afterwards."""
-
-    def __enter__(self) -> "_Signals":
-        self._saved: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in HANDLED_SIGNALS:
-                self._saved[sig] = signal.signal(sig, _terminate_process_handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
 def run_agent(job: AgentJob, rdzv: NodeRendezvous,
               on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's
     exit code, 1 for a rank killed by a signal or a lost node, 128+N for signal N)."""
-    _quiet_torch(logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL)
+    torch_level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(torch_level)  # deepshard reports starts and stops
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
     entrypoint, args = entry(job, os.getpid(), python)
     spec = WorkerSpec(role="default", local_world_size=job.nproc, rdzv_handler=rdzv, entrypoint=entrypoint,
@@ -377,7 +315,7 @@ def run_agent(job: AgentJob, rdzv: NodeRendezvous,
     streams = RankStreams(Output(), job.log_dir)
     agent = NodeAgent(spec, job, streams, rdzv, on_started)
     try:
-        with _Signals():
+        with signal_handlers(_terminate_process_handler, HANDLED_SIGNALS):  # also while it waits for nodes
             result = agent.run()
         if not result.is_failed():
             return 0

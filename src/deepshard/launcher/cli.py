@@ -1,27 +1,4 @@
-"""The ``deepshard`` command: DeepSpeed's launcher flags, on one machine or many.
-
-``deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json`` starts two ranks of
-``train.py`` on this machine (``--local_rank=N`` after the script path in each, the ``env://`` variables set) and
-supervises them with torch's elastic agent (see :mod:`deepshard.launcher.agent`).
-
-Slots: on CUDA a slot is a visible GPU (``torch.cuda.device_count()``); on a CPU machine a slot is a
-process, so ``--num_gpus N`` (alias ``--num_accelerators``) starts N processes and the default is one.
-
-A hostfile (``-H``, default ``/job/hostfile``; none means "this machine only") is parsed and
-``--include`` / ``--exclude`` / ``--num_nodes`` / ``--num_gpus`` select from it as in DeepSpeed. A
-selection of several hosts (or ``--force_multi``) is a multi-node launch:
-
-* ``--no_ssh --node_rank N``: this machine is node N; run the same command on every node
-  (:mod:`deepshard.launcher.node` coordinates them);
-* ``--launcher pdsh`` (the default; ssh when pdsh is not installed) or ``ssh``: start a node agent
-  on every host (:mod:`deepshard.launcher.multinode`);
-* ``--launcher openmpi | mpich | impi | mvapich | slurm``: one ``mpirun`` / ``srun`` starts every rank.
-
-``--max_restarts R`` restarts every rank up to R times after a failure.
-
-Exit status: 0 when every rank succeeds; the failing rank's exit code (1 when it died by a signal);
-128+N when the launcher got signal N (forwarded to the ranks); 2 for a bad command line or selection.
-"""
+"""The ``deepshard`` command: DeepSpeed's launcher flags, on one machine or many."""
 from __future__ import annotations
 
 import argparse
@@ -37,13 +14,7 @@ from deepshard.launcher import multinode, node, rank_errors
 from deepshard.launcher.commands import add_command_list, find_command, run_command
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
 from deepshard.launcher.hostfile import assign_ranks, parse_node_spec, read_hostfile, resolve_resources
-from deepshard.launcher.local import (
-    LocalLaunch,
-    RankSpec,
-    detect_cuda_devices as _detect_cuda_devices,
-    parse_core_list,
-    plan_local_ranks,
-)
+from deepshard.launcher.local import AgentJob, detect_cuda_devices
 from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
     DEFAULT_MASTER_PORT,
@@ -83,22 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the launcher's command line; everything after the script belongs to the script."""
     return build_parser().parse_args(argv)
 
 
 def local_hostnames() -> set[str]:
-    """Names under which a hostfile may list this machine (no DNS lookups)."""
     name = socket.gethostname()
     return {LOCAL_HOST, "127.0.0.1", name, name.split(".")[0]}
-
-
-def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """The CUDA device ids visible to this launcher, in slot order, or ``None`` on a CPU machine."""
-    try:
-        return _detect_cuda_devices(environ)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
 
 
 def _localize_spec(spec: str, names: set[str]) -> str:
@@ -124,7 +85,6 @@ def _cpu_slot_count(args: argparse.Namespace, include: str) -> int:
 
 def _say_cpu_default(args: argparse.Namespace, hostfile: dict[str, int] | None,
                      cuda_devices: list[str] | None) -> None:
-    """Log once, before anything starts, that a CPU machine with no slot count runs one process."""
     if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
         logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
 
@@ -203,33 +163,12 @@ def launch_mode(args: argparse.Namespace, active: dict[str, list[int]], pdsh_ava
     return args.launcher
 
 
-def _local_launch(args: argparse.Namespace, cuda_devices: list[str] | None) -> LocalLaunch:
-    core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
-    return LocalLaunch(
-        user_script=args.user_script, user_args=list(args.user_args),
-        master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
-        module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank,
-        visible_devices=cuda_devices, bind_cores=args.bind_cores_to_rank or core_list is not None,
-        core_list=core_list)
-
-
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
                 cuda_devices: list[str] | None, available_cores: Sequence[int],
-                names: set[str]) -> list[RankSpec]:
-    """A single-machine launch: one :class:`RankSpec` per local rank (pure: nothing is started or
-    read from the system here). A selection of several nodes raises (see :func:`launch_mode`)."""
-    active = select_nodes(args, hostfile, cuda_devices, names)
-    if args.force_multi:
-        raise LaunchError("--force_multi asks for a multi-node launch, not a single-machine plan")
-    host = _single_node(active, names)
-    for flag in ("launcher_args", "no_ssh_check", "ssh_port", "venv_script"):
-        if getattr(args, flag) not in (None, "", False):
-            logger.info("--%s only matters for multi-node launch; ignored for this single-node run", flag)
-    slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
-    try:
-        return plan_local_ranks(_local_launch(args, cuda_devices), slots, environ, available_cores)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
+                names: set[str]) -> AgentJob:
+    """A single-machine launch as torch's agent will run it (pure: nothing is started or read from the system
+    here). A selection of several nodes raises (see :func:`launch_mode`)."""
+    return node.node_agent_job(local_job(args, hostfile, cuda_devices, names), environ, available_cores, environ)
 
 
 def _write_pid_file(path: str, pids: list[int]) -> None:
@@ -241,10 +180,16 @@ def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_de
               names: set[str]) -> node.NodeJob:
     """A one-machine launch as a one-node job for torch's agent."""
     active = select_nodes(args, hostfile, cuda_devices, names)
+    if args.force_multi:
+        raise LaunchError("--force_multi asks for a multi-node launch, not a single-machine plan")
     host = _single_node(active, names)
+    for flag in ("launcher_args", "no_ssh_check", "ssh_port", "venv_script"):
+        if getattr(args, flag) not in (None, "", False):
+            logger.info("--%s only matters for multi-node launch; ignored for this single-node run", flag)
     slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
-    return node.NodeJob({host: slots}, 0, _local_launch(args, cuda_devices), args.max_restarts,
-                        args.enable_each_rank_log, elastic=node.elastic_range(args, 1))
+    launch = node.launch_from_args(args, cuda_devices, args.master_addr or "127.0.0.1")
+    return node.NodeJob({host: slots}, 0, launch, args.max_restarts, args.enable_each_rank_log,
+                        elastic=node.elastic_range(args, 1))
 
 
 def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:
@@ -278,11 +223,11 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
     cores = sorted(os.sched_getaffinity(0))
     args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
     if mode == "local":
-        plan_launch(args, os.environ, hostfile, cuda_devices, cores, names)  # errors surface now
+        job = local_job(args, hostfile, cuda_devices, names)
+        node.node_agent_job(job, os.environ, cores)  # errors surface now
         check_port_free(args.master_addr or "127.0.0.1", args.master_port)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
-        job = local_job(args, hostfile, cuda_devices, names)
         return mode, lambda started: node.run_node(job, os.environ, cores, started)
     master_addr = args.master_addr or next(iter(active))
     if mode == "no_ssh":
@@ -290,7 +235,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
                                  os.environ)
         base_env = {**os.environ, **read_env_files(env_file_paths(os.environ, os.path.expanduser("~"),
                                                                   os.getcwd()))}
-        node.plan_node_ranks(job, base_env, cores)  # errors surface now
+        node.node_agent_job(job, base_env, cores)  # errors surface now
         return mode, lambda started: node.run_node(job, base_env, cores, started)
     return mode, _prepare_remote(args, mode, active, master_addr)
 
@@ -315,16 +260,14 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
 
 
 def help_parser() -> argparse.ArgumentParser:
-    """``deepshard --help``: the subcommands, then the launcher's own options."""
     parser = build_parser()
     add_command_list(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``deepshard`` console script; returns the exit status. A first word naming a
-    subcommand (:data:`deepshard.launcher.commands.COMMANDS`) runs it; anything else is DeepSpeed's
-    launcher. With no arguments at all it prints the help (to stderr) and returns 2."""
+    """Entry point of the ``deepshard`` console script: a subcommand, else DeepSpeed's launcher; no arguments
+    prints the help to stderr and returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         help_parser().print_help(sys.stderr)

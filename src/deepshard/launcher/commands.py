@@ -1,13 +1,4 @@
-"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one.
-
-    deepshard [launcher flags] train.py [script args]   DeepSpeed's launcher (no subcommand)
-    deepshard launch [flags] train.py [script args]     Accelerate's launch front end
-    deepshard config | report | zero_to_fp32 | convert | estimate_memory ...
-
-Parsing only: each subcommand owns its parser and returns an exit status; nothing here starts a
-process. A new subcommand is one entry in :data:`COMMANDS` (``"module:function"`` taking
-``(argv, prog=...)``); the old console-script names stay as aliases of the same functions.
-"""
+"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one."""
 from __future__ import annotations
 
 import argparse
@@ -21,16 +12,15 @@ class Command:
     """One subcommand: a one-line summary for ``--help``, its entry point, and older names for it."""
 
     summary: str
-    entry: str
-    """``package.module:function``, called as ``function(argv, prog="deepshard NAME")``."""
-    aliases: tuple[str, ...] = ()
-    """Console scripts that run the same function (kept for users of the older names)."""
+    entry: str  # ``package.module:function``, called as ``function(argv, prog="deepshard NAME")``.
+    aliases: tuple[str, ...] = ()  # Console scripts that run the same function (kept for users of the older names).
 
     def load(self) -> Callable[..., int]:
         module_name, _, attr = self.entry.partition(":")
         return getattr(importlib.import_module(module_name), attr)
 
 
+# Subcommands by name, in the order ``deepshard --help`` lists them.
 COMMANDS: dict[str, Command] = {
     "launch": Command("run a script written for Accelerate (reads its config file; `accelerate launch`)",
                       "deepshard.launcher.accelerate_cli:launch_main"),
@@ -45,7 +35,6 @@ COMMANDS: dict[str, Command] = {
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
                                "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
 }
-"""Subcommands by name, in the order ``deepshard --help`` lists them."""
 
 USAGE = ("deepshard [launcher options] user_script [script args...]\n"
          "       deepshard COMMAND [options]      (deepshard COMMAND --help for each)")
@@ -59,7 +48,6 @@ def find_command(argv: Sequence[str]) -> tuple[str, Command] | None:
 
 
 def run_command(name: str, argv: Sequence[str]) -> int:
-    """Run subcommand ``name`` with the words after it; returns its exit status."""
     return int(COMMANDS[name].load()(list(argv), prog=f"deepshard {name}") or 0)
 
 

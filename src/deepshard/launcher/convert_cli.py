@@ -1,14 +1,4 @@
-"""``deepshard convert SRC DST --to deepspeed|deepshard``: a checkpoint in the other library's format.
-
-    deepshard convert ckpt/ ds_ckpt/ --to deepspeed --dp 4 --stage 2   # for a 4-process DeepSpeed ZeRO-2 job
-    deepshard convert ds_ckpt/ ckpt/ --to deepshard                    # safetensors + JSON, loads on any layout
-
-SRC is a save directory (its ``latest`` names the tag) or a tag directory. DeepSpeed reads ZeRO
-checkpoints only on the data-parallel size that wrote them, so ``--to deepspeed`` writes for ``--dp``
-processes at ZeRO ``--stage`` (default: the layout the source was written on). deepshard loads any
-layout, so for ``--to deepshard`` the two only choose how the files are split. Nothing is unpickled:
-DeepSpeed's files are read through an allowlist (docs/checkpoints.md).
-"""
+"""``deepshard convert SRC DST --to deepspeed|deepshard``: a checkpoint in the other library's format."""
 from __future__ import annotations
 
 import argparse

@@ -1,23 +1,4 @@
-"""The node agents' job channel, kept in the store of their rendezvous (see :mod:`.rendezvous`).
-
-Every node agent of a multi-node job talks to the ``TCPStore`` node 0's agent serves on ``master_port``
-(torch's agent and the ranks use the same store under other prefixes). Keys, all small:
-
-* ``config``: node 0's description of the job (world, restarts); every agent compares its own with
-  it, so nodes started with different command lines stop with a clear error instead of hanging;
-* ``round<k>/joined/<node>``: node ``node`` is ready to start attempt ``k`` (a barrier per attempt);
-* ``round<k>/failure``: the first failure of attempt ``k`` as JSON (first writer wins, via
-  ``compare_set``): which rank on which host died, how, and the end of its output;
-* ``round<k>/finished``: a counter of nodes whose ranks all exited 0 in attempt ``k``;
-* ``abort``: a failure that ends the job without restart (a signal, a lost node, a launcher gone);
-* ``heartbeat/<node>``: a counter each non-zero node's agent increments every second; node 0 declares
-  a node lost when its counter stops moving for ``heartbeat_timeout_s`` and publishes an abort;
-* ``exited/<node>``: an agent is leaving, so node 0 may close the store.
-
-A non-zero node that cannot reach the store (node 0 died or is unreachable) gets a
-:class:`ChannelLost` from any call and stops its ranks. torch's static rendezvous carries no failure
-report, abort broadcast or heartbeat; these keys add them.
-"""
+"""The node agents' job channel, kept in the store of their rendezvous (see :mod:`.rendezvous`)."""
 from __future__ import annotations
 
 import datetime
@@ -49,24 +30,19 @@ class JobFailure:
     kind: str
     node: int
     host: str
-    who: str
-    """e.g. ``rank 3 (local rank 1, pid 4242)`` or ``the node agent``."""
-    what: str
-    """e.g. ``exited with code 3`` or ``received SIGINT``."""
+    who: str  # e.g. ``rank 3 (local rank 1, pid 4242)`` or ``the node agent``.
+    what: str  # e.g. ``exited with code 3`` or ``received SIGINT``.
     exit_code: int
     rank: int | None = None
     tail: str = ""
     restartable: bool = True
 
     def to_json(self) -> str:
-        """Serialized form stored under the failure and abort keys."""
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "JobFailure":
-        """Inverse of :meth:`to_json`."""
-        data: dict[str, Any] = json.loads(text)
-        return cls(**data)
+        return cls(**json.loads(text))
 
     def headline(self) -> str:
         """``rank 3 (local rank 1, pid 4242) on host worker-1 (node 1) exited with code 3``."""
@@ -133,9 +109,8 @@ class JobChannel:
                 "script and arguments) on every node, only --node_rank differs")
 
     def join(self, round_: int, timeout_s: float, poll_s: float = 0.1) -> None:
-        """Barrier before attempt ``round_``: wait until every node joined. ``TimeoutError`` names the
-        missing nodes; ``ChannelLost`` when the job was aborted or (seen from node 0) a node that had
-        been beating went silent meanwhile."""
+        """Barrier before attempt ``round_``: ``JoinTimeout`` names the missing nodes, ``ChannelLost`` an abort or
+        (on node 0) a node gone silent."""
         self._call(lambda: self.store.set(_key(round_, f"joined/{self.node_rank}"), "1"))
         deadline = self._clock() + timeout_s
         while True:
@@ -167,7 +142,6 @@ class JobChannel:
         return JobFailure.from_json(winner)
 
     def failure(self, round_: int) -> JobFailure | None:
-        """The failure of attempt ``round_``, if any node published one."""
         key = _key(round_, "failure")
         return JobFailure.from_json(self._get(key)) if self._has(key) else None
 
@@ -177,27 +151,22 @@ class JobChannel:
         return JobFailure.from_json(winner)
 
     def abort(self) -> JobFailure | None:
-        """The abort, if any node published one."""
         return JobFailure.from_json(self._get("abort")) if self._has("abort") else None
 
     def mark_finished(self, round_: int) -> None:
-        """This node's ranks all exited 0 in attempt ``round_``."""
         self._add(_key(round_, "finished"), 1)
 
     def all_finished(self, round_: int) -> bool:
-        """Every node's ranks exited 0 in attempt ``round_``."""
         return self._add(_key(round_, "finished"), 0) >= self.num_nodes
 
     # ---------------------------------------------------------------------------------- liveness
 
     def beat(self) -> None:
-        """One heartbeat of this node (called every :data:`HEARTBEAT_INTERVAL_S` by a thread)."""
         self._add(f"heartbeat/{self.node_rank}", 1)
 
     def lost_nodes(self) -> list[int]:
-        """Nodes (other than 0) whose heartbeat has not moved for ``heartbeat_timeout_s``, as seen by
-        this agent (node 0 checks the others; no clocks are compared across machines). A node that
-        never beat is not lost: it has not started yet (the join barrier's timeout covers it)."""
+        """Nodes (not 0) whose heartbeat count has not moved for ``heartbeat_timeout_s`` on this agent's clock; a
+        node that never beat has not started (the join timeout covers it)."""
         now, lost = self._clock(), []
         for node in range(1, self.num_nodes):
             if node == self.node_rank:
@@ -213,7 +182,6 @@ class JobChannel:
         return lost
 
     def mark_exited(self) -> None:
-        """This agent is leaving (node 0 waits for these before closing the store)."""
         self._call(lambda: self.store.set(f"exited/{self.node_rank}", "1"))
 
     def wait_exited(self, timeout_s: float, skip: Sequence[int] = (), poll_s: float = 0.05) -> list[int]:
@@ -227,8 +195,8 @@ class JobChannel:
             time.sleep(poll_s)
 
 
+# Clients connect in attempts this long, so Ctrl-C is honoured while node 0 is not up yet.
 CONNECT_ATTEMPT_S = 2.0
-"""Clients connect in attempts this long, so Ctrl-C is honoured while node 0 is not up yet."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -277,7 +245,6 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="deepshard-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        """Start beating (returns ``self``)."""
         self._thread.start()
         return self
 
@@ -292,5 +259,4 @@ class Heartbeat:
             self._stop.wait(self._interval_s)
 
     def stop(self) -> None:
-        """Stop beating (does not wait for a store call in flight)."""
         self._stop.set()

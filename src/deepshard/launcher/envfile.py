@@ -1,29 +1,16 @@
-"""The environment a multi-node job carries to every node: an env file plus well-known prefixes.
-
-Two sources, both DeepSpeed's conventions:
-
-* an env file of ``NAME=VALUE`` lines (``#`` comments and blank lines allowed, an optional leading
-  ``export``), looked for in the home directory, then the current directory (a later file wins).
-  Its name is ``DS_ENV_FILE`` (or ``DEEPSHARD_ENV_FILE``) when set, which may also be a path;
-  otherwise both ``.deepspeed_env`` and ``.deepshard_env`` are read, ``.deepshard_env`` last;
-* the launcher's own variables whose names start with one of :data:`EXPORT_PREFIXES`, so
-  ``PYTHONPATH``, ``NCCL_*``, ``OMP_NUM_THREADS`` ... reach ranks started over ssh or MPI.
-
-Values from the env file win over the prefixed variables. Pure functions: the caller passes the
-environment, the home directory and the current directory.
-"""
+"""The environment a multi-node job carries to every node: an env file plus well-known prefixes."""
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Mapping, Sequence
 
+# Variables whose names start with these travel to every node.
 EXPORT_PREFIXES: tuple[str, ...] = ("PYTHON", "NCCL", "MLFLOW", "UCX", "MV2", "OMP", "CUDA", "TORCH",
                                     "DEEPSHARD", "GLOO")
-"""Variables whose names start with these travel to every node."""
 
+# Per-machine or per-launch variables never copied from the launcher to other nodes.
 NOT_EXPORTED: frozenset[str] = frozenset({"CUDA_VISIBLE_DEVICES", "DEEPSHARD_RESTART_COUNT"})
-"""Per-machine or per-launch variables never copied from the launcher to other nodes."""
 
 ENV_FILE_NAMES: tuple[str, ...] = (".deepspeed_env", ".deepshard_env")
 
@@ -31,12 +18,8 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_env_file(text: str, source: str = "env file") -> dict[str, str]:
-    """Parse ``NAME=VALUE`` lines into a dict (file order; a repeated name keeps the last value).
-
-    The value is everything after the first ``=``, with surrounding whitespace removed and one
-    pair of matching quotes stripped. A line without ``=`` or with a bad name raises ``ValueError``
-    naming ``source`` and the line number.
-    """
+    """``NAME=VALUE`` lines as a dict (last value wins; one pair of quotes stripped); a bad line raises
+    ``ValueError`` naming ``source`` and the line number."""
     result: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()

@@ -1,15 +1,4 @@
-"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes.
-
-A hostfile lists one machine per line with the number of process slots (GPUs, or processes on a CPU
-machine) it offers::
-
-    # comment
-    worker-0 slots=4
-    worker-1 slots=4   # trailing comment
-
-A node spec, as DeepSpeed's ``--include`` / ``--exclude`` take it, is ``NODE[@NODE...]`` with
-``NODE = HOST[:SLOT[,SLOT...]]``, e.g. ``worker-0@worker-1:0,2``.
-"""
+"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes."""
 from __future__ import annotations
 
 import base64
@@ -25,12 +14,8 @@ _HOST_LINE = re.compile(r"^(\S+)\s+slots\s*=\s*(\d+)$")
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
-    """Parse hostfile ``text`` into ``{host: slots}`` in file order.
-
-    ``#`` starts a comment (whole line or trailing); blank lines are skipped. A malformed line, a
-    host listed twice, a host with zero slots, or a file with no hosts raises ``ValueError`` naming
-    ``source``, the line number and the line.
-    """
+    """Hostfile ``text`` as ``{host: slots}`` in file order (``#`` comments); a malformed or repeated line,
+    zero slots or no hosts raises ``ValueError`` naming ``source``, the line number and the line."""
     hosts: dict[str, int] = {}
     first_line: dict[str, int] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -89,10 +74,7 @@ def _parse_slots(host: str, text: str, spec: str) -> list[int]:
 
 
 def parse_node_spec(spec: str) -> dict[str, list[int] | None]:
-    """Parse ``worker-0@worker-1:0,2`` into ``{"worker-0": None, "worker-1": [0, 2]}``.
-
-    ``None`` means every slot of that host. A host named twice has its slot lists merged.
-    """
+    """``worker-0@worker-1:0,2`` as ``{"worker-0": None, "worker-1": [0, 2]}`` (None: every slot; repeats merge)."""
     result: dict[str, list[int] | None] = {}
     for part in spec.split("@"):
         part = part.strip()
@@ -175,12 +157,8 @@ def _apply_counts(resources: dict[str, int], num_nodes: int, num_gpus: int) -> d
 
 def resolve_resources(resources: dict[str, int], include: str = "", exclude: str = "",
                       num_nodes: int = -1, num_gpus: int = -1) -> dict[str, list[int]]:
-    """Select the slots to launch on: ``{host: [slot, ...]}`` in hostfile order.
-
-    ``include`` keeps only the named hosts/slots; ``exclude`` removes them (a host with no slot left
-    disappears); ``num_nodes`` keeps the first N hosts and ``num_gpus`` slots ``[0, N)`` of each.
-    Include/exclude cannot be combined with each other or with the counts.
-    """
+    """The slots to launch on, ``{host: [slot, ...]}`` in hostfile order, after ``include`` / ``exclude`` or
+    ``num_nodes`` / ``num_gpus`` (the specs and the counts exclude each other)."""
     if include and exclude:
         raise ValueError(f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; "
                          "give only one of them")

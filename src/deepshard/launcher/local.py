@@ -1,27 +1,17 @@
-"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions.
-
-The functions here only compute; :func:`deepshard.launcher.node.run_node` hands the plan to torch's
-elastic agent (:mod:`.agent`), which starts the processes and stops every rank when one fails.
-
-Each rank gets the environment ``torch.distributed``'s ``env://`` rendezvous and DeepSpeed scripts
-expect: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``CROSS_RANK`` (the node index, 0 here) and ``CROSS_SIZE`` (the node count, 1), plus
-``CUDA_VISIBLE_DEVICES`` on CUDA and ``OMP_NUM_THREADS`` so N ranks do not oversubscribe the cores.
-"""
+"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions."""
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from deepshard.launcher.options import LaunchError
 
 
 def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
-    """The CUDA device ids visible on this machine, in slot order, or ``None`` on a CPU machine.
-
-    torch is imported only when a GPU driver is present (or ``DEEPSHARD_ACCELERATOR=cuda``), so the
-    launcher starts fast on CPU machines.
-    """
+    """The visible CUDA device ids in slot order, or ``None`` on CPU (torch is imported only with a GPU driver)."""
     forced = environ.get("DEEPSHARD_ACCELERATOR") or environ.get("DS_ACCELERATOR")
     if forced == "cpu":
         return None
@@ -31,7 +21,7 @@ def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         if forced == "cuda":
-            raise ValueError("DEEPSHARD_ACCELERATOR=cuda but torch sees no CUDA device; "
+            raise LaunchError("DEEPSHARD_ACCELERATOR=cuda but torch sees no CUDA device; "
                              "unset it to run on CPU")
         return None
     count = torch.cuda.device_count()
@@ -40,31 +30,11 @@ def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
     return ids[:count] if ids else [str(i) for i in range(count)]
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything needed to start one local rank."""
-
-    rank: int
-    local_rank: int
-    slot: int
-    cmd: list[str]
-    env: dict[str, str]
-    cores: tuple[int, ...] | None = field(default=None)
-    """CPU cores the process is pinned to (``--bind_cores_to_rank``), or ``None`` for no pinning."""
-    label: str | None = field(default=None)
-    """How reports name the process (default ``rank N``), e.g. ``node 1 (ssh worker-1)``."""
-    stdin_pipe: bool = field(default=False)
-    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
-    launcher dies); otherwise stdin is ``/dev/null``."""
-
-
 def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: int | str, *,
                        module: bool = False, no_python: bool = False, no_local_rank: bool = False,
                        python: str = sys.executable) -> list[str]:
-    """The argv of one rank: ``python -u script --local_rank=N args`` (``-m module`` with ``module``, the
-    bare ``script`` with ``no_python``; no ``--local_rank`` with ``no_local_rank``). ``--local_rank``
-    comes right after the script, where DeepSpeed's launcher puts it (a script that reads
-    ``sys.argv[1]`` or stops parsing at a ``--`` sees it there)."""
+    """One rank's argv, ``python -u script --local_rank=N args`` (``-m``, bare with ``no_python``), with
+    ``--local_rank`` right after the script, where DeepSpeed puts it."""
     if module and no_python:
         raise ValueError("--module and --no_python cannot be combined: --module runs "
                          "'python -m <module>', --no_python runs the program without python; pick one")
@@ -80,39 +50,10 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
     return cmd
 
 
-RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
+# Variables torch's agent (or the rank shim) sets itself, per rank and attempt: never copied into a job.
 TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
-"""Variables of a planned rank that torch's agent (or the rank shim) sets itself, per rank and attempt."""
-
-
-def build_rank_env(base_env: Mapping[str, str], *, rank: int, local_rank: int, world_size: int,
-                   local_world_size: int, master_addr: str, master_port: int,
-                   cross_rank: int = 0, cross_size: int = 1,
-                   cuda_visible_devices: str | None = None,
-                   omp_num_threads: int | None = None) -> dict[str, str]:
-    """A copy of ``base_env`` with the distributed variables of one rank set.
-
-    ``omp_num_threads`` is written as ``OMP_NUM_THREADS`` when not ``None`` (the caller decides
-    whether a user's own value wins); ``cuda_visible_devices`` likewise.
-    """
-    env = dict(base_env)
-    env.update({
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "CROSS_RANK": str(cross_rank),
-        "CROSS_SIZE": str(cross_size),
-        "PYTHONUNBUFFERED": "1",
-    })
-    if cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-    if omp_num_threads is not None:
-        env["OMP_NUM_THREADS"] = str(omp_num_threads)
-    return env
+LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each rank's local rank there
 
 
 def parse_core_list(text: str) -> list[int]:
@@ -171,54 +112,48 @@ class LocalLaunch:
 
 
 @dataclass(frozen=True)
-class NodePlace:
-    """Where this machine's ranks sit in a multi-node world (the default: a one-node world)."""
+class AgentJob:
+    """What one node's agent runs."""
 
-    rank_offset: int = 0
-    """Global rank of this node's local rank 0 (the slots of the nodes before it)."""
-    world_size: int | None = None
-    """Ranks in the whole job; ``None`` means this node's ranks only."""
-    node_rank: int = 0
-    num_nodes: int = 1
+    argv: list[str]  # One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank.
+    nproc: int
+    rank_env: dict[str, str] = field(default_factory=dict)
+    """Set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables)."""
+    cores: list[tuple[int, ...]] | None = None  # CPU cores of each local rank (``--bind_cores_to_rank``).
+    max_restarts: int = 0
+    log_dir: str | None = None
+    report_on_node0: bool = False
+    """Every node's output reaches one terminal (ssh / pdsh): only node 0 prints the report."""
+    user_env: frozenset[str] = frozenset()
+    """Variables the user set themselves (an ``OMP_NUM_THREADS`` of theirs wins over core binding)."""
 
 
-def plan_local_ranks(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str],
-                     available_cores: Sequence[int], python: str = sys.executable,
-                     place: NodePlace = NodePlace()) -> list[RankSpec]:
-    """One :class:`RankSpec` per selected slot of this machine, local ranks in slot order; global
-    ranks start at ``place.rank_offset`` (``CROSS_RANK`` / ``CROSS_SIZE`` are the node's index and
-    the node count)."""
+def plan_job(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str], available_cores: Sequence[int],
+             launcher_env: Mapping[str, str], python: str = sys.executable, **run: Any) -> AgentJob:
+    """The job torch's agent runs for this machine's ``slots``: one command with torch's local-rank macro, the
+    variables torch does not set (those of ``base_env`` the launcher lacks, devices, threads), each rank's
+    cores. Pure: a bad selection raises ``ValueError`` before anything starts."""
     nprocs = len(slots)
-    world_size = place.world_size if place.world_size is not None else nprocs
-    cuda_ids = None
+    env = {k: v for k, v in base_env.items() if k not in TORCH_SETS and launcher_env.get(k) != v}
+    env["PYTHONUNBUFFERED"] = "1"
     if launch.visible_devices is not None:
         missing = [s for s in slots if s >= len(launch.visible_devices)]
         if missing:
             raise ValueError(f"slots {missing} are selected but only {len(launch.visible_devices)} CUDA "
                              f"devices are visible ({','.join(launch.visible_devices)}); select slots "
                              f"below {len(launch.visible_devices)}")
-        cuda_ids = ",".join(launch.visible_devices[s] for s in slots)
-    blocks: list[tuple[int, ...] | None] = [None] * nprocs
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.visible_devices[s] for s in slots)
+    cores = None
     if launch.bind_cores:
         pool = list(launch.core_list) if launch.core_list is not None else list(available_cores)
         outside = [c for c in pool if c not in available_cores]
         if outside:
             raise ValueError(f"--bind_core_list names cores {outside} this process may not run on; "
                              f"usable cores: {sorted(available_cores)}")
-        blocks = list(split_cores(pool, nprocs))
-    specs = []
-    for local_rank, slot in enumerate(slots):
-        cores = blocks[local_rank]
-        threads = omp_threads(base_env, len(available_cores), nprocs,
-                              len(cores) if cores is not None else None)
-        rank = place.rank_offset + local_rank
-        env = build_rank_env(base_env, rank=rank, local_rank=local_rank, world_size=world_size,
-                             local_world_size=nprocs, master_addr=launch.master_addr,
-                             master_port=launch.master_port, cross_rank=place.node_rank,
-                             cross_size=place.num_nodes, cuda_visible_devices=cuda_ids,
-                             omp_num_threads=threads)
-        cmd = build_rank_command(launch.user_script, launch.user_args, local_rank, module=launch.module,
-                                 no_python=launch.no_python, no_local_rank=launch.no_local_rank,
-                                 python=python)
-        specs.append(RankSpec(rank, local_rank, slot, cmd, env, cores))
-    return specs
+        cores = split_cores(pool, nprocs)
+    threads = omp_threads(base_env, len(available_cores), nprocs, len(cores[0]) if cores else None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    argv = build_rank_command(launch.user_script, launch.user_args, LOCAL_RANK_MACRO, module=launch.module,
+                              no_python=launch.no_python, no_local_rank=launch.no_local_rank, python=python)
+    return AgentJob(argv, nprocs, env, cores, user_env=frozenset({"OMP_NUM_THREADS"} & set(base_env)), **run)

@@ -1,14 +1,4 @@
-"""Start a multi-node job from one machine: ssh / pdsh (a node agent per machine) or mpirun / srun.
-
-* ssh: one ``ssh HOST '... python -m deepshard.launcher.node --node_rank N ...'`` per node, each
-  supervised like a rank (output forwarded). Its stdin is a pipe the launcher keeps open: if the
-  launcher dies, the remote agent reads end-of-file and stops the job (no orphans). The agents
-  handle failures and restarts among themselves; when one node's agent fails, the launcher lets the
-  others end on their own (they are stopping too) so their reports reach the terminal.
-* pdsh: one ``pdsh -w h1,h2 '... --node_rank=%n ...'`` process.
-* openmpi / mpich / impi / mvapich / slurm: one ``mpirun`` / ``srun`` process that starts a node agent
-  on every host (the agents restart the ranks themselves with ``--max_restarts``).
-"""
+"""Start a multi-node job from one machine: ssh / pdsh (a node agent per machine) or mpirun / srun."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +9,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deepshard.launcher.hostfile import encode_world_info
-from deepshard.launcher.local import RankSpec
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.runners import (
     hydra_command,
@@ -34,11 +23,11 @@ from deepshard.launcher.runners import (
     ssh_check_command,
     ssh_command,
 )
-from deepshard.launcher.supervisor import supervise_ranks
+from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
 
 MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
+# How long the ssh launcher lets the other nodes' agents stop on their own after one failed.
 SSH_SETTLE_S = 25.0
-"""How long the ssh launcher lets the other nodes' agents stop on their own after one failed."""
 
 
 def process_flags(args: argparse.Namespace) -> list[str]:
@@ -65,7 +54,7 @@ def _agent_argv(args: argparse.Namespace, world: dict[str, list[int]], node_rank
 
 def plan_ssh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str,
              exports: Mapping[str, str], environ: Mapping[str, str], cwd: str,
-             python: str = sys.executable) -> list[RankSpec]:
+             python: str = sys.executable) -> list[ProcessSpec]:
     """One ssh process per node, each starting that node's agent (pure)."""
     extra = shlex.split(args.launcher_args)
     specs = []
@@ -73,23 +62,23 @@ def plan_ssh(args: argparse.Namespace, world: dict[str, list[int]], master_addr:
         argv = _agent_argv(args, world, node_rank, master_addr, True, python)
         remote = remote_shell_command(argv, exports, cwd, args.venv_script)
         cmd = ssh_command(host, remote, args.ssh_port, extra)
-        specs.append(RankSpec(node_rank, 0, 0, cmd, dict(environ), label=f"node {node_rank} (ssh {host})",
+        specs.append(ProcessSpec(node_rank, cmd, dict(environ), label=f"node {node_rank} (ssh {host})",
                               stdin_pipe=True))
     return specs
 
 
 def plan_pdsh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str,
               exports: Mapping[str, str], environ: Mapping[str, str], cwd: str,
-              python: str = sys.executable) -> RankSpec:
+              python: str = sys.executable) -> ProcessSpec:
     """One pdsh process starting every node's agent (pure)."""
     argv = _agent_argv(args, world, pdsh_node_rank_placeholder(), master_addr, False, python)
     remote = pdsh_remote_command(argv, exports, cwd, args.venv_script)
     cmd = pdsh_command(list(world), remote, shlex.split(args.launcher_args))
-    return RankSpec(0, 0, 0, cmd, pdsh_environment(environ, args.ssh_port), label=f"pdsh ({len(world)} nodes)")
+    return ProcessSpec(0, cmd, pdsh_environment(environ, args.ssh_port), label=f"pdsh ({len(world)} nodes)")
 
 
 def plan_mpi(args: argparse.Namespace, launcher: str, world: dict[str, list[int]], master_addr: str,
-             exports: Mapping[str, str], environ: Mapping[str, str], python: str = sys.executable) -> RankSpec:
+             exports: Mapping[str, str], environ: Mapping[str, str], python: str = sys.executable) -> ProcessSpec:
     """One mpirun / srun process starting a node agent on every host (pure); the agents number themselves
     from the runner's variables and handle failures and restarts. The exported variables' values travel in
     the runner's environment."""
@@ -103,7 +92,7 @@ def plan_mpi(args: argparse.Namespace, launcher: str, world: dict[str, list[int]
     else:
         cmd = hydra_command(world, argv, names, extra)
     ranks = sum(len(slots) for slots in world.values())
-    return RankSpec(0, 0, 0, cmd, {**environ, **exports},
+    return ProcessSpec(0, cmd, {**environ, **exports},
                     label=f"{cmd[0]} ({len(world)} node agents, {ranks} ranks)")
 
 
@@ -128,7 +117,7 @@ def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
                           "each node with --no_ssh --node_rank N")
 
 
-def run_agents(specs: list[RankSpec], on_started: Callable[[list[int]], None] | None) -> int:
+def run_agents(specs: list[ProcessSpec], on_started: Callable[[list[int]], None] | None) -> int:
     """Supervise the ssh / pdsh processes; the node agents report failures themselves."""
     noun = "node" if len(specs) > 1 else "runner"
     result = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S, noun=noun)

@@ -1,23 +1,4 @@
-"""A node's part of a job: its ranks under torch's elastic agent, in step with the other nodes.
-
-One agent runs on every node: ``deepshard`` itself on one machine, ``deepshard --no_ssh --node_rank N
-...`` on each machine, or ``python -m deepshard.launcher.node --world_info ... --node_rank N ...``
-started by the launcher over ssh / pdsh (or by ``srun`` / ``mpirun``, one per node, the node rank then
-read from their variables). Each agent is torch's ``LocalElasticAgent`` (:mod:`.agent`) with deepshard's
-rendezvous (:mod:`.rendezvous`):
-
-1. node 0's agent serves the store on ``master_addr:master_port``, the others join it, and all check
-   they describe the same job; each attempt begins with a barrier that names the nodes that did not come;
-2. global ranks follow the hostfile order (``CROSS_RANK`` is the node index, ``DEEPSHARD_RESTART_COUNT``
-   and ``TORCHELASTIC_RESTART_COUNT`` the attempt number);
-3. when a rank dies, its agent publishes the failure (rank, host, exit, end of output) and stops its
-   other ranks; every other node stops (or restarts) its own at once; node 0 names a node agent whose
-   heartbeat stopped; the other nodes stop when node 0's store goes away;
-4. with ``--max_restarts R`` every node's ranks restart (the same world) up to R times; the script
-   resumes from its checkpoint. A signal, a lost node or an unreachable store end the job;
-5. exits 0 when every node's ranks succeeded, else the failing rank's exit code; node 0 prints the
-   job's failure report (which rank on which host, and the end of its output).
-"""
+"""A node's part of a job: its ranks under torch's elastic agent, in step with the other nodes."""
 from __future__ import annotations
 
 import argparse
@@ -30,22 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepshard.launcher.hostfile import decode_world_info
-from deepshard.launcher.local import (
-    RESTART_COUNT_ENV,
-    TORCH_SETS,
-    LocalLaunch,
-    NodePlace,
-    RankSpec,
-    build_rank_command,
-    detect_cuda_devices,
-    parse_core_list,
-    plan_local_ranks,
-)
+from deepshard.launcher.local import AgentJob, LocalLaunch, detect_cuda_devices, parse_core_list, plan_job
 from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args
 from deepshard.utils.logging import logger
 
 RUN_ID = "deepshard"
-__all__ = ["RESTART_COUNT_ENV", "NodeJob", "agent_job", "plan_node_ranks", "run_node", "main"]
 
 
 @dataclass(frozen=True)
@@ -75,23 +45,11 @@ class NodeJob:
 
     @property
     def hosts(self) -> list[str]:
-        """Host names in node order."""
         return list(self.world)
 
     @property
     def host(self) -> str:
-        """This node's host name as the hostfile spells it."""
         return self.hosts[self.node_rank]
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the whole job."""
-        return sum(len(slots) for slots in self.world.values())
-
-    def place(self) -> NodePlace:
-        """This node's position: its first global rank, the world size, its index, the node count."""
-        offset = sum(len(self.world[h]) for h in self.hosts[:self.node_rank])
-        return NodePlace(offset, self.world_size, self.node_rank, len(self.world))
 
     def fingerprint(self) -> str:
         """What every node must agree on (compared through the coordination store)."""
@@ -99,44 +57,24 @@ class NodeJob:
                            "master_port": self.launch.master_port}, sort_keys=True)
 
 
-def plan_node_ranks(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
-                    python: str = sys.executable) -> list[RankSpec]:
-    """This node's ranks as torch's agent will number them (pure: the plan's errors surface before anything
-    starts)."""
+def node_agent_job(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
+                   launcher_env: Mapping[str, str] = os.environ, python: str = sys.executable) -> AgentJob:
+    """What torch's agent runs on this node (pure: the plan's errors surface before anything starts)."""
     try:
-        return plan_local_ranks(job.launch, job.world[job.host], base_env, available_cores, python, job.place())
+        return plan_job(job.launch, job.world[job.host], base_env, available_cores, launcher_env, python,
+                        max_restarts=job.max_restarts, log_dir=job.log_dir, report_on_node0=job.report_on_node0)
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
 
 
-def agent_job(specs: Sequence[RankSpec], launch: LocalLaunch, base_env: Mapping[str, str], max_restarts: int,
-              log_dir: str | None, report_on_node0: bool = False, python: str = sys.executable,
-              launcher_env: Mapping[str, str] = os.environ) -> Any:
-    """The job torch's agent runs for the ranks ``specs`` plan (their command with torch's local-rank macro,
-    the variables they share, their cores): an :class:`~deepshard.launcher.agent.AgentJob`."""
-    from deepshard.launcher.agent import LOCAL_RANK_MACRO, AgentJob  # torch's agent: imported when a job runs
-
-    argv = build_rank_command(launch.user_script, launch.user_args, LOCAL_RANK_MACRO, module=launch.module,
-                              no_python=launch.no_python, no_local_rank=launch.no_local_rank, python=python)
-    shared = {k: v for k, v in specs[0].env.items() if k not in TORCH_SETS and launcher_env.get(k) != v}
-    cores = [s.cores for s in specs] if specs[0].cores is not None else None
-    return AgentJob(argv, len(specs), shared, cores, max_restarts, log_dir, report_on_node0,  # type: ignore[arg-type]
-                    frozenset(k for k in ("OMP_NUM_THREADS",) if k in base_env))
-
-
 def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
              on_started: Callable[[list[int]], None] | None = None) -> int:
-    """Run this node's part of the job on torch's agent (see the module docstring); returns the exit status.
-
-    ``DEEPSHARD_JOIN_TIMEOUT`` (seconds, default 300) bounds the wait for the other nodes;
-    ``DEEPSHARD_HEARTBEAT_TIMEOUT`` (default 10) how long a silent node is tolerated.
-    """
+    """Run this node's part of the job on torch's agent; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
     from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
 
-    specs = plan_node_ranks(job, base_env, available_cores)
-    ajob = agent_job(specs, job.launch, base_env, job.max_restarts, job.log_dir, job.report_on_node0)
+    ajob = node_agent_job(job, base_env, available_cores)
     rdzv: Any
     if job.elastic is not None:
         endpoint = f"{job.launch.master_addr}:{job.launch.master_port}"
@@ -144,15 +82,15 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
         logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, endpoint, *job.elastic)
         return run_agent(ajob, rdzv, on_started)
     rdzv = NodeRendezvous(job.hosts, job.node_rank, job.launch.master_addr, job.launch.master_port, RUN_ID,
-                          job.fingerprint(), base_env, job.exit_on_stdin_close, len(specs))
+                          job.fingerprint(), base_env, job.exit_on_stdin_close, ajob.nproc)
     if rdzv.multi_node:
         logger.info("node %d (%s): %s the agents' store %s:%d", job.node_rank, job.host,
                     "serving" if job.node_rank == 0 else "joining", job.launch.master_addr, job.launch.master_port)
     return run_agent(ajob, rdzv, on_started)
 
 
+# Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank.
 NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-"""Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank."""
 
 
 def node_rank_from_env(environ: Mapping[str, str]) -> tuple[int, str] | None:
@@ -207,20 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_from_args(args: argparse.Namespace, devices: list[str] | None, master_addr: str) -> LocalLaunch:
+    """How each rank runs, from the launcher's / agent's parsed flags."""
+    core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
+    return LocalLaunch(user_script=args.user_script, user_args=list(args.user_args), master_addr=master_addr,
+                       master_port=args.master_port, module=args.module, no_python=args.no_python,
+                       no_local_rank=args.no_local_rank, visible_devices=devices,
+                       bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
+
+
 def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], environ: Mapping[str, str]) -> NodeJob:
     """A :class:`NodeJob` from the launcher's / agent's parsed flags (devices detected here)."""
-    core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
-    try:
-        devices = detect_cuda_devices(environ)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
-    launch = LocalLaunch(user_script=args.user_script, user_args=list(args.user_args),
-                         master_addr=args.master_addr, master_port=args.master_port, module=args.module,
-                         no_python=args.no_python, no_local_rank=args.no_local_rank, visible_devices=devices,
-                         bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
-    return NodeJob(world, args.node_rank, launch, args.max_restarts, args.enable_each_rank_log,
-                   getattr(args, "exit_on_stdin_close", False), getattr(args, "report_on_node0", False),
-                   elastic_range(args, len(world)))
+    devices = detect_cuda_devices(environ)
+    return NodeJob(world, args.node_rank, launch_from_args(args, devices, args.master_addr), args.max_restarts,
+                   args.enable_each_rank_log, getattr(args, "exit_on_stdin_close", False),
+                   getattr(args, "report_on_node0", False), elastic_range(args, len(world)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,4 @@
-"""Command-line options of the ``deepshard`` launcher and of its per-node agent (DeepSpeed's flags).
-
-Shared by :mod:`deepshard.launcher.cli` (what users type) and :mod:`deepshard.launcher.node` (what
-the launcher runs on each machine), so a process flag means the same thing in both.
-"""
+"""Command-line options of the ``deepshard`` launcher and of its per-node agent (DeepSpeed's flags)."""
 from __future__ import annotations
 
 import argparse
@@ -26,8 +22,8 @@ class LaunchError(ValueError):
     """A command line or resource selection that cannot be launched; the message says why and how to fix."""
 
 
+# ``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed.
 LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
-"""``--launcher`` values: ``pdsh`` (the default) falls back to ``ssh`` when pdsh is not installed."""
 
 
 def add_resource_args(parser: argparse.ArgumentParser) -> None:

@@ -1,12 +1,5 @@
 """The ranks' output on its way to the launcher's terminal (used by torch's agent path, :mod:`.rank_streams`,
-and by the runner supervisor, :mod:`.supervisor`).
-
-A reader thread per process (:func:`pump`) copies its stdout+stderr to the launcher's stdout in raw chunks as
-they arrive (a partial line waits up to 50 ms for its end, so two processes' lines are not spliced), so ``\\r``
-progress bars keep working; it keeps the last :data:`TAIL_BYTES` for the failure report and can write a log
-file. :class:`Output` can hold the other ranks' output once one failed, so the report comes first;
-:func:`fold_noise` folds a backend's lost-connection noise out of what was held.
-"""
+and by the runner supervisor, :mod:`.supervisor`)."""
 from __future__ import annotations
 
 import re
@@ -15,7 +8,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 TAIL_BYTES = 8192
@@ -25,15 +19,9 @@ _FALLOUT = re.compile(rb"Connection closed by peer|Connection reset by peer|GLHF
 
 
 class Output:
-    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only.
-
-    Once a rank fails (``hold()``, called by its waiter thread the moment it is reaped), the other ranks'
-    output is held in their ``held`` buffers instead: what they print then is mostly the fallout (a
-    backend's "Connection closed by peer" traceback), and the launcher's report must come first. The
-    report then prints it with that noise folded (:func:`fold_noise`). A lost-connection message that
-    arrives *before* the failing rank is reaped (its sockets close as it exits, a moment before the
-    launcher can see it gone) is held too, for :data:`FALLOUT_HOLD_S`: when no rank fails meanwhile,
-    ``flush_stale`` forwards it late but intact."""
+    """The launcher's stdout, shared by the reader threads; a closed pipe stops forwarding only. After a
+    failure (``hold()``) the other ranks' output waits in their ``held`` buffers so the report comes first;
+    lost-connection lines are held :data:`FALLOUT_HOLD_S` and forwarded late (``flush_stale``) if nobody failed."""
 
     def __init__(self) -> None:
         self._stream: BinaryIO | None = getattr(sys.stdout, "buffer", None)
@@ -60,7 +48,6 @@ class Output:
             self._emit(chunk)
 
     def write_now(self, chunk: bytes) -> None:
-        """Forward ``chunk`` even while holding."""
         with self._lock:
             self._emit(chunk)
 
@@ -95,14 +82,8 @@ def _split_complete(data: bytes) -> tuple[bytes, bytes]:
 
 
 def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None, hold: bool = True) -> None:
-    """Reader thread: copy one rank's output until its pipe closes (``child`` keeps its ``tail`` and, with
-    ``hold``, its ``held`` output; see :class:`Output`).
-
-    ``stream`` is unbuffered, so each ``read`` returns what the rank wrote so far. Text up to the last
-    line end (``\n`` or tqdm's ``\r``) is forwarded at once; a trailing partial line waits at most
-    :data:`PARTIAL_LINE_S` for its end, so two ranks' lines do not get spliced mid-line (``print``
-    writes the text and the newline separately) while progress bars still update live.
-    """
+    """Reader thread: copy one rank's output (into ``child.tail``, and ``held`` with ``hold``) until its pipe
+    closes; complete lines go out at once, a partial line waits :data:`PARTIAL_LINE_S` so ranks do not splice."""
     pending = b""
     holder = child if hold else None
     try:
@@ -136,6 +117,18 @@ def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None, hold: 
             log.close()
 
 
+def exit_status(returncode: int | None) -> int:
+    """The code a launcher exits with for a process that ended with ``returncode`` (1 for a signal)."""
+    return returncode if returncode and returncode > 0 else 1
+
+
+def output_block(name: str, rank: int | None, tail: str) -> list[str]:
+    """The report's lines quoting the end of a failed process's output."""
+    if not tail:
+        return [f"({name} printed nothing)"]
+    return [f"----- last output of {name} -----", tail, f"----- end of rank {rank} output -----"]
+
+
 def describe_exit(returncode: int) -> str:
     """``Popen.returncode`` in words: ``code 3``, or ``signal SIGKILL`` for a negative code."""
     if returncode < 0:
@@ -160,3 +153,16 @@ def fold_noise(text: str) -> tuple[str, int]:
     library's own diagnoses stay."""
     kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
     return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
+
+
+@contextmanager
+def signal_handlers(handler: Callable[[int, Any], Any], signals: Sequence[int]) -> Iterator[None]:
+    """``handler`` for ``signals`` while the block runs (main thread only); the old handlers after."""
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)

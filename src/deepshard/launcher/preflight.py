@@ -25,7 +25,6 @@ def port_number(text: str) -> int:
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
-    """A port the system reports free on ``addr`` now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((addr, 0))
         return int(sock.getsockname()[1])

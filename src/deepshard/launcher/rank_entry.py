@@ -1,10 +1,6 @@
 """Which program each Python rank runs: the user's script through :mod:`deepshard.compat.run`, so that a
 script written for DeepSpeed, Accelerate or the Hugging Face Trainer finds deepshard when it does
-``import deepspeed`` (as ``deepspeed --num_gpus 2 train.py --deepspeed ds.json`` would find DeepSpeed).
-
-A real DeepSpeed installed in the same environment is never shadowed unasked: the script then imports
-DeepSpeed itself and the launcher says so; ``--replace_deepspeed`` runs deepshard in its place.
-"""
+``import deepspeed`` (as ``deepspeed --num_gpus 2 train.py --deepspeed ds.json`` would find DeepSpeed)."""
 from __future__ import annotations
 
 import argparse

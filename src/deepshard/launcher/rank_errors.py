@@ -1,20 +1,13 @@
-"""Errors the ranks reported in words rather than tracebacks, printed once by the launcher.
-
-A rank started through :mod:`deepshard.compat.run` that stops on a config error (the same on every rank)
-writes its message to ``rank<RANK>.txt`` in the directory :data:`ERROR_DIR_ENV` names, and prints
-nothing. When a rank fails, the launcher reads that directory and prints each distinct message once with
-the ranks that reported it, instead of the same traceback from every rank.
-"""
+"""Errors the ranks reported in words rather than tracebacks, printed once by the launcher."""
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
-
-import sys
 
 ERROR_DIR_ENV = "DEEPSHARD_ERROR_DIR"
 VERBOSE_ENV = "DEEPSHARD_VERBOSE"

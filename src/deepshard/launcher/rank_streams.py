@@ -1,16 +1,4 @@
-"""Where torch's elastic agent sends each rank's output: a named pipe per rank that the launcher reads.
-
-torch's agent starts the ranks with their stdout and stderr opened on the paths a ``LogsSpecs`` names.
-:class:`RankStreams` names one FIFO per local rank for both, so a rank's two streams arrive merged and in
-order, as they did through one pipe. A reader thread per rank (:func:`deepshard.launcher.output.pump`)
-forwards the bytes to the launcher's stdout as they come (``\\r`` progress bars keep working), keeps the
-last bytes for the failure report, writes ``rank_<RANK>.log`` with ``--enable_each_rank_log``, and holds
-the other ranks' output once a rank failed, so the report comes first.
-
-Each attempt (torch calls :meth:`RankStreams.reify` before starting it) gets fresh pipes; the launcher
-keeps a write end of each open itself, so a reader never sees end-of-file before its rank opened the
-pipe. :meth:`RankStreams.finish` closes those and waits for the readers.
-"""
+"""Where torch's elastic agent sends each rank's output: a named pipe per rank that the launcher reads."""
 from __future__ import annotations
 
 import os
@@ -24,7 +12,7 @@ from typing import BinaryIO
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from deepshard.launcher.preflight import prepare_log_dir
-from deepshard.launcher.output import Output, pump
+from deepshard.launcher.output import Output, describe_exit, pump
 
 
 @dataclass
@@ -38,8 +26,7 @@ class RankStream:
     tail: bytearray = field(default_factory=bytearray)
     held: bytearray = field(default_factory=bytearray)
     held_since: float = 0.0
-    ended_at: float | None = None
-    """``time.monotonic()`` when the agent saw the rank exit."""
+    ended_at: float | None = None  # ``time.monotonic()`` when the agent saw the rank exit.
     returncode: int | None = None
     pid: int | None = None
     reader: threading.Thread | None = None
@@ -48,6 +35,14 @@ class RankStream:
     @property
     def name(self) -> str:
         return f"rank {self.rank}"
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
+
+    @property
+    def exit(self) -> str:
+        return describe_exit(self.returncode or 1)
 
     def text(self) -> str:
         return bytes(self.tail).decode("utf-8", errors="replace").rstrip()
@@ -66,7 +61,7 @@ class RankStreams(LogsSpecs):
         self.streams: dict[int, RankStream] = {}
 
     @property
-    def root_log_dir(self) -> str:
+    def root_log_dir(self) -> str:  # abstract in torch's LogsSpecs
         return self.log_dir or self._tmp
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:

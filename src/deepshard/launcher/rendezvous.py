@@ -1,20 +1,4 @@
-"""The node agents' rendezvous: torch's ``RendezvousHandler`` with static node ranks and a job channel.
-
-:class:`NodeRendezvous` is what torch's agent calls before every attempt (``next_rendezvous``). Node 0's
-agent serves a ``TCPStore`` on ``master_addr:master_port``; the ranks of every node use it too (torch's
-``TORCHELASTIC_USE_AGENT_STORE``), as under ``torchrun``. Node ranks are the ones given (hostfile order,
-``--node_rank``), so global ranks follow the hostfile like DeepSpeed's. Around torch's protocol the agents
-keep a small job channel in the same store (:class:`~deepshard.launcher.coordination.JobChannel`):
-
-* the join barrier of each attempt names the nodes that did not come (``DEEPSHARD_JOIN_TIMEOUT``);
-* the first failing rank's record (rank, host, exit, end of output), so every node stops or restarts
-  together and node 0 prints one report;
-* heartbeats: node 0 names a node agent that went silent for ``DEEPSHARD_HEARTBEAT_TIMEOUT`` seconds
-  (killed, machine gone); the others stop when node 0's store stops answering.
-
-``--elastic_training`` uses torch's own c10d rendezvous instead (:func:`elastic_rendezvous`): node ranks in
-order of arrival, any number of nodes between the minimum and the maximum.
-"""
+"""The node agents' rendezvous: torch's ``RendezvousHandler`` with static node ranks and a job channel."""
 from __future__ import annotations
 
 import datetime
@@ -32,6 +16,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from deepshard.launcher.coordination import (
     HEARTBEAT_TIMEOUT_S,
@@ -43,7 +28,8 @@ from deepshard.launcher.coordination import (
     open_store,
 )
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.output import describe_exit
+from deepshard.launcher.output import exit_status, output_block
+from deepshard.launcher.rank_streams import RankStream
 
 JOIN_TIMEOUT_S = 300.0
 EXIT_WAIT_S = 15.0
@@ -81,34 +67,31 @@ def format_job_failure(failure: JobFailure, full: bool) -> str:
     """The report: the headline, and with ``full`` the end of the failed rank's output."""
     lines = [f"deepshard: {failure.headline()}"]
     if full and failure.kind == "rank":
-        name = f"rank {failure.rank} (host {failure.host})"
-        if failure.tail:
-            lines += [f"----- last output of {name} -----", failure.tail, f"----- end of rank {failure.rank} output -----"]
-        else:
-            lines.append(f"({name} printed nothing)")
+        lines += output_block(f"rank {failure.rank} (host {failure.host})", failure.rank, failure.tail)
     return "\n".join(lines)
 
 
-class NodeRendezvous(RendezvousHandler):
-    """Static rendezvous of ``hosts`` (node ranks = their order) with the job channel described above."""
+class NodeRendezvous(StaticTCPRendezvous):
+    """torch's static rendezvous of ``hosts`` (node ranks = their order), with a job channel in its store:
+    join barrier, first failure, heartbeats, aborts (docs/launcher.md, "Under the hood")."""
 
     def __init__(self, hosts: list[str], node_rank: int, master_addr: str, master_port: int, run_id: str,
                  fingerprint: str, environ: Mapping[str, str], stdin_close: bool = False,
                  local_ranks: int = 1) -> None:
-        self.hosts, self.node_rank, self.run_id = hosts, node_rank, run_id
-        self.master_addr, self.master_port, self.fingerprint = master_addr, master_port, fingerprint
         self.join_timeout_s = env_seconds(environ, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
+        super().__init__(master_addr, master_port, node_rank, len(hosts), run_id, int(self.join_timeout_s))
+        self.hosts, self.node_rank, self.fingerprint = hosts, node_rank, fingerprint
         self.heartbeat_timeout_s = env_seconds(environ, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
         self.local_ranks = local_ranks
         self.stdin = _StdinWatch() if stdin_close else None
         self.round = -1
         self.channel: JobChannel | None = None  # type: ignore[assignment]
-        self._store: Any = None
         self._heartbeat: Heartbeat | None = None
         self.lost: list[int] = []
         self._next_check = 0.0
         self._seen: JobFailure | None = None
         self._round_stores: list[Any] = []
+        self.mine: JobFailure | None = None  # this node's own rank failure, until reported
 
     # -------------------------------------------------------------------------- torch's protocol
 
@@ -123,13 +106,6 @@ class NodeRendezvous(RendezvousHandler):
     @property
     def where(self) -> str:
         return f"node {self.node_rank} ({self.host}): " if self.multi_node else ""
-
-    def get_backend(self) -> str:
-        return "static"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
@@ -176,21 +152,6 @@ class NodeRendezvous(RendezvousHandler):
             self._heartbeat = Heartbeat(JobChannel(PrefixStore("deepshard", beat_store), self.node_rank,
                                                    len(self.hosts), self.hosts)).start()
 
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self.run_id
-
-    def shutdown(self) -> bool:
-        return True
-
     # -------------------------------------------------------------------------- the job channel
 
     def store_lost(self, detail: str) -> JobFailure:
@@ -233,14 +194,11 @@ class NodeRendezvous(RendezvousHandler):
         self._seen = found
         return found
 
-    def publish_rank_failure(self, stream: Any, out: Any) -> JobFailure:
+    def publish_rank_failure(self, stream: RankStream) -> JobFailure:
         """A rank of this node failed: publish it (first failure of the attempt wins) and, on node 0, blame
         a node that vanished when the rank only lost its connection to it."""
-        tail = stream.text()
-        code = stream.returncode if stream.returncode and stream.returncode > 0 else 1
-        mine = JobFailure("rank", self.node_rank, self.host,
-                          f"rank {stream.rank} (local rank {stream.local_rank}, pid {stream.pid})",
-                          f"exited with {describe_exit(stream.returncode or 1)}", code, rank=stream.rank, tail=tail)
+        mine = JobFailure("rank", self.node_rank, self.host, stream.who, f"exited with {stream.exit}",
+                          exit_status(stream.returncode), rank=stream.rank, tail=stream.text())
         try:
             winner = self.channel.publish_failure(self.round, mine)
         except ChannelLost as exc:
@@ -271,11 +229,10 @@ class NodeRendezvous(RendezvousHandler):
             self._abort_with(JobFailure("abort", self.node_rank, self.host, "the node agent", what, code,
                                         restartable=False))
 
-    def report(self, failure: JobFailure | None, first: Any, job: Any, streams: Any, attempt: int,
-               restarting: bool) -> None:
+    def report(self, failure: JobFailure | None, own_failed: bool, job: Any, attempt: int, restarting: bool) -> None:
         """Node 0 prints the job's failure with the rank's output; the failing node (unless all nodes share
         one terminal) its own; every node says what it does next."""
-        mine = getattr(self, "mine", None) if first is not None else None
+        mine = self.mine if own_failed else None
         if failure is None:
             return
         own = mine is not None and failure.kind == "rank" and failure.node == self.node_rank
@@ -307,10 +264,9 @@ class NodeRendezvous(RendezvousHandler):
             pass
 
 
-class ElasticRendezvous(RendezvousHandler):
-    """``--elastic_training``: torch's c10d rendezvous (node ranks by arrival, min..max nodes) behind the
-    hooks :class:`~deepshard.launcher.agent.NodeAgent` calls; torch's agent restarts every node's ranks when
-    one fails or a node joins or leaves."""
+class ElasticRendezvous:
+    """``--elastic_training``: torch's c10d rendezvous (node ranks by arrival, min..max nodes), with the few
+    hooks :class:`~deepshard.launcher.agent.NodeAgent` calls; everything else is torch's handler."""
 
     multi_node = False
     where = ""
@@ -322,36 +278,13 @@ class ElasticRendezvous(RendezvousHandler):
         self.join_timeout_s = env_seconds(environ, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
         params = RendezvousParameters("c10d", endpoint, run_id, min_nodes, max_nodes, local_addr,
                                       join_timeout=int(self.join_timeout_s), last_call_timeout=2)
-        self._inner = get_rendezvous_handler(params)
+        self._inner: RendezvousHandler = get_rendezvous_handler(params)
 
-    def get_backend(self) -> str:
-        return self._inner.get_backend()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return self._inner.use_agent_store
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self._inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self._inner.shutdown()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     def abort(self, what: str, code: int) -> None:
-        """Signalled: torch's agent already stopped this node's ranks; the rendezvous stays open for the
-        others."""
+        """Signalled: torch's agent already stopped this node's ranks; the rendezvous stays open for the others."""
 
     def close(self) -> None:
         self._inner.shutdown()

@@ -1,8 +1,4 @@
-"""DeepSpeed's launcher module path: ``deepshard.launcher.runner`` (``deepspeed.launcher.runner``).
-
-``python -m deepshard.launcher.runner ...`` and ``runner.main(argv)`` behave exactly as the
-``deepshard`` command (:func:`deepshard.launcher.cli.main`).
-"""
+"""DeepSpeed's launcher module path: ``deepshard.launcher.runner`` (``deepspeed.launcher.runner``)."""
 from __future__ import annotations
 
 import argparse

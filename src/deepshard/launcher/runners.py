@@ -1,19 +1,5 @@
 """Commands that start a multi-node job: one node agent per machine, through ssh, pdsh, mpirun or srun.
-Pure functions: they build argument lists, nothing runs here.
-
-* ssh and pdsh start :mod:`deepshard.launcher.node` on every machine with the same arguments except
-  ``--node_rank``; the remote shell command is ``[. VENV &&] cd CWD && export NAME=VALUE ... &&
-  exec python -u -m deepshard.launcher.node ...``. pdsh substitutes ``%n`` with each host's index in
-  its ``-w`` list (which keeps our order), so one pdsh command serves every node; a literal ``%`` is
-  written ``%%`` for pdsh.
-* OpenMPI (``mpirun -n K --host h1:1,h2:1 -x NAME ...``), MPICH / Intel MPI / MVAPICH (Hydra:
-  ``mpirun -n K -ppn 1 -hosts h1,h2 -genvlist A,B ...``) and Slurm (``srun --nodes K --ntasks K
-  --ntasks-per-node 1 --nodelist h1,h2 --kill-on-bad-exit=1 --export=ALL ...``) start the same node agent
-  once per host, as ``srun torchrun ...`` would; each agent reads its node rank from the runner's
-  variables (``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``SLURM_PROCID``) and starts its host's ranks.
-  Exported variables are named on the command line and their values travel in the runner's environment,
-  so secrets from an env file do not show up in ``ps``.
-"""
+Pure functions: they build argument lists, nothing runs here."""
 from __future__ import annotations
 
 import shlex

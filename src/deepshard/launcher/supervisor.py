@@ -1,18 +1,5 @@
 """Run the processes that start a multi-node job (``ssh`` per node, ``pdsh``, ``mpirun`` / ``srun``) and
-stop them together. The ranks themselves run under torch's elastic agent on each node (:mod:`.agent`).
-
-* Each process runs in its own session and process group (``start_new_session``), so a signal sent to
-  the group reaches it and anything it started.
-* One reader thread per process forwards its stdout+stderr (merged into one pipe) to the launcher's
-  stdout as it arrives (:func:`deepshard.launcher.output.pump`).
-* One waiter thread per process blocks in ``wait()`` and queues its index when it exits, so the first
-  failure is the one reported.
-* When one exits non-zero, the others get ``settle_s`` seconds to end on their own (their node agents are
-  stopping the job and printing its report), then SIGTERM, then SIGKILL after :data:`GRACE_S`.
-* SIGINT / SIGTERM sent to the launcher are forwarded to every process the same way.
-* A spec with ``stdin_pipe`` gets a stdin pipe that the launcher holds open, so the remote side sees
-  end-of-file when the launcher goes away.
-"""
+stop them together. The ranks themselves run under torch's elastic agent on each node (:mod:`.agent`)."""
 from __future__ import annotations
 
 import os
@@ -25,20 +12,31 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launcher.local import RankSpec
-from deepshard.launcher.output import Output, describe_exit, pump
+from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_handlers
 from deepshard.utils.logging import logger
 
 GRACE_S = 5.0
 _POLL_S = 0.1
 
 
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process the supervisor starts (an ssh, pdsh, mpirun or srun command); ``rank`` is its index."""
+
+    rank: int
+    cmd: list[str]
+    env: dict[str, str]
+    label: str | None = None  # How reports name the process, e.g. ``node 1 (ssh worker-1)``.
+    stdin_pipe: bool = False
+    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
+    launcher dies); otherwise stdin is ``/dev/null``."""
+
+
 @dataclass
 class _Child:
-    spec: RankSpec
+    spec: ProcessSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
-    held: bytearray = field(default_factory=bytearray)
     reader: threading.Thread | None = None
     waiter: threading.Thread | None = None
 
@@ -49,18 +47,15 @@ class RankFailure:
 
     rank: int
     pid: int
-    returncode: int
-    """``Popen.returncode``: the exit code, or ``-N`` for death by signal N."""
+    returncode: int  # ``Popen.returncode``: the exit code, or ``-N`` for death by signal N.
     tail: str = ""
     label: str | None = None
 
     @property
     def exit_code(self) -> int:
-        """The code a launcher exits with for this failure (1 when the process died by a signal)."""
-        return self.returncode if self.returncode > 0 else 1
+        return exit_status(self.returncode)
 
     def describe_exit(self) -> str:
-        """``code 3`` or ``signal SIGKILL``."""
         return describe_exit(self.returncode)
 
 
@@ -87,7 +82,7 @@ def _wait(child: _Child, index: int, exits: queue.Queue) -> None:
     exits.put(index)
 
 
-def _start(specs: Sequence[RankSpec], out: Output, exits: queue.Queue) -> list[_Child]:
+def _start(specs: Sequence[ProcessSpec], out: Output, exits: queue.Queue) -> list[_Child]:
     children: list[_Child] = []
     try:
         for index, spec in enumerate(specs):
@@ -131,40 +126,22 @@ def _stop(children: Sequence[_Child], indices: Sequence[int], sig: int, grace_s:
         child.reader.join(2.0)  # type: ignore[union-attr]
 
 
-class _SignalForwarder:
-    """Record SIGINT/SIGTERM sent to the launcher (main thread only) and restore handlers after."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._saved: dict[int, object] = {}
-
-    def __enter__(self) -> "_SignalForwarder":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._saved[sig] = signal.signal(sig, lambda signum, frame: self.received.append(signum))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-def _settle(exits: queue.Queue, running: set[int], settle_s: float, signals: _SignalForwarder) -> None:
+def _settle(exits: queue.Queue, running: set[int], settle_s: float, signals: list[int]) -> None:
     """Let the still-running processes end on their own for up to ``settle_s`` seconds."""
     deadline = time.monotonic() + settle_s
-    while running and time.monotonic() < deadline and not signals.received:
+    while running and time.monotonic() < deadline and not signals:
         try:
             running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
         except queue.Empty:
             continue
 
 
-def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwarder, settle_s: float,
+def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], settle_s: float,
                noun: str) -> GroupResult:
     running = set(range(len(children)))
     while running:
-        if signals.received:
-            sig = signals.received[0]
+        if signals:
+            sig = signals[0]
             print(f"deepshard: received {signal.Signals(sig).name}; forwarding it to {len(running)} running "
                   f"{noun}s", file=sys.stderr, flush=True)
             _stop(children, sorted(running), sig)
@@ -185,14 +162,15 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: _SignalForwa
     return GroupResult(0)
 
 
-def supervise_ranks(specs: Sequence[RankSpec], on_started: Callable[[list[int]], None] | None = None,
+def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int]], None] | None = None,
                     settle_s: float = 0.0, noun: str = "process") -> GroupResult:
     """Start one process per spec and supervise them until all succeed, one fails (the others get
     ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
     (forwarded); every process is reaped. ``on_started`` gets the pids once all started."""
     exits: queue.Queue = queue.Queue()
     out = Output()
-    with _SignalForwarder() as signals:
+    signals: list[int] = []
+    with signal_handlers(lambda signum, frame: signals.append(signum), (signal.SIGINT, signal.SIGTERM)):
         try:
             children = _start(specs, out, exits)
         except RuntimeError as exc:

@@ -22,6 +22,7 @@ from deepshard.sp.attention import SPGroups, sp_attention
 from deepshard.sp.collectives import as_comm, sum_over_group
 from deepshard.sp.dropout import positional_dropout
 from deepshard.sp.groups import Mode, build_sp_groups
+from deepshard.sp.heads import check_tensor_parallel_heads
 from deepshard.sp.layout import SeqLayout, pad_sequence
 from deepshard.sp.softmax_merge import segment_ids
 from deepshard.topology import Topology
@@ -32,16 +33,20 @@ IGNORE_INDEX = -100
 class SequenceParallel:
     """The sp groups of this rank and the token layout they use (see the module text)."""
 
-    def __init__(self, groups: SPGroups, balance: bool = True, mode: str = "ulysses") -> None:
+    def __init__(self, groups: SPGroups, balance: bool = True, mode: str = "ulysses",
+                 tensor_parallel: int = 1) -> None:
         self.groups = groups
         self.balance = balance
         self.mode = mode
+        self.tensor_parallel = tensor_parallel
+        """The grid's tensor-parallel size: above 1 the attention gets one tensor-parallel rank's heads."""
 
     @classmethod
     def build(cls, topology: Topology, mode: Mode = "ulysses", ulysses_size: Optional[int] = None,
               balance: bool = True) -> "SequenceParallel":
         """Collective: every rank calls it with the same arguments."""
-        return cls(build_sp_groups(topology, mode, ulysses_size), balance=balance, mode=mode)
+        return cls(build_sp_groups(topology, mode, ulysses_size), balance=balance, mode=mode,
+                   tensor_parallel=topology.dims.tp)
 
     @classmethod
     def from_config(cls, topology: Topology, section: Any) -> "SequenceParallel":
@@ -116,7 +121,10 @@ class SequenceParallel:
                   scale: Optional[float] = None, segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of this rank's tokens ([b, h, local, d]; ``k``/``v`` may have fewer heads) over the
         whole sequence of ``seq_len`` tokens; ``segments`` (``shard_batch``'s): packed documents attend
-        only within themselves, masked-out tokens are never attended to."""
+        only within themselves, masked-out tokens are never attended to. Under tensor parallelism these are
+        this tensor-parallel rank's heads; heads that do not group are refused with the tp and the fix."""
+        if self.tensor_parallel > 1:
+            check_tensor_parallel_heads(q.shape[1], k.shape[1], v.shape[1], self.size, self.tensor_parallel)
         return sp_attention(q, k, v, self.groups, self.layout(seq_len), causal=causal, scale=scale, segments=segments)
 
     def dropout(self, x: torch.Tensor, p: float, seq_len: int, training: bool = True, dim: int = 1) -> torch.Tensor:

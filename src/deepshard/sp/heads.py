@@ -47,3 +47,18 @@ def head_plan(h: int, hk: int, n: int) -> HeadPlan:
     if h % n == 0 and n % hk == 0:
         return HeadPlan(kv_repeat=n // hk, pad=0)
     return HeadPlan(kv_repeat=h // hk, pad=(-h) % n)
+
+
+def check_tensor_parallel_heads(h: int, hk: int, hv: int, sp: int, tp: int) -> None:
+    """Under tensor parallelism the attention gets one tensor-parallel rank's heads (``h`` query, ``hk``
+    key and ``hv`` value heads); they must be whole heads that still group (``h`` a multiple of ``hk``),
+    else tp did not divide the model's head counts (the plan check reads them where the model says them)."""
+    if hk == hv and hk >= 1 and h >= hk and h % hk == 0:
+        return
+    raise ValueError(f"sequence_parallel_size={sp} with tensor parallelism (tp={tp}): this tensor-parallel "
+                     f"rank's attention holds {h} query heads and {hk} key / {hv} value heads, which do not "
+                     f"group (query heads must be a multiple of the key/value heads); each tensor-parallel "
+                     f"rank must hold whole heads (heads/tp and kv_heads/tp) before the sequence-parallel "
+                     f"attention exchanges them, and tp={tp} does not divide the model's query and key/value "
+                     f"head counts; use a tensor-parallel size dividing both counts, or tensor_parallel size 1 "
+                     f"with sequence_parallel_size={sp}")

@@ -72,7 +72,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb, dkb, dvb = _unpack(travelling, like)
             allowed = allowed_mask(positions[me], positions[(me - step) % n], ctx.causal, ctx.seq_len, ctx.segments)
             if allowed is None or allowed.any():
-                dq_b, dk_b, dv_b = block_backward(q, kb, vb, allowed, ctx.scale, lse, dout, delta)
+                dq_b, dk_b, dv_b = block_backward(q, kb, vb, allowed, ctx.scale, lse, dout, delta, out)
                 dq += dq_b
                 dkb += dk_b
                 dvb += dv_b

@@ -7,6 +7,11 @@ row. Two blocks over disjoint key sets merge exactly (``merge``): the result is 
 union. The backward of one block needs only the merged ``out``, ``lse`` and ``dout`` (as in
 FlashAttention), so a ring never keeps other ranks' blocks.
 
+Where a block is plain (every key visible, or the causal diagonal: the same increasing positions on both
+sides, no padding or packed documents) on a CPU in fp32/bf16/fp16, it runs torch's fused flash-attention
+kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the merged ``out`` and
+``lse`` the same way); other blocks are computed here, a slice of query rows at a time.
+
 Grouped-query attention: ``q`` has ``h`` heads, ``k``/``v`` have ``hk`` (``h`` a multiple), and query head
 ``i`` reads key head ``i // (h // hk)`` (Hugging Face's ``repeat_kv`` order). The groups are folded into
 the query rows, so key/value gradients come out summed per key head.
@@ -110,9 +115,126 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _flash_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's fused CPU kernel takes these tensors at all."""
+    return q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and q.shape[-1] == v.shape[-1] \
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask]) -> Optional[bool]:
+    """Whether torch's fused CPU kernel computes this block: ``False`` (every key visible), ``True`` (the
+    causal diagonal), ``None`` (a mask it cannot express: computed here)."""
+    if not _flash_ok(q, v):
+        return None
+    if allowed is None:
+        return False
+    if not isinstance(allowed, PositionMask) or not allowed.causal or allowed.q_seg is not None:
+        return None
+    pos = allowed.q_pos
+    if pos.shape != allowed.k_pos.shape or not torch.equal(pos, allowed.k_pos) or bool((pos >= allowed.seq_len).any()):
+        return None
+    return True if pos.numel() < 2 or bool((pos[1:] > pos[:-1]).all()) else None
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads repeated for their query heads (query head ``i`` reads key head ``i // groups``)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, scale=scale)
+    return out, lse  # lse in fp32 whatever the dtype: the backward reads it back exactly
+
+
+def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hk, sk, d = k.shape
+    g = q.shape[1] // hk
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, _repeat_kv(k, g), _repeat_kv(v, g), out.to(q.dtype), lse.float(), 0.0, causal, scale=scale)
+    if g > 1:  # gradients of the repeated heads summed onto their key head
+        dk, dv = (t.view(b, hk, g, sk, -1).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _runs(pos: torch.Tensor) -> list[slice]:
+    """The stretches of consecutive positions in ``pos`` (a head-tail shard has two)."""
+    breaks = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().tolist()
+    starts, ends = [0] + [b + 1 for b in breaks], [b + 1 for b in breaks] + [pos.numel()]
+    return [slice(a, e) for a, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
+class _RunPairs:
+    """A block cut where its queries' and keys' positions jump: each (query run, key run) pair is then
+    hidden, fully visible or a causal diagonal (for equal chunks), which the fused kernel computes."""
+
+    allowed: PositionMask
+    q_runs: list[slice]
+    k_runs: list[slice]
+
+    def pairs(self) -> Iterator[tuple[slice, slice, Optional[Mask]]]:
+        a = self.allowed
+        for qs in self.q_runs:
+            for ks in self.k_runs:
+                sub = allowed_mask(a.q_pos[qs], a.k_pos[ks], a.causal, a.seq_len)
+                if sub is None or sub.any():
+                    yield qs, ks, sub
+
+
+def _run_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask]) -> Optional[_RunPairs]:
+    if not isinstance(allowed, PositionMask) or allowed.q_seg is not None or not _flash_ok(q, v):
+        return None
+    q_runs, k_runs = _runs(allowed.q_pos), _runs(allowed.k_pos)
+    if len(q_runs) * len(k_runs) < 2 or len(q_runs) * len(k_runs) > 16:
+        return None
+    return _RunPairs(allowed, q_runs, k_runs)
+
+
+def _forward_by_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: _RunPairs,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for qs, ks, sub in runs.pairs():
+        part = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], sub, scale)
+        prev = merged.get(qs.start)
+        merged[qs.start] = part if prev is None else merge(*prev, *part)
+    for qs in runs.q_runs:
+        if qs.start in merged:
+            out[:, :, qs], lse[:, :, qs] = merged[qs.start]
+    return out, lse
+
+
+def _backward_by_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: _RunPairs, scale: float,
+                      lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks, sub in runs.pairs():
+        a, b, c = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], sub, scale, lse[:, :, qs],
+                                 dout[:, :, qs], delta[:, :, qs], out[:, :, qs])
+        dq[:, :, qs] += a
+        dk[:, :, ks] += b
+        dv[:, :, ks] += c
+    return dq, dk, dv
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask],
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d], lse [b, h, sq])`` of ``q`` attending to ``k``/``v`` where ``allowed``."""
+    causal = _flash_causal(q, k, v, allowed)
+    if causal is not None:
+        return _flash_forward(q, k, v, causal, scale)
+    runs = _run_pairs(q, k, v, allowed)
+    if runs is not None:
+        return _forward_by_runs(q, k, v, runs, scale)
     b, h, sq, d = q.shape
     qf = _fold(q, k.shape[1])
     outs, lses = [], []
@@ -133,14 +255,23 @@ def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: t
     safe = _safe(total)
     w_old = torch.where(torch.isinf(total), torch.zeros_like(total), torch.exp(lse - safe))
     w_new = torch.where(torch.isinf(total), torch.zeros_like(total), torch.exp(block_lse - safe))
-    return out * w_old.unsqueeze(-1) + block_out * w_new.unsqueeze(-1), total
+    merged = out * w_old.unsqueeze(-1) + block_out * w_new.unsqueeze(-1)
+    return merged.to(block_out.dtype), total
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[Mask], scale: float,
-                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
+                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block's share, given the merged ``lse`` [b, h, sq], the output gradient
-    ``dout`` and ``delta = (dout * out).sum(-1)`` of the merged output."""
+    ``dout`` and ``delta = (dout * out).sum(-1)`` of the merged output (and the merged ``out`` itself, which
+    the fused kernel reads instead of ``delta``)."""
+    causal = _flash_causal(q, k, v, allowed) if out is not None else None
+    if causal is not None and out is not None:
+        return _flash_backward(q, k, v, causal, scale, out, lse, dout)
+    runs = _run_pairs(q, k, v, allowed) if out is not None else None
+    if runs is not None and out is not None:
+        return _backward_by_runs(q, k, v, runs, scale, lse, dout, delta, out)
+    lse = lse.to(q.dtype)  # fp32 where a fused block took part in the merge
     b, h, sq, d = q.shape
     hk = k.shape[1]
     qf, lse_f, dout_f, delta_f = (_fold(t, hk) for t in (q, lse.unsqueeze(-1), dout, delta.unsqueeze(-1)))

@@ -171,6 +171,30 @@ def head_counts(model: nn.Module) -> tuple[Optional[int], Optional[int]]:
     return heads, kv_heads if isinstance(kv_heads, int) else heads
 
 
+ATTENTION_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
+
+
+def attention_head_counts(model: nn.Module, module_attributes: bool = False) -> tuple[Optional[int], Optional[int]]:
+    """``(query heads, key/value heads)`` of the model's attention: its config's counts; else, with
+    ``module_attributes`` (a model automatic TP has not split yet, so the counts are whole), the first
+    module carrying an integer head count (``num_heads`` ...; key/value heads from ``num_key_value_heads`` /
+    ``num_kv_heads``, the query count when absent). ``(None, None)`` when neither says."""
+    heads, kv_heads = head_counts(model)
+    if heads is not None or not module_attributes:
+        return heads, kv_heads
+    for module in model.modules():
+        found = next((getattr(module, a) for a in ATTENTION_HEAD_ATTRS if _is_count(getattr(module, a, None))), None)
+        if found is not None:
+            kv = next((getattr(module, a) for a in KV_HEAD_ATTRS if _is_count(getattr(module, a, None))), found)
+            return found, kv
+    return None, None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_head_counts(model: nn.Module, tp: int) -> None:
     """The tensor-parallel size must divide the attention and key/value head counts."""
     heads, kv_heads = head_counts(model)

@@ -54,6 +54,10 @@ class Backing(ABC):
     def flush(self) -> None:
         """Wait for every outstanding write."""
 
+    def discard(self, name: str) -> None:
+        """The values of ``name`` are dead until next written: storage may drop them (reads give zeros or
+        the old values). Call it with no read or write of ``name`` in flight."""
+
     def close(self) -> None:
         """Free the storage."""
 
@@ -122,6 +126,9 @@ class FileBacking(Backing):
         writes, self._writes = self._writes, []
         for op in writes:
             op.wait()
+
+    def discard(self, name: str) -> None:
+        self.swapper.discard(name)
 
     def close(self) -> None:
         self.swapper.close()

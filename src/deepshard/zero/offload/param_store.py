@@ -18,10 +18,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.swapper import IOOp
 
 PARAMS = "params"
+STAGED_WRITE_BYTES = 16 << 20  # writes up to this size (a default sub-group) are copied into two reused buffers
 
 
 class ShardSource(ABC):
@@ -135,6 +138,8 @@ class _OffloadedSource(ShardSource):
             return
         self.store.flush()  # never read bytes a pending write is still changing
         self._host = torch.empty(self.numel, dtype=self.dtype, pin_memory=self.store.pin)
+        if not self.store.pin:
+            advise_huge_pages(self._host)  # a fresh chunk every gather: fault it in 2 MiB at a time
         self._read = backing.read(PARAMS, self.start, self._host)
 
     def acquire(self) -> torch.Tensor:
@@ -163,6 +168,7 @@ class OffloadedParamStore(ParamStore):
         self.numel, self.dtype, self.device, self.pin = numel, dtype, device, pin
         self.backing = backing
         self.version = 0  # counts writes, so sources can tell a prefetched copy went stale
+        self._staging: BufferPool | None = None  # sized to the largest write up to STAGED_WRITE_BYTES
         backing.create(PARAMS, dtype, numel)
 
     def source(self, start: int, numel: int) -> ShardSource:
@@ -170,9 +176,21 @@ class OffloadedParamStore(ParamStore):
 
     @torch.no_grad()
     def write(self, start: int, values: torch.Tensor) -> None:
-        # a private copy in the shard dtype: the write completes in the background
+        # a private copy in the shard dtype: the write completes in the background. The optimizer
+        # publishes one sub-group at a time, so two reused buffers of that size hold the copies (fresh
+        # memory for every sub-group would fault in page by page); a larger write gets its own tensor.
         self.version += 1
-        self.backing.write(PARAMS, start, values.detach().reshape(-1).to("cpu", self.dtype, copy=True))
+        values = values.detach().reshape(-1)
+        nbytes = values.numel() * self.dtype.itemsize
+        if nbytes <= STAGED_WRITE_BYTES and (self._staging is None or nbytes > self._staging.nbytes):
+            self._staging = BufferPool(2, nbytes, self.pin, "offload_param")  # (buffers in flight go with the old)
+        if self._staging is None or nbytes > self._staging.nbytes:
+            self.backing.write(PARAMS, start, values.to("cpu", self.dtype, copy=True))
+            return
+        buffer = self._staging.acquire(1)
+        copy = buffer[0][:nbytes].view(self.dtype)  # type: ignore[index]
+        copy.copy_(values)
+        self._staging.release_after(buffer, [self.backing.write(PARAMS, start, copy)])  # type: ignore[arg-type]
 
     def flush(self) -> None:
         self.backing.flush()
@@ -182,3 +200,5 @@ class OffloadedParamStore(ParamStore):
 
     def close(self) -> None:
         self.backing.close()
+        if self._staging is not None:
+            self._staging.clear()

@@ -1,7 +1,8 @@
 """How big an offloaded optimizer's sub-groups and staging pool are, when the config does not say.
 
 What stays resident while offloaded states are stepped is the staging pool: ``buffer_count`` buffers
-of one sub-group's tensor each (``sub_group_size`` x 4 bytes), plus one sub-group's fp32 gradient.
+of one sub-group's tensor each (``sub_group_size`` x 4 bytes), plus one sub-group's fp32 gradient (two,
+read ahead into reused buffers, when ZeRO-3's gradient shard is on disk).
 DeepSpeed's defaults (``sub_group_size`` 1e9, 4 buffers) make one sub-group the whole shard for any
 model under a few billion parameters per process, so the pool holds four shard-sized fp32 tensors:
 more than the states it was meant to move off the device (the 16Ψ/N of in-memory ZeRO-3 becomes

@@ -34,6 +34,7 @@ from deepshard.zero.optimizer_guard import real_step
 
 from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
+from deepshard.zero.offload.grad_store import GRADS, LazyPieces
 from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
 from deepshard.zero.offload.subgroups import SubGroup, plan_subgroups, split_fragments
 from deepshard.zero.offload.swapper import IOOp
@@ -51,6 +52,8 @@ class _Slot:
         self.owned: list[str] = []          # names staged in pool buffers (written back on close)
         self.buffers: list[torch.Tensor] = []
         self.reads: list[IOOp] = []
+        self.grad: torch.Tensor | None = None  # the sub-group's gradient range, when read with the states
+        self.grad_buffer: list[torch.Tensor] = []
 
 
 def _state_name(key: str) -> str:
@@ -81,6 +84,10 @@ class SubGroupStates(ShardStates):
         self.scalars: list[dict[str, Any]] = [{} for _ in self.pieces]
         largest = max((sg.numel for sg in self.subgroups), default=1)
         self.pool = BufferPool(buffer_count, largest * STAGING_ELEMENT_BYTES, pin, what)
+        # gradients read ahead with their sub-group's states (ZeRO-3's gradient shard on disk): read-only,
+        # never written back, so two buffers (the sub-group being updated and the next) always suffice
+        self.grad_pool = BufferPool(2, largest * STAGING_ELEMENT_BYTES, pin, what)
+        self._staged_grads = False
         self._stepped = False
 
     # ------------------------------------------------------------------------------ set-up / io
@@ -133,6 +140,15 @@ class SubGroupStates(ShardStates):
         buffers = self.pool.acquire(len(missing), block) if missing else []
         if buffers is None:
             return None
+        if self._staged_grads:
+            grad_buffer = self.grad_pool.acquire(1, block)
+            if grad_buffer is None:
+                self.pool.release(buffers)
+                return None
+            slot.grad_buffer = grad_buffer
+            dtype = self.backing.dtypes[GRADS]
+            slot.grad = grad_buffer[0][:sg.numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+            slot.reads.append(self.backing.read(GRADS, sg.start, slot.grad))
         for name, buffer in zip(missing, buffers):
             t = self._stage(slot, name, buffer)
             if read:
@@ -152,6 +168,7 @@ class SubGroupStates(ShardStates):
     def _close(self, slot: _Slot, write: bool) -> None:
         ops = [self.backing.write(n, slot.sg.start, slot.tensors[n]) for n in slot.owned] if write else []
         self.pool.release_after(slot.buffers, ops)
+        self.grad_pool.release(slot.grad_buffer)
 
     def _abandon(self, slot: _Slot) -> None:
         for op in slot.reads:
@@ -160,6 +177,7 @@ class SubGroupStates(ShardStates):
             except BaseException:  # noqa: BLE001 - the buffers come back either way
                 pass
         self.pool.release(slot.buffers)
+        self.grad_pool.release(slot.grad_buffer)
 
     def _sweep(self, visit: Callable[[_Slot], None], read: bool = True, write: bool = True,
                ahead: bool = True) -> None:
@@ -197,13 +215,27 @@ class SubGroupStates(ShardStates):
             raise RuntimeError("the offloaded optimizer states have no optimizer to step")
         saved = [g["params"] for g in opt.param_groups]
         lists = self._group_lists(saved)
+        self._staged_grads = self._grads_on_backing(grads)
         try:
             self._sweep(lambda slot: self._update(slot, lists[slot.sg.index], grads, multiplier, publish),
                         ahead=self._stepped)
         finally:
+            self._staged_grads = False
             for group, params in zip(opt.param_groups, saved):
                 group["params"] = params
         self._stepped = True
+
+    def _grads_on_backing(self, grads: list[torch.Tensor]) -> bool:
+        """Whether the gradients are this backing's gradient file laid out like the shard (ZeRO-3 with
+        the gradient shard on disk): then each sub-group's gradient range is read ahead with its states,
+        into a reused buffer, instead of piece by piece into fresh tensors when the update reaches it."""
+        if not isinstance(grads, LazyPieces) or grads.store.backing is not self.backing:
+            return False
+        if len(grads.spans) != len(self.pieces) or any(
+                span != (p.shard_start, p.numel) for span, p in zip(grads.spans, self.pieces)):
+            return False
+        grads.store.ready()  # unwritten ranges hold zeros and every gradient write is done
+        return True
 
     def _group_lists(self, saved: list[list[torch.nn.Parameter]]) -> list[list[list[torch.nn.Parameter]]]:
         """For each sub-group, each param group's params narrowed to the sub-group's pieces."""
@@ -222,7 +254,10 @@ class SubGroupStates(ShardStates):
         for group, params in zip(opt.param_groups, group_params):  # type: ignore[union-attr]
             group["params"] = params
         self._bind(slot)
-        self._set_grads(slot.sg, grads, multiplier)
+        if slot.grad is not None:
+            self._set_staged_grads(slot, multiplier)
+        else:
+            self._set_grads(slot.sg, grads, multiplier)
         real_step(opt)  # type: ignore[arg-type]
         self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
         if self.has_masters:
@@ -255,6 +290,21 @@ class SubGroupStates(ShardStates):
             torch._foreach_mul_(srcs, multiplier)
         for i, src in zip(sg.pieces, srcs):
             self.params[i].grad = src
+
+    def _set_staged_grads(self, slot: _Slot, multiplier: float) -> None:
+        """The gradients as views of the staged range (the same values and arithmetic as ``_set_grads``:
+        a 16-bit gradient is cast to a fresh fp32 tensor, an fp32 one is scaled in the buffer, which is
+        never written back)."""
+        views = []
+        for i in slot.sg.pieces:
+            p = self.pieces[i]
+            lo = p.shard_start - slot.sg.start
+            g = slot.grad[lo:lo + p.numel]  # type: ignore[index]
+            views.append(g if g.dtype == torch.float32 else g.to(torch.float32))
+        if multiplier != 1.0 and views:
+            torch._foreach_mul_(views, multiplier)
+        for i, g in zip(slot.sg.pieces, views):
+            self.params[i].grad = g
 
     def _capture(self, sg: SubGroup, slot: _Slot, state_of: Callable[[int], dict[str, Any]]) -> None:
         """Record piece states: elementwise tensors into the slot (copied unless already bound there),
@@ -351,8 +401,9 @@ class SubGroupStates(ShardStates):
 
     # ------------------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
-        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes}
+        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes + self.grad_pool.allocated_bytes}
 
     def close(self) -> None:
         self.backing.close()
         self.pool.clear()
+        self.grad_pool.clear()

@@ -17,8 +17,11 @@ operations and removes the files and the directory.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import os
+import sys
 import shutil
 import threading
 import uuid
@@ -177,6 +180,18 @@ class AsyncSwapper:
             raise SwapError(f"{f.path} cannot be read: {f.damaged}")
         return self._submit("read", name, offset, into, on_done)
 
+    def discard(self, name: str) -> bool:
+        """Drop the contents of file ``name`` (it reads as zeros after): its cached pages go without being
+        written to the disk, which is what makes a scratch file whose values are dead (the gradients once
+        the step has read them) cost no disk writes. Frees the file's blocks, so a later write takes disk
+        space again (and fails with a :class:`SwapError` if the disk filled meanwhile). Call it with no
+        operation on the file in flight. Returns False where the file system cannot (nothing changes)."""
+        f = self._file(name)
+        fn = _fallocate()
+        if fn is None or f.nbytes == 0:
+            return False
+        return fn(f.fd, _PUNCH_HOLE | _KEEP_SIZE, 0, f.nbytes) == 0  # type: ignore[operator]
+
     def wait(self) -> None:
         """Wait for every outstanding operation; raise the first error among them."""
         with self._pending_lock:
@@ -265,6 +280,23 @@ class AsyncSwapper:
         self.closed = True
         self._executor.shutdown(wait=True)
         self._finalizer()
+
+
+_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+
+
+@functools.lru_cache(maxsize=1)
+def _fallocate() -> object | None:
+    """libc's ``fallocate`` on Linux (to punch holes), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _reserve(fd: int, path: Path, nbytes: int) -> None:
