@@ -128,6 +128,8 @@ def test_watchdog_names_the_rank_that_did_not_arrive() -> None:
 @pytest.mark.parametrize("zero,counts,kept", [
     # default window: the largest group (272 elements) -> the current layer plus one ahead; no reuse
     ({}, [2, 2, 2, 2, 2, 1], [False] * 6),
+    # a window of one and a half groups holds whole groups only: still one ahead, never two
+    ({"stage3_prefetch_bucket_size": 272 + 136}, [2, 2, 2, 2, 2, 1], [False] * 6),
     # the last layer, reused first in backward, stays gathered at the turn
     ({"stage3_max_reuse_distance": 10**9}, [2, 2, 2, 2, 2, 1], [False] * 5 + [True]),
     # a window of three groups, but at most 2 x 272 elements live: the cap wins. The last two layers

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,8 @@ class Stage3Hooks:
     """Forward/backward hooks over ``groups_of`` (module -> the parameter groups it needs)."""
 
     def __init__(self, module: torch.nn.Module, groups_of: dict[int, list[ShardedGroup]],
-                 prefetch_elements: int, max_live: int = 1 << 62, max_reuse: int = 0) -> None:
+                 prefetch_elements: int, max_live: int = 1 << 62, max_reuse: int = 0,
+                 before_backward: Callable[[], None] | None = None) -> None:
         self.groups_of = groups_of
         self.prefetch_elements = max(int(prefetch_elements), 0)
         self.max_live = max(int(max_live), 0)
@@ -50,6 +51,7 @@ class Stage3Hooks:
         self._position: dict[int, int] = {}
         self._after: list[int] = []  # per order position: gathered elements used after it in forward
         self.recording = True
+        self.before_backward = before_backward
         # per module: the groups each of its recomputes (forward inside backward) gathered, to release
         self._recomputed: dict[int, list[list[ShardedGroup]]] = {}
         self.handles: list[Any] = []
@@ -125,11 +127,20 @@ class Stage3Hooks:
 
     # ---------------------------------------------------------------------------------- backward
     def _pre_backward(self, groups: list[ShardedGroup], grad: torch.Tensor) -> None:
+        if self.before_backward is not None:
+            self.before_backward()
         for g in groups:
             g.unshard()
         for g in groups:
             g.wait_for_unshard()
-        self._prefetch(groups, step=-1)
+        if not all(g.requires_grad for g in groups):  # trainable groups prefetch once released
+            self._prefetch(groups, step=-1)
+
+    def after_release(self, group: ShardedGroup) -> None:
+        """A group's gradients are produced and its gathered values released: start gathering the
+        groups that come before it in forward (backward's next), so backward holds one module gathered
+        ahead instead of two."""
+        self._prefetch([group], step=-1)
 
     def _prefetch(self, groups: list[ShardedGroup], step: int) -> None:
         """Start gathering the groups that come next (forward: step=1, backward: step=-1)."""
@@ -142,11 +153,16 @@ class Stage3Hooks:
         budget = self.prefetch_elements
         live = (sum(g.numel for g in self.all_groups if not g.persistent and g.state is not GroupState.SHARDED)
                 if self._cap_binds else 0)
+        taken = 0
         while 0 <= pos < len(self.order) and budget > 0:
             g = self.order[pos]
-            pos += step
             if g.persistent:
+                pos += step
                 continue
+            if taken and g.numel > budget:  # the window holds whole groups; the first is always taken
+                break
+            pos += step
+            taken += 1
             if g.state is GroupState.SHARDED:
                 if self._cap_binds and live + g.numel > self.max_live:
                     break

@@ -23,12 +23,14 @@ class Stage3Reducer:
     def __init__(self, groups: list[ShardedGroup], shard_offsets: list[int], comm: CommGroup,
                  accumulate: Callable[[int, torch.Tensor, float], None], comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
-                 on_reduced: Callable[[int, torch.Tensor], None] | None = None) -> None:
+                 on_reduced: Callable[[int, torch.Tensor], None] | None = None,
+                 on_release: Callable[[ShardedGroup], None] | None = None) -> None:
         """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
         ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
         (an optimizer step in backward)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
         self.on_reduced = on_reduced
+        self.on_release = on_release
         self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
         self.post = averaging_factor(predivide, comm.size, average)
@@ -53,6 +55,8 @@ class Stage3Reducer:
             group = self.groups[gi]
             if group.users == 0:
                 group.reshard()
+                if self.on_release is not None:
+                    self.on_release(group)
 
     def _launch(self, gi: int) -> None:
         """Reduce-scatter the group's ``.grad`` tensors as autograd produced them (no staging copy on
@@ -75,6 +79,11 @@ class Stage3Reducer:
             self.on_reduced(item.index, chunk.mul_(self.post) if self.post != 1.0 else chunk)
             return
         self.accumulate(self.offsets[item.index], item.work.result, self.post)
+
+    def finish_in_flight(self) -> None:
+        """Complete the reduce-scatters in flight (a module's backward is about to produce more
+        gradients: what the earlier ones hold leaves first)."""
+        self.in_flight.drain()
 
     def end_backward(self) -> None:
         for gi in range(len(self.groups)):

@@ -111,9 +111,11 @@ class Stage3Strategy(ZeroStrategy):
             predivide = float(comm.size)
         self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grads.accumulate, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait,
-                                     on_reduced=self._step_group if step_in_backward else None)
+                                     on_reduced=self._step_group if step_in_backward else None,
+                                     on_release=lambda g: self.hooks.after_release(g))
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
-                                 int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance))
+                                 int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
+                                 before_backward=self.reducer.finish_in_flight)
         self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
         pieces = self.opt_shard.fragments
         self.opt_shard.set_grad_sources(  # none kept with a step in backward: each chunk is applied as it comes
