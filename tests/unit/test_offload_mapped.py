@@ -1,6 +1,6 @@
 """Swap files used in place (``MappedFileBacking``): values survive letting go of the pages, writes
-land in the file, discard zeroes without giving the blocks back, close removes the files, and the
-sub-grouped optimizer over mapped files equals plain torch with no staging buffer allocated."""
+land in the file, discard gives no block back, close removes the files, and the optimizer's states
+use an fp32 parameter file as their masters."""
 from __future__ import annotations
 
 import os
@@ -45,7 +45,9 @@ def test_views_round_trip_and_settle_keeps_values_and_unmaps(tmp_path: Path) -> 
     assert not path.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_discard_zeroes_and_keeps_the_blocks(tmp_path: Path) -> None:
+def test_discard_keeps_a_mapped_files_pages_and_blocks(tmp_path: Path) -> None:
+    """No hole is ever punched in a mapped file (a write through the mapping could then need a block a
+    full disk no longer has, and would end the process with SIGBUS)."""
     back = MappedFileBacking(AsyncSwapper(tmp_path, 0, AIO))
     n = 1 << 20
     back.create("g", torch.float32, n)
@@ -54,13 +56,7 @@ def test_discard_zeroes_and_keeps_the_blocks(tmp_path: Path) -> None:
     path = back.swapper.directory / "g.swp"
     blocks = os.stat(path).st_blocks
     back.discard("g")
-    if back.read_copy("g", 0, 8).eq(3.0).all():
-        back.close()
-        return  # this file system cannot zero ranges: discard changes nothing, which is allowed
-    assert torch.equal(back.read_copy("g", 0, n), torch.zeros(n))
-    assert os.stat(path).st_blocks == blocks  # still reserved: a write through the mapping needs no new block
-    back.view("g", 5, 3).fill_(1.0)  # type: ignore[union-attr]
-    assert back.read_copy("g", 4, 5).tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert os.stat(path).st_blocks == blocks and back.read_copy("g", 0, n).eq(3.0).all()
     back.close()
 
 

@@ -59,6 +59,10 @@ class Backing(ABC):
     def prefetch(self, name: str, start: int, numel: int) -> None:
         """A view of the range will be used soon: start bringing it into memory (no-op by default)."""
 
+    def populate(self, name: str, start: int, numel: int, write: bool) -> None:
+        """Views of the range are about to be read (and written, with ``write``): a backing that maps files
+        can map the range at once. No-op by default."""
+
     def settle(self, name: str, start: int, numel: int) -> None:
         """The caller is done with its views of the range for now: a backing that maps files into
         memory lets go of their pages (values kept). No-op by default."""

@@ -79,6 +79,7 @@ class OffloadedGradShard:
         values = values.to("cpu", self.dtype)
         view = self.backing.view(GRADS, start, values.numel())
         if view is not None:  # the file in memory (mapped): add in place
+            self.backing.populate(GRADS, start, values.numel(), True)
             (view if start in self.written else view.zero_()).add_(values, alpha=alpha)
             self.written.add(start)
             self.backing.settle(GRADS, start, values.numel())
@@ -134,9 +135,10 @@ class OffloadedGradShard:
             yield chunk.to(self.device)
 
     def zero_(self) -> None:
-        """Forget the gradients. Their pages in the page cache are dropped unwritten (``discard``): most of
-        the file's bytes would otherwise reach the disk after the step that consumed them, a fifth of an
-        fp32 step's disk writes for nothing."""
+        """Forget the gradients. A staged file's pages in the page cache are dropped unwritten
+        (``discard``): most of its bytes would otherwise reach the disk after the step that consumed
+        them, a fifth of an fp32 step's disk writes for nothing. A mapped file keeps its pages (see
+        ``MappedFileBacking.discard``); either way the next backward starts from zeros (``written``)."""
         self._wait_writes()
         if self.written:
             self.backing.discard(GRADS)

@@ -195,6 +195,16 @@ class SubGroupStates(ShardStates):
         self.grad_pool.release(slot.grad_buffer)
         self._settle(slot)
 
+    def _populate(self, slot: _Slot, write: bool) -> None:
+        """Map the slot's in-place views at once before the update touches them."""
+        sg = slot.sg
+        for name in slot.tensors:
+            if name not in slot.owned:
+                backing, file = self._where(name)
+                backing.populate(file, sg.start, sg.numel, write)
+        if slot.grad is not None and not slot.grad_buffer:
+            self.backing.populate(GRADS, sg.start, sg.numel, False)
+
     def _settle(self, slot: _Slot) -> None:
         """Let go of the views the slot used in place (a mapped backing unmaps their pages)."""
         sg = slot.sg
@@ -238,6 +248,7 @@ class SubGroupStates(ShardStates):
                 slot = opened[k]
                 for op in slot.reads:
                     op.wait()
+                self._populate(slot, write)
                 visit(slot)
                 del opened[k]
                 self._close(slot, write)
