@@ -105,8 +105,9 @@ def test_states_built_with_defaults_stage_a_fraction_of_the_shard(tmp_path: Path
 
 
 # ------------------------------------------------------------------------------ the gradient shard
+@pytest.mark.parametrize("mapped", [False, True], ids=["staged", "mapped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradient_shard_on_disk_gives_the_resident_bits(tmp_path: Path, dtype: torch.dtype,
+def test_gradient_shard_on_disk_gives_the_resident_bits(tmp_path: Path, dtype: torch.dtype, mapped: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The same reduce sequence (two micro-batches, one group getting no gradient the first time)
     leaves the same values, pieces and norm on disk as in memory; zero_ starts over."""
@@ -118,7 +119,9 @@ def test_gradient_shard_on_disk_gives_the_resident_bits(tmp_path: Path, dtype: t
     ranges = [(0, 40), (40, 25), (65, 35)]
     chunk = 16  # the norm's chunks straddle the ranges, as NORM_CHUNK does in a real shard
     monkeypatch.setattr("deepshard.zero.sharded_optimizer.NORM_CHUNK", chunk)
-    backing = FileBacking(AsyncSwapper(tmp_path, 0, AioSettings(block_size=64, queue_depth=2, thread_count=2)))
+    from deepshard.zero.offload.mapped import MappedFileBacking
+    kind = MappedFileBacking if mapped else FileBacking
+    backing = kind(AsyncSwapper(tmp_path, 0, AioSettings(block_size=64, queue_depth=2, thread_count=2)))
     disk = OffloadedGradShard(backing, 100, dtype, torch.device("cpu"), ranges, chunk)
     mem = ResidentGradShard(100, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

@@ -20,6 +20,7 @@ import torch
 from deepshard.config import load_config
 from deepshard.zero.offload.backing import FileBacking, HostBacking
 from deepshard.zero.offload.buffers import BufferPool
+from deepshard.zero.offload.mapped import MappedFileBacking
 from deepshard.zero.offload.policy import (AioSettings, CpuOffload, NoOffload, NvmeOffload,
                                            make_offload_policies)
 from deepshard.zero.offload.states import StatesSpec
@@ -241,7 +242,7 @@ def _states(backing: Any, params: list[torch.nn.Parameter], mixed: bool) -> SubG
     return states
 
 
-@pytest.mark.parametrize("backing", ["file", "host"])
+@pytest.mark.parametrize("backing", ["file", "mapped", "host"])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, kind: str) -> None:
     torch.manual_seed(0)
@@ -254,7 +255,8 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
         return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=0.01)
 
     opt_ref = make(ref)
-    back = FileBacking(AsyncSwapper(tmp_path, 0, AIO)) if backing == "file" else HostBacking(False)
+    back = {"file": lambda: FileBacking(AsyncSwapper(tmp_path, 0, AIO)), "host": lambda: HostBacking(False),
+            "mapped": lambda: MappedFileBacking(AsyncSwapper(tmp_path, 0, AIO))}[backing]()
     states = _states(back, mine, mixed=True)
     opt = make(mine)
     index = {id(q): i for i, q in enumerate(mine)}
@@ -280,6 +282,8 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
     state = torch.cat([states.piece_state(i)[key] for i in range(len(states.pieces))])
     assert torch.equal(state, torch.cat([opt_ref.state[p][key].reshape(-1) for p in ref]))
     assert all(len(g["params"]) > 0 for g in opt.param_groups)  # restored after each step
+    if backing != "file":  # used in place: no staging buffer was ever allocated
+        assert states.pool.allocated_bytes == 0
     states.close()
     assert list(tmp_path.iterdir()) == []
 

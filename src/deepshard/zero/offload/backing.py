@@ -16,6 +16,8 @@ from deepshard.zero.offload.swapper import AsyncSwapper, CompletedOp, IOOp
 class Backing(ABC):
     """Named shard-space tensors off the compute device."""
 
+    in_place = False  # True: ``view`` gives every range and ``read`` / ``write`` are done when they return
+
     def __init__(self) -> None:
         self.dtypes: dict[str, torch.dtype] = {}
         self.numels: dict[str, int] = {}
@@ -54,6 +56,13 @@ class Backing(ABC):
     def flush(self) -> None:
         """Wait for every outstanding write."""
 
+    def prefetch(self, name: str, start: int, numel: int) -> None:
+        """A view of the range will be used soon: start bringing it into memory (no-op by default)."""
+
+    def settle(self, name: str, start: int, numel: int) -> None:
+        """The caller is done with its views of the range for now: a backing that maps files into
+        memory lets go of their pages (values kept). No-op by default."""
+
     def discard(self, name: str) -> None:
         """The values of ``name`` are dead until next written: storage may drop them (reads give zeros or
         the old values). Call it with no read or write of ``name`` in flight."""
@@ -64,6 +73,8 @@ class Backing(ABC):
 
 class HostBacking(Backing):
     """Tensors in (pinned) host memory: the CPU-offload case."""
+
+    in_place = True
 
     def __init__(self, pin: bool) -> None:
         super().__init__()

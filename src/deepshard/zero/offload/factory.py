@@ -8,6 +8,7 @@ import torch
 from deepshard.utils.logging import logger
 from deepshard.zero.offload.backing import Backing, FileBacking, HostBacking
 from deepshard.zero.offload.grad_store import GradShard, OffloadedGradShard, ResidentGradShard
+from deepshard.zero.offload.mapped import MappedFileBacking
 from deepshard.zero.offload.param_store import OffloadedParamStore, ParamStore, ResidentParamStore
 from deepshard.zero.offload.policy import CpuOffload, NvmeOffload, OffloadPolicy
 from deepshard.zero.offload.sizing import StagingPlan, local_processes, plan_staging
@@ -16,9 +17,12 @@ from deepshard.zero.offload.subgroup_states import SubGroupStates
 from deepshard.zero.offload.swapper import AsyncSwapper
 
 
-def _backing(policy: OffloadPolicy, rank: int) -> Backing | None:
+def _backing(policy: OffloadPolicy, rank: int, device: torch.device) -> Backing | None:
     if isinstance(policy, NvmeOffload):
-        return FileBacking(AsyncSwapper(policy.path, rank, policy.aio))
+        swapper = AsyncSwapper(policy.path, rank, policy.aio)
+        # computing on the CPU, the files are used in place (no copies in and out of staging buffers);
+        # an accelerator's transfers want the staged path's pinned buffers
+        return MappedFileBacking(swapper) if device.type == "cpu" else FileBacking(swapper)
     if isinstance(policy, CpuOffload) and policy.active:
         return HostBacking(policy.pin_memory)
     return None
@@ -39,7 +43,7 @@ def staging_plan(policy: OffloadPolicy, spec: StatesSpec) -> StagingPlan:
 
 def make_shard_states(policy: OffloadPolicy, spec: StatesSpec) -> ShardStates:
     """The optimizer side of a ZeRO 1-3 shard under ``policy``."""
-    backing = _backing(policy, spec.rank)
+    backing = _backing(policy, spec.rank, spec.device)
     if backing is None:
         return ResidentStates(spec)
     plan = staging_plan(policy, spec)
@@ -50,7 +54,7 @@ def make_shard_states(policy: OffloadPolicy, spec: StatesSpec) -> ShardStates:
 def make_param_store(policy: OffloadPolicy, numel: int, dtype: torch.dtype, device: torch.device,
                      rank: int) -> ParamStore:
     """Where a ZeRO-3 parameter shard of ``numel`` elements lives under ``policy``."""
-    backing = _backing(policy, rank)
+    backing = _backing(policy, rank, device)
     if backing is None:
         return ResidentParamStore(numel, dtype, device)
     return OffloadedParamStore(numel, dtype, device, backing, bool(getattr(policy, "pin_memory", False)))

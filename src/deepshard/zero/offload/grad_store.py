@@ -5,7 +5,8 @@
   and optimizer states (ZeRO-Infinity). Each group's reduced chunk is written as soon as its
   reduce-scatter is done (added to what earlier micro-batches left there, when accumulating); the norm
   reads it back in the same chunks the resident norm uses, so both give the same bits; the optimizer
-  reads each piece's gradient when its sub-group is updated. Nothing shard-sized stays in memory: in
+  reads each piece's gradient when its sub-group is updated. When the backing maps the file into
+  memory, chunks are added to and read from the mapping in place (same arithmetic, same bits). Nothing shard-sized stays in memory: in
   fp32 training that is 4Ψ/N bytes, the largest resident tensor of an offloaded step.
 
 Ranges are the gradient groups' chunks (``ranges``): every backward writes each of them once, and a
@@ -76,6 +77,12 @@ class OffloadedGradShard:
         """Add ``alpha * values`` to the range at ``start``; the first time since ``zero_``, to zeros
         (the same arithmetic as the resident shard's ``add_``, so the same bits)."""
         values = values.to("cpu", self.dtype)
+        view = self.backing.view(GRADS, start, values.numel())
+        if view is not None:  # the file in memory (mapped): add in place
+            (view if start in self.written else view.zero_()).add_(values, alpha=alpha)
+            self.written.add(start)
+            self.backing.settle(GRADS, start, values.numel())
+            return
         if start in self.written:
             self._wait_writes()
             base = self.backing.read_copy(GRADS, start, values.numel())
@@ -106,6 +113,12 @@ class OffloadedGradShard:
         of this one, and no fresh memory is touched per chunk. A yielded chunk is valid until the next."""
         self.ready()
         spans = [(lo, min(self.norm_chunk, self.numel - lo)) for lo in range(0, self.numel, self.norm_chunk)]
+        if self.backing.in_place:  # the file in memory (mapped): the chunks in place
+            for lo, n in spans:
+                self.backing.prefetch(GRADS, lo + n, min(n, self.numel - lo - n))
+                yield self.backing.view(GRADS, lo, n).to(self.device)  # type: ignore[union-attr]
+                self.backing.settle(GRADS, lo, n)
+            return
         buffers = [torch.empty(min(self.norm_chunk, self.numel), dtype=self.dtype) for _ in spans[:2]]
 
         def start(k: int) -> tuple[torch.Tensor, IOOp]:

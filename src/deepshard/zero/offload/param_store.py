@@ -10,7 +10,9 @@ device, waiting if needed; what the all-gather sends), ``release`` (done with it
   but ``write`` is free. ZeRO-3 without parameter offload.
 - :class:`OffloadedParamStore`: the shard lives in a backing (swap file, or pinned host memory on
   CUDA); a source reads its chunk into a fresh tensor on ``prefetch`` / ``acquire`` and drops it on
-  ``release``, so only the chunks of the groups being gathered are resident.
+  ``release``, so only the chunks of the groups being gathered are resident. Where the backing keeps
+  the shard in memory it can address (host memory, a swap file mapped into memory) the source uses
+  its view instead, and ``release`` lets a mapping's pages go (``Backing.settle``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from deepshard.utils.hugepages import advise_huge_pages
-from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.backing import Backing, FileBacking
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.swapper import IOOp
 
@@ -76,6 +78,11 @@ class ParamStore(ABC):
         """A view of the range when the shard is resident on the compute device, else None."""
         return None
 
+    def fp32_file(self) -> tuple[Backing, str] | None:
+        """``(backing, name)`` when the shard is fp32 in a swap file mapped into memory: the optimizer's
+        offloaded states can use it as their master weights (``StatesSpec.shared_masters``)."""
+        return None
+
     @abstractmethod
     def memory(self) -> dict[str, int]:
         """``parameters`` (resident bytes) and ``offloaded`` bytes."""
@@ -125,6 +132,7 @@ class _OffloadedSource(ShardSource):
         self._host: torch.Tensor | None = None
         self._read: IOOp | None = None
         self._version = -1  # the store's write count when _host was read
+        self._viewed = False  # _host is the backing's own memory (a view), not a copy
 
     def prefetch(self) -> None:
         if self._host is not None and self._version == self.store.version:
@@ -134,7 +142,8 @@ class _OffloadedSource(ShardSource):
         backing = self.store.backing
         view = backing.view(PARAMS, self.start, self.numel)
         if view is not None:
-            self._host = view
+            self._host, self._viewed = view, True
+            backing.prefetch(PARAMS, self.start, self.numel)
             return
         self.store.flush()  # never read bytes a pending write is still changing
         self._host = torch.empty(self.numel, dtype=self.dtype, pin_memory=self.store.pin)
@@ -152,7 +161,9 @@ class _OffloadedSource(ShardSource):
     def release(self) -> None:
         if self._read is not None:
             self._read.wait()
-        self._host, self._read = None, None
+        if self._viewed:
+            self.store.backing.settle(PARAMS, self.start, self.numel)
+        self._host, self._read, self._viewed = None, None, False
 
     @torch.no_grad()
     def write(self, values: torch.Tensor) -> None:
@@ -174,6 +185,10 @@ class OffloadedParamStore(ParamStore):
     def source(self, start: int, numel: int) -> ShardSource:
         return _OffloadedSource(self, start, numel)
 
+    def fp32_file(self) -> tuple[Backing, str] | None:
+        mapped = isinstance(self.backing, FileBacking) and self.backing.in_place
+        return (self.backing, PARAMS) if mapped and self.dtype == torch.float32 else None
+
     @torch.no_grad()
     def write(self, start: int, values: torch.Tensor) -> None:
         # a private copy in the shard dtype: the write completes in the background. The optimizer
@@ -181,6 +196,9 @@ class OffloadedParamStore(ParamStore):
         # memory for every sub-group would fault in page by page); a larger write gets its own tensor.
         self.version += 1
         values = values.detach().reshape(-1)
+        if self.backing.in_place:  # memory the backing owns: one copy, done when this returns
+            self.backing.write(PARAMS, start, values.to("cpu", self.dtype))
+            return
         nbytes = values.numel() * self.dtype.itemsize
         if nbytes <= STAGED_WRITE_BYTES and (self._staging is None or nbytes > self._staging.nbytes):
             self._staging = BufferPool(2, nbytes, self.pin, "offload_param")  # (buffers in flight go with the old)

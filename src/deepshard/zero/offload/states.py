@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from deepshard.zero.optimizer_guard import real_step
 
 from deepshard.zero.partition import Fragment
+
+if TYPE_CHECKING:
+    from deepshard.zero.offload.backing import Backing
 
 # publish(shard_start, fp32 values): copy updated values of shard range [start, start + numel) to the model
 Publish = Callable[[int, torch.Tensor], None]
@@ -41,6 +44,10 @@ class StatesSpec:
     keeps_master_weights: bool
     values: Callable[[Fragment], torch.Tensor] | None
     rank: int
+    shared_masters: "tuple[Backing, str] | None" = None
+    """Where the fp32 values already are when the parameter shard is fp32 and on disk, mapped into
+    memory: ``(backing, name)`` of that shard. Offloaded states on disk then use it as their master
+    weights instead of keeping a second copy (no ``master`` file: a fifth less disk traffic per step)."""
 
     @property
     def offloaded_masters(self) -> bool:

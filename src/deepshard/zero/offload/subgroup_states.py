@@ -26,13 +26,13 @@ sub-group's, write-behind needs the next sub-group not to need the same buffers.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from deepshard.zero.optimizer_guard import real_step
 
-from deepshard.zero.offload.backing import Backing
+from deepshard.zero.offload.backing import Backing, FileBacking
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.grad_store import GRADS, LazyPieces
 from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
@@ -71,13 +71,17 @@ class SubGroupStates(ShardStates):
     def __init__(self, spec: StatesSpec, backing: Backing, buffer_count: int, pin: bool,
                  sub_group_size: int, what: str = "offload_optimizer") -> None:
         self.backing = backing
+        # the fp32 parameter shard's own file as the master weights (see StatesSpec.shared_masters)
+        shared = spec.shared_masters if isinstance(backing, FileBacking) and backing.in_place else None
+        self.masters_in_params = shared is not None and shared[0].in_place
+        self._master_at: tuple[Backing, str] = shared if self.masters_in_params else (backing, MASTER)  # type: ignore[assignment]
         self.shard_numel = spec.shard_numel
         self.has_masters = spec.offloaded_masters
         self.pieces = split_fragments(spec.fragments, int(sub_group_size))
         self.subgroups = plan_subgroups(self.pieces, int(sub_group_size))
         self.params = [torch.nn.Parameter(_placeholder() if self.has_masters else spec.values(p),  # type: ignore[misc]
                                           requires_grad=True) for p in self.pieces]
-        if self.has_masters:
+        if self.has_masters and not self.masters_in_params:
             backing.create(MASTER, torch.float32, spec.shard_numel)
         self.keys: dict[str, torch.dtype] = {}
         self.piece_keys: list[tuple[str, ...]] = [() for _ in self.pieces]
@@ -89,10 +93,11 @@ class SubGroupStates(ShardStates):
         self.grad_pool = BufferPool(2, largest * STAGING_ELEMENT_BYTES, pin, what)
         self._staged_grads = False
         self._stepped = False
+        self.mapped_peak = 0  # the most bytes of in-place views (mapped swap files) open at once
 
     # ------------------------------------------------------------------------------ set-up / io
     def write_masters(self, start: int, values: torch.Tensor) -> None:
-        if self.has_masters:
+        if self.has_masters and not self.masters_in_params:  # (shared: the parameter shard has them)
             # a private copy: the write finishes in the background while the caller reuses its tensor
             self.backing.write(MASTER, start, values.detach().reshape(-1).to("cpu", torch.float32, copy=True))
 
@@ -119,6 +124,10 @@ class SubGroupStates(ShardStates):
         used = {k for i in sg.pieces for k in self.piece_keys[i]}
         return ([MASTER] if self.has_masters else []) + [_state_name(k) for k in self.keys if k in used]
 
+    def _where(self, name: str) -> tuple[Backing, str]:
+        """The backing and file that hold tensor ``name``."""
+        return self._master_at if name == MASTER else (self.backing, name)
+
     def _stage(self, slot: _Slot, name: str, buffer: torch.Tensor) -> torch.Tensor:
         dtype = self.backing.dtypes[name]
         size = torch.empty(0, dtype=dtype).element_size()
@@ -130,17 +139,23 @@ class SubGroupStates(ShardStates):
 
     def _open(self, sg: SubGroup, block: bool, read: bool) -> _Slot | None:
         slot = _Slot(sg)
-        missing = []
+        missing: list[str] = []
         for name in self._names(sg):
-            view = self.backing.view(name, sg.start, sg.numel)
+            backing, file = self._where(name)
+            view = backing.view(file, sg.start, sg.numel)
             if view is None:
                 missing.append(name)
             else:
                 slot.tensors[name] = view
+                backing.prefetch(file, sg.start, sg.numel)
         buffers = self.pool.acquire(len(missing), block) if missing else []
         if buffers is None:
             return None
-        if self._staged_grads:
+        grad_view = self.backing.view(GRADS, sg.start, sg.numel) if self._staged_grads else None
+        if grad_view is not None:  # the gradient file used in place
+            slot.grad = grad_view
+            self.backing.prefetch(GRADS, sg.start, sg.numel)
+        elif self._staged_grads:
             grad_buffer = self.grad_pool.acquire(1, block)
             if grad_buffer is None:
                 self.pool.release(buffers)
@@ -165,10 +180,31 @@ class SubGroupStates(ShardStates):
                 slot.tensors[name] = t
         return t
 
+    def _count_views(self, slots: Iterable[_Slot]) -> None:
+        """Track the bytes of in-place views open at once (what a mapped backing can have resident)."""
+        live = 0
+        for slot in slots:
+            live += sum(t.numel() * t.element_size() for n, t in slot.tensors.items() if n not in slot.owned)
+            if slot.grad is not None and not slot.grad_buffer:
+                live += slot.grad.numel() * slot.grad.element_size()
+        self.mapped_peak = max(self.mapped_peak, live)
+
     def _close(self, slot: _Slot, write: bool) -> None:
         ops = [self.backing.write(n, slot.sg.start, slot.tensors[n]) for n in slot.owned] if write else []
         self.pool.release_after(slot.buffers, ops)
         self.grad_pool.release(slot.grad_buffer)
+        self._settle(slot)
+
+    def _settle(self, slot: _Slot) -> None:
+        """Let go of the views the slot used in place (a mapped backing unmaps their pages)."""
+        sg = slot.sg
+        for name in slot.tensors:
+            if name not in slot.owned:
+                backing, file = self._where(name)
+                backing.settle(file, sg.start, sg.numel)
+        if slot.grad is not None and not slot.grad_buffer:
+            self.backing.settle(GRADS, sg.start, sg.numel)
+        slot.tensors, slot.grad = {}, None
 
     def _abandon(self, slot: _Slot) -> None:
         for op in slot.reads:
@@ -178,6 +214,7 @@ class SubGroupStates(ShardStates):
                 pass
         self.pool.release(slot.buffers)
         self.grad_pool.release(slot.grad_buffer)
+        self._settle(slot)
 
     def _sweep(self, visit: Callable[[_Slot], None], read: bool = True, write: bool = True,
                ahead: bool = True) -> None:
@@ -190,12 +227,14 @@ class SubGroupStates(ShardStates):
                 if nxt == k:
                     opened[k] = self._open(sg, True, read)  # type: ignore[assignment]
                     nxt += 1
-                while ahead and nxt < len(sgs):
+                while ahead and nxt < len(sgs) and (nxt == k + 1 or not self.backing.in_place):
+                    # (in place: nothing to read, views of the next sub-group only ask the kernel ahead)
                     slot = self._open(sgs[nxt], False, read)
                     if slot is None:
                         break
                     opened[nxt] = slot
                     nxt += 1
+                self._count_views(opened.values())
                 slot = opened[k]
                 for op in slot.reads:
                     op.wait()
@@ -260,7 +299,7 @@ class SubGroupStates(ShardStates):
             self._set_grads(slot.sg, grads, multiplier)
         real_step(opt)  # type: ignore[arg-type]
         self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
-        if self.has_masters:
+        if self.has_masters and not self.masters_in_params:  # (shared: updated in the parameter shard)
             publish(slot.sg.start, slot.tensors[MASTER])
         self._unbind(slot.sg)
 
@@ -346,7 +385,8 @@ class SubGroupStates(ShardStates):
         p = self.pieces[i]
         if not self.has_masters:
             return self.params[i].detach()
-        return self.backing.read_copy(MASTER, p.shard_start, p.numel)
+        backing, file = self._master_at
+        return backing.read_copy(file, p.shard_start, p.numel).float()
 
     def piece_state(self, i: int) -> dict[str, Any]:
         p = self.pieces[i]
@@ -401,7 +441,10 @@ class SubGroupStates(ShardStates):
 
     # ------------------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
-        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": self.pool.allocated_bytes + self.grad_pool.allocated_bytes}
+        held = self.pool.allocated_bytes + self.grad_pool.allocated_bytes
+        if isinstance(self.backing, FileBacking) and self.backing.in_place:
+            held += self.mapped_peak  # mapped swap files: the views of the sub-groups open at once
+        return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": held}
 
     def close(self) -> None:
         self.backing.close()

@@ -180,17 +180,24 @@ class AsyncSwapper:
             raise SwapError(f"{f.path} cannot be read: {f.damaged}")
         return self._submit("read", name, offset, into, on_done)
 
-    def discard(self, name: str) -> bool:
+    def discard(self, name: str, keep_blocks: bool = False) -> bool:
         """Drop the contents of file ``name`` (it reads as zeros after): its cached pages go without being
         written to the disk, which is what makes a scratch file whose values are dead (the gradients once
         the step has read them) cost no disk writes. Frees the file's blocks, so a later write takes disk
-        space again (and fails with a :class:`SwapError` if the disk filled meanwhile). Call it with no
-        operation on the file in flight. Returns False where the file system cannot (nothing changes)."""
+        space again (and fails with a :class:`SwapError` if the disk filled meanwhile); with
+        ``keep_blocks`` the blocks stay reserved (``FALLOC_FL_ZERO_RANGE``: what a file written through a
+        memory mapping needs, where a full disk cannot raise). Call it with no operation on the file in
+        flight. Returns False where the file system cannot (nothing changes)."""
         f = self._file(name)
         fn = _fallocate()
         if fn is None or f.nbytes == 0:
             return False
-        return fn(f.fd, _PUNCH_HOLE | _KEEP_SIZE, 0, f.nbytes) == 0  # type: ignore[operator]
+        mode = _ZERO_RANGE | _KEEP_SIZE if keep_blocks else _PUNCH_HOLE | _KEEP_SIZE
+        return fn(f.fd, mode, 0, f.nbytes) == 0  # type: ignore[operator]
+
+    def fileno(self, name: str) -> int:
+        """The open descriptor of file ``name`` (owned by the swapper: do not close it)."""
+        return self._file(name).fd
 
     def wait(self) -> None:
         """Wait for every outstanding operation; raise the first error among them."""
@@ -282,7 +289,7 @@ class AsyncSwapper:
         self._finalizer()
 
 
-_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+_KEEP_SIZE, _PUNCH_HOLE, _ZERO_RANGE = 0x01, 0x02, 0x10  # linux/falloc.h
 
 
 @functools.lru_cache(maxsize=1)

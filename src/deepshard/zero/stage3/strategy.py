@@ -91,7 +91,7 @@ class Stage3Strategy(ZeroStrategy):
         values = (lambda f: store.view(f.shard_start, f.numel)) if store.resident else None
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
-            comm.rank))
+            comm.rank, store.fp32_file()))
         cast_buffers(module, policy.buffer_dtype)
         self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states)
         self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None)
