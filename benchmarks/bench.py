@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import sys
 import time
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine run before it is killed")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--merge", type=Path, nargs="*", default=[],
+                   help="bench.json files of earlier runs: their rows for workload x dtype x process-count groups "
+                        "this run does not measure (and their scaling rows, when this run has none) join the report")
     p.add_argument("--update-docs", action="store_true",
                    help="rewrite the figures in docs/benchmarks.md (chart: benchmarks/figures/bench.png)")
     args = p.parse_args(argv)
@@ -108,6 +112,29 @@ def collective_costs(nprocs: int, timeout: float) -> dict[str, Any]:
         return {"status": ranks[0].get("status"), "reason": ranks[0].get("reason", "")}
     slowest = {op: max(r["collective_seconds"][op] for r in ranks) * 1e3 for op in ranks[0]["collective_seconds"]}
     return {"status": "ok", "nprocs": nprocs, "mib": numel * 4 / 2**20, "ms": slowest}
+
+
+def merge_earlier(run: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """Add ``earlier``'s rows for the groups ``run`` did not measure (and its scaling when ``run`` has
+    none), then recompute the comparisons, targets and notes; ``run["merged"]`` says where they came from."""
+    have = {(r["workload"], r["dtype"], r["nprocs"]) for r in run["rows"]}
+    taken = [r for r in earlier["rows"] if (r["workload"], r["dtype"], r["nprocs"]) not in have]
+    scaling = not run.get("scaling_runs") and bool(earlier.get("scaling_runs"))
+    if not taken and not scaling:
+        return
+    run["rows"] = taken + run["rows"]
+    if scaling:
+        run["scaling_runs"], run["scaling"] = earlier["scaling_runs"], earlier.get("scaling", [])
+    run["workloads"] = {**earlier.get("workloads", {}), **run.get("workloads", {})}
+    analysis.add_comparisons(run["rows"])
+    targets = analysis.evaluate_targets(run["rows"])
+    run["targets"] = [t.describe() for t in targets]
+    run["targets_detail"] = [{**vars(t), "verdict": t.verdict} for t in targets]
+    run["notes"] = _notes(run["rows"])
+    groups = sorted({f"{r['workload']} {r['dtype']} N={r['nprocs']}" for r in taken}) + (["scaling"] if scaling else [])
+    run.setdefault("merged", []).append({"groups": groups, "command": earlier.get("command", "?"),
+                                         "machine": earlier.get("machine", {}),
+                                         "wall_seconds": earlier.get("wall_seconds", 0)})
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     run = run_all(args)
     run["wall_seconds"] = round(time.perf_counter() - started, 1)
+    for earlier in args.merge:
+        merge_earlier(run, json.loads(earlier.read_text()))
     print(report.format_table(run))
     args.out.mkdir(parents=True, exist_ok=True)
     chart = report.write_chart(args.out / "bench.png", run)

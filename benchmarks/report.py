@@ -189,6 +189,12 @@ def render_markdown(run: dict[str, Any], chart: str | None = None) -> str:
              f"load average (1 / 5 / 15 min) {load(m.get('load_average_before'))} before the run, "
              f"{load(m.get('load_average'))} after; "
              f"{run.get('wall_seconds', 0):.0f} s in all.", "", f"Command: `{run['command']}`", ""]
+    for earlier in run.get("merged", []):
+        e = earlier["machine"]
+        lines += [f"From an earlier run ({', '.join(earlier['groups'])}): measured {e.get('date', '?')} on the same "
+                  f"kind of machine, load average {load(e.get('load_average_before'))} before, "
+                  f"{load(e.get('load_average'))} after, {earlier['wall_seconds']:.0f} s; command "
+                  f"`{earlier['command']}`.", ""]
     s = run["settings"]
     lines += [f"Seed {s['seed']}, AdamW lr {s['lr']}; warm-up + measured steps per engine as in each title.", ""]
     if collectives_line(run):

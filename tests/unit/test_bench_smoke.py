@@ -209,3 +209,29 @@ def test_repeats_merge_to_the_median_and_slower_rows_are_flagged() -> None:
     assert report.row_cells(ddp)[1] == "2,200 (2,000-2,400)"
     failed = analysis.merge_repeats([{**_row("x", "ddp", 0, [1.0])}, {"status": "error", "reason": "boom"}])
     assert failed["status"] == "error"
+
+
+def test_merge_takes_only_the_groups_this_run_did_not_measure() -> None:
+    from benchmarks.bench import merge_earlier
+
+    def group(dtype: str, medians: dict[str, list[float]]) -> list[dict]:
+        rows = [_row(e, "ddp" if e == "ddp" else "deepshard", 0, m) for e, m in medians.items()]
+        return [{**r, "dtype": dtype} for r in rows]
+
+    now = group("bf16", {"ddp": [2.0, 2.1, 2.2], "deepshard-z0": [2.0, 2.0, 2.1]})
+    earlier_rows = group("fp32", {"ddp": [1.0, 1.1, 1.2], "deepshard-z0": [1.0, 1.0, 1.1]}) + \
+        group("bf16", {"ddp": [9.0, 9.0, 9.0], "deepshard-z0": [9.0, 9.0, 9.0]})
+    run = {"machine": report.machine_info(), "command": "bench --dtype bf16", "rows": now, "scaling_runs": [],
+           "settings": {"seed": 0, "lr": 1e-3}, "workloads": {}}
+    scaled = [{"engine": "deepshard-z3", "nprocs": 2, "measured": 8.0, "source": "memory_report", "formula": 8.0,
+               "vs_one_process": 0.5, "ideal": 0.5}]
+    earlier = {"rows": earlier_rows, "scaling_runs": [{"engine": "deepshard-z3"}], "scaling": scaled,
+               "command": "bench --dtype fp32", "machine": {"date": "then", "load_average_before": [0.5, 1, 1]},
+               "wall_seconds": 60}
+    merge_earlier(run, earlier)
+    kept = sorted((r["dtype"], r["engine"], r["step_time"]) for r in run["rows"])
+    assert kept == [("bf16", "ddp", 2.1), ("bf16", "deepshard-z0", 2.0), ("fp32", "ddp", 1.1),
+                    ("fp32", "deepshard-z0", 1.0)]  # the earlier bf16 rows (9.0) are not taken
+    assert run["scaling"] == scaled and run["merged"][0]["groups"] == ["mlp fp32 N=2", "scaling"]
+    assert {t["where"].split()[2] for t in run["targets_detail"]} == {"fp32", "bf16"}
+    assert "From an earlier run (mlp fp32 N=2, scaling): measured then" in report.render_markdown(run)
