@@ -132,9 +132,17 @@ def merge_earlier(run: dict[str, Any], earlier: dict[str, Any]) -> None:
     run["targets_detail"] = [{**vars(t), "verdict": t.verdict} for t in targets]
     run["notes"] = _notes(run["rows"])
     groups = sorted({f"{r['workload']} {r['dtype']} N={r['nprocs']}" for r in taken}) + (["scaling"] if scaling else [])
-    run.setdefault("merged", []).append({"groups": groups, "command": earlier.get("command", "?"),
-                                         "machine": earlier.get("machine", {}),
-                                         "wall_seconds": earlier.get("wall_seconds", 0)})
+    # what ``earlier`` itself took from older runs keeps its own source
+    sources = []
+    for older in earlier.get("merged", []):
+        moved = [g for g in older["groups"] if g in groups]
+        if moved:
+            sources.append({**older, "groups": moved})
+            groups = [g for g in groups if g not in moved]
+    if groups:
+        sources.insert(0, {"groups": groups, "command": earlier.get("command", "?"),
+                           "machine": earlier.get("machine", {}), "wall_seconds": earlier.get("wall_seconds", 0)})
+    run.setdefault("merged", []).extend(sources)
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:

@@ -235,3 +235,11 @@ def test_merge_takes_only_the_groups_this_run_did_not_measure() -> None:
     assert run["scaling"] == scaled and run["merged"][0]["groups"] == ["mlp fp32 N=2", "scaling"]
     assert {t["where"].split()[2] for t in run["targets_detail"]} == {"fp32", "bf16"}
     assert "From an earlier run (mlp fp32 N=2, scaling): measured then" in report.render_markdown(run)
+    # rows the earlier run had itself merged from an older one keep the older run as their source
+    older = {"groups": ["gpt fp32 N=2"], "command": "bench --workload gpt", "machine": {"date": "long ago"},
+             "wall_seconds": 9}
+    again = {**run, "rows": [r for r in run["rows"] if r["dtype"] == "bf16"], "merged": [], "scaling_runs": []}
+    merge_earlier(again, {**earlier, "rows": [{**r, "workload": "gpt"} for r in earlier_rows if r["dtype"] == "fp32"]
+                          + [r for r in earlier_rows if r["dtype"] == "fp32"], "merged": [older]})
+    assert [(m["groups"], m["command"]) for m in again["merged"]] == [
+        (["mlp fp32 N=2", "scaling"], "bench --dtype fp32"), (["gpt fp32 N=2"], "bench --workload gpt")]
