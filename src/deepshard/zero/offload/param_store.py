@@ -21,8 +21,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from deepshard.utils.hugepages import advise_huge_pages
-from deepshard.zero.offload.backing import Backing, FileBacking
+from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
+from deepshard.zero.offload.mapped import MappedFileBacking
 from deepshard.zero.offload.swapper import IOOp
 
 PARAMS = "params"
@@ -186,7 +187,7 @@ class OffloadedParamStore(ParamStore):
         return _OffloadedSource(self, start, numel)
 
     def fp32_file(self) -> tuple[Backing, str] | None:
-        mapped = isinstance(self.backing, FileBacking) and self.backing.in_place
+        mapped = isinstance(self.backing, MappedFileBacking)
         return (self.backing, PARAMS) if mapped and self.dtype == torch.float32 else None
 
     @torch.no_grad()

@@ -32,9 +32,10 @@ import torch
 
 from deepshard.zero.optimizer_guard import real_step
 
-from deepshard.zero.offload.backing import Backing, FileBacking
+from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.grad_store import GRADS, LazyPieces
+from deepshard.zero.offload.mapped import MappedFileBacking
 from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
 from deepshard.zero.offload.subgroups import SubGroup, plan_subgroups, split_fragments
 from deepshard.zero.offload.swapper import IOOp
@@ -72,8 +73,8 @@ class SubGroupStates(ShardStates):
                  sub_group_size: int, what: str = "offload_optimizer") -> None:
         self.backing = backing
         # the fp32 parameter shard's own file as the master weights (see StatesSpec.shared_masters)
-        shared = spec.shared_masters if isinstance(backing, FileBacking) and backing.in_place else None
-        self.masters_in_params = shared is not None and shared[0].in_place
+        shared = spec.shared_masters if isinstance(backing, MappedFileBacking) else None
+        self.masters_in_params = shared is not None
         self._master_at: tuple[Backing, str] = shared if self.masters_in_params else (backing, MASTER)  # type: ignore[assignment]
         self.shard_numel = spec.shard_numel
         self.has_masters = spec.offloaded_masters
@@ -182,11 +183,7 @@ class SubGroupStates(ShardStates):
 
     def _count_views(self, slots: Iterable[_Slot]) -> None:
         """Track the bytes of in-place views open at once (what a mapped backing can have resident)."""
-        live = 0
-        for slot in slots:
-            live += sum(t.numel() * t.element_size() for n, t in slot.tensors.items() if n not in slot.owned)
-            if slot.grad is not None and not slot.grad_buffer:
-                live += slot.grad.numel() * slot.grad.element_size()
+        live = sum(t.numel() * t.element_size() for slot in slots for _, _, t in self._in_place(slot))
         self.mapped_peak = max(self.mapped_peak, live)
 
     def _close(self, slot: _Slot, write: bool) -> None:
@@ -195,25 +192,23 @@ class SubGroupStates(ShardStates):
         self.grad_pool.release(slot.grad_buffer)
         self._settle(slot)
 
-    def _populate(self, slot: _Slot, write: bool) -> None:
-        """Map the slot's in-place views at once before the update touches them."""
-        sg = slot.sg
-        for name in slot.tensors:
+    def _in_place(self, slot: _Slot) -> Iterator[tuple[Backing, str, torch.Tensor]]:
+        """``(backing, file, view)`` of every tensor the slot uses in place (not a staging buffer)."""
+        for name, t in slot.tensors.items():
             if name not in slot.owned:
-                backing, file = self._where(name)
-                backing.populate(file, sg.start, sg.numel, write)
+                yield (*self._where(name), t)
         if slot.grad is not None and not slot.grad_buffer:
-            self.backing.populate(GRADS, sg.start, sg.numel, False)
+            yield self.backing, GRADS, slot.grad
+
+    def _populate(self, slot: _Slot, write: bool) -> None:
+        """Map the slot's in-place views at once before the update touches them (gradients are only read)."""
+        for backing, file, t in self._in_place(slot):
+            backing.populate(file, slot.sg.start, slot.sg.numel, write and file != GRADS)
 
     def _settle(self, slot: _Slot) -> None:
         """Let go of the views the slot used in place (a mapped backing unmaps their pages)."""
-        sg = slot.sg
-        for name in slot.tensors:
-            if name not in slot.owned:
-                backing, file = self._where(name)
-                backing.settle(file, sg.start, sg.numel)
-        if slot.grad is not None and not slot.grad_buffer:
-            self.backing.settle(GRADS, sg.start, sg.numel)
+        for backing, file, _ in self._in_place(slot):
+            backing.settle(file, slot.sg.start, slot.sg.numel)
         slot.tensors, slot.grad = {}, None
 
     def _abandon(self, slot: _Slot) -> None:
@@ -453,7 +448,7 @@ class SubGroupStates(ShardStates):
     # ------------------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         held = self.pool.allocated_bytes + self.grad_pool.allocated_bytes
-        if isinstance(self.backing, FileBacking) and self.backing.in_place:
+        if isinstance(self.backing, MappedFileBacking):
             held += self.mapped_peak  # mapped swap files: the views of the sub-groups open at once
         return {"master_weights": 0, "offloaded": self.backing.nbytes(), "offload_buffers": held}
 
