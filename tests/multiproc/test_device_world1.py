@@ -47,7 +47,8 @@ def test_every_stage_and_precision_matches_single_process_torch(world: dict[str,
     results, tol = world["oracle"][stage], fp32_rtol(world["device"])
     ref = reference_run(make_batches(5, 8), clip=0.5)
     splits = [k for k in results if k.startswith("fp32_")]
-    assert len(splits) == 3, splits  # micro 1, 2, 4 with 8, 4, 2 accumulation steps
+    # micro 1, 2, 4 with 8, 4, 2 accumulation steps (stage 0 adds its reduce-after-backward schedule)
+    assert {"fp32_m1_g8", "fp32_m2_g4", "fp32_m4_g2"} <= set(splits), splits
     for key in splits:
         _matches(results[key], ref, tol)
     sgd_ref = reference_run(make_batches(5, 8), clip=0.5, sgd=True)
