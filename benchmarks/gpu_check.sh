@@ -108,7 +108,11 @@ run_phase world1 80 "$PY" -m benchmarks.gpu.run_pytest "${pytest_opts[@]}" --jun
   tests/multiproc/test_device_world1.py
 run_phase gpt 120 "$PY" -m benchmarks.gpu.gpt_bench "${SIZE[@]}" --device-json "$WORK/device.json" --budget 110 \
   --case-timeout 45 --engines torch deepshard-z0 deepshard-z3 fsdp2 deepspeed-z0 deepspeed-z3 --out "$WORK/gpt.json"
-run_phase infinity 195 "$PY" -m benchmarks.gpu.infinity_bench "${SIZE[@]}" --budget 185 --out "$WORK/infinity.json"
+# INFINITY_ARGS: more options for the driver (e.g. "--multiples 3 --nvme-multiple 1.25" for a shorter rerun)
+inf_limit=${LIMIT_INFINITY:-195}
+# shellcheck disable=SC2086
+run_phase infinity 195 "$PY" -m benchmarks.gpu.infinity_bench "${SIZE[@]}" --budget $((inf_limit - 10)) \
+  ${INFINITY_ARGS:-} --out "$WORK/infinity.json"
 run_phase gloo 45 "$PY" -m benchmarks.gpu.run_pytest "${pytest_opts[@]}" "${xdist[@]}" --junitxml "$WORK/tests_gloo.xml" \
   tests/multiproc/test_oracle.py tests/multiproc/test_engine_api.py tests/multiproc/test_offload.py \
   tests/multiproc/test_checkpointing.py tests/multiproc/test_zero12.py tests/multiproc/test_stage3.py \

@@ -230,6 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adam-params", type=float, default=256e6)
     p.add_argument("--multiples", type=float, nargs="+", default=[3, 6, 10],
                    help="offloaded sizes to try, as multiples of the largest that trains without offload")
+    p.add_argument("--nvme-multiple", type=float, default=0.0,
+                   help="the size of the on-disk run, as a multiple of the largest without offload (0: the first "
+                        "of --multiples); each step reads and writes every state on disk, so a smaller one is quicker")
     p.add_argument("--nvme-path", default="/tmp/deepshard-infinity")
     p.add_argument("--budget", type=float, default=210.0, help="seconds for the whole run; cases past it are skipped")
     p.add_argument("--out", default="")
@@ -322,7 +325,8 @@ def offload_ladder(args: argparse.Namespace, tiny: bool, n0: int, train: Any) ->
         on_host = {**train(f"cpu-x{multiple:g}-L{layers}", "cpu", layers, args.steps, 150), "multiple": multiple}
         runs.append(on_host)
         if i == 0:
-            runs.append(nvme_run(args, layers, tiny, train, n0))
+            nvme_layers = layers_for(args.nvme_multiple * n0, tiny) if args.nvme_multiple else layers
+            runs.append(nvme_run(args, nvme_layers, tiny, train, n0))
         if on_host.get("status") != "ok":
             break
     return runs
@@ -364,7 +368,10 @@ def summary_text(report: dict[str, Any]) -> str:
     for name, r in adam.get("rows", {}).items():
         lines.append(f"CPU Adam {name}: {r['params_per_s'] / 1e9:.2f}B params/s ({r['step_s'] * 1e3:.0f} ms per "
                      f"{adam['params'] / 1e6:.0f}M)")
-    for r in report.get("no_offload", []) + report.get("offload", []):
+    # a run stopped part-way has only the training cases it finished, in "cases"
+    rows = (report.get("cases", []) if report.get("status") == "partial"
+            else report.get("no_offload", []) + report.get("offload", []))
+    for r in rows:
         if r.get("status") != "ok":
             lines.append(f"{r['name']}: {r.get('status')} {str(r.get('detail', ''))[:160]}")
             continue

@@ -93,9 +93,12 @@ def test_memory_report_counts_offloaded_bytes_apart(acct: dict[Any, Any], stage:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_safe_get_full_helpers_read_offloaded_state(acct: dict[Any, Any], stage: int) -> None:
     ref, got = acct[(stage, "ref")], acct[(stage, "nvme")]
+    # the offloaded states step with torch's fused CPU Adam, the reference with its default loop (on a GPU,
+    # its CUDA kernels): the same values to a few units in the last place
     for key in ("fp32", "exp_avg_sq"):
         for name, value in ref[key].items():
-            assert torch.equal(got[key][name], value), (key, name)
+            assert value.abs().sum() > 0, (key, name)
+            torch.testing.assert_close(got[key][name], value, rtol=1e-5, atol=1e-12, msg=f"{key} {name}")
     names = {"master.swp", "state.exp_avg.swp", "state.exp_avg_sq.swp"}
     assert names <= set(got["files"])
     assert ("params.swp" in got["files"]) == (stage == 3)

@@ -133,10 +133,11 @@ def test_cpu_optimizers_are_torchs_updates() -> None:
     from deepshard.ops.lion import DeepSpeedCPULion
     from deepshard.optim.lion import Lion
 
+    # DeepSpeed's CPU Adam is its own fused kernel: ours is torch's fused one, bit for bit
     cases = [(lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1, adamw_mode=True),
-              lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
+              lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1, fused=True)),
              (lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1, adamw_mode=False),
-              lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1)),
+              lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1, fused=True)),
              (lambda p: FusedAdam(p, lr=0.1, weight_decay=0.1),
               lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1)),
              (lambda p: DeepSpeedCPUAdagrad(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),

@@ -249,12 +249,13 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
     ref = [torch.nn.Parameter(torch.randn(s)) for s in ((5, 7), (19,), (3, 3))]
     mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
 
-    def make(ps: list) -> torch.optim.Optimizer:
+    def make(ps: list, **kernel: bool) -> torch.optim.Optimizer:
         if kind == "sgd":
             return torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.3}], lr=0.1, momentum=0.9)
-        return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=0.01)
+        return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=0.01, **kernel)
 
-    opt_ref = make(ref)
+    # the offloaded states step a default AdamW with torch's fused CPU kernel (deepshard.optim.kernels)
+    opt_ref = make(ref) if kind == "sgd" else make(ref, fused=True)
     back = {"file": lambda: FileBacking(AsyncSwapper(tmp_path, 0, AIO)), "host": lambda: HostBacking(False),
             "mapped": lambda: MappedFileBacking(AsyncSwapper(tmp_path, 0, AIO))}[backing]()
     states = _states(back, mine, mixed=True)
@@ -264,6 +265,7 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
         group["params"] = [states.params[j] for p in group["params"] for j, piece in enumerate(states.pieces)
                            if piece.name == f"p{index[id(p)]}"]
     states.bind(opt)
+    assert all(g.get("fused") is (True if kind == "adamw" else None) for g in opt.param_groups)
     assert len(states.subgroups) == 4  # 63 elements in sub-groups of 16
     published = torch.zeros(states.shard_numel)
     for step in range(3):
@@ -277,10 +279,13 @@ def test_sub_grouped_step_equals_one_plain_step(tmp_path: Path, backing: str, ki
         for g_ref, g in zip(opt_ref.param_groups, opt.param_groups):
             g_ref["lr"] *= 0.5  # a scheduler: acts through the user's param groups
             g["lr"] *= 0.5
-    assert torch.equal(published, torch.cat([p.detach().reshape(-1) for p in ref]))
+    # the fused kernel's vector lanes and scalar tail round differently: cut into sub-groups, its results
+    # match one plain step to the last place or two, the loop kernel's (SGD) bit for bit
+    same = torch.equal if kind == "sgd" else (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0))
+    assert same(published, torch.cat([p.detach().reshape(-1) for p in ref]))
     key = "exp_avg_sq" if kind == "adamw" else "momentum_buffer"
     state = torch.cat([states.piece_state(i)[key] for i in range(len(states.pieces))])
-    assert torch.equal(state, torch.cat([opt_ref.state[p][key].reshape(-1) for p in ref]))
+    assert same(state, torch.cat([opt_ref.state[p][key].reshape(-1) for p in ref]))
     assert all(len(g["params"]) > 0 for g in opt.param_groups)  # restored after each step
     if backing != "file":  # used in place: no staging buffer was ever allocated
         assert states.pool.allocated_bytes == 0

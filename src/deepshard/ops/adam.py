@@ -27,8 +27,9 @@ def _adam_kwargs(name: str, lr: float, bias_correction: bool, betas: tuple[float
 
 
 class DeepSpeedCPUAdam(torch.optim.Adam):
-    """DeepSpeed's CPU Adam: torch's Adam (foreach kernels) on whatever device the parameters are;
-    ``fp32_optimizer_states`` is accepted: deepshard keeps optimizer states in fp32 anyway."""
+    """DeepSpeed's CPU Adam: torch's Adam with its fused kernel (one vectorised, multi-threaded pass on the
+    CPU, as DeepSpeed's own CPU Adam), on whatever device the parameters are; ``fp32_optimizer_states`` is
+    accepted: deepshard keeps optimizer states in fp32 anyway."""
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -36,6 +37,9 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
         super().__init__(model_params, **_adam_kwargs(type(self).__name__, lr, bias_correction, betas, eps,
                                                       weight_decay, amsgrad, adamw_mode))
         self.adamw_mode = adamw_mode
+        self.defaults["fused"] = True
+        for group in self.param_groups:
+            group["fused"] = True
 
 
 class FusedAdam(torch.optim.Adam):

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from deepshard.optim.kernels import fuse_host_adam
 from deepshard.zero.optimizer_guard import real_step
 
 from deepshard.zero.offload.backing import Backing
@@ -97,6 +98,12 @@ class SubGroupStates(ShardStates):
         self.mapped_peak = 0  # the most bytes of in-place views (mapped swap files) open at once
 
     # ------------------------------------------------------------------------------ set-up / io
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer steps here on the host: torch's fused CPU Adam unless the user chose a kernel."""
+        super().bind(optimizer)
+        if optimizer is not None:
+            fuse_host_adam(optimizer, self.pool.what)
+
     def write_masters(self, start: int, values: torch.Tensor) -> None:
         if self.has_masters and not self.masters_in_params:  # (shared: the parameter shard has them)
             # a private copy: the write finishes in the background while the caller reuses its tensor
