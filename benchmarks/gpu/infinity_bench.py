@@ -233,6 +233,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nvme-multiple", type=float, default=0.0,
                    help="the size of the on-disk run, as a multiple of the largest without offload (0: the first "
                         "of --multiples); each step reads and writes every state on disk, so a smaller one is quicker")
+    p.add_argument("--no-nvme", action="store_true", help="leave the on-disk run out")
     p.add_argument("--nvme-path", default="/tmp/deepshard-infinity")
     p.add_argument("--budget", type=float, default=210.0, help="seconds for the whole run; cases past it are skipped")
     p.add_argument("--out", default="")
@@ -324,7 +325,7 @@ def offload_ladder(args: argparse.Namespace, tiny: bool, n0: int, train: Any) ->
             break
         on_host = {**train(f"cpu-x{multiple:g}-L{layers}", "cpu", layers, args.steps, 150), "multiple": multiple}
         runs.append(on_host)
-        if i == 0:
+        if i == 0 and not args.no_nvme:
             nvme_layers = layers_for(args.nvme_multiple * n0, tiny) if args.nvme_multiple else layers
             runs.append(nvme_run(args, nvme_layers, tiny, train, n0))
         if on_host.get("status") != "ok":

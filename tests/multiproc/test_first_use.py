@@ -43,8 +43,10 @@ def test_default_offload_sizes_train_like_memory(results: list[dict[str, Any]], 
     for res in results:
         r = res["default_offload"][dtype]
         (ref_losses, ref_weights), (losses, weights) = r["ref"], r["got"]
-        assert losses == ref_losses
-        assert all(rel_err(weights[n], v) == 0.0 for n, v in ref_weights.items())
+        # the offloaded AdamW steps with torch's fused CPU kernel, the in-memory one with its default loop:
+        # the same update to a few units in the last place
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        assert all(rel_err(weights[n], v) <= 1e-6 for n, v in ref_weights.items())
         assert r["pool_count"] == 6 and r["subgroups"] == 1  # a tiny shard is one sub-group
         # only the buffers one sub-group needs are ever allocated: masters + 2 Adam states + its gradient
         assert 0 < r["offload_buffers"] <= 4 * 4 * r["shard_numel"]

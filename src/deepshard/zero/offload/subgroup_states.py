@@ -94,6 +94,7 @@ class SubGroupStates(ShardStates):
         # never written back, so two buffers (the sub-group being updated and the next) always suffice
         self.grad_pool = BufferPool(2, largest * STAGING_ELEMENT_BYTES, pin, what)
         self._staged_grads = False
+        self._grad_buffers: list[torch.Tensor] = []  # held for one step: the fp32 gradients, a 16-bit landing
         self._stepped = False
         self.mapped_peak = 0  # the most bytes of in-place views (mapped swap files) open at once
 
@@ -273,6 +274,8 @@ class SubGroupStates(ShardStates):
                         ahead=self._stepped)
         finally:
             self._staged_grads = False
+            self.grad_pool.release(self._grad_buffers)
+            self._grad_buffers = []
             for group, params in zip(opt.param_groups, saved):
                 group["params"] = params
         self._stepped = True
@@ -331,17 +334,46 @@ class SubGroupStates(ShardStates):
             else:
                 state.pop(fp, None)
 
+    def _grad_buffer(self, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The ``k``-th gradient buffer of this step (acquired on first use, released when the step ends)
+        as ``numel`` elements of ``dtype``."""
+        while len(self._grad_buffers) <= k:
+            self._grad_buffers += self.grad_pool.acquire(1)  # type: ignore[operator]
+        return self._grad_buffers[k][:numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+
     def _set_grads(self, sg: SubGroup, grads: list[torch.Tensor], multiplier: float) -> None:
         if self.has_masters:
-            for i in sg.pieces:
-                g = grads[i].to(device="cpu", dtype=torch.float32, copy=True)
-                self.params[i].grad = g.mul_(multiplier) if multiplier != 1.0 else g
+            self._set_fp32_grads(sg, grads, multiplier)
             return
         srcs = [grads[i] for i in sg.pieces]
         if multiplier != 1.0 and srcs:
             torch._foreach_mul_(srcs, multiplier)
         for i, src in zip(sg.pieces, srcs):
             self.params[i].grad = src
+
+    def _set_fp32_grads(self, sg: SubGroup, grads: list[torch.Tensor], multiplier: float) -> None:
+        """The sub-group's gradients as fp32 views of one reused host buffer (no memory allocated per
+        step). Gradients on an accelerator cross to the host in their own dtype (a 16-bit one in half the
+        bytes: ``.to("cpu", float32)`` would cast on the device first) into a second buffer, pinned when
+        the offload pins, and are cast on the host; host gradients are cast in the copy."""
+        if not sg.pieces:
+            return
+        fp32 = self._grad_buffer(0, torch.float32, sg.numel)
+        first = grads[sg.pieces[0]]
+        on_host = first.device.type == "cpu"
+        land = fp32 if on_host or first.dtype == torch.float32 else self._grad_buffer(1, first.dtype, sg.numel)
+        spans = [(i, self.pieces[i].shard_start - sg.start, self.pieces[i].numel) for i in sg.pieces]
+        for i, lo, n in spans:
+            land[lo:lo + n].copy_(grads[i].reshape(-1), non_blocking=not on_host)
+        if not on_host:
+            device = first.device
+            getattr(torch, device.type).synchronize(device)  # the copies landed before the host reads them
+            if land is not fp32:
+                fp32.copy_(land)
+        if multiplier != 1.0:
+            fp32.mul_(multiplier)
+        for i, lo, n in spans:
+            self.params[i].grad = fp32[lo:lo + n]
 
     def _set_staged_grads(self, slot: _Slot, multiplier: float) -> None:
         """The gradients as views of the staged range (the same values and arithmetic as ``_set_grads``:
