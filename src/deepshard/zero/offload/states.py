@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from deepshard.optim.kernels import fuse_host_adam
 from deepshard.zero.optimizer_guard import real_step
 
 from deepshard.zero.partition import Fragment
@@ -117,7 +118,14 @@ class ShardStates(ABC):
 class ResidentStates(ShardStates):
     """Masters (when kept) and optimizer state on the compute device; one ``optimizer.step()``."""
 
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """On the CPU the shard's states step with torch's fused Adam unless the user chose a kernel."""
+        super().bind(optimizer)
+        if optimizer is not None and self.device.type == "cpu":
+            fuse_host_adam(optimizer, "zero_optimization")
+
     def __init__(self, spec: StatesSpec) -> None:
+        self.device = spec.device
         self.pieces = list(spec.fragments)
         self.has_masters = spec.keeps_master_weights or spec.values is None
         self.masters = (torch.zeros(spec.shard_numel, dtype=torch.float32, device=spec.device)
