@@ -35,11 +35,8 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
         super().__init__(model_params, **_adam_kwargs(type(self).__name__, lr, bias_correction, betas, eps,
-                                                      weight_decay, amsgrad, adamw_mode))
+                                                      weight_decay, amsgrad, adamw_mode), fused=True)
         self.adamw_mode = adamw_mode
-        self.defaults["fused"] = True
-        for group in self.param_groups:
-            group["fused"] = True
 
 
 class FusedAdam(torch.optim.Adam):

@@ -3,9 +3,9 @@
 torch leaves ``Adam(foreach=None, fused=None)`` on CPU tensors to its one-tensor-at-a-time loop, several
 passes over memory per step. Its fused CPU kernel makes one vectorised, multi-threaded pass: 4-6x faster
 on the same states (1.4 against 0.24 billion parameters per second on 2 cores, 4.4 against 0.6-0.9 on
-16), with the same formula and results equal to a few units in the last place. Where deepshard, not the
-user, put the states on the host (an offloaded optimizer, DeepSpeed's ``DeepSpeedCPUAdam``), it picks
-that kernel, as DeepSpeed runs its own fused CPU Adam there. A kernel the user chose (``foreach`` or
+16), with the same formula and results equal to a few units in the last place. Where the states are
+deepshard's own on the host (a ZeRO shard on the CPU, an offloaded optimizer; ``DeepSpeedCPUAdam`` asks
+for it itself), it picks that kernel, as DeepSpeed runs its own fused Adam. A kernel the user chose (``foreach`` or
 ``fused`` given, True or False) is kept.
 """
 from __future__ import annotations

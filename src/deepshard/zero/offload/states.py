@@ -64,10 +64,14 @@ class ShardStates(ABC):
     params: list[torch.nn.Parameter]
     has_masters: bool
     optimizer: torch.optim.Optimizer | None = None
+    steps_on_host: bool = True  # the optimizer updates these states on the CPU
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """The optimizer whose param groups hold ``params``."""
+        """The optimizer whose param groups hold ``params``; on the host, torch's Adam/AdamW step with
+        torch's fused kernel unless the user chose a kernel (``deepshard.optim.kernels``)."""
         self.optimizer = optimizer
+        if optimizer is not None and self.steps_on_host:
+            fuse_host_adam(optimizer, "zero_optimization")
 
     @abstractmethod
     def write_masters(self, start: int, values: torch.Tensor) -> None:
@@ -118,14 +122,8 @@ class ShardStates(ABC):
 class ResidentStates(ShardStates):
     """Masters (when kept) and optimizer state on the compute device; one ``optimizer.step()``."""
 
-    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """On the CPU the shard's states step with torch's fused Adam unless the user chose a kernel."""
-        super().bind(optimizer)
-        if optimizer is not None and self.device.type == "cpu":
-            fuse_host_adam(optimizer, "zero_optimization")
-
     def __init__(self, spec: StatesSpec) -> None:
-        self.device = spec.device
+        self.steps_on_host = spec.device.type == "cpu"
         self.pieces = list(spec.fragments)
         self.has_masters = spec.keeps_master_weights or spec.values is None
         self.masters = (torch.zeros(spec.shard_numel, dtype=torch.float32, device=spec.device)

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from deepshard.optim.kernels import fuse_host_adam
 from deepshard.zero.optimizer_guard import real_step
 
 from deepshard.zero.offload.backing import Backing
@@ -60,6 +59,11 @@ class _Slot:
 
 def _state_name(key: str) -> str:
     return f"state.{key}"
+
+
+def _typed(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of uint8 ``buffer`` as ``dtype``."""
+    return buffer[:numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
 
 
 def _placeholder() -> torch.Tensor:
@@ -99,12 +103,6 @@ class SubGroupStates(ShardStates):
         self.mapped_peak = 0  # the most bytes of in-place views (mapped swap files) open at once
 
     # ------------------------------------------------------------------------------ set-up / io
-    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """The optimizer steps here on the host: torch's fused CPU Adam unless the user chose a kernel."""
-        super().bind(optimizer)
-        if optimizer is not None:
-            fuse_host_adam(optimizer, self.pool.what)
-
     def write_masters(self, start: int, values: torch.Tensor) -> None:
         if self.has_masters and not self.masters_in_params:  # (shared: the parameter shard has them)
             # a private copy: the write finishes in the background while the caller reuses its tensor
@@ -138,9 +136,7 @@ class SubGroupStates(ShardStates):
         return self._master_at if name == MASTER else (self.backing, name)
 
     def _stage(self, slot: _Slot, name: str, buffer: torch.Tensor) -> torch.Tensor:
-        dtype = self.backing.dtypes[name]
-        size = torch.empty(0, dtype=dtype).element_size()
-        t = buffer[:slot.sg.numel * size].view(dtype)
+        t = _typed(buffer, self.backing.dtypes[name], slot.sg.numel)
         slot.tensors[name] = t
         slot.owned.append(name)
         slot.buffers.append(buffer)
@@ -170,8 +166,7 @@ class SubGroupStates(ShardStates):
                 self.pool.release(buffers)
                 return None
             slot.grad_buffer = grad_buffer
-            dtype = self.backing.dtypes[GRADS]
-            slot.grad = grad_buffer[0][:sg.numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+            slot.grad = _typed(grad_buffer[0], self.backing.dtypes[GRADS], sg.numel)
             slot.reads.append(self.backing.read(GRADS, sg.start, slot.grad))
         for name, buffer in zip(missing, buffers):
             t = self._stage(slot, name, buffer)
@@ -339,7 +334,7 @@ class SubGroupStates(ShardStates):
         as ``numel`` elements of ``dtype``."""
         while len(self._grad_buffers) <= k:
             self._grad_buffers += self.grad_pool.acquire(1)  # type: ignore[operator]
-        return self._grad_buffers[k][:numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+        return _typed(self._grad_buffers[k], dtype, numel)
 
     def _set_grads(self, sg: SubGroup, grads: list[torch.Tensor], multiplier: float) -> None:
         if self.has_masters:
