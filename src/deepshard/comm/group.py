@@ -9,6 +9,7 @@ tensor, an all-gather or reduce-scatter 1x the full (unsharded) tensor.
 """
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepshard.comm import pairwise
+from deepshard.comm import shm as shared_memory
 from deepshard.comm.logger import CommsLogger
 from deepshard.comm.watchdog import Watchdog
 
@@ -43,6 +45,12 @@ def _padded_concat(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
     return flat
 
 
+def _fingerprint(tag: int, kind: int) -> int:
+    """What a shared-memory round carries to say which collective it belongs to: the pairwise tag (the
+    group's sequence, key and size) and the kind of collective."""
+    return tag * 8 + kind
+
+
 class WatchedWork:
     """An async handle whose plain ``wait()`` goes through the group's watchdog, so a collective that
     never completes (a rank that diverged or vanished) ends with a diagnosis instead of hanging. A
@@ -67,10 +75,15 @@ class CommGroup:
     ``pairwise``: run reduce-scatter and all-gather as direct ``isend``/``irecv`` exchanges
     (``comm/pairwise.py``) instead of the backend's own collectives. None (the default) chooses them
     on gloo, whose native ones are 2-3x slower and copy the whole input; NCCL keeps its own.
+
+    ``shm``: run those pairwise reduce-scatters and all-gathers through shared memory when every rank of
+    the group is on this host (``comm/shm.py``); None (the default) reads ``DEEPSHARD_SHM`` (auto, 1 or
+    0; auto uses it wherever it can). Groups spanning hosts keep TCP.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, logger: Optional[CommsLogger] = None,
-                 pairwise: Optional[bool] = None, name: str = "world", solo: bool = False) -> None:
+                 pairwise: Optional[bool] = None, name: str = "world", solo: bool = False,
+                 shm: Optional[bool] = None) -> None:
         self.group = group
         self.name = name
         self.logger = logger if logger is not None else CommsLogger()
@@ -89,6 +102,9 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
+        self.shm = shared_memory.mode_from(shm, os.environ) is not False
+        self._ring: Optional[shared_memory.ShmRing] = None
+        self._ring_tried = False
         self._watchdog: Optional[Watchdog] = None
         self.progress: Any = None
         """What the watchdog reads the training step from (``global_steps``): the owning engine's state."""
@@ -134,6 +150,17 @@ class CommGroup:
         """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
         return self.pairwise and tensor.device.type == "cpu"
 
+    def _ring_for(self, tensor: torch.Tensor) -> Optional[shared_memory.ShmRing]:
+        """The shared-memory outboxes for a pairwise collective on ``tensor``, or None (TCP). The first call
+        is the group's rendezvous: every rank reaches it at the same collective."""
+        if not (self.shm and self.backend == "gloo" and self.pairwise_for(tensor)):
+            return None
+        if not self._ring_tried:
+            self._ring_tried = True
+            self._ring = shared_memory.connect(self.group, self.rank, self.peers, self.name,
+                                               shared_memory.slot_bytes_from(os.environ), self.watchdog.limit)
+        return self._ring
+
     def _next_tag(self, key: int, nbytes: int, count: int = 1) -> int:
         """The tag (first of ``count``) of the next pairwise collective: the group's sequence number mixed
         with what the collective is (``key``: e.g. a ZeRO-3 group's index; ``nbytes``: its size). Ranks
@@ -162,9 +189,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
         if self.pairwise_for(output):
-            tag = self._next_tag(key, output.numel() * output.element_size())
-            return self._settle(pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag),
-                                async_op, self._what("all_gather", output))
+            return self._pairwise_gather(output, shard, key, async_op)
         work = _all_gather(output, shard, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_gather", output))
 
@@ -176,12 +201,21 @@ class CommGroup:
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
             self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
-            tag = self._next_tag(0, buffer.numel() * buffer.element_size())
-            return self._settle(pairwise.all_gather(buffer, mine, self.rank, self.peers, self.group, tag),
-                                async_op, self._what("all_gather", buffer))
+            return self._pairwise_gather(buffer, mine, 0, async_op)
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
         return self.all_gather_into_tensor(buffer, mine, async_op=async_op)
+
+    def _pairwise_gather(self, output: torch.Tensor, shard: torch.Tensor, key: int, async_op: bool) -> Any:
+        """The all-gather over shared memory (same host) or pairwise TCP exchanges."""
+        ring = self._ring_for(output)
+        tag = self._next_tag(key, output.numel() * output.element_size())
+        what = self._what("all_gather", output)
+        if ring is not None:
+            work = ring.all_gather(output, shard, _fingerprint(tag, 1), what)
+        else:
+            work = pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag)
+        return self._settle(work, async_op, what)
 
     def all_to_all_single(self, output: torch.Tensor, data: torch.Tensor, async_op: bool = False):
         """Send row ``k`` of ``data`` (``size`` equal rows) to rank ``k``; receive rank ``k``'s row for this
@@ -205,9 +239,14 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
         if self.pairwise_for(full):
+            ring = self._ring_for(full)
             tag = self._next_tag(0, full.numel() * full.element_size())
-            return self._settle(pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag),
-                                async_op, self._what("reduce_scatter", full))
+            what = self._what("reduce_scatter", full)
+            if ring is not None:
+                work = ring.reduce_scatter_tensor(output, full, _fingerprint(tag, 2), what)
+            else:
+                work = pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag)
+            return self._settle(work, async_op, what)
         work = _reduce_scatter(output, full, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("reduce_scatter", full))
 
@@ -224,17 +263,21 @@ class CommGroup:
             flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
         self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
+        what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         if self.pairwise_for(pieces[0]):
+            ring = self._ring_for(pieces[0])
             nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
             tag = self._next_tag(key, nbytes, count=len(pieces))
-            work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
+            if ring is not None:
+                work = ring.reduce_scatter(pieces, chunk, _fingerprint(tag, 3), what)
+            else:
+                work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
         else:
             staging = _padded_concat(pieces, chunk * self.size)
             out = torch.empty(chunk, dtype=dtype, device=device)
             native = _reduce_scatter(out, staging, group=self.group, async_op=True)
             work = pairwise.CollectiveWork([native], lambda: out,
                                            scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
-        what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         return self._settle(work, True, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
