@@ -79,9 +79,9 @@ def _all_cases(mem: CommGroup, tcp: CommGroup) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for salt, dtype_name in enumerate(DTYPES):
         res.update({f"{dtype_name}:{k}": v for k, v in _compare(mem, tcp, getattr(torch, dtype_name), 10 * salt).items()})
-    ring = mem._ring
-    res["used_shm"] = ring is not None and tcp._ring is None
-    res["paths"] = ring.paths if ring is not None else []
+    link = mem._shm_link
+    res["used_shm"] = link is not None and link.state == "shm" and tcp._shm_link is None
+    res["paths"] = link.paths if link is not None else []
     return res
 
 
@@ -93,7 +93,7 @@ def _fallback(rank: int) -> dict[str, Any]:
         res = _compare(mem, tcp, torch.float32, 99)
     finally:
         del os.environ[shm.HOST_VAR]
-    res["fell_back"] = mem._ring_tried and mem._ring is None
+    res["fell_back"] = mem._shm_link is not None and mem._shm_link.state == "tcp"
     return res
 
 

@@ -45,12 +45,6 @@ def _padded_concat(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
     return flat
 
 
-def _fingerprint(tag: int, kind: int) -> int:
-    """What a shared-memory round carries to say which collective it belongs to: the pairwise tag (the
-    group's sequence, key and size) and the kind of collective."""
-    return tag * 8 + kind
-
-
 class WatchedWork:
     """An async handle whose plain ``wait()`` goes through the group's watchdog, so a collective that
     never completes (a rank that diverged or vanished) ends with a diagnosis instead of hanging. A
@@ -103,8 +97,7 @@ class CommGroup:
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
         self.shm = shared_memory.mode_from(shm, os.environ) is not False
-        self._ring: Optional[shared_memory.ShmRing] = None
-        self._ring_tried = False
+        self._shm_link: Optional[shared_memory.ShmTransport] = None
         self._watchdog: Optional[Watchdog] = None
         self.progress: Any = None
         """What the watchdog reads the training step from (``global_steps``): the owning engine's state."""
@@ -150,16 +143,17 @@ class CommGroup:
         """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
         return self.pairwise and tensor.device.type == "cpu"
 
-    def _ring_for(self, tensor: torch.Tensor) -> Optional[shared_memory.ShmRing]:
-        """The shared-memory outboxes for a pairwise collective on ``tensor``, or None (TCP). The first call
-        is the group's rendezvous: every rank reaches it at the same collective."""
+    def _shm_for(self, tensor: torch.Tensor) -> Optional[shared_memory.ShmTransport]:
+        """The shared-memory transport for a pairwise collective on ``tensor``, or None (TCP: not wanted, not
+        a host tensor on gloo, or the group's rendezvous found its ranks on several hosts)."""
         if not (self.shm and self.backend == "gloo" and self.pairwise_for(tensor)):
             return None
-        if not self._ring_tried:
-            self._ring_tried = True
-            self._ring = shared_memory.connect(self.group, self.rank, self.peers, self.name,
-                                               shared_memory.slot_bytes_from(os.environ), self.watchdog.limit)
-        return self._ring
+        if self._shm_link is None:  # the rendezvous' tags: taken at the same collective on every rank
+            tags = [self._next_tag(-1 - i, 8 * self.size) for i in range(3)]
+            self._shm_link = shared_memory.ShmTransport(self.group, self.rank, self.peers, self.name,
+                                                        shared_memory.slot_bytes_from(os.environ),
+                                                        self.watchdog.limit, tags)
+        return self._shm_link if self._shm_link.queues else None
 
     def _next_tag(self, key: int, nbytes: int, count: int = 1) -> int:
         """The tag (first of ``count``) of the next pairwise collective: the group's sequence number mixed
@@ -208,11 +202,11 @@ class CommGroup:
 
     def _pairwise_gather(self, output: torch.Tensor, shard: torch.Tensor, key: int, async_op: bool) -> Any:
         """The all-gather over shared memory (same host) or pairwise TCP exchanges."""
-        ring = self._ring_for(output)
+        link = self._shm_for(output)
         tag = self._next_tag(key, output.numel() * output.element_size())
         what = self._what("all_gather", output)
-        if ring is not None:
-            work = ring.all_gather(output, shard, _fingerprint(tag, 1), what)
+        if link is not None:
+            work = link.all_gather(output, shard, tag, what)
         else:
             work = pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag)
         return self._settle(work, async_op, what)
@@ -239,11 +233,11 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
         if self.pairwise_for(full):
-            ring = self._ring_for(full)
+            link = self._shm_for(full)
             tag = self._next_tag(0, full.numel() * full.element_size())
             what = self._what("reduce_scatter", full)
-            if ring is not None:
-                work = ring.reduce_scatter_tensor(output, full, _fingerprint(tag, 2), what)
+            if link is not None:
+                work = link.reduce_scatter_tensor(output, full, tag, what)
             else:
                 work = pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag)
             return self._settle(work, async_op, what)
@@ -265,11 +259,11 @@ class CommGroup:
         self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
         what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         if self.pairwise_for(pieces[0]):
-            ring = self._ring_for(pieces[0])
+            link = self._shm_for(pieces[0])
             nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
             tag = self._next_tag(key, nbytes, count=len(pieces))
-            if ring is not None:
-                work = ring.reduce_scatter(pieces, chunk, _fingerprint(tag, 3), what)
+            if link is not None:
+                work = link.reduce_scatter_pieces(pieces, chunk, tag, what)
             else:
                 work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
         else:

@@ -14,10 +14,15 @@ host (``benchmarks/shm_bench.py``, fp32, median ms per call; the module's defaul
     reduce_scatter_pieces     SEE_RS4T    SEE_RS4S     SEE_RS16T  SEE_RS16S
     ========================  ==========  ===========  =========  ==========
 
-**Synchronous.** A collective completes inside the call and returns a completed handle, so callers wait
-on it as on any other. On a busy 2-core host no core is idle to overlap a transfer with (gloo's
-"asynchronous" TCP transfer is a kernel memcpy on the same cores), and a queued design would deadlock (a
-sender waiting for a slot that its receiver frees only when it waits) unless a progress thread ran.
+**Run at wait, in issue order, whole.** An issued collective is queued; waiting on it runs it, and every
+collective the group issued before it, to completion inside the call (copy in, signal, wait for the
+peers, copy or sum out). On a busy 2-core host no core is idle to overlap a transfer with (gloo's
+"asynchronous" TCP transfer is a kernel memcpy on the same cores), so running at wait costs nothing, and
+it keeps the watchdog's contract: a rank never blocks at issue time, a wait is bounded by its timeout
+(False: the watchdog names the missing ranks), and a peer whose process is gone fails the wait as a lost
+connection does. Running whole collectives in issue order also avoids the deadlock of a queued design
+(a sender waiting for a slot that its receiver frees only when it waits) without a progress thread.
+The inputs must stay unchanged until the wait, as for the pairwise forms.
 
 **Outbox.** A 4 KiB control header, then two slots of ``slot_bytes`` (default 1 MiB, ``DEEPSHARD_SHM_SLOT_MB``)
 used alternately by consecutive rounds, so a rank writes round ``t + 1`` while a slower peer still reads
@@ -25,37 +30,42 @@ round ``t``; a larger collective runs in several rounds. Slots of 0.5 to 16 MiB 
 noise of a 2-core host) from 4 to 64 MiB collectives, 0.25 MiB was slower; 1 MiB keeps the memory small.
 Memory added per process: its own outbox plus the parts of its peers' it reads, at most
 ``2 * N * slot_bytes`` resident (4 MiB for 2 ranks; shared pages count in each process's resident set),
-and nothing else: the reduce-scatter sums out of the peers' outboxes, with none of the pairwise form's
-``N - 1`` receive chunks (a 16 MiB reduce-scatter over 2 ranks allocates 8 MiB less).
+and nothing else: the reduce-scatter sums out of the peers' outboxes into its result chunk, where the
+pairwise form receives ``N - 1`` chunks (the same on 2 ranks, ``N - 2`` chunks less on more).
 
 **Signals.** The header holds this rank's last written round, its last fully read round, and a
 fingerprint of each slot's collective (its sequence number, kind and size, as the pairwise tags). A rank
 writes round ``t`` once every peer has read round ``t - 2`` (the slot is free); it reads once every peer
 has written round ``t`` with the same fingerprint (ranks that issued different collectives raise instead
-of exchanging the wrong data). Waits yield the core, then sleep in short steps; the group's watchdog
-timeout bounds them (:class:`CollectiveTimeout` names the collective and the ranks that did not arrive).
+of exchanging the wrong data). Waits yield the core 200 times, then sleep 30 us at a time (never a
+long busy spin: on 2 cores the compute threads need the CPU).
 
-**Rendezvous.** At a group's first eligible collective the ranks exchange (host name, a token from group
-rank 0); only when every rank is on this host, ``/dev/shm`` has room and every rank mapped every outbox is
-the transport used, else the group keeps the pairwise TCP forms for its life (one log line). Each rank
-unlinks its own file once all have mapped it, so nothing stays in ``/dev/shm``, even after a crash.
+**Rendezvous.** At a group's first run the ranks exchange (host name, a token from group rank 0, their
+process ids) over pairwise TCP, under the same deadline; only when every rank is on this host,
+``/dev/shm`` has room and every rank mapped every outbox is the transport used, else the group keeps the
+pairwise TCP forms for its life (one log line). Each rank unlinks its own file once all have mapped it,
+so nothing stays in ``/dev/shm`` past the rendezvous, whatever happens to the processes later.
 
 Results are bit-identical to ``pairwise``: the same summation order (the chunk from rank ``r - 1``, this
 rank's own, then ranks ``r - 2, r - 3, ...``), 16-bit chunks from more than two ranks summed in fp32.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
 import logging
 import mmap
 import os
+import secrets
 import socket
 import time
-import uuid
-from typing import Any, Mapping, Optional
+from collections import deque
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from deepshard.comm import pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
 from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit
 from deepshard.utils.hugepages import advise_huge_pages
@@ -71,6 +81,7 @@ HEADER_BYTES = 4096
 _WRITTEN, _READ, _PRINT = 0, 1, 2  # header words: last written round, last fully read round, fingerprints
 _YIELDS = 200  # waits first yield the core this many times, then sleep
 _SLEEP_S = 30e-6
+_LIVENESS_S = 0.25  # how often a long wait checks that the peers' processes still exist
 
 
 def mode_from(value: Optional[bool], environ: Mapping[str, str]) -> Optional[bool]:
@@ -94,22 +105,28 @@ def slot_bytes_from(environ: Mapping[str, str]) -> int:
     try:
         mib = float(raw)
     except ValueError:
-        raise ValueError(f"{SLOT_VAR}={raw!r} is not a number of MiB; e.g. {SLOT_VAR}=4") from None
+        raise ValueError(f"{SLOT_VAR}={raw!r} is not a number of MiB; e.g. {SLOT_VAR}=1") from None
     if not mib > 0:
         raise ValueError(f"{SLOT_VAR}={raw!r} must be a positive number of MiB")
     return max(4096, int(mib * (1 << 20)) // 4096 * 4096)
 
 
+class Late(Exception):
+    """A wait passed its deadline: ``missing`` (global ranks) did not ``doing``."""
+
+    def __init__(self, missing: list[int], doing: str) -> None:
+        super().__init__(f"rank(s) {missing} did not {doing}")
+        self.missing = missing
+
+
 class ShmRing:
     """The mapped outboxes of one group (one per rank, index = group rank) and the round sequence.
-    Built by :func:`connect`; every rank of the group issues the same collectives in the same order."""
+    Built by :class:`ShmTransport`; every rank runs the same collectives in the same order."""
 
-    def __init__(self, maps: list[mmap.mmap], rank: int, peers: list[int], slot_bytes: int,
-                 limit: WaitLimit, paths: list[str]) -> None:
-        self.rank, self.size, self.peers = rank, len(maps), peers
-        self.paths = paths
-        """Where the outboxes were created (unlinked once every rank mapped them)."""
-        self.slot_bytes, self.limit = slot_bytes, limit
+    def __init__(self, maps: list[mmap.mmap], rank: int, peers: list[int], pids: list[int],
+                 slot_bytes: int) -> None:
+        self.rank, self.size, self.peers, self.pids = rank, len(maps), peers, pids
+        self.slot_bytes = slot_bytes
         self._maps = maps  # kept alive: the views below point into them
         self._heads = [memoryview(m)[:HEADER_BYTES].cast("q") for m in maps]
         self._slots = [torch.frombuffer(m, dtype=torch.uint8, offset=HEADER_BYTES).view(2, slot_bytes)
@@ -117,11 +134,11 @@ class ShmRing:
         self._round = 0
 
     # ------------------------------------------------------------------------------------ rounds
-    def _write_begin(self, what: str) -> tuple[int, torch.Tensor]:
-        """The next round number and this rank's free slot for it (waits until every peer read the
-        round that used it last)."""
+    def _write_begin(self, deadline: float) -> tuple[int, torch.Tensor]:
+        """The next round number and this rank's free slot for it (once every peer read the round that
+        used it last)."""
         t = self._round + 1
-        self._wait(_READ, t - 2, what, "finish reading the previous round")
+        self._wait(_READ, t - 2, deadline, "finish reading the previous round")
         return t, self._slots[self.rank][t % 2]
 
     def _publish(self, t: int, fingerprint: int) -> None:
@@ -129,23 +146,22 @@ class ShmRing:
         head[_PRINT + t % 2] = fingerprint
         head[_WRITTEN] = t  # x86 keeps stores in order: the data and fingerprint are visible first
 
-    def _await_peers(self, t: int, fingerprint: int, what: str) -> None:
-        self._wait(_WRITTEN, t, what, "arrive")
+    def _await_peers(self, t: int, fingerprint: int, deadline: float, what: str) -> None:
+        self._wait(_WRITTEN, t, deadline, "arrive")
         wrong = [self.peers[r] for r in range(self.size) if self._heads[r][_PRINT + t % 2] != fingerprint]
         if wrong:
-            raise CollectiveTimeout(
-                f"rank {self.peers[self.rank]}: {what} over shared memory failed: rank(s) {wrong} issued a "
-                "different collective at this point (another kind, size or order). Every rank must issue the "
-                "same collectives in the same order; look for rank-dependent code around this call.")
+            raise RuntimeError(f"shared-memory collective mismatch: rank(s) {wrong} issued a different collective "
+                               f"(another kind, size or order) than {what}")
 
     def _read_done(self, t: int) -> None:
         self._heads[self.rank][_READ] = t
         self._round = t
 
-    def _wait(self, word: int, target: int, what: str, doing: str) -> None:
-        """Until every peer's header ``word`` reaches ``target``: yield, then sleep; bounded by the limit."""
+    def _wait(self, word: int, target: int, deadline: float, doing: str) -> None:
+        """Until every peer's header ``word`` reaches ``target``: yield the core, then sleep in short steps,
+        checking now and then that the peers' processes exist. Raises :class:`Late` after ``deadline``."""
         late = [r for r in range(self.size) if r != self.rank and self._heads[r][word] < target]
-        spins, deadline = 0, None
+        spins, check_at = 0, 0.0
         while late:
             late = [r for r in late if self._heads[r][word] < target]
             if not late:
@@ -154,61 +170,48 @@ class ShmRing:
             if spins <= _YIELDS:
                 os.sched_yield()
                 continue
-            if deadline is None:
-                deadline = time.monotonic() + self.limit.seconds
-            elif time.monotonic() > deadline:
-                raise CollectiveTimeout(
-                    f"rank {self.peers[self.rank]}: {what} over shared memory did not complete within "
-                    f"{self.limit.seconds:g}s ({self.limit.source}): rank(s) {[self.peers[r] for r in late]} "
-                    f"did not {doing} (round {target}). They are still computing, stuck in another operation, "
-                    "or dead; a rank that raised or exited shows its own error above.")
+            now = time.monotonic()
+            if now > deadline:
+                raise Late([self.peers[r] for r in late], f"{doing} (round {target})")
+            if now > check_at:
+                check_at = now + _LIVENESS_S
+                self._check_alive(late)
             time.sleep(_SLEEP_S)
 
+    def _check_alive(self, ranks: list[int]) -> None:
+        for r in ranks:
+            if not _alive(self.pids[r]):
+                raise RuntimeError(f"connection closed: rank {self.peers[r]} (process {self.pids[r]} on this host) "
+                                   "exited while this rank waited for it over shared memory")
+
     # ------------------------------------------------------------------------------ collectives
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, fingerprint: int, what: str) -> CollectiveWork:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, fingerprint: int, deadline: float,
+                   what: str) -> None:
         """Concatenate every rank's ``shard`` into the contiguous ``output`` in rank order (``shard`` may be
         chunk ``rank`` of ``output``)."""
-        if not output.is_contiguous():
-            raise ValueError("all_gather: the output tensor must be contiguous")
         chunks = output.reshape(self.size, -1)
         mine = shard.reshape(-1)
-        if mine.numel() != chunks.shape[1]:
-            raise ValueError(f"all_gather: shard has {mine.numel()} elements, expected {chunks.shape[1]} "
-                             f"(output of {output.numel()} over {self.size} ranks)")
         if mine.data_ptr() != chunks[self.rank].data_ptr():
             chunks[self.rank].copy_(mine)
         dest = chunks.view(torch.uint8) if chunks.numel() else chunks
         src = dest[self.rank]
         for lo in range(0, src.numel(), self.slot_bytes):
             n = min(self.slot_bytes, src.numel() - lo)
-            t, slot = self._write_begin(what)
+            t, slot = self._write_begin(deadline)
             slot[:n].copy_(src[lo:lo + n])
             self._publish(t, fingerprint)
-            self._await_peers(t, fingerprint, what)
+            self._await_peers(t, fingerprint, deadline, what)
             for k in range(1, self.size):
                 r = (self.rank + k) % self.size
                 dest[r, lo:lo + n].copy_(self._slots[r][t % 2][:n])
             self._read_done(t)
-        return CollectiveWork([])
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, fingerprint: int,
-                              what: str) -> CollectiveWork:
-        """Sum ``full`` (N equal chunks) over the ranks into ``output`` (may be chunk ``rank`` of ``full``)."""
-        if not (full.is_contiguous() and output.is_contiguous()):
-            raise ValueError("reduce_scatter: input and output tensors must be contiguous")
-        if output.numel() * self.size != full.numel():
-            raise ValueError(f"reduce_scatter: output has {output.numel()} elements, expected "
-                             f"{full.numel() // self.size} (input of {full.numel()} over {self.size} ranks)")
-        return self.reduce_scatter([full.reshape(-1)], output.numel(), fingerprint, what, output=output)
-
-    def reduce_scatter(self, pieces: list[torch.Tensor], chunk: int, fingerprint: int, what: str,
-                       output: Optional[torch.Tensor] = None) -> CollectiveWork:
-        """Sum the concatenation of the 1-D ``pieces`` (zero-padded to ``N * chunk``) over the ranks; the
-        work's ``result`` is chunk ``rank`` of the sum (``output`` when given: it may be that chunk of the
-        only piece). Same summation order and 16-bit handling as ``pairwise.reduce_scatter_pieces``."""
+    def reduce_scatter(self, pieces: list[torch.Tensor], chunk: int, fingerprint: int, deadline: float,
+                       what: str, output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Chunk ``rank`` of the sum over the ranks of the concatenation of the 1-D ``pieces`` (zero-padded
+        to ``N * chunk``): a fresh tensor, or ``output`` (which may be that chunk of the only piece). Same
+        summation order and 16-bit handling as ``pairwise.reduce_scatter_pieces``."""
         numels = [p.numel() for p in pieces]
-        if sum(numels) > self.size * chunk:
-            raise ValueError(f"reduce_scatter: {sum(numels)} elements do not fit {self.size} chunks of {chunk}")
         dtype = pieces[0].dtype
         wide = self.size > 2 and dtype.itemsize < 4  # summed in fp32, rounded once
         direct = output is not None and not wide
@@ -218,33 +221,30 @@ class ShmRing:
         per_round = self.slot_bytes // ((self.size - 1) * dtype.itemsize)
         for lo in range(0, chunk, per_round):
             n = min(per_round, chunk - lo)
-            t, slot = self._write_begin(what)
-            self._fill(slot, pieces, numels, chunk, lo, n, per_round, dtype)
+            t, slot = self._write_begin(deadline)
+            self._fill(slot, pieces, numels, chunk, lo, n, per_round)
             self._publish(t, fingerprint)
-            self._await_peers(t, fingerprint, what)
+            self._await_peers(t, fingerprint, deadline, what)
             self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide)
             self._read_done(t)
         if output is not None:
-            result = output if direct else output.copy_(acc.reshape(output.shape))
-        else:
-            result = acc.to(dtype) if wide else acc
-        return CollectiveWork([], lambda: result, scratch_bytes=0 if direct else acc.numel() * acc.element_size())
+            return output if direct else output.copy_(acc.reshape(output.shape))
+        return acc.to(dtype) if wide else acc
 
     def _block(self, r: int, t: int, k: int, n: int, per_round: int, dtype: torch.dtype) -> torch.Tensor:
         """Block ``k - 1`` of rank ``r``'s slot of round ``t``: what ``r`` sends to rank ``r + k``."""
-        size = dtype.itemsize
-        start = (k - 1) * per_round * size
-        return self._slots[r][t % 2][start:start + n * size].view(dtype)
+        start = (k - 1) * per_round * dtype.itemsize
+        return self._slots[r][t % 2][start:start + n * dtype.itemsize].view(dtype)
 
     def _fill(self, slot: torch.Tensor, pieces: list[torch.Tensor], numels: list[int], chunk: int,
-              lo: int, n: int, per_round: int, dtype: torch.dtype) -> None:
+              lo: int, n: int, per_round: int) -> None:
         """Write elements ``[lo, lo + n)`` of every other rank's chunk into this round's blocks (zeros where
         the pieces end)."""
-        size = dtype.itemsize
+        dtype = pieces[0].dtype
         for k in range(1, self.size):
             dst = (self.rank + k) % self.size
-            start = (k - 1) * per_round * size
-            block = slot[start:start + n * size].view(dtype)
+            start = (k - 1) * per_round * dtype.itemsize
+            block = slot[start:start + n * dtype.itemsize].view(dtype)
             at = 0
             for i, off, m in piece_ranges(numels, dst * chunk + lo, dst * chunk + lo + n):
                 block[at:at + m].copy_(pieces[i][off:off + m])
@@ -274,8 +274,19 @@ class ShmRing:
             acc.add_(self._block((self.rank - k) % self.size, t, k, n, per_round, dtype))
 
 
-def _host() -> str:
-    return os.environ.get(HOST_VAR, "").strip() or socket.gethostname()
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return not os.path.isdir("/proc/self")  # no procfs: cannot tell, assume alive
+    return state not in (b"Z", b"X")
+
+
+def _host_id() -> int:
+    host = os.environ.get(HOST_VAR, "").strip() or socket.gethostname()
+    return int.from_bytes(hashlib.sha1(host.encode()).digest()[:7], "little")
 
 
 def _room(nbytes: int) -> bool:
@@ -284,12 +295,6 @@ def _room(nbytes: int) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= 2 * nbytes  # the whole group's outboxes, with a margin
-
-
-def _gather(obj: Any, group: Optional[dist.ProcessGroup], size: int) -> list[Any]:
-    box: list[Any] = [None] * size
-    dist.all_gather_object(box, obj, group=group)
-    return box
 
 
 def _create(path: str, nbytes: int) -> Optional[mmap.mmap]:
@@ -320,32 +325,176 @@ def _open(path: str, nbytes: int) -> Optional[mmap.mmap]:
         os.close(fd)
 
 
-def connect(group: Optional[dist.ProcessGroup], rank: int, peers: list[int], name: str,
-            slot_bytes: int, limit: WaitLimit) -> Optional[ShmRing]:
-    """Map the outboxes of every rank of ``group`` (collective: every rank calls it at the same point), or
-    None when a rank is on another host or shared memory is unavailable (then the caller keeps TCP)."""
-    size = len(peers)
-    nbytes = HEADER_BYTES + 2 * slot_bytes
-    token = uuid.uuid4().hex[:16] if rank == 0 else ""
-    infos = _gather((_host(), token, _room(size * nbytes)), group, size)
-    hosts = {h for h, _, _ in infos}
-    if len(hosts) > 1 or not all(ok for _, _, ok in infos):
-        why = f"its ranks are on {len(hosts)} hosts" if len(hosts) > 1 else f"{SHM_DIR} is missing or too small"
-        if rank == 0:
-            logger.log(logging.INFO, f"group {name!r}: collectives over TCP, not shared memory: {why}")
-        return None
-    token = infos[0][1]
-    safe = "".join(c if c.isalnum() else "_" for c in name)
-    paths = [os.path.join(SHM_DIR, f"deepshard-{token}-{safe}-{r}") for r in range(size)]
-    own = _create(paths[rank], nbytes)
-    created = _gather(own is not None, group, size)
-    maps = [own if r == rank else (_open(p, nbytes) if all(created) else None) for r, p in enumerate(paths)]
-    mapped = _gather(all(m is not None for m in maps), group, size)  # also the barrier before unlinking
-    if own is not None:
-        os.unlink(paths[rank])
-    if not all(mapped):
-        if rank == 0:
-            logger.log(logging.WARNING, f"group {name!r}: shared memory outboxes could not be created or "
-                                        f"mapped in {SHM_DIR}; collectives stay on TCP")
-        return None
-    return ShmRing([m for m in maps if m is not None], rank, peers, slot_bytes, limit, paths)
+class _Op:
+    """One issued collective: ``shm(ring, deadline)`` runs it over shared memory and returns its result;
+    ``tcp()`` starts it as pairwise exchanges (when the rendezvous kept the group on TCP)."""
+
+    def __init__(self, shm: Callable[[ShmRing, float], Optional[torch.Tensor]],
+                 tcp: Callable[[], CollectiveWork]) -> None:
+        self.shm, self.tcp = shm, tcp
+        self.done = False
+        self.result: Optional[torch.Tensor] = None
+
+
+class ShmWork:
+    """Handle of a collective queued on a :class:`ShmTransport`. ``wait()`` runs it, after every collective
+    issued on the group before it, within ``timeout`` (False when a peer did not arrive in time: the
+    watchdog then diagnoses); ``result`` is the reduce-scatter's chunk afterwards."""
+
+    def __init__(self, transport: "ShmTransport", op: _Op, what: str, scratch_bytes: int = 0) -> None:
+        self._transport, self._op, self._what = transport, op, what
+        self.result: Optional[torch.Tensor] = None
+        self.scratch_bytes = scratch_bytes
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if not self._op.done:
+            limit = self._transport.limit
+            seconds = limit.seconds if timeout is None else timeout.total_seconds()
+            try:
+                self._transport.run_through(self._op, time.monotonic() + seconds)
+            except Late as late:
+                if timeout is not None:
+                    return False
+                raise CollectiveTimeout(f"rank {self._transport.peers[self._transport.rank]}: {self._what} over "
+                                        f"shared memory did not complete within {seconds:g}s ({limit.source}): "
+                                        f"{late}.") from None
+        self.result = self._op.result
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done
+
+
+class ShmTransport:
+    """A group's shared-memory collectives: issued ones wait in a queue and run, in issue order, when one
+    of them is waited on (so every rank runs them in the same order, and no rank ever blocks at issue
+    time on a peer that is still computing). The first run is the rendezvous, bounded by the wait's
+    deadline like any collective; ``tags`` are the three pairwise tags it uses."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, peers: list[int], name: str,
+                 slot_bytes: int, limit: WaitLimit, tags: list[int]) -> None:
+        self.group, self.rank, self.peers, self.name = group, rank, peers, name
+        self.slot_bytes, self.limit, self._tags = slot_bytes, limit, tags
+        self.state = "pending"  # then "shm" or "tcp" for the life of the group
+        self.ring: Optional[ShmRing] = None
+        self.paths: list[str] = []
+        self._queue: deque[_Op] = deque()
+        self._failed: Optional[str] = None
+
+    @property
+    def queues(self) -> bool:
+        """Whether new collectives go through this transport (False once the group fell back to TCP)."""
+        return self.state != "tcp"
+
+    # ------------------------------------------------------------------------------ collectives
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, tag: int, what: str) -> ShmWork:
+        """``pairwise.all_gather`` over shared memory (``shard`` may be chunk ``rank`` of ``output``)."""
+        size = len(self.peers)
+        if not output.is_contiguous():
+            raise ValueError("all_gather: the output tensor must be contiguous (it is received into in place)")
+        if shard.numel() * size != output.numel():
+            raise ValueError(f"all_gather: shard has {shard.numel()} elements, expected {output.numel() // size} "
+                             f"(output of {output.numel()} over {size} ranks)")
+        op = _Op(lambda ring, deadline: ring.all_gather(output, shard, tag * 8 + 1, deadline, what),
+                 lambda: pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag))
+        return self._submit(op, what)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, tag: int, what: str) -> ShmWork:
+        """``pairwise.reduce_scatter`` over shared memory (``output`` may be chunk ``rank`` of ``full``)."""
+        size = len(self.peers)
+        if not (full.is_contiguous() and output.is_contiguous()):
+            raise ValueError("reduce_scatter: input and output tensors must be contiguous")
+        if output.numel() * size != full.numel():
+            raise ValueError(f"reduce_scatter: output has {output.numel()} elements, expected "
+                             f"{full.numel() // size} (input of {full.numel()} over {size} ranks)")
+        op = _Op(lambda ring, deadline: ring.reduce_scatter([full.reshape(-1)], output.numel(), tag * 8 + 2,
+                                                            deadline, what, output=output),
+                 lambda: pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag))
+        return self._submit(op, what)
+
+    def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int, tag: int, what: str) -> ShmWork:
+        """``pairwise.reduce_scatter_pieces`` over shared memory; the work's ``result`` is the chunk."""
+        total = sum(p.numel() for p in pieces)
+        if total > len(self.peers) * chunk:
+            raise ValueError(f"reduce_scatter_pieces: {total} elements do not fit {len(self.peers)} chunks of {chunk}")
+        op = _Op(lambda ring, deadline: ring.reduce_scatter(pieces, chunk, tag * 8 + 3, deadline, what),
+                 lambda: pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag))
+        return self._submit(op, what, scratch_bytes=chunk * pieces[0].element_size())
+
+    def _submit(self, op: _Op, what: str, scratch_bytes: int = 0) -> ShmWork:
+        self._queue.append(op)
+        return ShmWork(self, op, what, scratch_bytes)
+
+    # ------------------------------------------------------------------------------------ running
+    def run_through(self, op: _Op, deadline: float) -> None:
+        """Run the queued collectives up to and including ``op``. A collective that failed or timed out
+        leaves the rounds of the ranks out of step: the group is unusable after it."""
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
+        while not op.done:
+            head = self._queue[0]
+            try:
+                self._run(head, deadline)
+            except BaseException as err:
+                self._failed = (f"a collective over shared memory of group {self.name!r} timed out or failed "
+                                f"earlier ({err}); the group cannot be used after it")
+                raise
+            self._queue.popleft()
+
+    def _run(self, op: _Op, deadline: float) -> None:
+        if self.state == "pending":
+            self._connect(deadline)
+        if self.ring is not None:
+            op.result = op.shm(self.ring, deadline)
+        else:
+            work = op.tcp()
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            if work.wait(timeout=left) is False:
+                raise Late([p for r, p in enumerate(self.peers) if r != self.rank], "arrive")
+            op.result = work.result
+        op.done = True
+
+    # --------------------------------------------------------------------------------- rendezvous
+    def _exchange(self, values: list[int], step: int, deadline: float) -> torch.Tensor:
+        """Every rank's ``values`` (a row per group rank), over the pairwise TCP path."""
+        out = torch.empty((len(self.peers), len(values)), dtype=torch.int64)
+        work = pairwise.all_gather(out, torch.tensor(values, dtype=torch.int64), self.rank, self.peers,
+                                   self.group, self._tags[step])
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        if work.wait(timeout=left) is False:
+            raise Late([p for r, p in enumerate(self.peers) if r != self.rank], "arrive")
+        return out
+
+    def _connect(self, deadline: float) -> None:
+        """Map every rank's outbox when all ranks are on this host with room in ``/dev/shm``; else TCP."""
+        size, nbytes = len(self.peers), HEADER_BYTES + 2 * self.slot_bytes
+        token = secrets.randbits(62) if self.rank == 0 else 0
+        info = self._exchange([_host_id(), token, int(_room(size * nbytes)), os.getpid()], 0, deadline)
+        hosts = len(set(info[:, 0].tolist()))
+        if hosts > 1 or not bool(info[:, 2].all()):
+            why = f"its ranks are on {hosts} hosts" if hosts > 1 else f"{SHM_DIR} is missing or too small"
+            self._fall_back(f"collectives over TCP, not shared memory: {why}", logging.INFO)
+            return
+        safe = "".join(c if c.isalnum() else "_" for c in self.name)
+        paths = [os.path.join(SHM_DIR, f"deepshard-{int(info[0, 1]):x}-{safe}-{r}") for r in range(size)]
+        own = _create(paths[self.rank], nbytes)
+        try:
+            created = self._exchange([int(own is not None)], 1, deadline)
+            maps = [own if r == self.rank else (_open(p, nbytes) if bool(created.all()) else None)
+                    for r, p in enumerate(paths)]
+            mapped = self._exchange([int(all(m is not None for m in maps))], 2, deadline)  # then unlink
+        finally:
+            if own is not None:
+                os.unlink(paths[self.rank])
+        if not bool(mapped.all()):
+            self._fall_back(f"shared-memory outboxes could not be created or mapped in {SHM_DIR}; "
+                            "collectives stay on TCP", logging.WARNING)
+            return
+        self.ring = ShmRing([m for m in maps if m is not None], self.rank, self.peers, info[:, 3].tolist(),
+                            self.slot_bytes)
+        self.paths, self.state = paths, "shm"
+
+    def _fall_back(self, message: str, level: int) -> None:
+        self.state = "tcp"
+        if self.rank == 0:
+            logger.log(level, f"group {self.name!r}: {message}")
