@@ -54,6 +54,7 @@ rank's own, then ranks ``r - 2, r - 3, ...``), 16-bit chunks from more than two 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -63,10 +64,11 @@ import secrets
 import socket
 import time
 from collections import deque
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from deepshard.comm import pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
@@ -130,11 +132,22 @@ class ShmRing:
                  slot_bytes: int) -> None:
         self.rank, self.size, self.peers, self.pids = rank, len(maps), peers, pids
         self.slot_bytes = slot_bytes
-        self._maps = maps  # kept alive: the views below point into them
+        self._maps = maps
         self._heads = [memoryview(m)[:HEADER_BYTES].cast("q") for m in maps]
-        self._slots = [torch.frombuffer(m, dtype=torch.uint8, offset=HEADER_BYTES).view(2, slot_bytes)
-                       for m in maps]
+        self._slots: list[torch.Tensor] = []  # the outboxes as tensors, during a collective only
         self._round = 0
+
+    @contextlib.contextmanager
+    def _outboxes(self) -> Iterator[None]:
+        """Map the outboxes as tensors for one collective, with dispatch modes off: they are the transport's
+        buffers, not tensor memory (a ``TensorMemoryTracker`` counts them no more than gloo's own)."""
+        with _disable_current_modes():
+            self._slots = [torch.frombuffer(m, dtype=torch.uint8, offset=HEADER_BYTES, count=2 * self.slot_bytes)
+                           .view(2, self.slot_bytes) for m in self._maps]
+            try:
+                yield
+            finally:
+                self._slots = []
 
     # ------------------------------------------------------------------------------------ rounds
     def _write_begin(self, deadline: float) -> tuple[int, torch.Tensor]:
@@ -196,7 +209,11 @@ class ShmRing:
         mine = shard.reshape(-1)
         if mine.data_ptr() != chunks[self.rank].data_ptr():
             chunks[self.rank].copy_(mine)
-        dest = chunks.view(torch.uint8) if chunks.numel() else chunks
+        if chunks.numel():
+            with self._outboxes():
+                self._gather_rounds(chunks.view(torch.uint8), fingerprint, deadline, what)
+
+    def _gather_rounds(self, dest: torch.Tensor, fingerprint: int, deadline: float, what: str) -> None:
         src = dest[self.rank]
         for lo in range(0, src.numel(), self.slot_bytes):
             n = min(self.slot_bytes, src.numel() - lo)
@@ -222,14 +239,15 @@ class ShmRing:
         if not direct:
             advise_huge_pages(acc)
         per_round = self.slot_bytes // ((self.size - 1) * dtype.itemsize)
-        for lo in range(0, chunk, per_round):
-            n = min(per_round, chunk - lo)
-            t, slot = self._write_begin(deadline)
-            self._fill(slot, pieces, numels, chunk, lo, n, per_round)
-            self._publish(t, fingerprint)
-            self._await_peers(t, fingerprint, deadline, what)
-            self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide)
-            self._read_done(t)
+        with self._outboxes():
+            for lo in range(0, chunk, per_round):
+                n = min(per_round, chunk - lo)
+                t, slot = self._write_begin(deadline)
+                self._fill(slot, pieces, numels, chunk, lo, n, per_round)
+                self._publish(t, fingerprint)
+                self._await_peers(t, fingerprint, deadline, what)
+                self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide)
+                self._read_done(t)
         if output is not None:
             return output if direct else output.copy_(acc.reshape(output.shape))
         return acc.to(dtype) if wide else acc

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from deepshard.comm.watchdog import CollectiveTimeout
+
 SHAPE_WORDS = ("must be a matrix", "1-D", "shape", "size", "dimension", "mat1", "mat2", "elements", "numel")
 
 HINT = ("under ZeRO-3 a parameter outside its own module's call is an empty placeholder (shape [0], the "
@@ -23,10 +25,11 @@ HINT = ("under ZeRO-3 a parameter outside its own module's call is an empty plac
 @contextlib.contextmanager
 def explain_sharded_parameter_errors(stage: int) -> Iterator[None]:
     """At ZeRO stage 3, re-raise a shape error of the forward as a RuntimeError that adds :data:`HINT`
-    (the original error is chained); anything else passes through unchanged."""
+    (the original error is chained); anything else passes through unchanged, a collective's failure
+    (:class:`CollectiveTimeout`, which names sizes too) included."""
     try:
         yield
     except RuntimeError as exc:
-        if stage != 3 or not any(word in str(exc) for word in SHAPE_WORDS):
+        if stage != 3 or isinstance(exc, CollectiveTimeout) or not any(word in str(exc) for word in SHAPE_WORDS):
             raise
         raise RuntimeError(f"{exc}\n(deepshard) {HINT}") from exc
