@@ -9,7 +9,8 @@
 #
 # Phases, most valuable first, each under its own `timeout` so one hang costs that phase alone (seconds,
 # overridable as LIMIT_<PHASE>=N); together they stay under 8 minutes:
-#   probe        20  the device's name, memory, versions and measured bf16 matmul rate
+#   probe        20  the device's name, memory, versions and measured bf16 matmul rate; whether a wait on NCCL
+#                    holds the host (benchmarks/gpu/nccl_wait.py)
 #   world1       80  tests/multiproc/test_device_world1.py --device cuda: ZeRO 0-3, fp32/bf16/fp16,
 #                    checkpoints, offload to pinned host memory and to files, a pipeline, on NCCL
 #   gpt         120  GPT-style bf16 model at the largest size that fits: deepshard ZeRO 0 and 3 vs torch
@@ -84,6 +85,7 @@ fi
 "$PY" -m benchmarks.gpu.probe --out "$WORK/device.json" >>"$LOG" 2>&1
 probe_rc=$?
 printf 'probe\t%s\t%s\n' "$probe_rc" "$(($(date +%s) - START))" >>"$WORK/phases.tsv"
+[ "$probe_rc" = 0 ] && timeout 60 "$PY" -m benchmarks.gpu.nccl_wait --out "$WORK/nccl_wait.json" >>"$LOG" 2>&1
 DEVICE=cuda
 SIZE=()
 if [ "$probe_rc" = 3 ]; then
@@ -106,8 +108,14 @@ xdist=()
 
 run_phase world1 80 "$PY" -m benchmarks.gpu.run_pytest "${pytest_opts[@]}" --junitxml "$WORK/tests_world1.xml" \
   tests/multiproc/test_device_world1.py
-run_phase gpt 120 "$PY" -m benchmarks.gpu.gpt_bench "${SIZE[@]}" --device-json "$WORK/device.json" --budget 110 \
-  --case-timeout 45 --engines torch deepshard-z0 deepshard-z3 fsdp2 deepspeed-z0 deepspeed-z3 --out "$WORK/gpt.json"
+# GPT_ENGINES: the engines to run (default all six); GPT_ARGS: more options (e.g. "--profile 3": where each
+# engine's step time goes, device busy against idle, copies, host synchronizations)
+gpt_limit=${LIMIT_GPT:-120}
+# shellcheck disable=SC2086
+run_phase gpt 120 "$PY" -m benchmarks.gpu.gpt_bench "${SIZE[@]}" --device-json "$WORK/device.json" \
+  --budget $((gpt_limit - 10)) --case-timeout 45 \
+  --engines ${GPT_ENGINES:-torch deepshard-z0 deepshard-z3 fsdp2 deepspeed-z0 deepspeed-z3} ${GPT_ARGS:-} \
+  --out "$WORK/gpt.json"
 # INFINITY_ARGS: more options for the driver (e.g. "--multiples 3 --nvme-multiple 1.25" for a shorter rerun)
 inf_limit=${LIMIT_INFINITY:-195}
 # shellcheck disable=SC2086

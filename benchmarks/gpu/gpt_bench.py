@@ -186,6 +186,11 @@ def run_engine(case: dict[str, Any]) -> dict[str, Any]:
     mem = peak_device_memory(device)
     if mem is not None:
         out["peak_memory_gib"] = mem / GiB
+    if case.get("profile"):  # after the timed steps, so the profiler costs them nothing
+        from benchmarks.gpu.profile_steps import profile_steps
+
+        more = gpt_batches(shape, case["batch"], case["profile"], device, seed=1)
+        out["profile"] = profile_steps(step, more, Path(case["profile_path"]), device)
     return out
 
 
@@ -205,6 +210,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, default=0.0, help="the card's dense bf16 FLOP/s (default: datasheet)")
     p.add_argument("--measured-flops", type=float, default=0.0, help="the measured bf16 matmul FLOP/s, if known")
     p.add_argument("--memory-gib", type=float, default=0.0, help="the card's memory (default: read from torch)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, profile this many more (benchmarks.gpu.profile_steps): device "
+                        "busy and idle time, copies, synchronizations; tables in --log-dir/<engine>.profile.txt")
     p.add_argument("--out", default="", help="write every figure as JSON here")
     p.add_argument("--log-dir", default="/tmp/deepshard-gpu-bench/gpt")
     return p.parse_args(argv)
@@ -250,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": engine, "status": "skipped", "detail": f"out of budget ({args.budget:.0f}s)"})
             continue
         case = {"name": engine, "engine": engine, "device": args.device, "shape": as_dict(shape), "batch": batch,
-                "warmup": args.warmup, "steps": args.steps}
+                "warmup": args.warmup, "steps": args.steps, "profile": args.profile,
+                "profile_path": str(Path(args.log_dir) / f"{engine}.profile.txt")}
         rows.append(run_case("benchmarks.gpu.gpt_bench", case, min(args.case_timeout, left), Path(args.log_dir)))
         _write(args, summarize(rows, shape, batch, args))  # after every engine: a stopped run keeps its rows
     report = summarize(rows, shape, batch, args)
@@ -287,6 +296,15 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | ok | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {pct('mfu')} | "
                      f"{pct('mfu_vs_measured_matmul')} | {r.get('x_torch_tokens_per_s', float('nan')):.3f} | "
                      f"{r.get('peak_memory_gib', float('nan')):.1f} | {r['losses'][-1]:.4f} |")
+    profiled = [r for r in report["rows"] if r.get("status") == "ok" and r.get("profile")]
+    if profiled:
+        lines += ["", "| engine (profiled) | wall ms | device busy ms | device idle | kernels | copies | copy ms | "
+                      "host syncs |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in profiled:
+            p = r["profile"]
+            idle = f"{100 * p['device_idle_share']:.1f}%" if p.get("device_idle_share") is not None else "-"
+            lines.append(f"| {r['name']} | {p['wall_ms']:.1f} | {p['device_busy_ms']:.1f} | {idle} | "
+                         f"{p['kernels']:.0f} | {p['memcpy']:.0f} | {p['memcpy_ms']:.2f} | {p['syncs']:.0f} |")
     return "\n".join(lines)
 
 

@@ -67,6 +67,7 @@ def gather(work: Path) -> dict[str, Any]:
     out["tests"] = {name: junit_summary(work / f"{name}.xml") for name in TEST_SETS}
     out["gpt"] = read_json(work / "gpt.json")
     out["infinity"] = read_json(work / "infinity.json")
+    out["nccl_wait"] = read_json(work / "nccl_wait.json")
     return out
 
 
@@ -82,6 +83,11 @@ def markdown(res: dict[str, Any]) -> str:
                   f"measured {dev.get('measured_matmul_flops', 0) / 1e12:.0f} TFLOP/s (8192^3 bf16 matmul, random data)."]
     else:
         lines.append(f"Device: none ({(dev or {}).get('detail', 'the probe did not run')}): nothing was measured.")
+    wait = res.get("nccl_wait")
+    if wait and "plain_ms" in wait:
+        lines += ["", f"Waiting on an NCCL all-reduce behind {wait['queue_ms']:.0f} ms of queued GPU work holds the "
+                      f"host: plain wait {wait['plain_ms']:.2f} ms, timed wait {wait['timed_ms']:.1f} ms, "
+                      f"deepshard's watchdog {wait['watchdog_ms']:.2f} ms."]
     lines += ["", "## Phases", "", "| phase | exit | seconds |", "| --- | --- | --- |"]
     for p in res["phases"]:
         lines.append(f"| {p['phase']} | {p['exit']}{' (time limit)' if p['timed_out'] else ''} | {p['seconds']} |")

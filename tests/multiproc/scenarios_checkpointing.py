@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import deepshard
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
+from tests.multiproc.device import rank_device
 from tests.multiproc.models import micro_slice
 from tests.multiproc.scenarios_stage0 import full_weights
 
@@ -107,7 +108,7 @@ def train_mode(rank: int, world: int, mode: str, micro: int, gas: int) -> dict[s
     early_stop = set_checkpoint_early_stop(False) if mode == "nonreentrant-full" else contextlib.nullcontext()
     with early_stop:
         for batch in make_data():
-            total = torch.zeros(1)
+            total = torch.zeros(1, device=rank_device())  # the CPU unless the suite runs with --device cuda
             meter.gathers = meter.peak = 0
             for k in range(gas):
                 x, y = micro_slice(batch, micro, k, rank, world)

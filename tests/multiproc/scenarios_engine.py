@@ -124,7 +124,7 @@ def api_surface(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     saved16 = load_file(str(Path(tmp) / "model.safetensors"))
-    out["16bit_exact"] = all(torch.equal(saved16[k], v) for k, v in eng_b.module.state_dict().items())
+    out["16bit_exact"] = all(torch.equal(saved16[k], v.cpu()) for k, v in eng_b.module.state_dict().items())
     out["16bit_dtype"] = str(saved16["embed.weight"].dtype)
     fresh, *_ = deepshard.initialize(model=make_model(), config=_config(bf16={"enabled": True}))
     path, _ = fresh.load_checkpoint(tmp, tag="t1", load_module_only=True)

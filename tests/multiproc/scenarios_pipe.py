@@ -96,6 +96,7 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import deepshard
     from deepshard.pipe import PipelineModule
+    from tests.multiproc.device import to_host
 
     chunks = 2 if schedule == "interleaved" else 1  # 6 layers in 4 virtual stages at pp=2
     model = PipelineModule(layers(), num_stages=pp, loss_fn=lm_loss, seed_layers=True, num_chunks=chunks)
@@ -108,12 +109,13 @@ def train_pipeline(pp: int, schedule: str, zero: int, m: int, steps: int, clip: 
     dp = engine.dp_world_size
     it = _data(steps, m, dp, engine.topology.coord.dp)
     losses = [float(engine.train_batch(it)) for _ in range(steps)]
-    params = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    # on the CPU, where the reference is (the engine's device is the CPU unless the suite runs with --device cuda)
+    params = {k: engine.strategy.full_fp32_param(p).cpu().clone() for k, p in model.named_parameters()}
     # eval: every micro-batch's logits on the last stage, loss on every stage
     x, y = batches(1, MICRO * m * dp, seed=11)[0]
     mine = [(a, b) for a, b in zip(x.split(MICRO), y.split(MICRO))][engine.topology.coord.dp * m:][:m]
     eval_loss, logits = engine.eval_batch(iter(mine), return_logits=True)
-    out = {"losses": losses, "params": params, "eval_loss": float(eval_loss), "logits": logits,
+    out = {"losses": losses, "params": params, "eval_loss": float(eval_loss), "logits": to_host(logits),
            "stage": engine.stage_id, "dp": dp, "first": engine.is_first_stage(), "last": engine.is_last_stage(),
            "eval_inputs": mine, "states": type(getattr(engine.strategy, "states", None)).__name__}
     engine.destroy()
@@ -233,7 +235,7 @@ def inplace_first_layer() -> list[str]:
     got = [float(engine.train_batch(it)) for _ in range(2)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu(), dict(ref.named_parameters())[name].detach(), rtol=1e-5, atol=1e-6)
     engine.destroy()
     return ["inplace-first-layer"]
 
@@ -338,7 +340,8 @@ def _saved_then_next(pp: int, m: int, world: int, directory: str, tag: str) -> t
     engine.train_batch(_step_data(0, m, dp, dp_rank))
     engine.save_checkpoint(directory, tag=tag)
     loss = float(engine.train_batch(_step_data(1, m, dp, dp_rank)))
-    mine = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    # on the host: sent to the other ranks (each on its own device under --device cuda)
+    mine = {k: engine.strategy.full_fp32_param(p).cpu().clone() for k, p in model.named_parameters()}
     engine.destroy()
     stages: list[Any] = [None] * world
     torch.distributed.all_gather_object(stages, mine)
@@ -360,7 +363,7 @@ def _next_batch_matches(model: Any, engine: Any, m: int, want: tuple[float, dict
     got = float(engine.train_batch(_step_data(1, m, engine.dp_world_size, engine.topology.coord.dp)))
     assert abs(got - want_loss) < 1e-5, (what, got, want_loss)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(engine.strategy.full_fp32_param(p), want_params[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(engine.strategy.full_fp32_param(p).cpu(), want_params[name], rtol=1e-4, atol=1e-5)
     assert engine.global_steps == 2, what
     engine.destroy()
 

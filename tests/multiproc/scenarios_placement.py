@@ -88,6 +88,7 @@ def megatron_attribute_layers(rank: int, world: int = 4) -> dict[str, float]:
     import deepshard
     from deepshard.tp import shard_of
     from deepshard.topology import ParallelDims, Topology
+    from tests.multiproc.device import rank_device
 
     topo = Topology.build(ParallelDims(dp=2, tp=2))
     ref_norms, ref = _reference()
@@ -97,15 +98,16 @@ def megatron_attribute_layers(rank: int, world: int = 4) -> dict[str, float]:
         cfg = {"train_micro_batch_size_per_gpu": ROWS // 2, "gradient_clipping": CLIP,
                "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": {"stage": stage}}
         engine, *_ = deepshard.initialize(model=model, config=cfg, mpu=MegatronStyleMpu(topo))
-        half = topo.dp.rank * (ROWS // 2)
+        half, device = topo.dp.rank * (ROWS // 2), rank_device()  # the CPU unless the suite runs with --device cuda
         norms = []
         for x, y in _data():
-            engine.backward(F.mse_loss(engine(x[half:half + ROWS // 2]), y[half:half + ROWS // 2]))
+            x, y = x[half:half + ROWS // 2].to(device), y[half:half + ROWS // 2].to(device)
+            engine.backward(F.mse_loss(engine(x), y))
             engine.step()
             norms.append(engine.get_global_grad_norm())
         want = {"w1": shard_of(ref["w1"], 0, topo.tp.rank, 2), "b1": shard_of(ref["b1"], 0, topo.tp.rank, 2),
                 "w2": shard_of(ref["w2"], 1, topo.tp.rank, 2), "b2": ref["b2"]}
-        got = {name: engine.strategy.full_fp32_param(p) for name, p in model.named_parameters()}
+        got = {name: engine.strategy.full_fp32_param(p).cpu() for name, p in model.named_parameters()}
         out[f"z{stage}_norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         out[f"z{stage}_params"] = max(float((got[k] - want[k].detach()).abs().max()) for k in want)
         engine.destroy()

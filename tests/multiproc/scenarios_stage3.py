@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import deepshard
 from deepshard.utils import safe_get_full_fp32_param
+from tests.multiproc.device import rank_device
 from tests.multiproc.models import make_batches, make_model, make_token_batches, make_transformer, micro_slice
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
@@ -41,7 +42,7 @@ def transformer_oracle(rank: int, world: int, stage: int) -> dict[str, Any]:
             out["sharded_after_step"] = all(s == "sharded" for s in states)
             out["placeholder_shape"] = tuple(engine.module.block.linear1.weight.shape)
         # evaluation under no_grad gathers and releases too
-        x, y = make_token_batches(1, 8, seed=77)[0]
+        x, y = (t.to(rank_device()) for t in make_token_batches(1, 8, seed=77)[0])  # the CPU unless --device cuda
         with torch.no_grad():
             engine.eval()
             out[f"eval_m{micro}"] = float(engine(x, y))
@@ -146,15 +147,15 @@ def init_memory(rank: int, world: int) -> dict[str, Any]:
     reference = Wide()
     engine, *_ = deepshard.initialize(model=model, config=z3_config(2, 1))
     x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        same = abs(float(engine(x)) - float(reference(x))) < 1e-6
+    with torch.no_grad():  # the engine's x: the CPU unless the suite runs with --device cuda (the reference: CPU)
+        same = abs(float(engine(x.to(rank_device()))) - float(reference(x))) < 1e-6
     return {"peak": peak, "full_bytes": full_bytes, "held": held, "same_output": same}
 
 
 def watchdog(rank: int, world: int) -> str:
     os.environ["DEEPSHARD_TIMEOUT"] = str(3 / 60)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(8 // world, 1))
-    x, y = make_token_batches(1, 8)[0]
+    x, y = (t.to(rank_device()) for t in make_token_batches(1, 8)[0])  # the CPU unless --device cuda
     if rank == 1:  # rank 1 does something else entirely: rank 0's gather can never complete
         import time
 
@@ -185,7 +186,7 @@ def gathered_counts(rank: int, world: int, zero: dict[str, Any]) -> dict[str, An
 
     for layer in layers:
         layer.register_forward_pre_hook(count)  # runs after deepshard's own pre-hook
-    x = torch.randn(2, 16)
+    x = torch.randn(2, 16).to(rank_device())  # the CPU unless the suite runs with --device cuda
     for _ in range(2):
         seen.clear()
         loss = engine(x).pow(2).mean()

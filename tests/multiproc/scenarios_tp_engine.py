@@ -12,6 +12,7 @@ import torch.distributed as dist
 import deepshard
 from deepshard.tp import shard_of
 from deepshard.tp.params import tp_split_dim
+from tests.multiproc.device import rank_device
 from tests.multiproc.tp_models import LlamaLike, LlamaLikeConfig
 
 STEPS, MICRO, GAS = 3, 1, 2
@@ -56,8 +57,9 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def local_weights(engine: Any) -> dict[str, torch.Tensor]:
-    """This rank's tensor-parallel slice of each parameter (fp32 masters where kept), gathered over dp."""
-    return {name: engine.strategy.full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    """This rank's tensor-parallel slice of each parameter (fp32 masters where kept), gathered over dp, on the
+    CPU (where the reference is)."""
+    return {name: engine.strategy.full_fp32_param(p).cpu().clone() for name, p in engine.module.named_parameters()}
 
 
 def slice_of(full: dict[str, torch.Tensor], engine: Any, tp: Any) -> dict[str, torch.Tensor]:
@@ -77,12 +79,12 @@ def train(stage: int, dtype: str = "fp32") -> tuple[Any, list[float]]:
     else:
         engine, *_ = deepshard.initialize(model=model, config=config(stage, 2, dtype))
     assert engine.topology.dims.tp == 2 and engine.dp_world_size == 2
-    dp_rank, losses = engine.topology.coord.dp, []
+    dp_rank, losses, device = engine.topology.coord.dp, [], rank_device()  # the CPU unless --device cuda
     for ids in batches():
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=device)
         for k in range(GAS):
             start = (k * 2 + dp_rank) * MICRO
-            chunk = ids[start:start + MICRO]
+            chunk = ids[start:start + MICRO].to(device)
             loss = engine(chunk[:, :-1], chunk[:, 1:])
             engine.backward(loss)
             engine.step()
@@ -135,12 +137,12 @@ def tp_engine_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 # ------------------------------------------------------- a model written with the Megatron layers; HF LLaMA
 def _run(engine: Any, loss_of: Any) -> list[float]:
-    dp_rank, losses = engine.topology.coord.dp, []
+    dp_rank, losses, device = engine.topology.coord.dp, [], rank_device()  # the CPU unless --device cuda
     for ids in batches():
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=device)
         for k in range(GAS):
             start = (k * 2 + dp_rank) * MICRO
-            loss = loss_of(engine, ids[start:start + MICRO])
+            loss = loss_of(engine, ids[start:start + MICRO].to(device))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -190,7 +192,7 @@ def megatron_gpt(tmp: str) -> dict[str, Any]:
     engine.save_checkpoint(path, tag="t")
     engine.save_16bit_model(path, "full.bin")
     engine.destroy()
-    saved = torch.load(os.path.join(path, "full.bin")) if dist.get_rank() == 0 else ref
+    saved = torch.load(os.path.join(path, "full.bin"), map_location="cpu") if dist.get_rank() == 0 else ref
     topo4 = Topology.build(ParallelDims(dp=1, tp=4))
     torch.manual_seed(3)
     engine4, *_ = deepshard.initialize(model=TPGPT(cfg, topo4.tp), config=config(1, 1), mpu=topo4)

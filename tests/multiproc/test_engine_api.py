@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.multiproc.device import device_kind
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_batches, make_model, rel_err
 from tests.multiproc.scenarios_engine import engine_contract
@@ -103,7 +104,8 @@ def test_user_optimizer_and_callable_win_over_config(api: dict[str, Any]) -> Non
 
 def test_accessors_and_attribute_fallthrough(api: dict[str, Any]) -> None:
     assert api["getattr"] is True
-    assert api["accessors"] == (2 * WORLD, 2, 1, 0, WORLD, True, 3, 3 * 2 * WORLD, 3, "cpu")
+    device = "cpu" if device_kind() == "cpu" else "cuda:0"  # rank 0's device
+    assert api["accessors"] == (2 * WORLD, 2, 1, 0, WORLD, True, 3, 3 * 2 * WORLD, 3, device)
 
 
 def test_dataloader_splits_samples_across_ranks(api: dict[str, Any]) -> None:

@@ -60,8 +60,8 @@ def _reference_state_after(steps: int, seed: int) -> tuple[torch.nn.Module, torc
         opt.step()
         opt.zero_grad()
     xs = [micro_slice(batches[steps], 2, 0, r, WORLD) for r in range(WORLD)]
-    x = torch.cat([a for a, _ in xs])
-    y = torch.cat([b for _, b in xs])
+    x = torch.cat([a.cpu() for a, _ in xs])  # micro_slice gives the ranks' device; the reference is on the CPU
+    y = torch.cat([b.cpu() for _, b in xs])
     model(x, y).backward()
     return model, opt
 

@@ -51,3 +51,26 @@ def test_the_message_states_the_timeout_that_fired() -> None:
     gloo = _Work("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv operation")
     with pytest.raises(CollectiveTimeout, match=r"within 60s \(the process group's timeout"):
         dog.wait(gloo, "barrier")
+
+
+class _NcclComm(_Comm):
+    backend = "nccl"
+
+
+def test_nccl_waits_do_not_hold_the_host() -> None:
+    """A timed wait on NCCL blocks the host until the GPU finishes (torch's WorkNCCL polls); the watchdog
+    must make the plain, stream-ordered wait there, for collectives and transfers alike."""
+    dog = Watchdog(_NcclComm(), WaitLimit(3.0, "DEEPSHARD_TIMEOUT=0.05 minutes"))  # type: ignore[arg-type]
+    dog._store = None
+    for transfer in (False, True):
+        work = _Work()
+        work.waited = "not waited"
+        dog.wait(work, "all_gather of 8 bfloat16 elements over 2 ranks", transfer=transfer)
+        assert work.waited is None
+    assert dog.sequence == 1
+    gloo = Watchdog(_Comm(), WaitLimit(3.0, "x"))  # type: ignore[arg-type]
+    gloo._store = None
+    work = _Work()
+    with pytest.raises(CollectiveTimeout):
+        gloo.wait(work, "barrier")
+    assert work.waited == datetime.timedelta(seconds=3)  # gloo keeps the timed wait and its diagnosis

@@ -14,6 +14,9 @@ to do the same (they are usually stuck or failing too), and raises :class:`Colle
 wait, the timeout that fired and where it came from, and the ranks that reported another position or
 reported nothing. Point-to-point transfers (the pipeline's) are waited on the same way, without a
 sequence number (the two ends of a transfer issue different operations).
+
+On NCCL the watchdog only counts: a timed wait there holds the host until the GPU is done, so NCCL's own
+watchdog (the process group's timeout, the same setting) turns a hang into an error instead.
 """
 from __future__ import annotations
 
@@ -138,9 +141,13 @@ class Watchdog:
         point-to-point transfer (not counted in the collective sequence)."""
         if not transfer:
             self.sequence += 1
-            if self.comm.size == 1:
-                work.wait()
-                return
+        if getattr(self.comm, "backend", None) == "nccl" or (not transfer and self.comm.size == 1):
+            # NCCL: a plain wait orders the current stream after the collective and returns at once; a
+            # timed one would hold the host until the device finished (polling every millisecond), so the
+            # host could no longer queue work ahead of the GPU. NCCL's own watchdog bounds the wait with
+            # the process group's timeout, which DEEPSHARD_TIMEOUT sets (deepshard.distributed).
+            work.wait()
+            return
         try:
             done = work.wait(timeout=datetime.timedelta(seconds=self.limit.seconds))
         except RuntimeError as err:
