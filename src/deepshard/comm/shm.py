@@ -196,7 +196,7 @@ class ShmRing:
 
     def _check_alive(self, ranks: list[int]) -> None:
         for r in ranks:
-            if not _alive(self.pids[r]):
+            if self.pids[r] > 0 and not _alive(self.pids[r]):
                 raise RuntimeError(f"connection closed: rank {self.peers[r]} (process {self.pids[r]} on this host) "
                                    "exited while this rank waited for it over shared memory")
 
@@ -511,8 +511,9 @@ class ShmTransport:
             self._fall_back(f"shared-memory outboxes could not be created or mapped in {SHM_DIR}; "
                             "collectives stay on TCP", logging.WARNING)
             return
-        self.ring = ShmRing([m for m in maps if m is not None], self.rank, self.peers, info[:, 3].tolist(),
-                            self.slot_bytes)
+        # a peer whose process this rank cannot see (another pid namespace) is not checked for liveness
+        pids = [p if r == self.rank or _alive(p) else 0 for r, p in enumerate(info[:, 3].tolist())]
+        self.ring = ShmRing([m for m in maps if m is not None], self.rank, self.peers, pids, self.slot_bytes)
         self.paths, self.state = paths, "shm"
 
     def _fall_back(self, message: str, level: int) -> None:
