@@ -160,7 +160,8 @@ class ShmRing:
     def _publish(self, t: int, fingerprint: int) -> None:
         head = self._heads[self.rank]
         head[_PRINT + t % 2] = fingerprint
-        head[_WRITTEN] = t  # x86 keeps stores in order: the data and fingerprint are visible first
+        head[_WRITTEN] = t  # x86 keeps stores in order: the data and fingerprint are visible first (a
+        # weakly ordered CPU, e.g. ARM, would need a store fence before this line)
 
     def _await_peers(self, t: int, fingerprint: int, deadline: float, what: str) -> None:
         self._wait(_WRITTEN, t, deadline, "arrive")
