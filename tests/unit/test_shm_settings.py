@@ -21,6 +21,16 @@ def test_mode_reads_the_argument_then_the_variable() -> None:
         shm.mode_from(None, {"DEEPSHARD_SHM": "yes"})
 
 
+def test_weakly_ordered_cpus_keep_tcp() -> None:
+    """The round counters rely on x86's in-order stores: elsewhere auto means TCP, and asking is refused."""
+    assert shm.mode_from(None, {}, machine="x86_64") is None
+    assert shm.mode_from(None, {}, machine="aarch64") is False
+    assert shm.mode_from(None, {"DEEPSHARD_SHM": "0"}, machine="arm64") is False
+    for value, env in ((None, {"DEEPSHARD_SHM": "1"}), (True, {})):
+        with pytest.raises(ValueError, match="DEEPSHARD_SHM=1.*aarch64 CPU.*x86's in-order stores; unset it"):
+            shm.mode_from(value, env, machine="aarch64")
+
+
 def test_slot_size_in_mib_rounded_to_pages() -> None:
     assert shm.slot_bytes_from({}) == 1 << 20
     assert shm.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": "0.5"}) == 1 << 19

@@ -60,6 +60,7 @@ import hashlib
 import logging
 import mmap
 import os
+import platform
 import secrets
 import socket
 import time
@@ -89,17 +90,25 @@ _SLEEP_S = 30e-6
 _LIVENESS_S = 0.25  # how often a long wait checks that the peers' processes still exist
 
 
-def mode_from(value: Optional[bool], environ: Mapping[str, str]) -> Optional[bool]:
+ORDERED_STORES = ("x86_64", "amd64", "i386", "i686")
+"""CPUs whose stores become visible to other cores in program order, which the round counters rely on
+(Python has no memory fence to issue on a weakly ordered CPU such as ARM)."""
+
+
+def mode_from(value: Optional[bool], environ: Mapping[str, str], machine: Optional[str] = None) -> Optional[bool]:
     """The transport setting: ``value`` when given, else ``DEEPSHARD_SHM`` (auto/1: used where every rank
-    of a gloo group is on one host; 0: never). None means auto."""
-    if value is not None:
-        return bool(value)
-    raw = environ.get(MODE_VAR, "auto").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in ("0", "1"):
-        return raw == "1"
-    raise ValueError(f"{MODE_VAR}={raw!r}: use auto, 1 (shared memory between ranks on one host) or 0 (TCP)")
+    of a gloo group is on one host; 0: never). None means auto. On a CPU outside :data:`ORDERED_STORES`
+    auto means TCP and asking for shared memory is an error."""
+    raw = environ.get(MODE_VAR, "auto").strip().lower() if value is None else ("1" if value else "0")
+    if raw not in ("", "auto", "0", "1"):
+        raise ValueError(f"{MODE_VAR}={raw!r}: use auto, 1 (shared memory between ranks on one host) or 0 (TCP)")
+    cpu = (machine if machine is not None else platform.machine()).lower()
+    if cpu not in ORDERED_STORES:
+        if raw == "1":
+            raise ValueError(f"{MODE_VAR}=1 (or CommGroup(shm=True)) on a {cpu or 'unknown'} CPU: the shared-memory "
+                             "transport relies on x86's in-order stores; unset it (auto keeps TCP here)")
+        return False
+    return None if raw in ("", "auto") else raw == "1"
 
 
 def slot_bytes_from(environ: Mapping[str, str]) -> int:
@@ -160,8 +169,8 @@ class ShmRing:
     def _publish(self, t: int, fingerprint: int) -> None:
         head = self._heads[self.rank]
         head[_PRINT + t % 2] = fingerprint
-        head[_WRITTEN] = t  # x86 keeps stores in order: the data and fingerprint are visible first (a
-        # weakly ordered CPU, e.g. ARM, would need a store fence before this line)
+        head[_WRITTEN] = t  # x86 keeps stores in order: the data and fingerprint are visible first (hence
+        # ORDERED_STORES: a weakly ordered CPU, e.g. ARM, would need a store fence before this line)
 
     def _await_peers(self, t: int, fingerprint: int, deadline: float, what: str) -> None:
         self._wait(_WRITTEN, t, deadline, "arrive")
