@@ -20,6 +20,7 @@ the bytes of live tensors.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -252,9 +253,15 @@ def time_collectives(numel: int, repeats: int = 3) -> dict[str, float]:
     }
     from deepshard.comm.group import CommGroup
 
-    pair = CommGroup(pairwise=True)  # deepshard's pairwise forms (what it uses on gloo)
-    calls["reduce_scatter (deepshard pairwise)"] = lambda: pair.reduce_scatter_tensor(shard, full)
-    calls["all_gather (deepshard pairwise)"] = lambda: pair.all_gather_into_tensor(gathered, shard)
+    pair = CommGroup(pairwise=True, shm=False)  # deepshard's pairwise forms over gloo's TCP
+    calls["reduce_scatter (deepshard pairwise TCP)"] = lambda: pair.reduce_scatter_tensor(shard, full)
+    calls["all_gather (deepshard pairwise TCP)"] = lambda: pair.all_gather_into_tensor(gathered, shard)
+    from deepshard.comm import shm
+
+    if shm.mode_from(None, os.environ) is not False:  # what deepshard uses on one host (comm/shm.py)
+        local = CommGroup(pairwise=True)
+        calls["reduce_scatter (deepshard shared memory)"] = lambda: local.reduce_scatter_tensor(shard, full)
+        calls["all_gather (deepshard shared memory)"] = lambda: local.all_gather_into_tensor(gathered, shard)
     out = {}
     for name, call in calls.items():
         call()
