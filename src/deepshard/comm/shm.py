@@ -73,7 +73,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from deepshard.comm import pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
-from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit
+from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit, positive_setting
 from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.utils.logging import logger
 
@@ -116,12 +116,7 @@ def slot_bytes_from(environ: Mapping[str, str]) -> int:
     raw = environ.get(SLOT_VAR, "").strip()
     if not raw:
         return DEFAULT_SLOT_BYTES
-    try:
-        mib = float(raw)
-    except ValueError:
-        raise ValueError(f"{SLOT_VAR}={raw!r} is not a number of MiB; e.g. {SLOT_VAR}=1") from None
-    if not mib > 0:
-        raise ValueError(f"{SLOT_VAR}={raw!r} must be a positive number of MiB")
+    mib = positive_setting(SLOT_VAR, raw, "MiB", "1")
     return max(4096, int(mib * (1 << 20)) // 4096 * 4096)
 
 

@@ -53,6 +53,17 @@ class WaitLimit:
     source: str
 
 
+def positive_setting(key: str, value: str, unit: str, example: str, note: str = "") -> float:
+    """``value`` of environment variable ``key`` as a positive number of ``unit``; a clear error otherwise."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not a number of {unit}; e.g. {key}={example}") from None
+    if not number > 0:
+        raise ValueError(f"{key}={value!r} must be a positive number of {unit}{note}")
+    return number
+
+
 def timeout_minutes(environ: Mapping[str, str]) -> tuple[str, float] | None:
     """``(variable, minutes)`` from ``DEEPSHARD_TIMEOUT`` / ``DEEPSPEED_TIMEOUT``, or None when neither is set."""
     if environ.get("DEEPSHARD_WATCHDOG_TIMEOUT", "").strip():
@@ -62,13 +73,7 @@ def timeout_minutes(environ: Mapping[str, str]) -> tuple[str, float] | None:
     for key in TIMEOUT_VARS:
         value = environ.get(key, "").strip()
         if value:
-            try:
-                minutes = float(value)
-            except ValueError:
-                raise ValueError(f"{key}={value!r} is not a number of minutes; e.g. {key}=30") from None
-            if not minutes > 0:
-                raise ValueError(f"{key}={value!r} must be a positive number of minutes (0.5 = 30 s)")
-            return key, minutes
+            return key, positive_setting(key, value, "minutes", "30", " (0.5 = 30 s)")
     return None
 
 
