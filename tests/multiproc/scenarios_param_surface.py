@@ -152,3 +152,52 @@ def external_world(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     return {"listed": listed, "is_external": model.a.weight.is_external_param, "losses": losses,
             "weights": full_weights(engine)}
+
+
+def _gather_if_partitioned(*params: torch.nn.Parameter) -> Any:
+    """TRL's ``maybe_gather_lm_head_ctx``: gather only what is not already AVAILABLE."""
+    import contextlib
+
+    todo = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE] if hasattr(params[0], "ds_id") else []
+    return deepshard.zero.GatheredParameters(todo) if todo else contextlib.nullcontext()
+
+
+class _HeadLogits(torch.autograd.Function):
+    """A fused LM head as TRL writes one: the weight is read directly (its module is never called), in
+    forward and again in backward, each time inside a gather."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return hidden @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, weight = ctx.saved_tensors
+        with _gather_if_partitioned(weight):
+            return grad @ weight, grad.t() @ hidden
+
+
+class FusedHeadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        with _gather_if_partitioned(self.head.weight):
+            out = _HeadLogits.apply(h, self.head.weight)
+        return nn.functional.mse_loss(out, y)
+
+
+def make_fused_head() -> FusedHeadNet:
+    torch.manual_seed(5)
+    return FusedHeadNet()
+
+
+def fused_head_world(rank: int, world: int) -> dict[str, Any]:
+    engine, *_ = deepshard.initialize(model=make_fused_head(), config=z3_config(8 // world, 1))
+    losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
+    return {"losses": losses, "weights": full_weights(engine),
+            "released": engine.module.head.weight.ds_status.name}

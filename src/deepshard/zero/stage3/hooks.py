@@ -70,7 +70,7 @@ class Stage3Hooks:
 
     # ----------------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
-        if _in_backward():
+        if in_backward():
             self._pre_recompute(groups, module)
             return
         for g in groups:
@@ -93,7 +93,7 @@ class Stage3Hooks:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
-        if _in_backward():
+        if in_backward():
             self._post_recompute(module)
             return
         for g in groups:
@@ -199,7 +199,7 @@ class Stage3Hooks:
         self.handles.clear()
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread: a module forward then is
     activation checkpointing's recompute (reentrant or not)."""
     return torch._C._current_graph_task_id() != -1
