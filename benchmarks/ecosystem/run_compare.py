@@ -73,6 +73,22 @@ def run_world(library: str, case: str, model_dir: Path, out: Path, world: int, t
         return {"error": f"exit codes {codes}", "tail": tail, "seconds": seconds}
     result = json.loads((out / "rank0.json").read_text())
     result["seconds"] = seconds
+    if "adapter_dir" in result:  # reloaded by a fresh process with neither library
+        reloaded = out / "reloaded.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.ecosystem.reload", str(model_dir), result["adapter_dir"],
+                        str(reloaded)], check=True, cwd=REPO_ROOT, timeout=timeout,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
+        result.update(json.loads(reloaded.read_text()))
+    (out / "rank0.json").write_text(json.dumps(result))  # with its time, for --reuse
+    return result
+
+
+def _reused(out: Path) -> dict[str, Any]:
+    done = out / "rank0.json"
+    if not done.exists():
+        return {"error": f"--reuse: no finished run in {out}", "tail": "", "seconds": 0.0}
+    result = json.loads(done.read_text())
+    result["seconds"] = float(result.get("seconds", 0.0))
     return result
 
 
@@ -115,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     parser.add_argument("--json", type=Path, help="write every run's logs and the table here")
     parser.add_argument("--scratch", type=Path, help="keep the runs' directories here (default: a temp dir)")
+    parser.add_argument("--reuse", choices=LIBRARIES, help="take this library's runs from an earlier --scratch "
+                        "where they finished (rerun only the other one)")
     args = parser.parse_args(argv)
     from benchmarks.ecosystem.tiny import save_tiny
 
@@ -122,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = save_tiny(scratch / "tiny")
     rows, runs, failed = [], {}, False
     for case in args.cases:
-        results = {lib: run_world(lib, case, model_dir, scratch / case / lib, args.world, args.timeout)
+        results = {lib: _reused(scratch / case / lib) if lib == args.reuse else
+                   run_world(lib, case, model_dir, scratch / case / lib, args.world, args.timeout)
                    for lib in LIBRARIES}
         runs[case] = results
         errors = {lib: r for lib, r in results.items() if "error" in r}

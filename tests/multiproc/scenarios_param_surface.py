@@ -201,3 +201,58 @@ def fused_head_world(rank: int, world: int) -> dict[str, Any]:
     losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
     return {"losses": losses, "weights": full_weights(engine),
             "released": engine.module.head.weight.ds_status.name}
+
+
+class _Scale(nn.Module):
+    """A frozen norm-like scale: its parameter is saved for backward as itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _AdaptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = _Scale()
+        self.base = nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.adapter = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.scale(x)
+        return torch.tanh(self.base(h) + self.adapter(h))
+
+
+class FrozenBaseNet(nn.Module):
+    """A LoRA-shaped model: a frozen base (a scale and a Linear) with a small trainable adapter, the block
+    under non-reentrant activation checkpointing (PEFT + TRL's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = _AdaptedBlock()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, self.inp(x), use_reentrant=False)  # an input that requires grad
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def make_frozen_base() -> FrozenBaseNet:
+    torch.manual_seed(6)
+    return FrozenBaseNet()
+
+
+def frozen_base_world(rank: int, world: int) -> dict[str, Any]:
+    # a prefetch window of one group: the frozen scale is still partitioned when the recompute reaches it
+    engine, *_ = deepshard.initialize(model=make_frozen_base(),
+                                      config=z3_config(8 // world, 1, stage3_prefetch_bucket_size=8))
+    losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
+    return {"losses": losses, "weights": full_weights(engine),
+            "after": sorted({p.ds_status.name for p in engine.module.parameters()})}

@@ -112,12 +112,16 @@ class Stage3Hooks:
         self._recomputed.setdefault(id(module), []).append(mine)
 
     def _post_recompute(self, module: torch.nn.Module) -> None:
-        """Release what ``module``'s recompute gathered (unless something else uses it now)."""
+        """Release what ``module``'s recompute gathered (unless something else uses it now). Frozen groups
+        stay: no gradient reduction releases them later, backward would gather them again at once (and keep
+        them to the end of backward, as it keeps every frozen group it gathers), and PyTorch's
+        non-reentrant checkpoint compares a parameter it saved itself with its recomputed shape after the
+        recompute (a released one reads as ``[0]``: "Recomputed values ... have different metadata")."""
         stack = self._recomputed.get(id(module))
         if not stack:
             return
         for g in stack.pop():
-            if g.users == 0:
+            if g.users == 0 and g.requires_grad:
                 g.reshard()
 
     def end_backward(self) -> None:
