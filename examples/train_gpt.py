@@ -33,6 +33,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepshard  # noqa: E402
 from deepshard.accelerator import cpu_has_native_bf16, get_accelerator  # noqa: E402
+from deepshard.config import ConfigError  # noqa: E402
 from corpus import ByteWindowDataset, load_stdlib_corpus, train_val_split  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
@@ -72,8 +73,8 @@ def fit_batch_to_world(config: dict[str, Any], world: int) -> dict[str, Any] | N
     gas = config.get("gradient_accumulation_steps")
     if not all(isinstance(v, int) for v in (tbs, micro, gas)) or tbs == micro * gas * world:
         return None
-    if tbs % (micro * world) != 0:
-        raise ValueError(
+    if tbs % (micro * world) != 0:  # a ConfigError: the launcher prints it once, in one line
+        raise ConfigError(
             f"train_batch_size {tbs} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
             f"{world} processes = {micro * world}; run on a process count that divides "
             f"{tbs // micro} or edit the config")
