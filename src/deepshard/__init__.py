@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from deepshard._version import __version__
+from deepshard.compat.finder import install_spelling_finder
+
 version = __version__
 
 _LAZY = {
@@ -37,6 +39,8 @@ _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", 
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
+install_spelling_finder()  # deepshard.X for every deepspeed.X path (deepshard.compat.aliases is the table)
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
@@ -48,7 +52,9 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"deepshard.{name}")
         globals()[name] = module
         return module
-    raise AttributeError(f"module 'deepshard' has no attribute '{name}'")
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute("deepshard", name)
 
 
 def __dir__() -> list[str]:

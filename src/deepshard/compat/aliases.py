@@ -83,6 +83,9 @@ REFUSED_NAMES: dict[str, str] = {
         "deepspeed.zero.GatheredParameters(params) around the code that reads parameters instead: it gathers "
         "partitioned ones and leaves whole ones alone"),
 }
+REFUSED_NAMES["deepspeed.comm.CCLBackend"] = (
+    "DeepSpeed's Intel oneCCL communication backend; deepshard communicates through torch.distributed "
+    "(deepspeed.comm.TorchBackend), use that instead")
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
                   "streams are deepshard.tp.random's)")
@@ -102,23 +105,34 @@ for _name in _UNIVERSAL:
 
 
 def refusal(fullname: str) -> str:
-    """The AttributeError message for a ``deepspeed`` name deepshard lacks: why, and what to use."""
-    if fullname in REFUSED_NAMES:
-        return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat): it is "
-                f"{REFUSED_NAMES[fullname]}")
-    return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat); use the real "
-            "DeepSpeed for it")
+    """The AttributeError message for a ``deepspeed`` name deepshard lacks, or for its ``deepshard.``
+    spelling: why, and what to use."""
+    ds_name = "deepspeed" + fullname[len("deepshard"):] if fullname.startswith("deepshard.") else fullname
+    who = "deepshard" if ds_name != fullname else "this 'deepspeed' (deepshard, via deepshard.compat)"
+    if ds_name in REFUSED_NAMES:
+        return f"{fullname} is not provided by {who}: it is {REFUSED_NAMES[ds_name]}"
+    return f"{fullname} is not provided by {who}; use the real DeepSpeed for it"
 
 
-def target_of(fullname: str) -> str:
+def missing_attribute(module_name: str, name: str) -> AttributeError:
+    """What a deepshard module's ``__getattr__`` raises for a name it lacks: the refusal of
+    :data:`REFUSED_NAMES` (why, and what to use) when the DeepSpeed spelling of the name is listed there."""
+    if name.startswith("__") and name.endswith("__"):
+        return AttributeError(f"module {module_name!r} has no attribute {name!r}")
+    return AttributeError(refusal(f"{module_name}.{name}"), name=name)
+
+
+def target_of(fullname: str, shown: str | None = None) -> str:
     """The deepshard module name for the DeepSpeed module ``fullname``; raises ImportError for a
     feature deepshard does not implement (an ImportError, not ModuleNotFoundError, so that the message
-    reaches the user through ``from deepspeed.x import y`` too)."""
+    reaches the user through ``from deepspeed.x import y`` too). ``shown`` is the name the user imported
+    when it is not ``fullname`` (the ``deepshard.X`` spelling of ``deepspeed.X``)."""
     for prefix, feature in MISSING.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
-            raise ImportError(
-                f"No module named {fullname!r}: this 'deepspeed' is deepshard (deepshard.compat), which does not "
-                f"implement {feature}; use the real DeepSpeed for it", name=fullname)
+            who = ("this 'deepspeed' is deepshard (deepshard.compat), which" if shown is None
+                   else "deepshard")
+            raise ImportError(f"No module named {shown or fullname!r}: {who} does not implement {feature}; use "
+                              "the real DeepSpeed for it", name=shown or fullname)
     parts = fullname.split(".")
     for cut in range(len(parts), 0, -1):
         prefix = ".".join(parts[:cut])
