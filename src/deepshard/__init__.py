@@ -28,7 +28,7 @@ _LAZY = {
     "DeepShardConfig": ("deepshard.config", "DeepShardConfig"),
     "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
     "DeepSpeedEngine": ("deepshard.engine", "EngineCore"),  # DeepSpeed's class name: the base of both engines
-    "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
+    "DeepSpeedConfig": ("deepshard.runtime.ds_config", "DeepSpeedConfig"),
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),

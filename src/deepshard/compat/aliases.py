@@ -45,9 +45,6 @@ MISSING: dict[str, str] = {
     "deepspeed.ops.sparse_attention": "block-sparse attention kernels",
     "deepspeed.ops.op_builder": "DeepSpeed's JIT op builders (deepshard compiles no ops)",
     "deepspeed.ops.transformer": "DeepSpeed's fused transformer kernels",
-    "deepspeed.runtime.zero.offload_config": "DeepSpeed's engine.offload_states()/reload_states() (states moved "
-                                             "off the device between steps); configure "
-                                             "zero_optimization.offload_optimizer / offload_param instead",
     "deepspeed.utils.timer": "DeepSpeed's timer registry (deepshard's engine times forward, backward, "
                              "backward_inner, backward_allreduce and step; turn on wall_clock_breakdown)",
     "deepspeed.inference": "the inference engine",
