@@ -78,10 +78,6 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.checkpoint.UNIVERSAL_CHECKPOINT_INFO": "DeepSpeed's universal-checkpoint metadata; leave it out "
                                                       "and use deepshard's own checkpoints instead (they resume "
                                                       "on any layout without a conversion)",
-    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus": (
-        "DeepSpeed's per-parameter gather status (deepshard's ZeRO-3 parameters carry no ds_id/ds_status); use "
-        "deepspeed.zero.GatheredParameters(params) around the code that reads parameters instead: it gathers "
-        "partitioned ones and leaves whole ones alone"),
 }
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
