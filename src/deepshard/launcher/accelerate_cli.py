@@ -151,7 +151,7 @@ def config_document(values: dict[str, Any]) -> dict[str, Any]:
                            "num_machines": int(values.get("num_machines") or 1),
                            "num_processes": int(values.get("num_processes") or 1),
                            "rdzv_backend": "static", "same_network": True,
-                           "use_cpu": ac._bool(values.get("use_cpu") or False, "use_cpu")}
+                           "use_cpu": ac.as_bool(values.get("use_cpu") or False, "use_cpu")}
     for key in ("main_process_ip", "main_process_port", "gpu_ids"):
         if values.get(key) is not None:
             doc[key] = values[key]

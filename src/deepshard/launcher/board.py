@@ -80,19 +80,21 @@ class JobBoard:
         """The node ranks that never registered."""
         return [n for n in range(len(self.hosts)) if not self._call(lambda n=n: self.store.check([f"node/{n}"]))]
 
-    def check_job(self, fingerprint: str) -> str | None:
-        """After the rendezvous (every node is in): what is wrong with the nodes' command lines, or None."""
+    def check_job(self) -> str | None:
+        """After the rendezvous (every node is in): what is wrong with the nodes' command lines, or None (every
+        node sees the same answer, so all of them refuse a mismatched job)."""
         absent = self.missing()
         if absent:
             names = ", ".join(f"node {n} ({self.hosts[n]})" for n in absent)
             return (f"{names} did not register although every node joined: two machines were started with the "
                     "same --node_rank; give each machine its own")
-        theirs = self._call(lambda: self.store.get("node/0")).decode("utf-8")
-        if theirs != fingerprint:
-            return (f"node {self.node_rank}'s launch does not match node 0's: node 0 runs {theirs}, this node "
-                    f"{fingerprint}; run the same deepshard command (same hostfile, selection, --max_restarts, "
-                    "script and arguments) on every node, only --node_rank differs")
-        return None
+        jobs = [self._call(lambda n=n: self.store.get(f"node/{n}")).decode("utf-8") for n in range(len(self.hosts))]
+        odd = next((n for n, job in enumerate(jobs) if job != jobs[0]), None)
+        if odd is None:
+            return None
+        return (f"node {odd}'s launch does not match node 0's: node 0 runs {jobs[0]}, node {odd} {jobs[odd]}; run "
+                "the same deepshard command (same hostfile, selection, --max_restarts, script and arguments) on "
+                "every node, only --node_rank differs")
 
     # ------------------------------------------------------------------------------ one attempt
 
@@ -142,11 +144,12 @@ class JobBoard:
         self._call(lambda: self.store.set(f"exited/{self.node_rank}", "1"))
 
     def wait_exited(self, timeout_s: float, skip: Sequence[int] = (), poll_s: float = 0.05) -> list[int]:
-        """Node 0: wait until every other node (but ``skip``) left; returns those that did not in time."""
+        """Node 0: wait until every other node that registered (but ``skip``) left; returns those that did not
+        in time (a node that never came is not waited for)."""
         deadline = self._clock() + timeout_s
+        came = [n for n in range(1, len(self.hosts)) if n not in skip and n not in self.missing()]
         while True:
-            waiting = [n for n in range(1, len(self.hosts))
-                       if n not in skip and not self._call(lambda n=n: self.store.check([f"exited/{n}"]))]
+            waiting = [n for n in came if not self._call(lambda n=n: self.store.check([f"exited/{n}"]))]
             if not waiting or self._clock() >= deadline:
                 return waiting
             time.sleep(poll_s)

@@ -299,7 +299,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         from deepshard.autotuning.tuner import main as autotune
 
         try:
-            return autotune(args, argv)
+            return autotune(args, argv, main)
         except ValueError as exc:
             return _error(exc)
     try:

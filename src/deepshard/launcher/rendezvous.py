@@ -88,9 +88,9 @@ class Place:
 class JobRendezvous(RendezvousHandler):
     """torch's c10d handler (``inner``), with each attempt's node rank, ranks' store and hooks deepshard's."""
 
-    def __init__(self, inner: RendezvousHandler, place: Place, board: JobBoard | None = None, fingerprint: str = "",
+    def __init__(self, inner: RendezvousHandler, place: Place, board: JobBoard | None = None,
                  watchdog: Watchdog | None = None) -> None:
-        self.inner, self.place, self.board, self.fingerprint = inner, place, board, fingerprint
+        self.inner, self.place, self.board = inner, place, board
         self.watchdog = watchdog or Watchdog()
         self.hooks: AttemptHooks | None = None
         self.attempt = -1
@@ -168,7 +168,7 @@ class JobRendezvous(RendezvousHandler):
         if self.place.node_rank is None:
             return info.rank, info.world_size
         if self.board is not None:
-            problem = self.board.check_job(self.fingerprint)
+            problem = self.board.check_job()
             if problem is not None:
                 raise LaunchError(problem)
         return self.place.node_rank, len(self.place.hosts)
@@ -205,7 +205,7 @@ def open_rendezvous(place: Place, fingerprint: str, is_host: bool | None) -> Job
         store = PrefixStore(f"deepshard/{RUN_ID}", client or _reach(place))
         board = JobBoard(store, place.node_rank, place.hosts)
         board.register(fingerprint)
-    return JobRendezvous(inner, place, board, fingerprint)
+    return JobRendezvous(inner, place, board)
 
 
 def _cannot_open(place: Place, is_host: bool | None, detail: str) -> str:
