@@ -20,9 +20,11 @@ from deepshard.launcher.link import JobLink, format_job_failure
 from deepshard.launcher.local import TORCH_SETS, LocalLaunch
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.rank_streams import RankStream
+from deepshard.launcher.output import Output
+from deepshard.launcher.rank_streams import RankStream, RankStreams
 from deepshard.launcher.rank_watch import OUTPUT_ENV, STATUS_ENV, RankWatch, shim_argv
 from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, Watchdog, open_rendezvous
+from deepshard.launcher.report import others_outcome
 
 HOSTS = ["node-a", "node-b", "node-c"]
 FAIL = JobFailure("rank", 1, "node-b", "rank 3 (local rank 1, pid 77)", "exited with code 3", 3, rank=3,
@@ -311,3 +313,24 @@ def test_local_rank_failure_becomes_the_job_failure_first_one_wins() -> None:
     later = RankStream(0, 0, returncode=1, pid=5)
     assert _link(node0).publish_rank_failure(0, later) == failure
 
+
+
+def _streams(*codes: int | None) -> RankStreams:
+    streams = RankStreams(Output())
+    streams.streams = {i: RankStream(i, i, returncode=code, pid=100 + i) for i, code in enumerate(codes)}
+    return streams
+
+
+@pytest.mark.parametrize("codes, stopped, said", [
+    ((1, None), {1}, "; stopped the other 1 rank"),  # rank 1 was running when rank 0 failed
+    ((1, 1), set(), "; the other 1 rank failed too"),  # every rank failed on its own
+    ((1, 2, -15, -15), {2, 3}, "; 1 other rank failed too; stopped 2 other ranks"),
+    ((1, 0), set(), ""),  # the other had finished (named by the early-exit line instead)
+    ((1,), set(), ""),
+])
+def test_the_report_says_what_became_of_the_other_ranks(codes: tuple, stopped: set, said: str) -> None:
+    streams = _streams(*codes)
+    try:
+        assert others_outcome(streams, streams.streams[0], stopped) == said
+    finally:
+        streams.cleanup()

@@ -87,7 +87,8 @@ class JobWatch:
             self.streams.opened(local_rank)
             if any(s.pid is None for s in streams.values()):
                 return
-        logger.info("started %d ranks: %s", len(streams), ", ".join(f"rank {s.rank} pid {s.pid}" for s in streams.values()))
+        logger.info("started %d ranks: %s", len(streams),
+                    ", ".join(f"rank {s.rank} pid {s.pid}" for s in streams.values()))
         if self.job.log_dir is not None:
             logger.info("per-rank logs: %s", ", ".join(str(s.log_path) for s in streams.values()))
         if self.on_started is not None:
@@ -219,6 +220,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's exit
     code, 1 for a rank killed by a signal or a lost node, 128+N for signal N, 2 for mismatched nodes)."""
     _torch_logs()
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
     streams = RankStreams(Output(), job.log_dir)
     watch = JobWatch(job, streams, link, on_started)
     streams.on_attempt, rdzv.hooks = watch.begin, watch

@@ -51,7 +51,7 @@ class NodeJob:
         return self.hosts[self.node_rank]
 
     def fingerprint(self) -> str:
-        """What every node must agree on (compared through the coordination store)."""
+        """What every node must agree on (compared through the rendezvous store)."""
         return json.dumps({"world": self.world, "max_restarts": self.max_restarts,
                            "master_port": self.launch.master_port}, sort_keys=True)
 

@@ -212,8 +212,8 @@ def _cannot_open(place: Place, is_host: bool | None, detail: str) -> str:
     if is_host:
         return (f"node 0 cannot serve the rendezvous store at {place.endpoint} ({detail}); the port must be free: "
                 "pick another --master_port")
-    return (f"cannot reach the rendezvous store at {place.endpoint} within {place.join_timeout_s:.0f} s ({detail}); start "
-            "node 0 with the same command, check --master_addr / --master_port, and that the port is open "
+    return (f"cannot reach the rendezvous store at {place.endpoint} within {place.join_timeout_s:.0f} s ({detail}); "
+            "start node 0 with the same command, check --master_addr / --master_port, and that the port is open "
             "between the nodes")
 
 

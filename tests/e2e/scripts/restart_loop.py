@@ -1,6 +1,6 @@
 """Launcher e2e helper for restarts: every rank meets through ``deepshard.init_distributed``, all-reduces a
-few times, says when its attempt was ready, then rank 1 exits with code 3 after its loop on every attempt
-before ``--attempts`` - 1 (the last attempt ends cleanly)."""
+few times, then says when its attempt was ready, where it met and which machine it shares with which ranks;
+rank 1 exits with code 3 after its loop on every attempt before ``--attempts`` - 1 (the last ends cleanly)."""
 import argparse
 import os
 import time
@@ -20,7 +20,8 @@ for _ in range(3):
     total = torch.ones(1)
     dist.all_reduce(total)
     assert total.item() == world, (total.item(), world)
-print(f"rank {rank} attempt {attempt} ready at {time.time():.3f} port {os.environ['MASTER_PORT']}", flush=True)
+node = " ".join(f"{k}={os.environ[k]}" for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+print(f"rank {rank} attempt {attempt} ready at {time.time():.3f} port {os.environ['MASTER_PORT']} {node}", flush=True)
 if rank == 1 and attempt < args.attempts - 1:
     print(f"rank 1 attempt {attempt} exits 3 at {time.time():.3f}", flush=True)
     os._exit(3)
