@@ -8,13 +8,16 @@
 #     PHASES="gpt infinity" bash benchmarks/gpu_check.sh     # a rerun of some phases only
 #
 # Phases, most valuable first, each under its own `timeout` so one hang costs that phase alone (seconds,
-# overridable as LIMIT_<PHASE>=N); together they stay under 8 minutes:
+# overridable as LIMIT_<PHASE>=N); together they stay under 10 minutes (560 s; the device tool allows 600 a command):
 #   probe        20  the device's name, memory, versions and measured bf16 matmul rate; whether a wait on NCCL
 #                    holds the host (benchmarks/gpu/nccl_wait.py)
 #   world1       80  tests/multiproc/test_device_world1.py --device cuda: ZeRO 0-3, fp32/bf16/fp16,
 #                    checkpoints, offload to pinned host memory and to files, a pipeline, on NCCL
 #   gpt         120  GPT-style bf16 model at the largest size that fits: deepshard ZeRO 0 and 3 vs torch
 #                    and FSDP2 (and DeepSpeed when its wheel was carried): tokens/s and MFU
+#   sp          100  sequence parallelism at world size 1 on NCCL: deepshard's Ulysses and ring attention against
+#                    torch's SDPA kernels (numerics against float32/float64, step time at 8k and 32k tokens),
+#                    the longest sequence with and without activation checkpointing and tiled MLP / loss
 #   infinity    195  CPU Adam throughput; largest model without offload under a GPU memory cap; offload to
 #                    host memory at 3x (then on disk), 6x, 10x of it: tokens/s, GPU time waiting
 #   gloo         45  the multi-process suite's selection on 2 and 4 processes over gloo with CUDA tensors
@@ -28,7 +31,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu-out}
 WORK=${WORK:-/tmp/gpu_check}
 PY=${PY:-python3}
-PHASES=${PHASES:-probe world1 gpt infinity gloo}
+PHASES=${PHASES:-probe world1 gpt sp infinity gloo}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/gpu_check.log
 : >"$WORK/phases.tsv"
@@ -116,6 +119,8 @@ run_phase gpt 120 "$PY" -m benchmarks.gpu.gpt_bench "${SIZE[@]}" --device-json "
   --budget $((gpt_limit - 10)) --case-timeout 45 \
   --engines ${GPT_ENGINES:-torch deepshard-z0 deepshard-z3 fsdp2 deepspeed-z0 deepspeed-z3} ${GPT_ARGS:-} \
   --out "$WORK/gpt.json"
+sp_limit=${LIMIT_SP:-100}
+run_phase sp 100 "$PY" -m benchmarks.gpu.sp_gpu "${SIZE[@]}" --budget $((sp_limit - 10)) --out "$WORK/sp.json"
 # INFINITY_ARGS: more options for the driver (e.g. "--multiples 3 --nvme-multiple 1.25" for a shorter rerun)
 inf_limit=${LIMIT_INFINITY:-195}
 # shellcheck disable=SC2086

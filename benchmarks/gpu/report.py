@@ -18,6 +18,7 @@ if __package__ in (None, ""):
 
 from benchmarks.gpu.gpt_bench import table as gpt_table  # noqa: E402
 from benchmarks.gpu.infinity_bench import summary_text  # noqa: E402
+from benchmarks.gpu.sp_gpu import table as sp_table  # noqa: E402
 
 TEST_SETS = {"tests_world1": "world size 1 on NCCL (tests/multiproc/test_device_world1.py)",
              "tests_gloo": "2 and 4 processes on gloo with CUDA tensors (the multi-process suite's selection)"}
@@ -68,6 +69,7 @@ def gather(work: Path) -> dict[str, Any]:
     out["gpt"] = read_json(work / "gpt.json")
     out["infinity"] = read_json(work / "infinity.json")
     out["nccl_wait"] = read_json(work / "nccl_wait.json")
+    out["sp"] = read_json(work / "sp.json")
     return out
 
 
@@ -110,6 +112,14 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", gpt_table(gpt)]
     else:
         lines.append(f"not run: {(gpt or {}).get('detail', 'no result')}")
+    sp = res.get("sp")
+    lines += ["", "## Sequence parallelism at world size 1 (Ulysses, ring) against torch's SDPA", ""]
+    if sp and sp.get("results"):
+        m = sp["model"]
+        lines += [f"{m['layers']} layers x width {m['dim']}, {m['heads']} heads over {m['kv_heads']} key/value heads, "
+                  f"vocabulary {m['vocab']}, causal.", "", sp_table(sp["results"])]
+    else:
+        lines.append(f"not run: {(sp or {}).get('skipped', 'no result')}")
     inf = res.get("infinity")
     lines += ["", "## ZeRO-Infinity on one GPU", ""]
     if inf and inf.get("status") in ("ok", "partial"):

@@ -6,7 +6,7 @@ calls :func:`parallelize`; nothing else composes.
     grid                 pp x dp x tp process groups (given; a PipelineModule's own)  deepshard/grid.py, topology.py
     pipeline cut         this rank's stage (built by the PipelineModule), config keys deepshard/pipe/module.py, engine.py
                          applied, tied-weight groups across stages                   deepshard/pipe/tied.py
-    tensor parallelism   AutoTP split; Megatron attributes adopted into placements   deepshard/tp/autotp.py, zero/placement.py
+    tensor parallelism   AutoTP split; Megatron attributes adopted into placements   deepshard/tp/autotp.py, placement.py
     sequence parallelism Ulysses / ring / hybrid over the sp group (weights replicated) deepshard/sp/
     activation ckpt      the pipeline's recompute function from the config           deepshard/checkpointing.py
     compile              a torch.compile'd model trains its original module, compiled deepshard/compile.py
@@ -31,7 +31,7 @@ from deepshard.plan import Plan, describe, enforce
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
 from deepshard.zero.optimizer_guard import guard
-from deepshard.zero.placement import adopt_megatron_attributes, set_copies
+from deepshard.placement import adopt_megatron_attributes, set_copies
 
 
 def engine_class(plan: Plan) -> type:

@@ -354,7 +354,7 @@ def whole_params(engine: Any, model: nn.Module, topo: Any) -> dict[str, torch.Te
     """Every parameter of the model as one tensor (tensor-parallel slices joined, every stage's layers),
     from the engine's fp32 values; the same dict on every rank."""
     from deepshard.tp.params import unshard
-    from deepshard.zero.placement import split_of
+    from deepshard.placement import split_of
 
     mine: dict[str, Any] = {}
     for name, p in model.named_parameters():

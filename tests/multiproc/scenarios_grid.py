@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import deepshard
 from deepshard.topology import ParallelDims, Topology
-from deepshard.zero.placement import owner_of
+from deepshard.placement import owner_of
 from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 

@@ -13,7 +13,7 @@ from deepshard.checkpoint.fragments import FragmentRecord, load_full_state, rank
 from deepshard.config import ConfigError
 from deepshard.grid import dims_from_config
 from deepshard.topology import ParallelDims
-from deepshard.zero.placement import mark_split
+from deepshard.placement import mark_split
 
 
 def _write(directory: Path, rank: int, tensors: dict[str, torch.Tensor], splits: dict[str, list[int]],

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint import schema
-from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
+from deepshard.checkpoint import ledger, schema
+from deepshard.checkpoint.collective import CheckpointSaveError, agree_on_load, run_phase
 from deepshard.checkpoint.rng_streams import restore_streams, stream_states
 from deepshard.checkpoint.state import flatten_state, unflatten_state
+from deepshard.checkpoint.verify import ManifestVerifier
 from deepshard.utils.logging import logger
 
 if TYPE_CHECKING:
@@ -48,9 +49,9 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     try:
         files = run_phase(comm, f"writing the checkpoint files into {staging}",
                           lambda: _write_rank_files(engine, staging, client_state, tag, exclude_frozen_parameters))
-        all_files = _gather_file_lists(engine, files or [])
+        records = _gather_records(engine, files or {})
         run_phase(comm, f"publishing {save_dir / tag}",
-                  lambda: _publish(staging, save_dir, tag, all_files, save_latest) if rank == 0 else None)
+                  lambda: _publish(staging, save_dir, tag, records, save_latest) if rank == 0 else None)
     except CheckpointSaveError:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -67,18 +68,20 @@ def _prepare_staging(save_dir: Path, tag: str) -> None:
 
 
 def _write_rank_files(engine: "DeepShardEngine", staging: Path, client_state: dict[str, Any], tag: str,
-                      exclude_frozen_parameters: bool) -> list[str]:
+                      exclude_frozen_parameters: bool) -> dict[str, dict[str, Any]]:
+    """This rank's files, each with its manifest record (size and sha256, taken by the rank that wrote it:
+    publishing then never reads the checkpoint back on one rank)."""
     rank = engine.topology.rank
     files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
     ckpt_io.save_tensors(staging / _rng_file(rank), stream_states(engine.module))
     files.append(_rng_file(rank))
     if rank == 0:
         files += _save_engine_state(engine, staging, client_state, tag)
-    return files
+    return {name: ckpt_io.file_entry(staging / name) for name in files}
 
 
-def _publish(staging: Path, save_dir: Path, tag: str, all_files: list[str], save_latest: bool) -> None:
-    ckpt_io.write_manifest(staging, sorted(set(all_files)))
+def _publish(staging: Path, save_dir: Path, tag: str, records: dict[str, dict[str, Any]], save_latest: bool) -> None:
+    ckpt_io.write_manifest(staging, sorted(records), known=records)
     ckpt_io.commit_staging(staging, save_dir / tag)
     if save_latest:
         ckpt_io.write_latest(save_dir, tag)
@@ -109,15 +112,17 @@ def _write_zero_to_fp32_script(save_dir: Path) -> None:
         tmp.replace(target)
 
 
-def _gather_file_lists(engine: "DeepShardEngine", files: list[str]) -> list[str]:
+def _gather_records(engine: "DeepShardEngine", records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's file records on global rank 0, which writes the manifest ({} on the other ranks: a
+    gather, not an all-gather, so no rank but the publisher receives the O(world size) list)."""
     import torch.distributed as dist
 
     world = engine.topology.world
     if world.size == 1:
-        return files
-    gathered: list[Any] = [None] * world.size
-    dist.all_gather_object(gathered, files, group=world.group)
-    return [f for part in gathered for f in part]
+        return records
+    gathered: list[Any] | None = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(records, gathered, dst=world.peers[0], group=world.group)
+    return {name: rec for part in (gathered or []) for name, rec in part.items()}
 
 
 def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state: dict[str, Any],
@@ -163,24 +168,17 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
-    listed = ckpt_io.verify_manifest(path)
-    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
-    rng_path = path / _rng_file(engine.topology.rank)
-    dims = engine.topology.dims
-    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
-    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
-    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
-    if same_grid and rng_saved and rng_path.name not in listed:
-        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
-                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
-                                      "load another tag")
-    engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
-    try:
-        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
-                                      f"({type(err).__name__}: {err}): the files are from different saves or "
-                                      "edited; load another tag") from err
+    error: Exception | None = None
+    loaded: tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor] | None] | None = None
+    try:  # every file this rank reads is checked against the manifest as it is read (checkpoint/verify.py)
+        with ledger.verifying(ManifestVerifier(path)) as verifier:
+            loaded = _read_rank_part(engine, path, verifier.names(), strict, load_optimizer_states and not load_module_only)
+    except Exception as err:  # noqa: BLE001 - agreed with every rank below, then raised
+        error = err
+    agree_on_load(engine.topology.world, f"reading {path}", error)  # raises on every rank if any failed
+    if loaded is None:
+        raise ckpt_io.CheckpointError(f"reading {path} returned nothing and raised nothing")  # unreachable
+    meta, state, rng = loaded
     if load_module_only:
         return str(path), state.get("client_state", {})
     engine.global_steps = int(meta["global_steps"])
@@ -191,10 +189,35 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    if same_grid and rng_saved:
-        restore_streams(engine.module, ckpt_io.load_tensors(rng_path))  # deepshard's streams; not torch's
+    if rng is not None:
+        restore_streams(engine.module, rng)  # deepshard's streams; not torch's
     engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
+
+
+def _read_rank_part(engine: "DeepShardEngine", path: Path, listed: list[str], strict: bool, with_optimizer: bool
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor] | None]:
+    """This rank's part of a load: the engine file, the strategy's own files (it loads them into the model
+    and optimizer), the engine state and this rank's RNG streams. Returns ``(meta, state, rng or None)``."""
+    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
+    rng_path = path / _rng_file(engine.topology.rank)
+    dims = engine.topology.dims
+    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
+    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
+    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
+    if same_grid and rng_saved and rng_path.name not in listed:
+        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
+                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
+                                      "load another tag")
+    engine.strategy.load(path, with_optimizer, strict)  # type: ignore[union-attr]
+    try:
+        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
+                                      f"({type(err).__name__}: {err}): the files are from different saves or "
+                                      "edited; load another tag") from err
+    rng = ckpt_io.load_tensors(rng_path) if same_grid and rng_saved else None
+    return meta, state, rng
 
 
 def _recover_interrupted_publication(engine: "DeepShardEngine", load_dir: Path, tag: str) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.tp.params import shard_of, unshard
-from deepshard.zero.placement import split_of
+from deepshard.placement import split_of
 
 Key = tuple[str, int]  # (parameter name, tensor-parallel part index)
 

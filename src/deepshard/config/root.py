@@ -30,6 +30,7 @@ from deepshard.config.optimizer import OptimizerConfig, SchedulerConfig
 from deepshard.config.precision import (AMPConfig, BF16Config, DataTypesConfig, FP16Config,
                                         TorchAutocastConfig)
 from deepshard.config.sequence import SequenceParallelConfig, check_sequence_parallel
+from deepshard.config.tolerated import drop_tolerated_keys
 from deepshard.config.unimplemented import UNIMPLEMENTED_KEYS, warn_unimplemented
 from deepshard.config.zero import ZeroConfig
 from deepshard.utils.logging import logger
@@ -131,6 +132,8 @@ class DeepShardConfig(Section):
     # ------------------------------------------------------------------ input preparation
     @classmethod
     def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        data = drop_tolerated_keys(data, known)
         zero = data.get("zero_optimization")
         if isinstance(zero, bool):
             logger.warning("\"zero_optimization\": %s is a deprecated form; use "

@@ -34,6 +34,8 @@ COMMANDS: dict[str, Command] = {
                             "deepshard.utils.zero_to_fp32:main", ("deepshard_zero_to_fp32",)),
     "convert": Command("convert a checkpoint to DeepSpeed's format or from it (`deepshard convert SRC DST --to ...`)",
                        "deepshard.checkpoint.convert_cli:main"),
+    "verify": Command("check every file of a checkpoint against its manifest (sizes and sha256)",
+                      "deepshard.checkpoint.verify:main"),
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
                                "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
 }

@@ -1,7 +1,7 @@
 """Tied weights across pipeline stages (``TiedLayerSpec``): one process group per tied key and per
 (data, tensor) coordinate over the stages holding a copy. The copies start equal (broadcast from the
 lowest stage), their gradients are summed over those stages before the data-parallel reduction, and each
-copy is marked so the global gradient norm counts the weight once (``zero/placement.py``).
+copy is marked so the global gradient norm counts the weight once (``placement.py``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from deepshard.comm.group import CommGroup
 from deepshard.pipe.module import PipelineModule
 from deepshard.topology import Coord, Topology, new_groups
-from deepshard.zero.placement import mark_tied
+from deepshard.placement import mark_tied
 
 
 @dataclass

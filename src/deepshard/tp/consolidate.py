@@ -6,7 +6,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.tp.params import unshard
-from deepshard.zero.placement import split_of
+from deepshard.placement import split_of
 
 
 def gather_tensor_parallel(state: dict[str, torch.Tensor], module: torch.nn.Module,

@@ -1,4 +1,4 @@
-"""How a parameter records its tensor-parallel split: in its placement record (``zero/placement.py``, what
+"""How a parameter records its tensor-parallel split: in its placement record (``placement.py``, what
 the gradient norm and the checkpoints read), and, for code written for Megatron and DeepSpeed (e.g.
 DeepSpeed's ``is_model_parallel_parameter``), in their attribute names too (``tensor_model_parallel``,
 ``partition_dim``, ``partition_stride``). ``tp_fused_parts`` records a fused matrix (qkv, gate_up) split part by part:
@@ -15,7 +15,7 @@ def mark_tp_split(param: torch.nn.Parameter, dim: int, index: int, size: int,
                   parts: Optional[Sequence[int]] = None) -> None:
     """Record that ``param`` is slice ``index`` of ``size`` along ``dim`` (of each of ``parts``, when
     fused), on the parameter's attributes and on its placement (the norm and the checkpoints read it)."""
-    from deepshard.zero.placement import mark_split
+    from deepshard.placement import mark_split
 
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
@@ -33,14 +33,14 @@ def mark_sequence_parallel(param: torch.nn.Parameter) -> None:
 def is_tp_split(param: torch.Tensor) -> bool:
     """True for a parameter each tensor-parallel rank holds a different slice of (its placement record:
     deepshard's layers record it, Megatron-style attributes are adopted at ``initialize``)."""
-    from deepshard.zero.placement import split_of
+    from deepshard.placement import split_of
 
     return split_of(param) is not None
 
 
 def tp_split_dim(param: torch.Tensor) -> Optional[int]:
     """The dimension ``param`` is split along, or None for a replicated parameter."""
-    from deepshard.zero.placement import split_of
+    from deepshard.placement import split_of
 
     split = split_of(param)
     return None if split is None else split.dim

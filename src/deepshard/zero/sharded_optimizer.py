@@ -21,7 +21,7 @@ from deepshard.checkpoint.fragments import FragmentRecord, FullState, export_par
 from deepshard.comm.group import CommGroup
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
-from deepshard.zero.placement import norm_weight
+from deepshard.placement import norm_weight
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 

@@ -21,7 +21,7 @@ from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
-from deepshard.zero.placement import norm_weight
+from deepshard.placement import norm_weight
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 

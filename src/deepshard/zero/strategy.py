@@ -25,7 +25,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.precision.policy import PrecisionPolicy
-from deepshard.zero.placement import claim, release
+from deepshard.placement import claim, owner_of as placement_owner, release
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,9 @@ class StrategyContext:
 
 
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
-    """The strategy that manages ``param``, if any (kept on the parameter: ``zero/placement.py``)."""
-    from deepshard.zero.placement import owner_of as _owner_of
-
-    return _owner_of(param)
+    """The strategy that manages ``param``, if any (kept on the parameter: ``placement.py``)."""
+    found = placement_owner(param)
+    return found if isinstance(found, ZeroStrategy) else None
 
 
 class ZeroStrategy(ABC):
@@ -123,7 +122,7 @@ class ZeroStrategy(ABC):
 
     def local_grad_sq(self) -> torch.Tensor:
         """This rank's sum of squared gradient elements, each parameter weighted by
-        ``1 / copies`` (``zero/placement.py``) so a replicated or tied parameter counts once."""
+        ``1 / copies`` (``placement.py``) so a replicated or tied parameter counts once."""
         raise NotImplementedError(f"{type(self).__name__} does not support model parallelism")
 
     def model_grad_norm(self, loss_scale: float) -> float:

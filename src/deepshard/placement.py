@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from deepshard.zero.strategy import ZeroStrategy
 
 ATTR = "_deepshard_placement"
 
@@ -43,7 +40,9 @@ class TensorSplit:
 
 @dataclass
 class Placement:
-    owner: Optional["weakref.ref[ZeroStrategy]"] = None
+    owner: Optional["weakref.ref[object]"] = None
+    """The strategy that manages the parameter, held weakly. This module sits below ``zero/``, ``tp/`` and
+    ``checkpoint/`` and names none of them: ``deepshard.zero.strategy.owner_of`` gives it its type."""
     split: Optional[TensorSplit] = None
     copies: int = 1
     """Model-parallel ranks holding this same value (replicated over tp, tied across pp stages)."""
@@ -51,30 +50,38 @@ class Placement:
     """Pipeline stages holding a tied copy (set by the pipeline module)."""
 
 
-def placement_of(param: torch.Tensor, create: bool = False) -> Optional[Placement]:
+def placement_of(param: torch.Tensor) -> Optional[Placement]:
+    """``param``'s record, or None when nothing was recorded about it yet."""
     found = getattr(param, ATTR, None)
-    if found is None and create:
+    return found if isinstance(found, Placement) else None
+
+
+def record_of(param: torch.Tensor) -> Placement:
+    """``param``'s record, created empty on first use (what every writer below calls)."""
+    found = placement_of(param)
+    if found is None:
         found = Placement()
         setattr(param, ATTR, found)
     return found
 
 
-def owner_of(param: torch.Tensor) -> Optional["ZeroStrategy"]:
-    """The strategy that manages ``param``, if any (None once its engine was destroyed)."""
+def owner_of(param: torch.Tensor) -> Optional[object]:
+    """The strategy that manages ``param``, if any (None once its engine was destroyed). Typed callers go
+    through ``deepshard.zero.strategy.owner_of``."""
     found = placement_of(param)
     if found is None or found.owner is None:
         return None
     return found.owner()
 
 
-def claim(params: Any, strategy: "ZeroStrategy") -> None:
+def claim(params: Any, strategy: object) -> None:
     """Record ``strategy`` as the manager of ``params``."""
     ref = weakref.ref(strategy)
     for p in params:
-        placement_of(p, create=True).owner = ref  # type: ignore[union-attr]
+        record_of(p).owner = ref
 
 
-def release(params: Any, strategy: "ZeroStrategy") -> None:
+def release(params: Any, strategy: object) -> None:
     """Forget ``strategy``'s ownership of ``params`` (the split and copy counts stay: they describe the
     model, not the engine)."""
     for p in params:
@@ -87,12 +94,12 @@ def mark_split(param: torch.Tensor, dim: int, index: int, parts: int,
                fused: Optional[tuple[int, ...]] = None) -> None:
     """Declare ``param`` the ``index``-th of ``parts`` tensor-parallel slices along ``dim`` (of each
     of the ``fused`` parts, when given)."""
-    placement_of(param, create=True).split = TensorSplit(dim, index, parts, fused)  # type: ignore[union-attr]
+    record_of(param).split = TensorSplit(dim, index, parts, fused)
 
 
 def mark_tied(param: torch.Tensor, stages: int) -> None:
     """Declare ``param`` held (tied) by ``stages`` pipeline stages."""
-    placement_of(param, create=True).tied_stages = int(stages)  # type: ignore[union-attr]
+    record_of(param).tied_stages = int(stages)
 
 
 def split_of(param: torch.Tensor) -> Optional[TensorSplit]:
@@ -128,8 +135,8 @@ def adopt_megatron_attributes(params: Any, tp_rank: int, tp_size: int) -> int:
 def set_copies(params: Any, tp_size: int) -> None:
     """Fill each parameter's copy count for a grid with ``tp_size`` tensor-parallel ranks."""
     for p in params:
-        found = placement_of(p, create=True)
-        found.copies = (1 if found.split is not None else tp_size) * found.tied_stages  # type: ignore[union-attr]
+        found = record_of(p)
+        found.copies = (1 if found.split is not None else tp_size) * found.tied_stages
 
 
 def norm_weight(param: torch.Tensor) -> float:
