@@ -192,7 +192,7 @@ def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_de
                         elastic=node.elastic_range(args, 1))
 
 
-def _with_port(args: argparse.Namespace, mode: str, flag: str) -> argparse.Namespace:
+def _with_port(args: argparse.Namespace, mode: str, flag: str = "--master_port") -> argparse.Namespace:
     """``--master_port 0`` (``flag``: how the command the user typed spells it): a free port of this machine,
     logged (one machine only: every node of a multi-node job must be told the same port)."""
     if args.master_port != 0:
