@@ -9,6 +9,8 @@ unpickles.
 """
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint import schema
-from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
+from deepshard.checkpoint import ledger, schema
+from deepshard.checkpoint.collective import CheckpointSaveError, agree_on_load, run_phase
 from deepshard.checkpoint.rng_streams import restore_streams, stream_states
 from deepshard.checkpoint.state import flatten_state, unflatten_state
-from deepshard.utils.logging import logger
+from deepshard.checkpoint.verify import ManifestVerifier
+from deepshard.utils.logging import log_rank0, logger
 
 if TYPE_CHECKING:
     from deepshard.engine import DeepShardEngine
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
 ENGINE_JSON = "engine.json"
 ENGINE_TENSORS = "engine.safetensors"
 FORMAT_VERSION = 2  # 2: the grid is recorded and fragments may be tensor-parallel parts (layout.py)
+# 1: load_checkpoint with nothing to load (no directory, no 'latest') raises instead of warning (docs/checkpoints.md)
+REQUIRE_ENV = "DEEPSHARD_REQUIRE_CHECKPOINT"
 
 
 def _rng_file(rank: int) -> str:
@@ -41,6 +46,7 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
     the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    _refuse_split_experts(engine, "save_checkpoint")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
     staging = ckpt_io.staging_path(save_dir, tag)
@@ -48,14 +54,24 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     try:
         files = run_phase(comm, f"writing the checkpoint files into {staging}",
                           lambda: _write_rank_files(engine, staging, client_state, tag, exclude_frozen_parameters))
-        all_files = _gather_file_lists(engine, files or [])
+        records = _gather_records(engine, files or {})
         run_phase(comm, f"publishing {save_dir / tag}",
-                  lambda: _publish(staging, save_dir, tag, all_files, save_latest) if rank == 0 else None)
+                  lambda: _publish(staging, save_dir, tag, records, save_latest) if rank == 0 else None)
     except CheckpointSaveError:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+def _refuse_split_experts(engine: "DeepShardEngine", what: str) -> None:
+    """Checkpoints of experts split over expert-parallel ranks are not written yet (each rank holds other
+    experts under the same local names): refuse rather than save a wrong file."""
+    from deepshard.placement import expert_of
+
+    if any(expert_of(p) is not None for p in engine.module.parameters()):
+        raise NotImplementedError(f"{what} of a model whose MoE layers have ep_size > 1 is not supported yet; "
+                                  "train with ep_size=1 to checkpoint, or save the experts yourself")
 
 
 def _prepare_staging(save_dir: Path, tag: str) -> None:
@@ -67,18 +83,20 @@ def _prepare_staging(save_dir: Path, tag: str) -> None:
 
 
 def _write_rank_files(engine: "DeepShardEngine", staging: Path, client_state: dict[str, Any], tag: str,
-                      exclude_frozen_parameters: bool) -> list[str]:
+                      exclude_frozen_parameters: bool) -> dict[str, dict[str, Any]]:
+    """This rank's files, each with its manifest record (size and sha256, taken by the rank that wrote it:
+    publishing then never reads the checkpoint back on one rank)."""
     rank = engine.topology.rank
     files = list(engine.strategy.save(staging, rank, exclude_frozen_parameters))  # type: ignore[union-attr]
     ckpt_io.save_tensors(staging / _rng_file(rank), stream_states(engine.module))
     files.append(_rng_file(rank))
     if rank == 0:
         files += _save_engine_state(engine, staging, client_state, tag)
-    return files
+    return {name: ckpt_io.file_entry(staging / name) for name in files}
 
 
-def _publish(staging: Path, save_dir: Path, tag: str, all_files: list[str], save_latest: bool) -> None:
-    ckpt_io.write_manifest(staging, sorted(set(all_files)))
+def _publish(staging: Path, save_dir: Path, tag: str, records: dict[str, dict[str, Any]], save_latest: bool) -> None:
+    ckpt_io.write_manifest(staging, sorted(records), known=records)
     ckpt_io.commit_staging(staging, save_dir / tag)
     if save_latest:
         ckpt_io.write_latest(save_dir, tag)
@@ -109,15 +127,17 @@ def _write_zero_to_fp32_script(save_dir: Path) -> None:
         tmp.replace(target)
 
 
-def _gather_file_lists(engine: "DeepShardEngine", files: list[str]) -> list[str]:
+def _gather_records(engine: "DeepShardEngine", records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's file records on global rank 0, which writes the manifest ({} on the other ranks: a
+    gather, not an all-gather, so no rank but the publisher receives the O(world size) list)."""
     import torch.distributed as dist
 
     world = engine.topology.world
     if world.size == 1:
-        return files
-    gathered: list[Any] = [None] * world.size
-    dist.all_gather_object(gathered, files, group=world.group)
-    return [f for part in gathered for f in part]
+        return records
+    gathered: list[Any] | None = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(records, gathered, dst=world.peers[0], group=world.group)
+    return {name: rec for part in (gathered or []) for name, rec in part.items()}
 
 
 def _save_engine_state(engine: "DeepShardEngine", directory: Path, client_state: dict[str, Any],
@@ -148,39 +168,33 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
                            load_module_only: bool) -> tuple[str | None, dict | None]:
     from deepshard.checkpoint.deepspeed_format import deepspeed_tag_dir, load_deepspeed_checkpoint
 
+    _refuse_split_experts(engine, "load_checkpoint")
     ds_tag = deepspeed_tag_dir(load_dir, tag)
     if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
         return load_deepspeed_checkpoint(engine, ds_tag, strict, load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only)
+    if not load_dir.is_dir():
+        return _nothing_to_load(engine.topology.rank, load_dir, tag)
     if tag is None:
         tag = ckpt_io.read_latest(load_dir)
         if tag is None:
-            logger.warning("no 'latest' file in %s: nothing loaded; pass tag=... to load a specific "
-                           "checkpoint", load_dir)
-            return None, None
+            return _nothing_to_load(engine.topology.rank, load_dir, tag)
     path = load_dir / str(tag)
     _recover_interrupted_publication(engine, load_dir, str(tag))
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
                                 f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
-    listed = ckpt_io.verify_manifest(path)
-    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
-    rng_path = path / _rng_file(engine.topology.rank)
-    dims = engine.topology.dims
-    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
-    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
-    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
-    if same_grid and rng_saved and rng_path.name not in listed:
-        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
-                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
-                                      "load another tag")
-    engine.strategy.load(path, load_optimizer_states and not load_module_only, strict)  # type: ignore[union-attr]
-    try:
-        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
-                                      f"({type(err).__name__}: {err}): the files are from different saves or "
-                                      "edited; load another tag") from err
+    error: Exception | None = None
+    loaded: tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor] | None] | None = None
+    try:  # every file this rank reads is checked against the manifest as it is read (checkpoint/verify.py)
+        with ledger.verifying(ManifestVerifier(path)) as verifier:
+            loaded = _read_rank_part(engine, path, verifier.names(), strict, load_optimizer_states and not load_module_only)
+    except Exception as err:  # noqa: BLE001 - agreed with every rank below, then raised
+        error = err
+    agree_on_load(engine.topology.world, f"reading {path}", error)  # raises on every rank if any failed
+    if loaded is None:
+        raise ckpt_io.CheckpointError(f"reading {path} returned nothing and raised nothing")  # unreachable
+    meta, state, rng = loaded
     if load_module_only:
         return str(path), state.get("client_state", {})
     engine.global_steps = int(meta["global_steps"])
@@ -191,10 +205,66 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
-    if same_grid and rng_saved:
-        restore_streams(engine.module, ckpt_io.load_tensors(rng_path))  # deepshard's streams; not torch's
+    if rng is not None:
+        restore_streams(engine.module, rng)  # deepshard's streams; not torch's
     engine.topology.world.barrier()
     return str(path), state.get("client_state", {})
+
+
+def _read_rank_part(engine: "DeepShardEngine", path: Path, listed: list[str], strict: bool, with_optimizer: bool
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor] | None]:
+    """This rank's part of a load: the engine file, the strategy's own files (it loads them into the model
+    and optimizer), the engine state and this rank's RNG streams. Returns ``(meta, state, rng or None)``."""
+    meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
+    rng_path = path / _rng_file(engine.topology.rank)
+    dims = engine.topology.dims
+    saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
+    same_grid = saved == {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "sp": dims.sp}
+    rng_saved = any(name.startswith("rng_rank") for name in listed)  # not by converters from DeepSpeed
+    if same_grid and rng_saved and rng_path.name not in listed:
+        raise ckpt_io.CheckpointError(f"checkpoint {path} is incomplete: {rng_path.name} (rank "
+                                      f"{engine.topology.rank}'s RNG state; the other ranks' are there) is missing; "
+                                      "load another tag")
+    engine.strategy.load(path, with_optimizer, strict)  # type: ignore[union-attr]
+    try:
+        state = unflatten_state(ckpt_io.load_tensors(path / ENGINE_TENSORS), meta["state"])
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ckpt_io.CheckpointError(f"{path / ENGINE_JSON}'s 'state' does not describe {path / ENGINE_TENSORS} "
+                                      f"({type(err).__name__}: {err}): the files are from different saves or "
+                                      "edited; load another tag") from err
+    rng = ckpt_io.load_tensors(rng_path) if same_grid and rng_saved else None
+    return meta, state, rng
+
+
+def require_checkpoint(environ: Any = os.environ) -> bool:
+    """Whether ``DEEPSHARD_REQUIRE_CHECKPOINT`` asks ``load_checkpoint`` to raise when it finds nothing to load."""
+    value = environ.get(REQUIRE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{REQUIRE_ENV}={value!r} is not 0 or 1; set 1 to make load_checkpoint raise when "
+                         "there is no checkpoint to load, or unset it")
+    return value == "1"
+
+
+def _nothing_to_load(rank: int, load_dir: Path, tag: str | None) -> tuple[None, None]:
+    """``(None, None)`` with one warning (rank 0) that says plainly what is missing, or, under
+    ``DEEPSHARD_REQUIRE_CHECKPOINT=1``, a FileNotFoundError saying it on every rank."""
+    where = load_dir.absolute()
+    if not load_dir.exists():
+        why = f"the checkpoint directory {where} does not exist"
+    elif not load_dir.is_dir():
+        why = f"{where} is a file, not a checkpoint directory"
+    else:
+        tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        why = (f"{where} has no 'latest' file naming the tag to load; pass tag=... to load one of the "
+               f"checkpoints there ({', '.join(tags) or 'none'})")
+    if tag is not None:  # an explicit tag in a directory that is not there is always an error
+        raise FileNotFoundError(f"load_checkpoint(tag={tag!r}): {why}")
+    if require_checkpoint():
+        raise FileNotFoundError(f"load_checkpoint: {why} ({REQUIRE_ENV}=1 makes this an error; unset it to "
+                                "start from the model's initial state when there is nothing to load)")
+    log_rank0(f"load_checkpoint: {why}: nothing loaded, training starts from the model's initial state "
+              f"({REQUIRE_ENV}=1 makes this an error)", rank, logging.WARNING)
+    return None, None
 
 
 def _recover_interrupted_publication(engine: "DeepShardEngine", load_dir: Path, tag: str) -> None:
@@ -231,6 +301,7 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         return False
     from deepshard.tp.consolidate import gather_tensor_parallel
 
+    _refuse_split_experts(engine, "save_16bit_model")
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
     writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage
