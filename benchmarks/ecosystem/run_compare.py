@@ -103,11 +103,15 @@ def compare(case: str, ds: dict[str, Any], dsh: dict[str, Any]) -> dict[str, Any
         row["error"] = f"{len(dsh['logs'])} logged steps on deepshard, {len(ds['logs'])} on DeepSpeed"
         return row
     row["loss_rel"] = [rel(b["loss"], a["loss"]) for a, b in zip(ds["logs"], dsh["logs"])]
+    row["loss_abs"] = [abs(b["loss"] - a["loss"]) for a, b in zip(ds["logs"], dsh["logs"])]
     row["max_loss_rel"] = max(row["loss_rel"], default=0.0)
+    row["max_loss_abs"] = max(row["loss_abs"], default=0.0)
     reward_keys = sorted(k for k in ds["logs"][0] if k == "reward" or k.startswith("rewards/"))
-    if reward_keys:
+    if "reward" in ds["logs"][0]:  # GRPO: rewards of sampled completions, which must be the same samples
         row["rewards_identical"] = all(a[k] == b[k] for a, b in zip(ds["logs"], dsh["logs"]) for k in reward_keys)
-        row["rewards"] = [[a["reward"], b["reward"]] for a, b in zip(ds["logs"], dsh["logs"]) if "reward" in a]
+        row["rewards"] = [[a["reward"], b["reward"]] for a, b in zip(ds["logs"], dsh["logs"])]
+    elif reward_keys:  # DPO: implicit rewards, computed from log-probabilities
+        row["max_rewards_abs"] = max(abs(a[k] - b[k]) for a, b in zip(ds["logs"], dsh["logs"]) for k in reward_keys)
     if "adapter" in ds:
         row["adapter_files_equal"] = ds["adapter_files"] == dsh["adapter_files"]
         row["adapter_max_abs"] = max(abs(x - y) for n in ds["adapter"]
@@ -128,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("--atol", type=float, default=1e-9, help="a step also passes within this absolute difference "
+                        "(GRPO's loss is beta x KL, about 1e-5, after the first step)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     parser.add_argument("--json", type=Path, help="write every run's logs and the table here")
     parser.add_argument("--scratch", type=Path, help="keep the runs' directories here (default: a temp dir)")
-    parser.add_argument("--reuse", choices=LIBRARIES, help="take this library's runs from an earlier --scratch "
-                        "where they finished (rerun only the other one)")
+    parser.add_argument("--reuse", choices=LIBRARIES, nargs="+", default=[], help="take these libraries' runs from "
+                        "an earlier --scratch where they finished (rerun only the others)")
     args = parser.parse_args(argv)
     from benchmarks.ecosystem.tiny import save_tiny
 
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = save_tiny(scratch / "tiny")
     rows, runs, failed = [], {}, False
     for case in args.cases:
-        results = {lib: _reused(scratch / case / lib) if lib == args.reuse else
+        results = {lib: _reused(scratch / case / lib) if lib in args.reuse else
                    run_world(lib, case, model_dir, scratch / case / lib, args.world, args.timeout)
                    for lib in LIBRARIES}
         runs[case] = results
@@ -153,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = compare(case, results["deepspeed"], results["deepshard"])
         row["seconds"] = {lib: round(r["seconds"], 1) for lib, r in results.items()}
-        failed |= "error" in row or row["max_loss_rel"] > args.rtol or row.get("rewards_identical") is False
+        failed |= "error" in row or not all(r <= args.rtol or a <= args.atol
+                                            for r, a in zip(row.get("loss_rel", []), row.get("loss_abs", [])))
+        failed |= row.get("rewards_identical") is False
         rows.append(row)
         print(_line(row), flush=True)
     if args.json:
@@ -164,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
 def _line(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"{row['case']:<12} error: {row['error']}"
-    text = f"{row['case']:<12} steps {row['steps']}  max per-step loss rel diff {row['max_loss_rel']:.2e}"
+    text = (f"{row['case']:<12} steps {row['steps']}  max per-step loss diff: rel {row['max_loss_rel']:.2e}, "
+            f"abs {row['max_loss_abs']:.2e}")
+    if "max_rewards_abs" in row:
+        text += f"  implicit rewards max abs diff {row['max_rewards_abs']:.2e}"
     if "rewards_identical" in row:
         text += f"  rewards identical: {row['rewards_identical']}"
     if "adapter_max_abs" in row:
