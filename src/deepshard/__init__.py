@@ -33,6 +33,7 @@ _LAZY = {
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),
     "PipelineModule": ("deepshard.pipe", "PipelineModule"),
+    "OnDevice": ("deepshard.utils.init_on_device", "OnDevice"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
                "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp", "moe", "git_version_info"}
