@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from deepshard._version import __version__
+from deepshard._version import (__git_branch__, __git_hash__, __version__, __version_major__,
+                                __version_minor__, __version_patch__)
 from deepshard.compat.finder import install_spelling_finder
 
 version = __version__

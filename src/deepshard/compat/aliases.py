@@ -41,7 +41,6 @@ MISSING: dict[str, str] = {
                                 "deepshard.tp / the config's tensor_parallel section)",
     "deepspeed.runtime.state_dict_factory": "Megatron checkpoint loading for inference",
     "deepspeed.ops.sparse_attention": "block-sparse attention kernels",
-    "deepspeed.ops.op_builder": "DeepSpeed's JIT op builders (deepshard compiles no ops)",
     "deepspeed.ops.transformer": "DeepSpeed's fused transformer kernels",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",
