@@ -21,6 +21,10 @@ from deepshard.utils.logging import set_log_level_from_string
 from deepshard.utils.teardown import settle_backend_threads_at_exit
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``initialize`` got no model (an AssertionError too: DeepSpeed asserts here, and code catches that)."""
+
+
 def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
                optimizer: OptimizerArg = None, model_parameters: Iterable[Any] | None = None,
                training_data: torch.utils.data.Dataset | None = None, lr_scheduler: Any = None,
@@ -35,7 +39,8 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     The dataloader is None unless ``training_data`` is given.
     """
     if model is None:
-        raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+        raise MissingModelError("deepshard.initialize needs model=<torch.nn.Module> (a model passed first, "
+                                "without model=, lands in args)")
     model = adopt_compiled(model)  # torch.compile(model): train the original, compiled in place
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
