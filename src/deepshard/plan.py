@@ -16,7 +16,7 @@ import torch
 
 from deepshard.config.base import ConfigError
 from deepshard.topology import ParallelDims
-from deepshard.zero.strategy import Capabilities, strategy_class
+from deepshard.zero.strategy import Capabilities
 
 COMPRESSED_OPTIMIZERS = ("onebitadam",)
 """Optimizer types (lower case) whose compressed momentum exchange replaces the gradient all-reduce."""
@@ -75,7 +75,9 @@ class Plan:
 
     @property
     def caps(self) -> Capabilities:
-        """What the stage's strategy composes with (declared on its class)."""
+        """What the stage's strategy composes with (declared on its class; ``parts.STRATEGIES``)."""
+        from deepshard.parts import strategy_class
+
         return strategy_class(self.stage).capabilities
 
     @property
