@@ -93,7 +93,7 @@ def test_deepshard_resumes_deepspeed_checkpoints(ds_suite: tuple[Path, dict[str,
 
 def test_deepspeed_resumes_converted_deepshard_checkpoints(ds_suite: tuple[Path, dict[str, Any]],
                                                            tmp_path: Path) -> None:
-    from deepshard.launcher.convert_cli import main as convert_main
+    from deepshard.checkpoint.convert_cli import main as convert_main
 
     native = tmp_path / "native"
     mine = run_world(save_then_resume, 2, str(native), 2, timeout=600)[0]

@@ -1,6 +1,6 @@
 """DeepSpeed module paths clients import (the CIFAR tutorial's ``deepspeed.moe.utils``, the pipeline example's
 ``deepspeed.runtime.utils.set_random_seed``, the estimators' documented paths, config constants ...) do
-DeepSpeed's thing under ``import deepspeed`` = deepshard; MoE layers are refused with the reason."""
+DeepSpeed's thing under ``import deepspeed`` = deepshard."""
 from __future__ import annotations
 
 import io
@@ -37,20 +37,36 @@ def test_moe_utils_leave_a_dense_model_as_it_is(shim: None) -> None:
     assert split_params_into_shared_and_expert_params(params) == (params, [])
     with pytest.raises(ValueError, match="Unknown param group type"):
         split_params_into_different_moe_groups_for_optimizer("params")  # type: ignore[arg-type]
-    params[0].allreduce = False  # DeepSpeed's marker of an expert parameter
-    with pytest.raises(NotImplementedError, match="no expert parallelism"):
-        split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "parameters"})
 
 
-def test_moe_layer_is_refused_with_the_reason(shim: None) -> None:
+def test_moe_param_groups_split_experts_as_deepspeed_does(shim: None) -> None:
     import deepspeed
     from deepspeed.moe.layer import MoE
+    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+    from deepspeed.moe.utils import (configure_moe_param_groups, has_moe_layers, is_moe_param_group,
+                                     split_params_grads_into_shared_and_expert_params,
+                                     split_params_into_different_moe_groups_for_optimizer)
 
     assert deepspeed.moe.layer.MoE is MoE  # the tutorial's attribute spelling reaches it too
-    with pytest.raises(NotImplementedError, match="no mixture-of-experts layers.*use the real DeepSpeed"):
-        MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1)
-    with pytest.raises(ImportError, match="mixture-of-experts"):
-        import deepspeed.moe.sharded_moe  # noqa: F401
+    net = nn.Sequential(nn.Linear(8, 8), MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=4, ep_size=2),
+                        MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1))
+    assert has_moe_layers(net) == (True, 4) and isinstance(net[1].deepspeed_moe, MOELayer)
+    assert isinstance(net[1].deepspeed_moe.gate, TopKGate)
+    params = list(net.parameters())
+    dense = [p for n, p in net.named_parameters() if "deepspeed_experts" not in n]
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "parameters", "lr": 0.1})
+    assert [(g["name"], g.get("moe", False), g["lr"], len(g["params"])) for g in groups] == [
+        ("parameters", False, 0.1, len(dense)), ("ep_size_2", True, 0.1, 4), ("ep_size_1", True, 0.1, 4)]
+    assert [id(p) for p in groups[0]["params"]] == [id(p) for p in dense]
+    assert [is_moe_param_group(g) for g in groups] == [False, True, True]
+    small = split_params_into_different_moe_groups_for_optimizer([{"params": params, "name": "all"}], max_group_size=72)
+    assert [len(g["params"]) for g in small if g.get("moe")] == [2, 2, 2, 2]  # 72 + 8 elements per expert Linear
+    assert [g["name"] for g in configure_moe_param_groups(params)] == ["dense-params", "ep_size_2", "ep_size_1"]
+    with pytest.raises(KeyError, match="'name'"):
+        split_params_into_different_moe_groups_for_optimizer({"params": params})
+    net[2](torch.randn(6, 8))[0].sum().backward()
+    shared, expert = split_params_grads_into_shared_and_expert_params(list(net[2].parameters()))
+    assert len(shared) == 1 and len(expert) == 4
 
 
 def test_runtime_utils(shim: None) -> None:

@@ -16,11 +16,9 @@ import deepshard
 SRC = Path(deepshard.__file__).resolve().parent
 PACKAGE = "deepshard"
 
-KNOWN_WIDE: set[frozenset[str]] = {
-    # the launcher helper's (issue 38, item 2): removed from this list as its circles go
-    frozenset({"autotuning.tuner", "launcher.cli"}),
-}
-"""Circles across folders that are known and being removed (module names without the package prefix)."""
+KNOWN_WIDE: set[frozenset[str]] = set()
+"""Circles across folders that are known and being removed (module names without the package prefix,
+e.g. ``frozenset({"autotuning.tuner", "launcher.cli"})``): none today."""
 
 
 def module_files(root: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:

@@ -1,4 +1,5 @@
-"""Saving and loading an engine: orchestrates ranks, staging, the manifest and the ``latest`` file.
+"""Saving an engine: orchestrates ranks, staging, the manifest and the ``latest`` file (loading:
+``engine_load.py``; both know an engine by the :class:`CheckpointedEngine` protocol).
 
 Layout of ``save_dir/<tag>/``: each rank's share of the strategy's states as fragment files
 (``zero_rank<r>.safetensors`` + ``.json``, ``fragments.py``; the strategy hands them over as plain data,
@@ -12,21 +13,20 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
-from deepshard.checkpoint.deepspeed_format.detect import deepspeed_tag_dir
 from deepshard.checkpoint.fragments import save_rank_fragments
 from deepshard.checkpoint.layout import module_splits
-from deepshard.checkpoint.module_state import check_model_names, frozen_param_names, module_shapes, param_aliases
-from deepshard.checkpoint.reader import (ENGINE_JSON, ENGINE_TENSORS, DeepShardTag, DeepSpeedTag, Resume, TagReader,
-                                         rng_file)
-from deepshard.checkpoint.rng_streams import restore_streams, stream_states
+from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
+from deepshard.checkpoint.reader import ENGINE_JSON, ENGINE_TENSORS, rng_file
+from deepshard.checkpoint.rng_streams import stream_states
 from deepshard.checkpoint.state import flatten_state
 from deepshard.comm.group import CommGroup
+from deepshard.placement import expert_of
 from deepshard.precision import LossScaler, PrecisionPolicy
 from deepshard.step import TrainState
 from deepshard.topology import Topology
@@ -34,8 +34,8 @@ from deepshard.utils.logging import logger
 from deepshard.zero.strategy import ZeroStrategy
 
 FORMAT_VERSION = 2  # 2: the grid is recorded and fragments may be tensor-parallel parts (layout.py)
-__all__ = ["ENGINE_JSON", "ENGINE_TENSORS", "FORMAT_VERSION", "CheckpointedEngine", "load_engine_checkpoint",
-           "save_engine_checkpoint", "save_16bit_model", "consolidated_16bit_state_dict"]
+__all__ = ["ENGINE_JSON", "ENGINE_TENSORS", "FORMAT_VERSION", "CheckpointedEngine", "save_engine_checkpoint",
+           "save_16bit_model", "consolidated_16bit_state_dict"]
 
 
 class CheckpointedEngine(Protocol):
@@ -66,6 +66,7 @@ def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: st
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
     the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.state.global_steps}")
+    refuse_split_experts(engine, "save_checkpoint")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
     staging = ckpt_io.staging_path(save_dir, tag)
@@ -73,14 +74,22 @@ def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: st
     try:
         files = run_phase(comm, f"writing the checkpoint files into {staging}",
                           lambda: _write_rank_files(engine, staging, client_state, tag, exclude_frozen_parameters))
-        all_files = _gather_file_lists(engine, files or [])
+        records = _gather_records(engine, files or {})
         run_phase(comm, f"publishing {save_dir / tag}",
-                  lambda: _publish(staging, save_dir, tag, all_files, save_latest) if rank == 0 else None)
+                  lambda: _publish(staging, save_dir, tag, records, save_latest) if rank == 0 else None)
     except CheckpointSaveError:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+def refuse_split_experts(engine: "CheckpointedEngine", what: str) -> None:
+    """Checkpoints of experts split over expert-parallel ranks are not written yet (each rank holds other
+    experts under the same local names): refuse rather than save a wrong file."""
+    if any(expert_of(p) is not None for p in engine.module.parameters()):
+        raise NotImplementedError(f"{what} of a model whose MoE layers have ep_size > 1 is not supported yet; "
+                                  "train with ep_size=1 to checkpoint, or save the experts yourself")
 
 
 def _prepare_staging(save_dir: Path, tag: str) -> None:
@@ -92,14 +101,16 @@ def _prepare_staging(save_dir: Path, tag: str) -> None:
 
 
 def _write_rank_files(engine: "CheckpointedEngine", staging: Path, client_state: dict[str, Any], tag: str,
-                      exclude_frozen_parameters: bool) -> list[str]:
+                      exclude_frozen_parameters: bool) -> dict[str, dict[str, Any]]:
+    """This rank's files, each with its manifest record (size and sha256, taken by the rank that wrote it:
+    publishing then never reads the checkpoint back on one rank)."""
     rank = engine.topology.rank
     files = _write_shard(engine, staging, exclude_frozen_parameters)
     ckpt_io.save_tensors(staging / rng_file(rank), stream_states(engine.module))
     files.append(rng_file(rank))
     if rank == 0:
         files += _save_engine_state(engine, staging, client_state, tag)
-    return files
+    return {name: ckpt_io.file_entry(staging / name) for name in files}
 
 
 def _write_shard(engine: "CheckpointedEngine", staging: Path, exclude_frozen: bool) -> list[str]:
@@ -114,8 +125,8 @@ def _write_shard(engine: "CheckpointedEngine", staging: Path, exclude_frozen: bo
                                param_aliases(module), shard.module_extra, meta, splits=module_splits(module))
 
 
-def _publish(staging: Path, save_dir: Path, tag: str, all_files: list[str], save_latest: bool) -> None:
-    ckpt_io.write_manifest(staging, sorted(set(all_files)))
+def _publish(staging: Path, save_dir: Path, tag: str, records: dict[str, dict[str, Any]], save_latest: bool) -> None:
+    ckpt_io.write_manifest(staging, sorted(records), known=records)
     ckpt_io.commit_staging(staging, save_dir / tag)
     if save_latest:
         ckpt_io.write_latest(save_dir, tag)
@@ -146,15 +157,17 @@ def _write_zero_to_fp32_script(save_dir: Path) -> None:
         tmp.replace(target)
 
 
-def _gather_file_lists(engine: "CheckpointedEngine", files: list[str]) -> list[str]:
+def _gather_records(engine: "CheckpointedEngine", records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's file records on global rank 0, which writes the manifest ({} on the other ranks: a
+    gather, not an all-gather, so no rank but the publisher receives the O(world size) list)."""
     import torch.distributed as dist
 
     world = engine.topology.world
     if world.size == 1:
-        return files
-    gathered: list[Any] = [None] * world.size
-    dist.all_gather_object(gathered, files, group=world.group)
-    return [f for part in gathered for f in part]
+        return records
+    gathered: list[Any] | None = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(records, gathered, dst=world.peers[0], group=world.group)
+    return {name: rec for part in (gathered or []) for name, rec in part.items()}
 
 
 def _save_engine_state(engine: "CheckpointedEngine", directory: Path, client_state: dict[str, Any],
@@ -180,77 +193,6 @@ def _save_engine_state(engine: "CheckpointedEngine", directory: Path, client_sta
     return [ENGINE_TENSORS, ENGINE_JSON]
 
 
-def load_engine_checkpoint(engine: "CheckpointedEngine", load_dir: Path, tag: str | None, strict: bool,
-                           load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                           load_module_only: bool) -> tuple[str | None, dict | None]:
-    """Load a tag of either format through its one reader (``checkpoint/reader.py``): its files checked and
-    its engine record read, then the weights checked against the model's names and handed to the
-    strategy, then the counters, the loss scaler, the LR scheduler and the RNG streams."""
-    reader = _open_for_load(engine, load_dir, tag)
-    if reader is None:
-        return None, None
-    resume = reader.resume(engine.topology.rank, engine.topology.dims)
-    full = reader.full_state(engine.module, with_optimizer=load_optimizer_states and not load_module_only)
-    check_model_names(engine.module, full, strict, reader.path)
-    engine.strategy.load_state(full, load_optimizer_states and not load_module_only)
-    if not load_module_only:
-        _apply_resume(engine, resume, load_lr_scheduler_states)
-        engine.topology.world.barrier()
-    return str(reader.path), resume.client_state
-
-
-def _open_for_load(engine: "CheckpointedEngine", load_dir: Path, tag: str | None) -> Optional[TagReader]:
-    """The reader of the tag ``load_checkpoint(load_dir, tag)`` means (``load_dir/latest`` without a tag), or
-    None (said in a warning) when there is nothing to load."""
-    ds_tag = deepspeed_tag_dir(load_dir, tag)
-    if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
-        return DeepSpeedTag(ds_tag)
-    if tag is None:
-        tag = ckpt_io.read_latest(load_dir)
-        if tag is None:
-            logger.warning("no 'latest' file in %s: nothing loaded; pass tag=... to load a specific "
-                           "checkpoint", load_dir)
-            return None
-    path = load_dir / str(tag)
-    _recover_interrupted_publication(engine, load_dir, str(tag))
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; tags in {load_dir}: "
-                                f"{sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith('.'))}")
-    return DeepShardTag(path)
-
-
-def _apply_resume(engine: "CheckpointedEngine", resume: Resume, load_lr_scheduler_states: bool) -> None:
-    state = engine.state
-    state.global_steps = resume.global_steps
-    state.global_samples = resume.global_samples
-    # realign the micro-step counter with *this* run's accumulation steps (they may differ from the saver's)
-    state.micro_steps = state.global_steps * engine.gradient_accumulation_steps()
-    state.skipped_steps = resume.skipped_steps
-    current = engine.loss_scaler.state_dict()
-    if not resume.scaler_same_kind_only or current.get("kind") == resume.loss_scaler.get("kind"):
-        engine.loss_scaler.load_state_dict(resume.loss_scaler)
-    else:
-        logger.info("the DeepSpeed checkpoint's loss scaler is %s, this run's %s: keeping this run's",
-                    resume.loss_scaler.get("kind"), current.get("kind"))
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and resume.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(resume.lr_scheduler)
-    if resume.rng_file is not None:
-        restore_streams(engine.module, ckpt_io.load_tensors(resume.rng_file))  # deepshard's streams; not torch's
-
-
-def _recover_interrupted_publication(engine: "CheckpointedEngine", load_dir: Path, tag: str) -> None:
-    """A save of an existing tag that crashed between its two renames left the intact copy aside
-    (``.old-<tag>-<n>``): rank 0 puts it back before anyone looks for ``<tag>``."""
-    if engine.topology.rank == 0 and load_dir.is_dir():
-        try:
-            if not (load_dir / tag).exists() and ckpt_io.recover_tag(load_dir, tag):
-                logger.warning("%s: restored checkpoint %s from the copy an interrupted save left aside",
-                               load_dir, tag)
-        except (OSError, ValueError) as err:
-            logger.warning("%s: could not restore %s from its aside copy: %s", load_dir, tag, err)
-    engine.topology.world.barrier(f"load_checkpoint({tag!r}): waiting for rank 0 to check {load_dir}")
-
-
 def consolidated_16bit_state_dict(engine: "CheckpointedEngine", exclude_frozen_parameters: bool = False
                                   ) -> dict[str, torch.Tensor]:
     """The full module state dict in its compute dtype on rank 0 ({} on other ranks when the strategy
@@ -267,6 +209,7 @@ def save_16bit_model(engine: "CheckpointedEngine", save_dir: Path, filename: str
         return False
     from deepshard.tp.consolidate import gather_tensor_parallel
 
+    refuse_split_experts(engine, "save_16bit_model")
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
     writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage

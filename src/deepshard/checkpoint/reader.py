@@ -6,20 +6,22 @@ LR scheduler, client state) for the engine. Nothing else in deepshard asks which
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint import schema
+from deepshard.checkpoint import ledger, schema
 from deepshard.checkpoint.deepspeed_format.detect import is_deepspeed_tag
 from deepshard.checkpoint.deepspeed_format.read import read_engine_record, read_full_state
 from deepshard.checkpoint.fragments import read_fragments
 from deepshard.checkpoint.layout import localize
 from deepshard.checkpoint.state import unflatten_state
+from deepshard.checkpoint.verify import ManifestVerifier
 from deepshard.shard_state import FullState
 from deepshard.topology import ParallelDims
 from deepshard.utils.logging import logger
@@ -46,15 +48,23 @@ class Resume:
     scaler_same_kind_only: bool = False
     """Take the saved scaler only when this run scales the same way (static or dynamic): a run that
     changed (bf16 saved, fp16 resumed) keeps its configured scaler, as it would starting afresh."""
-    rng_file: Optional[Path] = None
+    rng: Optional[dict[str, torch.Tensor]] = None
     """This rank's random streams, restored when the tag was written on the same grid."""
 
 
 class TagReader(ABC):
     """A tag directory of one format (see the module docstring)."""
 
+    verified: bool = False
+    """Whether each file a rank reads is checked against a manifest as it is read (``verifying``); the
+    ranks then agree on the outcome before the engine changes (``collective.agree_on_load``)."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
+
+    def verifying(self) -> ContextManager[Any]:
+        """The block inside which this rank reads its part of the tag."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool) -> FullState:
@@ -68,14 +78,25 @@ class TagReader(ABC):
 
 
 class DeepShardTag(TagReader):
-    """A tag deepshard wrote: fragment files, ``engine.json``, per-rank RNG files and a manifest."""
+    """A tag deepshard wrote: fragment files, ``engine.json``, per-rank RNG files and a manifest; every file
+    a rank reads is hashed against the manifest while it is read (``checkpoint/verify.py``)."""
+
+    verified = True
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._verifier: Optional[ManifestVerifier] = None
+
+    def verifying(self) -> ContextManager[Any]:
+        self._verifier = ManifestVerifier(self.path)
+        return ledger.verifying(self._verifier)
 
     def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool) -> FullState:
         return read_fragments(self.path, with_optimizer, module)
 
     def resume(self, rank: int, dims: ParallelDims) -> Resume:
         path = self.path
-        listed = ckpt_io.verify_manifest(path)
+        listed = self._verifier.names() if self._verifier is not None else ckpt_io.verify_manifest(path)
         meta = schema.check(path / ENGINE_JSON, ckpt_io.load_json(path / ENGINE_JSON), schema.ENGINE, "engine file")
         rng_path = path / rng_file(rank)
         saved = {"sp": 1, **meta.get("grid", {"pp": 1, "dp": meta.get("dp_world_size", -1), "tp": 1})}
@@ -93,7 +114,7 @@ class DeepShardTag(TagReader):
         return Resume(global_steps=int(meta["global_steps"]), global_samples=int(meta["global_samples"]),
                       skipped_steps=int(meta["skipped_steps"]), lr_scheduler=state.get("scheduler"),
                       client_state=state.get("client_state", {}), loss_scaler=meta["loss_scaler"],
-                      rng_file=rng_path if same_grid and rng_saved else None)
+                      rng=ckpt_io.load_tensors(rng_path) if same_grid and rng_saved else None)
 
 
 class DeepSpeedTag(TagReader):

@@ -27,13 +27,13 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
     "deepspeed.sequence": "deepshard.sp",
     "deepspeed.sequence.layer": "deepshard.sp.ulysses",
+    "deepspeed.moe.sharded_moe": "deepshard.moe.sharded_moe",
 }
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 
 MISSING: dict[str, str] = {
-    "deepspeed.moe.sharded_moe": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
-    "deepspeed.moe.experts": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
-    "deepspeed.moe.mappings": "mixture-of-experts layers (deepspeed.moe.utils works for models without experts)",
+    "deepspeed.moe.mappings": "the token drop/gather around the all-to-all for experts under Megatron-style tensor "
+                              "parallelism (deepshard's MoE layers run without an mpu)",
     "deepspeed.runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes (deepshard's schedules are "
                                        "data: deepshard.pipe.schedule.build_schedule; pick one with the config's "
                                        "pipeline.schedule)",
@@ -78,10 +78,6 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.checkpoint.UNIVERSAL_CHECKPOINT_INFO": "DeepSpeed's universal-checkpoint metadata; leave it out "
                                                       "and use deepshard's own checkpoints instead (they resume "
                                                       "on any layout without a conversion)",
-    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus": (
-        "DeepSpeed's per-parameter gather status (deepshard's ZeRO-3 parameters carry no ds_id/ds_status); use "
-        "deepspeed.zero.GatheredParameters(params) around the code that reads parameters instead: it gathers "
-        "partitioned ones and leaves whole ones alone"),
 }
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "

@@ -1,6 +1,6 @@
-"""``deepspeed.moe`` under deepshard: the parameter-group helpers for models without expert layers
-(:mod:`deepshard.moe.utils`), and DeepSpeed's ``MoE`` layer refused with the reason
-(:mod:`deepshard.moe.layer`). deepshard has no mixture-of-experts layers or expert parallelism."""
+"""``deepspeed.moe`` under deepshard: DeepSpeed's mixture-of-experts layer (:mod:`deepshard.moe.layer`), its
+gate (:mod:`deepshard.moe.gate`), experts (:mod:`deepshard.moe.experts`), token dispatch
+(:mod:`deepshard.moe.dispatch`) and the parameter-group helpers (:mod:`deepshard.moe.utils`)."""
 from deepshard.moe import layer, utils
 
 __all__ = ["layer", "utils"]

@@ -17,13 +17,13 @@ Life of an optimizer step, as the engine drives it::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
 from deepshard.comm.group import CommGroup
-from deepshard.placement import claim, owner_of as placement_owner, release
+from deepshard.placement import claim, expert_of, owner_of as placement_owner, release
 from deepshard.precision.policy import PrecisionPolicy
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.offload.policy import OffloadPolicy
@@ -47,6 +47,9 @@ class Capabilities:
     no_sync: bool = True
     """Can skip the gradient reduction of a backward (``engine.no_sync()``): stages 2 and 3 cannot, they
     partition gradients as backward produces them."""
+    expert_parallel: bool = True
+    """Shards and reduces the experts of MoE layers with ``ep_size`` > 1 over their expert-data-parallel
+    group (stage 3 does not yet; DeepSpeed refuses native MoE under ZeRO-3 altogether)."""
     partitioned_parameters: bool = False
     """Each rank holds only a shard of every parameter between uses (stage 3): a 16-bit save must
     gather them (``stage3_gather_16bit_weights_on_model_save``), a forward that reads a parameter outside
@@ -75,6 +78,39 @@ class StrategyContext:
     step_in_backward: bool = False
     """Apply each update during backward (``optimizer_step_in_backward``; ``deepshard.plan`` has checked
     that nothing needs every gradient first). Stage 3."""
+    experts: Mapping[str, CommGroup] = field(default_factory=dict)
+    """The expert-data-parallel group of each expert-parallel group name (``ep_size_<P>``): a parameter
+    whose placement names one (``placement.expert_of``) is reduced and sharded there, not over ``comm``,
+    its sum still divided by ``comm.size`` (``reduction_group``)."""
+
+    def reduction_group(self, param: torch.Tensor) -> CommGroup:
+        """The group ``param``'s gradient is summed over (and its ZeRO state sharded over): its experts'
+        expert-data-parallel group, else ``comm``. The sum is always divided by ``comm.size``: an expert on
+        one expert-parallel rank has gathered the gradient of every rank of its expert-parallel group's
+        tokens already (through the all-to-all's backward), so the sum over its replicas covers all
+        ``comm.size`` ranks' losses once (DeepSpeed's scaling)."""
+        found = expert_of(param)
+        if found is None:
+            return self.comm
+        group = self.experts.get(found.group)
+        if group is None:
+            raise KeyError(f"a parameter is recorded as an expert of group {found.group!r}, but this engine has "
+                           f"expert groups {sorted(self.experts)}: was the model given to another engine?")
+        return group
+
+    def domains(self, params: list[torch.Tensor]) -> tuple[list[int], list[CommGroup]]:
+        """``(domain of each parameter, the domains' groups)``: domain 0 is ``comm``, the others the
+        expert-data-parallel groups the parameters' experts are reduced over, in order of appearance."""
+        groups: list[CommGroup] = [self.comm]
+        index: list[int] = []
+        for p in params:
+            group = self.reduction_group(p)
+            found = next((i for i, g in enumerate(groups) if g is group), None)
+            if found is None:
+                groups.append(group)
+                found = len(groups) - 1
+            index.append(found)
+        return index, groups
 
 
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":

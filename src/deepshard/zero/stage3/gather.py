@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from deepshard.zero.stage3.init import _InitGather
+from deepshard.zero.stage3.init import _InitGather, is_init_partitioned
 
 
 class GatheredParameters:
@@ -40,7 +40,7 @@ class GatheredParameters:
                 if id(group) not in seen:
                     seen.add(id(group))
                     self._groups.append((strategy, group))
-            elif hasattr(p, "ds_tensor"):
+            elif is_init_partitioned(p):
                 init_params.append(p)
         for _, g in self._groups:
             g.users += 1

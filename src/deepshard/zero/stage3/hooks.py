@@ -54,9 +54,16 @@ class Stage3Hooks:
         self.before_backward = before_backward
         # per module: the groups each of its recomputes (forward inside backward) gathered, to release
         self._recomputed: dict[int, list[list[ShardedGroup]]] = {}
+        self.module = module
         self.handles: list[Any] = []
-        for m in module.modules():
-            groups = groups_of.get(id(m))
+        self.install()
+
+    def install(self) -> None:
+        """Register the forward hooks on every module that needs groups (any registered before go first:
+        generation code takes them off and puts them back, ``hook_surface.py``)."""
+        self.remove()
+        for m in self.module.modules():
+            groups = self.groups_of.get(id(m))
             if groups:
                 self.handles.append(m.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, groups))))
                 self.handles.append(m.register_forward_hook(_eager(functools.partial(self._post_forward, groups))))

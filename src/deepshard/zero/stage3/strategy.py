@@ -27,6 +27,7 @@ from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm
+from deepshard.zero.stage3 import hook_surface, surface
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -56,7 +57,7 @@ class Stage3Strategy(ZeroStrategy):
 
     stage = 3
     capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True, no_sync=False,
-                                partitioned_parameters=True)
+                                expert_parallel=False, partitioned_parameters=True)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
@@ -96,8 +97,7 @@ class Stage3Strategy(ZeroStrategy):
         threshold = int(zcfg.stage3_param_persistence_threshold)
         for g in self.groups + self.frozen_groups:
             if g.numel <= threshold:
-                g.persistent = True
-                g.unshard(async_op=False)
+                g.make_persistent()
         offsets = [self.layout.shard_offset(b) for b in self.layout.buckets]
         self.grads: GradShard = make_grad_shard(
             self.states, 0 if step_in_backward else self.layout.shard_numel, policy.param_dtype, ctx.device,
@@ -124,8 +124,28 @@ class Stage3Strategy(ZeroStrategy):
         if optimizer is not None:
             self.opt_shard.bind(optimizer, 3)
             guard(optimizer, self)  # a direct optimizer.step() would update nothing: say so
+        self._attach_deepspeed_surface()
 
     # -------------------------------------------------------------------------------- construction
+    def _attach_deepspeed_surface(self) -> None:
+        """DeepSpeed's per-parameter / per-module attributes and ``optimizer.parameter_offload``, which
+        libraries written for DeepSpeed read (``surface.py``, ``hook_surface.py``)."""
+        layouts = [(self.groups, self.layout, self.param_store)]
+        if self.frozen_layout is not None:
+            layouts.append((self.frozen_groups, self.frozen_layout, self.frozen_store))
+        views = {}
+        for groups, layout, store in layouts:
+            for g, bucket in zip(groups, layout.buckets):
+                views[id(g)] = store.host_view(layout.shard_offset(bucket), g.chunk)
+        surface.attach(self.module, self.groups + self.frozen_groups, lambda g: views[id(g)])
+        hook_surface.attach(self.optimizer, hook_surface.HookSurface(self.module, self.hooks, self.release_unused))
+
+    def release_unused(self) -> None:
+        """Release every gathered group that no forward or ``GatheredParameters`` is using."""
+        for g in self.groups + self.frozen_groups:
+            if g.users == 0:
+                g.reshard()
+
     def _prefetch_window(self) -> int:
         """``stage3_prefetch_bucket_size``, or by default the largest gathered group (one module ahead),
         at most DeepSpeed's default of 5e7 elements."""
@@ -166,9 +186,9 @@ class Stage3Strategy(ZeroStrategy):
             if states is not None:
                 states.write_masters(off, mine)
             shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
-            for p in params:
-                if hasattr(p, "ds_tensor"):
-                    del p.ds_tensor
+            for p in params:  # adopted: no longer a zero.Init shard (``surface.attach`` sets ds_tensor anew)
+                for name in ("ds_tensor", "ds_comm"):
+                    p.__dict__.pop(name, None)
             groups.append(ShardedGroup(len(groups), mod_name, params, shapes, store.source(off, bucket.chunk),
                                        comm, self.ctx.device, self.watchdog.wait))
         store.flush()
@@ -186,7 +206,7 @@ class Stage3Strategy(ZeroStrategy):
             if id(m) in inside_leaf:
                 continue
             leaf = is_z3_leaf(m)
-            params = list(m.parameters(recurse=leaf)) + list(m.__dict__.get("_deepshard_external_params", []))
+            params = list(m.parameters(recurse=leaf)) + list(m.__dict__.get(surface.EXTERNAL, {}).values())
             if leaf:
                 inside_leaf.update(id(d) for d in m.modules() if d is not m)
             needed: list[ShardedGroup] = []
@@ -406,6 +426,8 @@ class Stage3Strategy(ZeroStrategy):
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
         self.hooks.remove()
+        hook_surface.detach(self.optimizer)
+        surface.detach(self.module)
         self.close()
 
     def close(self) -> None:
