@@ -5,8 +5,10 @@ weights; then the counters, the loss scaler, the LR scheduler and the RNG stream
 """
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.collective import agree_on_load
@@ -15,7 +17,10 @@ from deepshard.checkpoint.engine_checkpoint import CheckpointedEngine, refuse_sp
 from deepshard.checkpoint.module_state import check_model_names
 from deepshard.checkpoint.reader import DeepShardTag, DeepSpeedTag, Resume, TagReader
 from deepshard.checkpoint.rng_streams import restore_streams
-from deepshard.utils.logging import logger
+from deepshard.utils.logging import log_rank0, logger
+
+# 1: load_checkpoint with nothing to load (no directory, no 'latest') raises instead of warning (docs/checkpoints.md)
+REQUIRE_ENV = "DEEPSHARD_REQUIRE_CHECKPOINT"
 
 
 def load_engine_checkpoint(engine: CheckpointedEngine, load_dir: Path, tag: str | None, strict: bool,
@@ -28,7 +33,7 @@ def load_engine_checkpoint(engine: CheckpointedEngine, load_dir: Path, tag: str 
     refuse_split_experts(engine, "load_checkpoint")
     reader = _open_for_load(engine, load_dir, tag)
     if reader is None:
-        return None, None
+        return _nothing_to_load(engine.topology.rank, load_dir, tag)
     resume = _read_agreed(engine, reader, strict, load_optimizer_states and not load_module_only)
     if not load_module_only:
         _apply_resume(engine, resume, load_lr_scheduler_states)
@@ -66,15 +71,15 @@ def _read_agreed(engine: CheckpointedEngine, reader: TagReader, strict: bool, wi
 
 def _open_for_load(engine: CheckpointedEngine, load_dir: Path, tag: str | None) -> Optional[TagReader]:
     """The reader of the tag ``load_checkpoint(load_dir, tag)`` means (``load_dir/latest`` without a tag), or
-    None (said in a warning) when there is nothing to load."""
+    None when there is nothing to load (no directory, or no ``latest``)."""
     ds_tag = deepspeed_tag_dir(load_dir, tag)
     if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
         return DeepSpeedTag(ds_tag)
+    if not load_dir.is_dir():
+        return None
     if tag is None:
         tag = ckpt_io.read_latest(load_dir)
         if tag is None:
-            logger.warning("no 'latest' file in %s: nothing loaded; pass tag=... to load a specific "
-                           "checkpoint", load_dir)
             return None
     path = load_dir / str(tag)
     _recover_interrupted_publication(engine, load_dir, str(tag))
@@ -101,6 +106,37 @@ def _apply_resume(engine: CheckpointedEngine, resume: Resume, load_lr_scheduler_
         engine.lr_scheduler.load_state_dict(resume.lr_scheduler)
     if resume.rng is not None:
         restore_streams(engine.module, resume.rng)  # deepshard's streams; not torch's
+
+
+def require_checkpoint(environ: Any = os.environ) -> bool:
+    """Whether ``DEEPSHARD_REQUIRE_CHECKPOINT`` asks ``load_checkpoint`` to raise when it finds nothing to load."""
+    value = environ.get(REQUIRE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{REQUIRE_ENV}={value!r} is not 0 or 1; set 1 to make load_checkpoint raise when "
+                         "there is no checkpoint to load, or unset it")
+    return value == "1"
+
+
+def _nothing_to_load(rank: int, load_dir: Path, tag: str | None) -> tuple[None, None]:
+    """``(None, None)`` with one warning (rank 0) that says plainly what is missing, or, under
+    ``DEEPSHARD_REQUIRE_CHECKPOINT=1``, a FileNotFoundError saying it on every rank."""
+    where = load_dir.absolute()
+    if not load_dir.exists():
+        why = f"the checkpoint directory {where} does not exist"
+    elif not load_dir.is_dir():
+        why = f"{where} is a file, not a checkpoint directory"
+    else:
+        tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        why = (f"{where} has no 'latest' file naming the tag to load; pass tag=... to load one of the "
+               f"checkpoints there ({', '.join(tags) or 'none'})")
+    if tag is not None:  # an explicit tag in a directory that is not there is always an error
+        raise FileNotFoundError(f"load_checkpoint(tag={tag!r}): {why}")
+    if require_checkpoint():
+        raise FileNotFoundError(f"load_checkpoint: {why} ({REQUIRE_ENV}=1 makes this an error; unset it to "
+                                "start from the model's initial state when there is nothing to load)")
+    log_rank0(f"load_checkpoint: {why}: nothing loaded, training starts from the model's initial state "
+              f"({REQUIRE_ENV}=1 makes this an error)", rank, logging.WARNING)
+    return None, None
 
 
 def _recover_interrupted_publication(engine: CheckpointedEngine, load_dir: Path, tag: str) -> None:

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from deepshard.comm import pairwise
+import deepshard.comm.pairwise as pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
 from deepshard.comm.settings import DEFAULT_SLOT_BYTES
 from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit

@@ -92,7 +92,7 @@ class JobWatch:
         if self.job.log_dir is not None:
             logger.info("per-rank logs: %s", ", ".join(str(s.log_path) for s in streams.values()))
         if self.on_started is not None:
-            self.on_started(sorted(s.pid for s in streams.values()))  # type: ignore[misc]
+            self.on_started(sorted(s.pid for s in streams.values() if s.pid is not None))
 
     def _exited(self, attempt: int, local_rank: int, pid: int, code: int) -> None:
         with self._lock:
@@ -125,21 +125,28 @@ class JobWatch:
                 if attempt == self.attempt and self.streams.streams[local_rank].running:
                     _signal(self.groups.get(local_rank), signal.SIGKILL)
 
-    def tick(self) -> None:
-        """torch's agent looks at the job (main thread, every monitor interval while the ranks run)."""
+    def tick(self, force: bool = False) -> bool:
+        """torch's agent looks at the job (main thread, every monitor interval while the ranks run); True when
+        another node's failure stops this node's ranks."""
         self.install_signal_handlers()
         self.streams.out.flush_stale(list(self.streams.streams.values()), FALLOUT_HOLD_S)
-        found = self.link.check(self.attempt) if self.link is not None and not self.stopping else None
+        found = self.link.check(self.attempt, force) if self.link is not None and not self.stopping else None
         if found is not None:
             with self._lock:
                 self.job_failure, self.stopping = found, True
                 self._stop_running()
+        return found is not None
 
-    def nodes_waiting(self, count: int) -> None:
-        """torch restarts every rank to let ``count`` new nodes in (not a failure)."""
+    def nodes_waiting(self, count: int) -> int:
+        """torch would restart every rank to let ``count`` nodes in. In a static job that is a node restarting
+        after a failure, which the job board names (then the restart counts, as on that node): returns 0 so
+        torch restarts on the ranks' exits instead. Otherwise (elastic: a node joining) ``count``."""
+        if self.link is not None and (self.stopping or self.tick(force=True)):
+            return 0
         logger.info("%d node(s) waiting to join: restarting every rank in a new world", count)
         with self._lock:
             self.stopping = True
+        return count
 
     def install_signal_handlers(self) -> None:
         """Ours rather than torch's (it sets its own at every start): both raise ``SignalException``; ours first
@@ -241,10 +248,10 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
         if result is not None and result.is_failed():
             return watch.exit_code()
         found = link.await_others(watch.attempt) if link is not None else None
-        if found is not None:
-            link.report(found, job.nproc, f"exiting with code {found.exit_code}")  # type: ignore[union-attr]
-            return found.exit_code
-        return 0
+        if link is None or found is None:
+            return 0
+        link.report(found, job.nproc, f"exiting with code {found.exit_code}")
+        return found.exit_code
     except SignalException as exc:
         shut = link is not None  # an elastic job goes on without this node (torch's agent does the same)
         running = watch.running_at_signal or 0

@@ -37,7 +37,9 @@ WATCHDOG_MARGIN_S = 30.0
 class AttemptHooks(Protocol):
     """What the agent's side (:class:`~deepshard.launcher.agent.JobWatch`) does at the rendezvous' calls."""
 
-    def tick(self) -> None: ...  # torch's agent looks at the job (every monitor interval, main thread)
+    def tick(self) -> bool: ...  # torch's agent looks at the job (every monitor interval, main thread)
+
+    def nodes_waiting(self, count: int) -> int: ...  # torch would restart for new nodes: how many count
 
     def attempt_ended(self, restarting: bool) -> None: ...  # may raise to end the job instead of a restart
 
@@ -94,7 +96,6 @@ class JobRendezvous(RendezvousHandler):
         self.watchdog = watchdog or Watchdog()
         self.hooks: AttemptHooks | None = None
         self.attempt = -1
-        self.rank = 0
         self._ranks_store: TCPStore | None = None  # this attempt's, on the first node: the previous one closes
 
     # ---------------------------------------------------------------------- torch's interface
@@ -112,7 +113,6 @@ class JobRendezvous(RendezvousHandler):
         with self.watchdog.watch(f"{where}node 0's store for the ranks (announced in the rendezvous store)",
                                  STORE_TIMEOUT_S + WATCHDOG_MARGIN_S):
             bootstrap = self._fresh_store(info.store, rank)
-        self.rank = rank
         return RendezvousInfo(info.store, rank, world, bootstrap)
 
     def get_backend(self) -> str:
@@ -129,9 +129,12 @@ class JobRendezvous(RendezvousHandler):
         self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        if self.hooks is not None:
-            self.hooks.tick()
-        return self.inner.num_nodes_waiting()
+        if self.hooks is None:
+            return self.inner.num_nodes_waiting()
+        if self.hooks.tick():
+            return 0  # this attempt ends on the ranks' exits: a failure, not a change of nodes
+        waiting = self.inner.num_nodes_waiting()
+        return self.hooks.nodes_waiting(waiting) if waiting else 0
 
     def get_run_id(self) -> str:
         return self.inner.get_run_id()
