@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from deepshard._version import __version__
+from deepshard.compat.finder import install_spelling_finder
+
 version = __version__
 
 _LAZY = {
@@ -26,7 +28,7 @@ _LAZY = {
     "DeepShardConfig": ("deepshard.config", "DeepShardConfig"),
     "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
     "DeepSpeedEngine": ("deepshard.engine", "EngineCore"),  # DeepSpeed's class name: the base of both engines
-    "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
+    "DeepSpeedConfig": ("deepshard.runtime.ds_config", "DeepSpeedConfig"),
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),
@@ -36,6 +38,8 @@ _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", 
                "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp", "moe", "git_version_info"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+install_spelling_finder()  # deepshard.X for every deepspeed.X path (deepshard.compat.aliases is the table)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,7 +52,9 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"deepshard.{name}")
         globals()[name] = module
         return module
-    raise AttributeError(f"module 'deepshard' has no attribute '{name}'")
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute("deepshard", name)
 
 
 def __dir__() -> list[str]:

@@ -109,6 +109,29 @@ class EngineCore(EngineAccessors, EngineClientCalls, torch.nn.Module):
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    # ---------------------------------------------------------------------- mixture of experts
+    @property
+    def has_moe_layers(self) -> bool:
+        """Whether the model holds DeepSpeed MoE layers (``deepspeed.moe.layer.MoE``)."""
+        return bool(self.num_experts)
+
+    @property
+    def num_experts(self) -> list[int]:
+        """Each MoE layer's expert count, in module order (DeepSpeed's ``engine.num_experts``)."""
+        from deepshard.moe.parallel import moe_layers
+
+        return [layer.num_experts for _, layer in moe_layers(self.module)]
+
+    @property
+    def expert_parallel_group(self) -> dict[str, Any]:
+        """``ep_size_<P>`` -> the torch process group of this rank's expert-parallel peers."""
+        return {name: groups.ep.group for name, groups in self.topology.experts.items()}
+
+    @property
+    def expert_data_parallel_group(self) -> dict[str, Any]:
+        """``ep_size_<P>`` -> the torch process group of the ranks holding the same experts."""
+        return {name: groups.edp.group for name, groups in self.topology.experts.items()}
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the accumulation steps (micro batch stays)."""
         micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size

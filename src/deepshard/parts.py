@@ -19,11 +19,12 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | 
 
 
 @torch.no_grad()
-def broadcast_module(module: torch.nn.Module, comm: CommGroup) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one flat broadcast per dtype)."""
+def broadcast_module(module: torch.nn.Module, comm: CommGroup, skip: set[int] | None = None) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one flat broadcast per dtype);
+    ``skip``: ids of parameters that differ between ranks on purpose (experts split over ranks)."""
     if comm.size == 1:
         return
-    tensors = list(module.parameters()) + list(module.buffers())
+    tensors = [p for p in module.parameters() if not skip or id(p) not in skip] + list(module.buffers())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -60,8 +61,11 @@ def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimiz
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable returning one, "
                         f"got {type(optimizer).__name__}")
     elif cfg.optimizer is not None:
+        from deepshard.moe.utils import configure_moe_param_groups, has_moe_layers
         from deepshard.optim import build_optimizer
 
+        if has_moe_layers(model)[0] and params:  # DeepSpeed's engine gives experts groups of their own
+            params = configure_moe_param_groups(params)
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
     else:
         return None
@@ -79,6 +83,7 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = offload_policies(cfg, accelerator)
     ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
+                          experts={name: groups.edp for name, groups in topology.experts.items()},
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                           prescale_gradients=bool(cfg.prescale_gradients),

@@ -113,7 +113,16 @@ def test_config_constants_and_helpers(shim: None) -> None:
 
     assert (config.ADAM_OPTIMIZER, config.ADAMW_OPTIMIZER, config.LAMB_OPTIMIZER, config.ADAGRAD_OPTIMIZER,
             config.LION_OPTIMIZER, config.MUON_OPTIMIZER) == ("adam", "adamw", "lamb", "adagrad", "lion", "muon")
-    assert len(config.DEEPSPEED_OPTIMIZERS) == 9 and config.DeepSpeedConfig.__name__ == "DeepShardConfig"
+    from deepshard.config import DeepShardConfig
+
+    assert len(config.DEEPSPEED_OPTIMIZERS) == 9 and issubclass(config.DeepSpeedConfig, DeepShardConfig)
+    ds_config = config.DeepSpeedConfig({"train_batch_size": 8, "gradient_accumulation_steps": 2})  # dp 1
+    assert (ds_config.train_micro_batch_size_per_gpu, ds_config._param_dict) == (4, {"train_batch_size": 8,
+                                                                                     "gradient_accumulation_steps": 2})
+    ds_config.train_batch_size, ds_config.train_micro_batch_size_per_gpu = 9, 4
+    with pytest.raises(AssertionError, match=r"train_batch_size \(9\) must equal"):
+        ds_config._configure_train_batch_size()
+    assert config.get_gradient_clipping({}) == 1.0 and config.get_log_level({"log_level": "INFO"}) == "INFO"
     assert config.load_config is not None  # deepshard.config's names are there too
     assert len(lr_schedules.CONFIG_KEYS) == 25 and lr_schedules.WARMUP_MIN_LR == "warmup_min_lr"
     assert (lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.LR_RANGE_TEST_STAIRCASE, lr_schedules.TOTAL_NUM_STEPS) == (

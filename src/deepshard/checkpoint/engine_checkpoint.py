@@ -9,6 +9,8 @@ unpickles.
 """
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +23,7 @@ from deepshard.checkpoint.collective import CheckpointSaveError, agree_on_load, 
 from deepshard.checkpoint.rng_streams import restore_streams, stream_states
 from deepshard.checkpoint.state import flatten_state, unflatten_state
 from deepshard.checkpoint.verify import ManifestVerifier
-from deepshard.utils.logging import logger
+from deepshard.utils.logging import log_rank0, logger
 
 if TYPE_CHECKING:
     from deepshard.engine import DeepShardEngine
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 ENGINE_JSON = "engine.json"
 ENGINE_TENSORS = "engine.safetensors"
 FORMAT_VERSION = 2  # 2: the grid is recorded and fragments may be tensor-parallel parts (layout.py)
+# 1: load_checkpoint with nothing to load (no directory, no 'latest') raises instead of warning (docs/checkpoints.md)
+REQUIRE_ENV = "DEEPSHARD_REQUIRE_CHECKPOINT"
 
 
 def _rng_file(rank: int) -> str:
@@ -42,6 +46,7 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
     the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    _refuse_split_experts(engine, "save_checkpoint")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
     staging = ckpt_io.staging_path(save_dir, tag)
@@ -57,6 +62,16 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+def _refuse_split_experts(engine: "DeepShardEngine", what: str) -> None:
+    """Checkpoints of experts split over expert-parallel ranks are not written yet (each rank holds other
+    experts under the same local names): refuse rather than save a wrong file."""
+    from deepshard.placement import expert_of
+
+    if any(expert_of(p) is not None for p in engine.module.parameters()):
+        raise NotImplementedError(f"{what} of a model whose MoE layers have ep_size > 1 is not supported yet; "
+                                  "train with ep_size=1 to checkpoint, or save the experts yourself")
 
 
 def _prepare_staging(save_dir: Path, tag: str) -> None:
@@ -153,16 +168,17 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
                            load_module_only: bool) -> tuple[str | None, dict | None]:
     from deepshard.checkpoint.deepspeed_format import deepspeed_tag_dir, load_deepspeed_checkpoint
 
+    _refuse_split_experts(engine, "load_checkpoint")
     ds_tag = deepspeed_tag_dir(load_dir, tag)
     if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
         return load_deepspeed_checkpoint(engine, ds_tag, strict, load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only)
+    if not load_dir.is_dir():
+        return _nothing_to_load(engine.topology.rank, load_dir, tag)
     if tag is None:
         tag = ckpt_io.read_latest(load_dir)
         if tag is None:
-            logger.warning("no 'latest' file in %s: nothing loaded; pass tag=... to load a specific "
-                           "checkpoint", load_dir)
-            return None, None
+            return _nothing_to_load(engine.topology.rank, load_dir, tag)
     path = load_dir / str(tag)
     _recover_interrupted_publication(engine, load_dir, str(tag))
     if not path.is_dir():
@@ -220,6 +236,37 @@ def _read_rank_part(engine: "DeepShardEngine", path: Path, listed: list[str], st
     return meta, state, rng
 
 
+def require_checkpoint(environ: Any = os.environ) -> bool:
+    """Whether ``DEEPSHARD_REQUIRE_CHECKPOINT`` asks ``load_checkpoint`` to raise when it finds nothing to load."""
+    value = environ.get(REQUIRE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{REQUIRE_ENV}={value!r} is not 0 or 1; set 1 to make load_checkpoint raise when "
+                         "there is no checkpoint to load, or unset it")
+    return value == "1"
+
+
+def _nothing_to_load(rank: int, load_dir: Path, tag: str | None) -> tuple[None, None]:
+    """``(None, None)`` with one warning (rank 0) that says plainly what is missing, or, under
+    ``DEEPSHARD_REQUIRE_CHECKPOINT=1``, a FileNotFoundError saying it on every rank."""
+    where = load_dir.absolute()
+    if not load_dir.exists():
+        why = f"the checkpoint directory {where} does not exist"
+    elif not load_dir.is_dir():
+        why = f"{where} is a file, not a checkpoint directory"
+    else:
+        tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        why = (f"{where} has no 'latest' file naming the tag to load; pass tag=... to load one of the "
+               f"checkpoints there ({', '.join(tags) or 'none'})")
+    if tag is not None:  # an explicit tag in a directory that is not there is always an error
+        raise FileNotFoundError(f"load_checkpoint(tag={tag!r}): {why}")
+    if require_checkpoint():
+        raise FileNotFoundError(f"load_checkpoint: {why} ({REQUIRE_ENV}=1 makes this an error; unset it to "
+                                "start from the model's initial state when there is nothing to load)")
+    log_rank0(f"load_checkpoint: {why}: nothing loaded, training starts from the model's initial state "
+              f"({REQUIRE_ENV}=1 makes this an error)", rank, logging.WARNING)
+    return None, None
+
+
 def _recover_interrupted_publication(engine: "DeepShardEngine", load_dir: Path, tag: str) -> None:
     """A save of an existing tag that crashed between its two renames left the intact copy aside
     (``.old-<tag>-<n>``): rank 0 puts it back before anyone looks for ``<tag>``."""
@@ -254,6 +301,7 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         return False
     from deepshard.tp.consolidate import gather_tensor_parallel
 
+    _refuse_split_experts(engine, "save_16bit_model")
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
     writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage

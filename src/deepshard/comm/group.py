@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from deepshard.comm import pairwise
-from deepshard.comm import shm as shared_memory
+import deepshard.comm.pairwise as pairwise
+import deepshard.comm.shm as shared_memory
 from deepshard.comm.logger import CommsLogger
 from deepshard.comm.watchdog import Watchdog
 

@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from deepshard.comm import pairwise
+import deepshard.comm.pairwise as pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
 from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit, positive_setting
 from deepshard.utils.hugepages import advise_huge_pages

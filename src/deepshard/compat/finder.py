@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Any, Iterable
@@ -26,7 +27,7 @@ DEEPSPEED_CONTRACT = "0.19.8"
 def shim_version() -> str:
     """``0.19.8+deepshard.<version>``: DeepSpeed's contract version, with deepshard's as the local label
     so version checks pass and the string still says what is installed."""
-    from deepshard import __version__
+    from deepshard._version import __version__
 
     return f"{DEEPSPEED_CONTRACT}+deepshard.{__version__}"
 
@@ -78,9 +79,7 @@ class _ShimDistribution(importlib.metadata.Distribution):
         return None
 
     def locate_file(self, path: str | os.PathLike[str]) -> Path:
-        import deepshard
-
-        return Path(deepshard.__file__).parent.parent / path
+        return Path(__file__).resolve().parents[2] / path  # the folder deepshard is installed in
 
 
 class DeepSpeedFinder(importlib.abc.MetaPathFinder):
@@ -103,3 +102,31 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
         if name is None or name.replace("-", "_").lower() == "deepspeed":
             return iter([_ShimDistribution()])
         return iter([])
+
+
+class DeepshardSpellingFinder(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path`` from ``import deepshard`` on: ``deepshard.X`` answers for every DeepSpeed
+    module path ``deepspeed.X`` whose implementation lives under another deepshard name (the same table,
+    :data:`deepshard.compat.aliases.RENAMED`), so a one-import user writes ``deepshard.runtime.zero.stage3``
+    where DeepSpeed's docs say ``deepspeed.runtime.zero.stage3``. Real deepshard modules are found first
+    (this finder only sees names the file system does not have); no ``deepspeed`` name is touched."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("deepshard."):
+            return None
+        impl_name = target_of("deepspeed" + fullname[len("deepshard"):], shown=fullname)
+        if impl_name == fullname:
+            return None  # not a renamed path: "No module named 'deepshard.x'"
+        try:
+            impl = importlib.import_module(impl_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (impl_name + ".").startswith(exc.name + "."):
+                return None  # the implementation has no such submodule: "No module named 'deepshard.x.y'"
+            raise
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(impl), is_package=True)
+
+
+def install_spelling_finder() -> None:
+    """Put :class:`DeepshardSpellingFinder` at the end of ``sys.meta_path`` once (``import deepshard`` does)."""
+    if not any(isinstance(f, DeepshardSpellingFinder) for f in sys.meta_path):
+        sys.meta_path.append(DeepshardSpellingFinder())

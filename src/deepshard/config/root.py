@@ -100,6 +100,9 @@ class DeepShardConfig(Section):
     """Ranks that split one sample's sequence (``deepshard.sp``); the data-parallel size is what is left."""
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     """deepshard: how the sequence-parallel ranks attend (ulysses, ring, hybrid)."""
+    use_data_before_expert_parallelism: bool = False
+    """MoE layers: expert-data-parallel groups of consecutive ranks and expert-parallel groups strided
+    (DeepSpeed's key; default: the reverse, ``topology.ParallelDims.expert_group_ranks``)."""
 
     # accepted as given, not implemented (see unimplemented.py); None = not given
     autotuning: Any = None
@@ -123,7 +126,6 @@ class DeepShardConfig(Section):
     log_level: Any = None
     disable_allgather: Any = None
     graph_harvesting: Any = None
-    use_data_before_expert_parallelism: Any = None
     seq_parallel_comm_data_type: Any = None
     vocabulary_size: Any = None
 

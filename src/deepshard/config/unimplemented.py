@@ -15,7 +15,6 @@ UNIMPLEMENTED_SCALARS: dict[str, Any] = {
     "log_level": None,
     "disable_allgather": False,
     "graph_harvesting": False,
-    "use_data_before_expert_parallelism": False,
     "seq_parallel_comm_data_type": None,
     "vocabulary_size": None,
 }

@@ -67,3 +67,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     vm = psutil.virtual_memory()
     print(f"CPU Virtual Memory:  used = {(vm.total - vm.available) / gb:.2f} GB, percent = {vm.percent}%")
     acc.reset_peak_memory_stats()
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed names this module does not provide: an AttributeError that says why and what to use."""
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute(__name__, name)

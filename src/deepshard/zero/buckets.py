@@ -23,7 +23,7 @@ keeps gloo/NCCL from mismatching (the same rule DDP uses).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,22 +43,27 @@ class GradBucket:
     filled: set[int] = field(default_factory=set)  # slots written, already scaled, in this backward
     work: Any = None
     comm_buffer: torch.Tensor | None = None
+    comm: Optional[CommGroup] = None
+    """The group this bucket is summed over (None: the reducer's own)."""
 
     @property
     def numel(self) -> int:
         return self.buffer.numel()
 
 
-def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list[list[torch.nn.Parameter]]:
+def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int,
+                 group_of: Optional[Callable[[torch.nn.Parameter], Any]] = None) -> list[list[torch.nn.Parameter]]:
     """Group ``params`` (already in launch order) into buckets of at most ``bucket_elements`` elements
-    (a parameter larger than that gets a bucket of its own), never mixing dtypes."""
+    (a parameter larger than that gets a bucket of its own), never mixing dtypes nor reduction groups
+    (``group_of``: experts split over expert-parallel ranks are summed over their own group)."""
     if bucket_elements <= 0:
         raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
     plans: list[list[torch.nn.Parameter]] = []
     current: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        if current and (size + p.numel() > bucket_elements or p.dtype != current[0].dtype):
+        other_group = group_of is not None and current and group_of(p) is not group_of(current[0])
+        if current and (size + p.numel() > bucket_elements or p.dtype != current[0].dtype or other_group):
             plans.append(current)
             current, size = [], 0
         current.append(p)
@@ -69,11 +74,15 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list
 
 
 class BucketedAllReduce:
-    """Owns the gradient buffers of ``params`` and all-reduces them in buckets during backward."""
+    """Owns the gradient buffers of ``params`` and all-reduces them in buckets during backward.
+
+    ``group_of`` names the group a parameter's gradient is summed over when it is not ``comm`` (an
+    expert's expert-data-parallel group); every sum is divided by ``comm.size`` all the same."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, bucket_elements: int,
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
-                 average: bool = True, overlap: bool = True) -> None:
+                 average: bool = True, overlap: bool = True,
+                 group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None) -> None:
         self.comm = comm
         self.overlap = overlap
         self._stale = False  # after zero_(): the buffers hold old values and every .grad is None
@@ -87,8 +96,10 @@ class BucketedAllReduce:
         self._next_launch = 0
         self._in_backward = False
         self._fold = 0.0  # the factor the hooks' copies scale by in this backward; 0.0: not folding
-        for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements)):
-            self.buckets.append(self._make_bucket(index, plan))
+        for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements, group_of)):
+            bucket = self._make_bucket(index, plan)
+            bucket.comm = group_of(plan[0]) if group_of is not None else None
+            self.buckets.append(bucket)
         for b in self.buckets:
             for slot, p in enumerate(b.params):
                 self._bucket_of[id(p)] = (b.index, slot)
@@ -192,7 +203,7 @@ class BucketedAllReduce:
             tensor = bucket.comm_buffer
         if self.predivide != 1.0:
             tensor.div_(self.predivide)
-        bucket.work = self.comm.all_reduce(tensor, async_op=True)
+        bucket.work = (bucket.comm or self.comm).all_reduce(tensor, async_op=True)
 
     def end_backward(self) -> None:
         """Launch the buckets not launched yet (parameters that got no gradient), in order, then wait

@@ -21,7 +21,7 @@ from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
-from deepshard.placement import norm_weight
+from deepshard.placement import expert_of, norm_weight
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -36,6 +36,8 @@ class Stage0Strategy(ZeroStrategy):
         super().__init__(module, optimizer, ctx)
         self.params = trainable_params(module)
         self.names = param_names(module)
+        self.split_experts = any(expert_of(p) is not None for p in self.params)
+        """Experts split over expert-parallel ranks: reduced over their own groups, counted once in the norm."""
         policy = ctx.precision
         self.masters: MasterWeights | None = None
         if policy.keeps_master_weights:
@@ -53,7 +55,7 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer = BucketedAllReduce(
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
-            overlap=overlap_for(ctx.zero_config))
+            overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None)
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -73,6 +75,8 @@ class Stage0Strategy(ZeroStrategy):
         grads = self.reducer.grads()
         if not grads:
             return 0.0
+        if self.split_experts:
+            return self._norm_with_experts() / loss_scale
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         total = torch.linalg.vector_norm(torch.stack(norms))
         if self._local_gradients():
@@ -80,6 +84,23 @@ class Stage0Strategy(ZeroStrategy):
             # the averaged gradient's norm (so clipping is never weaker) and inf on every rank if on any
             total = (self.ctx.comm.all_reduce_sum_scalar(total.pow(2)) / self.ctx.comm.size).sqrt()
         return total.item() / loss_scale
+
+    def _norm_with_experts(self) -> float:
+        """The norm of the whole model's gradient when experts are split over expert-parallel ranks: the
+        dense gradients (the same on every rank) plus every expert's once. Each rank's expert squares are
+        divided by its expert-data-parallel size (the replicas of the same experts) and summed over the
+        data-parallel group. (DeepSpeed's stage 0 averages the ranks' own norms instead, so its clipping
+        depends on ep_size; this is the norm its ZeRO 1/2 and bf16 paths take: docs/moe.md.)"""
+        dense_sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        expert_sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for p, g in zip(self.params, self.reducer.grads_of(self.params)):
+            sq = g.float().pow(2).sum()
+            if expert_of(p) is None:
+                dense_sq += sq
+            else:
+                expert_sq += sq / self.ctx.reduction_group(p).size
+        total = dense_sq + self.ctx.comm.all_reduce_sum_scalar(expert_sq)
+        return float(total.sqrt().item())
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): the gradient hooks go."""

@@ -51,8 +51,11 @@ class Stage12Strategy(ZeroStrategy):
             raise ValueError(f"ZeRO stage {stage} needs one dtype for all trainable parameters, found {dtypes}; "
                              "cast the model (e.g. model.float()) before deepshard.initialize")
         self.names = [names[id(p)] for p in self.params]
+        # experts split over expert-parallel ranks are sharded over their expert-data-parallel group
+        domain_of, self.domain_comms = ctx.domains(self.params)
         self.layout = FlatLayout(self.params, self.names, int(ctx.zero_config.reduce_bucket_size),
-                                 comm.size, comm.rank)
+                                 comm.size, comm.rank, domains=domain_of,
+                                 domain_shapes=[(g.size, g.rank) for g in self.domain_comms])
         self._owned = self.layout.owned_ranges()
         flat32 = self._build_flat_params(module)
         reducer_cls = Stage1Reducer if stage == 1 else Stage2Reducer
@@ -60,7 +63,7 @@ class Stage12Strategy(ZeroStrategy):
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(comm.size)
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
-                                   policy.comm_dtype, predivide, ctx.average_gradients)
+                                   policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms)
         self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
@@ -68,7 +71,8 @@ class Stage12Strategy(ZeroStrategy):
             self.states.write_masters(off, flat32[lo:hi])
         self.states.flush()
         del flat32
-        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
+        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device,
+                                          group_of=ctx.reduction_group)
         self.opt_shard.set_grad_sources([self._grad_view(f) for f in self.opt_shard.fragments])
         if optimizer is not None:
             self.opt_shard.bind(optimizer, stage)
@@ -135,7 +139,8 @@ class Stage12Strategy(ZeroStrategy):
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
-        works = [self.ctx.comm.all_gather_inplace(self.flat_param[b.start:b.start + b.padded], async_op=True)
+        works = [self.domain_comms[b.domain].all_gather_inplace(self.flat_param[b.start:b.start + b.padded],
+                                                                async_op=True)
                  for b in self.layout.buckets]
         for w in works:
             w.wait()

@@ -17,15 +17,15 @@ Life of an optimizer step, as the engine drives it::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.precision.policy import PrecisionPolicy
-from deepshard.placement import claim, owner_of as placement_owner, release
+from deepshard.placement import claim, expert_of, owner_of as placement_owner, release
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,39 @@ class StrategyContext:
     model_parallel: CommGroup | None = None
     """The ranks of one data-parallel replica (pipeline x tensor): the gradient norm and the overflow
     flag are combined here after ``comm`` (the data-parallel group). None: no model parallelism."""
+    experts: Mapping[str, CommGroup] = field(default_factory=dict)
+    """The expert-data-parallel group of each expert-parallel group name (``ep_size_<P>``): a parameter
+    whose placement names one (``placement.expert_of``) is reduced and sharded there, not over ``comm``,
+    its sum still divided by ``comm.size`` (``reduction_group``)."""
+
+    def reduction_group(self, param: torch.Tensor) -> CommGroup:
+        """The group ``param``'s gradient is summed over (and its ZeRO state sharded over): its experts'
+        expert-data-parallel group, else ``comm``. The sum is always divided by ``comm.size``: an expert on
+        one expert-parallel rank has gathered the gradient of every rank of its expert-parallel group's
+        tokens already (through the all-to-all's backward), so the sum over its replicas covers all
+        ``comm.size`` ranks' losses once (DeepSpeed's scaling)."""
+        found = expert_of(param)
+        if found is None:
+            return self.comm
+        group = self.experts.get(found.group)
+        if group is None:
+            raise KeyError(f"a parameter is recorded as an expert of group {found.group!r}, but this engine has "
+                           f"expert groups {sorted(self.experts)}: was the model given to another engine?")
+        return group
+
+    def domains(self, params: list[torch.Tensor]) -> tuple[list[int], list[CommGroup]]:
+        """``(domain of each parameter, the domains' groups)``: domain 0 is ``comm``, the others the
+        expert-data-parallel groups the parameters' experts are reduced over, in order of appearance."""
+        groups: list[CommGroup] = [self.comm]
+        index: list[int] = []
+        for p in params:
+            group = self.reduction_group(p)
+            found = next((i for i, g in enumerate(groups) if g is group), None)
+            if found is None:
+                groups.append(group)
+                found = len(groups) - 1
+            index.append(found)
+        return index, groups
 
 
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
