@@ -60,6 +60,7 @@ class JobWatch:
         self.groups: dict[int, int] = {}  # local rank -> the process group torch started its shim in
         self.running_at_signal: int | None = None
         self._watch: RankWatch | None = None
+        self._saved: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------- an attempt starts and runs
@@ -152,11 +153,17 @@ class JobWatch:
 
     def install_signal_handlers(self) -> None:
         """Ours rather than torch's (it sets its own at every start): both raise ``SignalException``; ours first
-        counts the ranks that were running."""
+        counts the ranks that were running. The ones before the first call come back with
+        :meth:`restore_signal_handlers`."""
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED_SIGNALS:
                 if signal.getsignal(sig) != self._on_signal:
+                    self._saved.setdefault(sig, signal.getsignal(sig))
                     signal.signal(sig, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.running_at_signal = sum(1 for s in self.streams.streams.values() if s.running)
@@ -282,6 +289,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     finally:
         streams.cleanup()
         _close(rdzv, link, shut)
+        watch.restore_signal_handlers()
 
 
 def _close(rdzv: JobRendezvous, link: JobLink | None, shut: bool) -> None:
