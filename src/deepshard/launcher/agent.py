@@ -264,8 +264,9 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     except SignalException as exc:
         shut = link is not None  # an elastic job goes on without this node (torch's agent does the same)
         running = watch.running_at_signal or 0
-        print(f"deepshard: {where}received {exc.sigval.name}; forwarding it to {running} running "
-              f"{'rank' if running == 1 else 'ranks'}", file=sys.stderr, flush=True)
+        told = f"forwarding it to {running} running {'rank' if running == 1 else 'ranks'}" if running else \
+            "no rank was running"
+        print(f"deepshard: {where}received {exc.sigval.name}; {told}", file=sys.stderr, flush=True)
         if link is not None:
             link.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
         return 128 + exc.sigval
