@@ -11,6 +11,7 @@ calls :func:`parallelize`; nothing else composes.
     activation ckpt      the pipeline's recompute function from the config           deepshard/checkpointing.py
     compile              a torch.compile'd model trains its original module, compiled deepshard/compile.py
                          in place (unwrapped first, at initialize)
+    experts              MoE layers' expert-parallel groups, experts' placements     deepshard/moe/parallel.py
     ZeRO wrapping        device, replicas made equal, precision, the strategy         deepshard/parts.py, zero/
                          (sharding and reducing over the replicas: dp x sp)
     optimizer            the user's or the config's, taken over by the strategy       deepshard/optim/
@@ -30,7 +31,6 @@ from deepshard.parts import (OptimizerArg, broadcast_module, build_client_optimi
 from deepshard.plan import Plan, describe, enforce
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
-from deepshard.zero.optimizer_guard import guard
 from deepshard.placement import adopt_megatron_attributes, set_copies
 
 
@@ -52,8 +52,15 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     what the user passed to ``initialize`` (it may carry a sequence-parallel setup)."""
     from deepshard.sp.engine_hooks import attach_sequence_parallel, build_sequence_parallel
 
+    from deepshard.moe.parallel import attach_experts, broadcast_experts, expert_param_ids
+
     plan = describe(cfg, model, topology.dims, optimizer, accelerator.kind)
     enforce(plan)  # nothing is built before this line
+    topology = attach_experts(model, topology, bool(cfg.use_data_before_expert_parallelism))
+    if topology.experts:
+        from deepshard.utils.groups import register_expert_topology
+
+        register_expert_topology(topology)  # deepspeed.utils.groups' expert accessors answer for this grid
     extra: dict[str, Any] = {}
     if plan.pipeline:  # the stage's layers were built by the PipelineModule for this grid position
         from deepshard.pipe.engine import configure_pipeline
@@ -73,7 +80,10 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
 
         configure_recompute(model, cfg)  # type: ignore[arg-type]
     model.to(accelerator.device)
-    broadcast_module(model, topology.seq_dp)  # replicas of one model slice (dp x sp) start equal; tp/pp slices differ
+    # replicas of one model slice (dp x sp) start equal; tp/pp slices differ; experts split over ep ranks differ,
+    # and their replicas (the expert-data-parallel group) start equal
+    broadcast_module(model, topology.seq_dp, skip=expert_param_ids(model.parameters()))
+    broadcast_experts(model, topology)
     if "tied" in extra:
         extra["tied"].broadcast()  # then the tied copies across stages
     precision = precision_policy(cfg)
@@ -81,8 +91,6 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     strategy = build_strategy(model, client_optimizer, cfg, topology, precision, accelerator)
     if client_optimizer is not None:
         client_optimizer.overflow = False  # type: ignore[attr-defined]  # set at every step (step.py)
-        if strategy.stage >= 1:
-            guard(client_optimizer, strategy)  # a direct optimizer.step() would update nothing: say so
     scheduler = build_lr_scheduler(cfg, client_optimizer, lr_scheduler)
     monitor = build_monitor(cfg, topology.rank)
     comms = topology.world.logger

@@ -10,6 +10,11 @@ are adopted into it at ``initialize`` (:func:`adopt_megatron_attributes`); deeps
 both. ``engine.destroy()`` removes the ownership, so two engines in one process never see each other's
 parameters.
 
+An expert of a mixture-of-experts layer split over expert-parallel ranks (``deepshard.moe``) records which
+expert-parallel group holds it (:class:`ExpertShard`): its gradient is reduced, and its ZeRO state
+sharded, over that group's expert-data-parallel ranks instead of all data-parallel replicas, and
+checkpoints store it under its layer's global expert id.
+
 The copy count is what makes the global gradient norm count a parameter once: every model-parallel rank
 adds ``|g|^2 / copies`` of each parameter it holds, and the sum over the model-parallel group is then the
 norm of the model's gradient whether a parameter is split over tensor-parallel ranks (1 copy of each
@@ -38,6 +43,18 @@ class TensorSplit:
     slice is then ``index`` of each part, concatenated (``deepshard.tp.params.shard_of``)."""
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """A parameter of one expert of a layer split over ``ep_size`` > 1 expert-parallel ranks."""
+
+    group: str
+    """``ep_size_<P>``: the expert-parallel group (``Topology.experts``) whose expert-data-parallel ranks
+    hold the same expert."""
+    saved_name: str
+    """The parameter's name with its layer's *global* expert id (``...deepspeed_experts.<G>...``): the name
+    checkpoints store it under, the same for every layout."""
+
+
 @dataclass
 class Placement:
     owner: Optional["weakref.ref[object]"] = None
@@ -48,6 +65,8 @@ class Placement:
     """Model-parallel ranks holding this same value (replicated over tp, tied across pp stages)."""
     tied_stages: int = 1
     """Pipeline stages holding a tied copy (set by the pipeline module)."""
+    expert: Optional[ExpertShard] = None
+    """Set for an expert's parameter under expert parallelism (``deepshard.moe.parallel``)."""
 
 
 def placement_of(param: torch.Tensor) -> Optional[Placement]:
@@ -100,6 +119,17 @@ def mark_split(param: torch.Tensor, dim: int, index: int, parts: int,
 def mark_tied(param: torch.Tensor, stages: int) -> None:
     """Declare ``param`` held (tied) by ``stages`` pipeline stages."""
     record_of(param).tied_stages = int(stages)
+
+
+def mark_expert(param: torch.Tensor, group: str, saved_name: str) -> None:
+    """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``."""
+    record_of(param).expert = ExpertShard(group, saved_name)
+
+
+def expert_of(param: torch.Tensor) -> Optional[ExpertShard]:
+    """``param``'s expert record (None: a dense parameter, or an expert every rank holds)."""
+    found = placement_of(param)
+    return None if found is None else found.expert
 
 
 def split_of(param: torch.Tensor) -> Optional[TensorSplit]:

@@ -16,7 +16,7 @@ import torch
 
 from deepshard.config.base import ConfigError
 from deepshard.topology import ParallelDims
-from deepshard.zero.strategy import Capabilities, strategy_class
+from deepshard.zero.strategy import Capabilities
 
 COMPRESSED_OPTIMIZERS = ("onebitadam",)
 """Optimizer types (lower case) whose compressed momentum exchange replaces the gradient all-reduce."""
@@ -72,10 +72,14 @@ class Plan:
     None: not known (the user's own tensor-parallel layers decide)."""
     kv_heads: Optional[int] = None
     """The attention's key/value heads (``heads`` without grouped-query attention)."""
+    expert_parallel: tuple[int, ...] = ()
+    """The ``ep_size`` of each of the model's MoE layers (``deepshard.moe``), distinct, in module order."""
 
     @property
     def caps(self) -> Capabilities:
-        """What the stage's strategy composes with (declared on its class)."""
+        """What the stage's strategy composes with (declared on its class; ``parts.STRATEGIES``)."""
+        from deepshard.parts import strategy_class
+
         return strategy_class(self.stage).capabilities
 
     @property
@@ -98,7 +102,7 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     accum = cfg.data_types.grad_accum_dtype
     autotp = resolve_tp_config(model, cfg.tensor_parallel).enabled
     heads, kv_heads = attention_head_counts(model, module_attributes=autotp)
-    return Plan(dims=dims, stage=int(zero.stage),
+    return Plan(expert_parallel=_expert_parallel_sizes(model),dims=dims, stage=int(zero.stage),
                 pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
                 schedule=str(cfg.pipeline.schedule), autotp=autotp, heads=heads, kv_heads=kv_heads,
                 fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,
@@ -108,6 +112,16 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
                 param_offload=param_policy.moves_states, step_in_backward=bool(zero.optimizer_step_in_backward),
                 compressed_optimizer=_compressed_name(cfg, optimizer),
                 fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32)
+
+
+def _expert_parallel_sizes(model: Any) -> tuple[int, ...]:
+    from deepshard.moe.parallel import moe_layers
+
+    sizes: list[int] = []
+    for _, layer in moe_layers(model) if hasattr(model, "named_modules") else []:
+        if layer.ep_size not in sizes:
+            sizes.append(layer.ep_size)
+    return tuple(sizes)
 
 
 def _compressed_name(cfg: Any, optimizer: Any) -> Optional[str]:
@@ -244,7 +258,47 @@ def _sequence_rules(plan: Plan) -> list[Conflict]:
                      f"sequence_parallel_size={dims.sp}")]
 
 
+def _expert_rules(plan: Plan) -> list[Conflict]:
+    """Mixture-of-experts layers split over expert-parallel ranks (``ep_size`` > 1)."""
+    split = [p for p in plan.expert_parallel if p > 1]
+    if not plan.expert_parallel:
+        return []
+    dims, out = plan.dims, []
+    replicas = dims.dp * dims.sp
+    for size in plan.expert_parallel:
+        if replicas % size != 0:
+            out.append(Conflict(f"a MoE layer with ep_size={size} on {replicas} data-parallel replicas ({dims})",
+                                "each expert-parallel group is ep_size replicas, so ep_size must divide their number",
+                                f"use an ep_size that divides {replicas}, or launch a multiple of {size} processes"))
+    if not split:
+        return out
+    if dims.tp > 1:
+        out.append(Conflict(f"MoE layers with ep_size={split[0]} and tensor parallelism (tp={dims.tp})",
+                            "every tensor-parallel rank holds the same tokens, which the all-to-all would send "
+                            "tp times (DeepSpeed drops and re-gathers the duplicates around it; deepshard does not)",
+                            "use ep_size=1 for the MoE layers (experts replicated), or no tensor parallelism"))
+    if plan.pipeline:
+        out.append(Conflict(f"MoE layers with ep_size={split[0]} inside a PipelineModule",
+                            "the pipeline engine passes one activation tensor between stages, and a MoE layer "
+                            "returns (output, l_aux, exp_counts) with l_aux to add to the loss",
+                            "train the MoE model without pipeline stages (ZeRO 0-2 with expert parallelism)"))
+    if dims.sp > 1:
+        out.append(Conflict(f"MoE layers with ep_size={split[0]} and sequence parallelism (sp={dims.sp})",
+                            "expert gradients are averaged over data-parallel replicas, while sequence-parallel "
+                            "ranks backpropagate one shared loss", "use sequence_parallel_size 1 with MoE"))
+    if not plan.caps.expert_parallel:
+        out.append(Conflict(f"MoE layers with ep_size={split[0]} and zero_optimization.stage={plan.stage}",
+                            "ZeRO-3 does not shard expert parameters over their expert-data-parallel group yet "
+                            "(DeepSpeed refuses native MoE under ZeRO-3 altogether)",
+                            "use ZeRO stage 0, 1 or 2, or ep_size=1"))
+    if plan.compressed_optimizer is not None:
+        out.append(Conflict(f"optimizer {plan.compressed_optimizer} with MoE layers of ep_size={split[0]}",
+                            "its compressed momentum exchange averages every parameter over all data-parallel "
+                            "ranks, and experts differ between expert-parallel ranks", "use optimizer type 'Adam'"))
+    return out
+
+
 RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (
     _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules,
-    _sequence_rules)
+    _sequence_rules, _expert_rules)
 """Every rule, in the order conflicts are reported."""

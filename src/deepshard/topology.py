@@ -25,11 +25,18 @@ Groups:
 - ``pp``: the stages of one pipeline (same data, sequence and tensor coordinates).
 - ``model_parallel``: ranks of one replica (same data and sequence coordinates, pp x tp). A gradient
   norm or an overflow flag is combined over ``seq_dp`` first, then here.
+
+Expert parallelism (mixture-of-experts layers, ``deepshard.moe``) divides the replicas of ``seq_dp``
+further, per expert-parallel size ``P`` (``ParallelDims.expert_group_ranks``, DeepSpeed's layout): the
+*expert-parallel* groups are consecutive blocks of ``P`` replicas (tokens are exchanged there by
+all-to-all; each rank holds ``1/P`` of a layer's experts) and the *expert-data-parallel* groups stride
+by ``P`` (the ranks holding the same experts: expert gradients are reduced and ZeRO-sharded there).
+``Topology.with_experts`` adds them, named ``ep_size_<P>`` as DeepSpeed names them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, Mapping, Optional, Sequence
 
 from deepshard.comm.group import CommGroup
 from deepshard.comm.logger import CommsLogger
@@ -143,6 +150,31 @@ class ParallelDims:
             keys.setdefault(key, []).append(r)
         return [keys[k] for k in sorted(keys)]
 
+    def expert_group_ranks(self, ep_size: int, data_before_expert: bool = False
+                           ) -> tuple[list[list[int]], list[list[int]]]:
+        """(expert-parallel groups, expert-data-parallel groups) for experts split over ``ep_size`` ranks,
+        each a list of sorted global ranks, the same on every rank. Within every ``seq_dp`` group (the
+        replicas of one model slice) the expert-parallel groups are consecutive blocks of ``ep_size``
+        replicas and the expert-data-parallel groups take every ``ep_size``-th (DeepSpeed's default
+        layout); ``data_before_expert`` (DeepSpeed's ``use_data_before_expert_parallelism``) swaps the
+        two: expert-data-parallel blocks, expert-parallel strides."""
+        ep_groups: list[list[int]] = []
+        edp_groups: list[list[int]] = []
+        for replicas in self.group_ranks("seq_dp"):
+            n = len(replicas)
+            if not isinstance(ep_size, int) or ep_size < 1 or n % ep_size != 0:
+                raise TopologyError(
+                    f"expert-parallel size {ep_size!r} does not divide the {n} data-parallel replicas of {self}: "
+                    f"each expert-parallel group is ep_size replicas; choose an ep_size that divides {n}")
+            blocks, strides = ep_size, n // ep_size
+            if data_before_expert:
+                edp_groups += [replicas[i * strides:(i + 1) * strides] for i in range(blocks)]
+                ep_groups += [replicas[i::strides] for i in range(strides)]
+            else:
+                ep_groups += [replicas[i * blocks:(i + 1) * blocks] for i in range(strides)]
+                edp_groups += [replicas[i::blocks] for i in range(blocks)]
+        return ep_groups, edp_groups
+
     def peers(self, rank: int, axis: Axis) -> list[int]:
         """The global ranks of ``rank``'s group along ``axis``."""
         for ranks in self.group_ranks(axis):
@@ -161,6 +193,26 @@ class ParallelDims:
 
 
 @dataclass(frozen=True)
+class ExpertGroups:
+    """The two groups of one expert-parallel size on this rank (DeepSpeed's ``ep_size_<P>`` pair)."""
+
+    name: str
+    """``ep_size_<P>``: the ``group_name`` DeepSpeed marks expert parameters with."""
+    ep_size: int
+    ep: CommGroup
+    """The expert-parallel group: tokens are exchanged here by all-to-all."""
+    edp: CommGroup
+    """The expert-data-parallel group: ranks holding the same experts (gradients reduced, states sharded)."""
+    ep_ranks: tuple[int, ...]
+    edp_ranks: tuple[int, ...]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group: it holds experts ``ep_rank * local`` onwards."""
+        return self.ep.rank
+
+
+@dataclass(frozen=True)
 class Topology:
     """This rank's groups of the grid. Built once by ``Topology.build`` (or ``Topology.single``)."""
 
@@ -176,6 +228,8 @@ class Topology:
     """The sequence-parallel group (a one-rank group when sp is 1; never None after construction)."""
     seq_dp: Optional[CommGroup] = None
     """dp x sp: where ZeRO shards and reduces (the ``dp`` group itself when sp is 1)."""
+    experts: Mapping[str, ExpertGroups] = field(default_factory=dict)
+    """Expert-parallel groups by name (``ep_size_<P>``), added by :meth:`with_experts`."""
 
     def __post_init__(self) -> None:
         if self.sp is None:
@@ -217,6 +271,36 @@ class Topology:
         """A topology over groups someone else made (a Megatron-style ``mpu``)."""
         return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=dp, tp=tp, pp=pp,
                    model_parallel=model_parallel, sp=sp, seq_dp=seq_dp)
+
+    def with_experts(self, ep_sizes: Sequence[int], data_before_expert: bool = False) -> "Topology":
+        """This topology plus the expert-parallel and expert-data-parallel groups of each of ``ep_sizes``
+        (collective: every rank calls it with the same sizes in the same order; sizes it has already are
+        kept). The expert-parallel group is always a process group of its own, even when it spans the
+        world, so its all-to-alls never share a tag sequence with the gradient reductions running beside
+        them; with ``ep_size`` 1 the expert-data-parallel group is ``seq_dp`` itself."""
+        import torch.distributed as dist
+
+        logger = self.world.logger
+        found = dict(self.experts)
+        for size in ep_sizes:
+            name = f"ep_size_{size}"
+            if name in found:
+                continue
+            ep_lists, edp_lists = self.dims.expert_group_ranks(size, data_before_expert)
+            distributed = dist.is_available() and dist.is_initialized()
+            if size == 1:  # every rank holds every expert: nothing to exchange, reduced like the dense weights
+                ep = (new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise) if distributed else None)
+                edp = self.seq_dp
+            else:
+                edp = new_groups(edp_lists, self.rank, logger, "edp", self.world.pairwise)
+                ep = new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise)
+            ep = ep if ep is not None else CommGroup.single(logger=logger, name="ep")
+            if edp is None:  # unreachable: expert_group_ranks puts every rank in one group of each list
+                raise TopologyError(f"rank {self.rank} is in no expert-data-parallel group of {edp_lists}")
+            mine = next(ranks for ranks in ep_lists if self.rank in ranks)
+            mine_edp = next(ranks for ranks in edp_lists if self.rank in ranks)
+            found[name] = ExpertGroups(name, size, ep, edp, tuple(mine), tuple(mine_edp))
+        return replace(self, experts=found)
 
     @property
     def is_data_parallel_only(self) -> bool:

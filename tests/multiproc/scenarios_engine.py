@@ -143,16 +143,23 @@ def _flip_a_byte(data: bytes) -> bytes:
 
 
 def _load_after_damage(engine: Any, rank: int, victim: Path, damage: Any) -> str:
-    """Rank 0 rewrites ``victim`` through ``damage``; every rank then loads tag t1: the error, or "no error"."""
+    """Rank 0 rewrites ``victim`` through ``damage``; every rank then loads tag t1: the error, or "no error".
+    The file is restored afterwards, so each damage is seen alone."""
     dist.barrier()
+    original = victim.read_bytes()
     if rank == 0:
-        victim.write_bytes(damage(victim.read_bytes()))
+        victim.write_bytes(damage(original))
     dist.barrier()
     try:
         engine.load_checkpoint(str(victim.parent.parent), tag="t1")
         return "no error"
     except CheckpointError as e:
         return str(e)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            victim.write_bytes(original)
+        dist.barrier()
 
 
 def two_engines_interleaved(rank: int, world: int) -> dict[str, Any]:

@@ -119,3 +119,21 @@ def test_extras_name_the_tested_series_the_runtime_check_accepts() -> None:
             assert named in ([], [f"{dist}{tested_range(dist)}"]), (extra, named)
     assert tested_range("accelerate") == ">=1.15,<1.16"
     assert "deepspeed==0.19.8" in extras["bench"]
+
+
+def test_a_newer_transformers_is_adjusted_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="deepshard")
+    monkeypatch.delenv(hf_patches.UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(hf_patches.importlib.metadata, "version", lambda dist: "5.24.0")
+    hf_patches.check_version("transformers")  # newer than 5.23.x: no error
+    assert "was tested with transformers 5.23.x; 5.24.0 is newer and is adjusted the same way" in caplog.text
+    # an older transformers, and a newer accelerate (its adjustment wraps a private method), still stop
+    monkeypatch.setattr(hf_patches.importlib.metadata, "version", lambda dist: "5.22.3")
+    with pytest.raises(RuntimeError, match=r"tested with transformers 5\.23\.x, but 5\.22\.3 is installed"):
+        hf_patches.check_version("transformers")
+    monkeypatch.setattr(hf_patches.importlib.metadata, "version", lambda dist: "1.16.0")
+    with pytest.raises(RuntimeError, match=r"tested with accelerate 1\.15\.x, but 1\.16\.0 is installed"):
+        hf_patches.check_version("accelerate")

@@ -43,7 +43,7 @@ def run_phase(comm: CommGroup, phase: str, action: Callable[[], T]) -> T | None:
 
 def agree(comm: CommGroup, phase: str, error: Exception | None) -> None:
     """Raise the same error on every rank when ``error`` is not None on any rank."""
-    failed = _failed_ranks(comm, phase, error is not None)
+    failed = _failed_ranks(comm, f"save_checkpoint's barrier after {phase}", error is not None)
     if not failed:
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
@@ -54,12 +54,34 @@ def agree(comm: CommGroup, phase: str, error: Exception | None) -> None:
         "the previous checkpoint of this tag (if any) and the 'latest' file are unchanged") from error
 
 
-def _failed_ranks(comm: CommGroup, phase: str, failed_here: bool) -> list[int]:
+def agree_on_load(comm: CommGroup, phase: str, error: Exception | None) -> None:
+    """After each rank read its own files of a checkpoint: when any rank failed, every rank raises. A rank
+    that failed raises its own error (the type and message it would have alone); the others raise a
+    :class:`CheckpointError` naming the failed ranks and their errors (a rank reads only the files it
+    loads, so a damaged file is seen by its readers only, and the others must not wait for them)."""
+    failed = _failed_ranks(comm, f"load_checkpoint's agreement after {phase}", error is not None)
+    if not failed:
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages = _gather_messages(comm, mine)
+    if error is not None:
+        raise error
+    details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+    raise CheckpointError(f"load_checkpoint failed on rank(s) {failed} while {phase}: {details}")
+
+
+def _failed_ranks(comm: CommGroup, what: str, failed_here: bool) -> list[int]:
+    """The ranks that failed: one all-reduce of a failure count (the same few bytes at any world size),
+    then, only when something failed, the flags of every rank."""
     if comm.size == 1:
         return [0] if failed_here else []
+    count = torch.tensor([1.0 if failed_here else 0.0], dtype=torch.float32, device=comm._device())
+    comm.all_reduce_control(count, what)
+    if count.item() == 0:
+        return []
     flags = torch.zeros(comm.size, dtype=torch.float32, device=comm._device())
     flags[comm.rank] = 1.0 if failed_here else 0.0
-    comm.all_reduce_control(flags, f"save_checkpoint's barrier after {phase}")
+    comm.all_reduce_control(flags, f"{what} (which ranks failed)")
     return [r for r in range(comm.size) if flags[r].item() > 0]
 
 

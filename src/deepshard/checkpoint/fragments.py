@@ -3,7 +3,7 @@
 Each rank writes ``zero_rank<r>.safetensors`` + ``zero_rank<r>.json`` holding the fp32 values and the
 optimizer state of the fragments it owns (stage 0: rank 0 owns every parameter whole; stages 1-2: each
 rank its partition). Rank 0 also writes ``module_extra.safetensors``: buffers and frozen parameters.
-Loading reassembles full tensors per parameter name from all ranks' files (``load_full_state``), and a
+Loading reassembles full tensors per parameter name from all ranks' files (``read_fragments``), and a
 strategy then takes the slices it owns, so a checkpoint written by any stage on any number of processes
 loads into any stage on any number of processes directly, with no conversion step.
 
@@ -14,7 +14,6 @@ state slice), ``optim/<name>/<key>@scalar`` (a 0-d state such as Adam's ``step``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint import schema
 from deepshard.checkpoint.matching import check_coverage
-from deepshard.utils.progress import progress
+from deepshard.shard_state import FragmentRecord, FullState
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
@@ -42,31 +41,6 @@ def extra_file(rank: int) -> str:
 
 def rank_files(rank: int) -> tuple[str, str]:
     return f"zero_rank{rank}.safetensors", f"zero_rank{rank}.json"
-
-
-@dataclass
-class FragmentRecord:
-    """One fragment to save: ``value`` is the 1-D fp32 slice; ``state`` its optimizer state."""
-
-    name: str
-    start: int
-    numel: int
-    value: torch.Tensor
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class FullState:
-    """A checkpoint reassembled per parameter name."""
-
-    params: dict[str, torch.Tensor]
-    optim: dict[str, dict[str, Any]]
-    optim_kinds: dict[str, dict[str, str]]
-    param_groups: list[dict[str, Any]] | None
-    module_extra: dict[str, torch.Tensor]
-    aliases: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    meta: dict[str, Any]
 
 
 def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord],
@@ -103,6 +77,8 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
             "meta": meta, "splits": splits or {}, "coord": coord or {}}
     if param_groups is not None:
         info["param_groups"] = param_groups
+    if module_extra is not None:  # which file holds this slice's buffers and frozen weights
+        info["extra"] = {"file": extra_file(rank)}
     ckpt_io.save_json(directory / json_file, info)
     files = [tensor_file, json_file]
     if module_extra is not None:
@@ -118,120 +94,162 @@ def _numel(shape: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
-    """Reassemble full fp32 parameters (and optimizer state) from the rank files.
+def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
+    """Reassemble full fp32 parameters (and optimizer state) from a deepshard tag's rank files (a tag of
+    either format: ``checkpoint.reader.load_full_state``).
 
     Tensor-parallel parts are put back together along their split dimension (global tensors). With
-    ``module``, only the files holding tensors that module has are read (a pipeline stage reads its own
-    stage's files; replicated copies are read once), and the result is cut back to ``module``'s own
-    tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its slices."""
-    from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag, read_full_state
-    from deepshard.checkpoint.layout import Reassembly, localize, wanted_names, with_alias_sources
+    ``module``, only the files holding tensors that module has are read, and the result is cut back to
+    ``module``'s own tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its
+    slices. A pipeline stage reads the rank files of its own stage, its own first, and stops once its
+    tensors are whole: another stage's files are not opened, not even their JSON."""
+    from deepshard.checkpoint.layout import wanted_names
 
-    if is_deepspeed_tag(directory):  # DeepSpeed's own files, whole tensors by name like ours
-        ds_full = read_full_state(directory, with_optimizer)
-        return localize(ds_full, module) if module is not None else ds_full
-    json_files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_JSON.match(p.name)))
-    if not json_files:
+    listing = _listing(directory)
+    ranks = sorted(int(m.group(1)) for name in listing if (m := _RANK_JSON.match(name)))
+    if not ranks:
         raise ckpt_io.CheckpointError(
             f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
             "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
-    infos = [(rank, schema.check_rank_info(path, ckpt_io.load_json(path), rank)) for rank, path in json_files]
-    aliases: dict[str, str] = {}
-    for _, info in infos:
-        aliases.update(info.get("aliases", {}))
-    wanted = with_alias_sources(wanted_names(module), aliases) if module is not None else None
-    parts = Reassembly(with_optimizer)
-    groups, meta = None, {}
-    saved_world = 0
-    ordered = sorted(infos, key=lambda ri: (_foreign_fragments(ri[1], wanted), ri[0]))
-    for rank, info in progress(ordered, f"reading {directory.name}", total=len(ordered), unit="file"):
-        meta = info.get("meta", meta) if rank == 0 else meta
-        groups = groups if groups is not None else info.get("param_groups")  # this slice's own file first
-        saved_world = max(saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
-        parts.declare(info, wanted)
-        if not parts.needs(info, wanted):
-            continue  # another stage's tensors, or copies read already: the tensor file is not opened
-        parts.add(info, ckpt_io.load_tensors(directory / rank_files(rank)[0]), wanted)
-    check_coverage(directory, *parts.coverage(), [r for r, _ in json_files], saved_world or None)
-    params, optim, kinds, shapes = parts.finish()
+    wanted = wanted_names(module) if module is not None else None
+    reading = _Reading(directory, with_optimizer, wanted, _trainable_wanted(module, wanted))
+    for rank in _reading_order(ranks, module):
+        if reading.done():
+            break
+        reading.read_json(rank)
+    reading.finish_skipped()
+    check_coverage(directory, *reading.parts.coverage(), ranks, reading.saved_world or None)
+    params, optim, kinds, shapes = reading.parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
-    for extra in sorted(p for p in directory.iterdir() if _EXTRA.match(p.name)):
-        module_extra.update(ckpt_io.load_tensors(extra, names=wanted))
-    full = FullState(params, optim, kinds, groups, module_extra, aliases, shapes, meta)
+    for extra in reading.extra_files(listing):
+        module_extra.update(ckpt_io.load_tensors(directory / extra, names=reading.wanted()))
+    full = FullState(params, optim, kinds, reading.groups, module_extra, reading.aliases, shapes, reading.meta)
+    return _localized(full, module)
+
+
+def _localized(full: FullState, module: torch.nn.Module | None) -> FullState:
+    from deepshard.checkpoint.layout import localize
+
     return localize(full, module) if module is not None else full
+
+
+def _listing(directory: Path) -> list[str]:
+    """The tag directory's file names: the manifest's while ``load_checkpoint`` verifies (no directory scan
+    of a directory holding every rank's files), else the directory's own."""
+    from deepshard.checkpoint.ledger import verifier_for
+
+    verifier = verifier_for(directory / "x")
+    if verifier is not None and verifier.directory == directory:
+        return list(getattr(verifier, "files", None) or [p.name for p in directory.iterdir()])
+    return [p.name for p in directory.iterdir()]
+
+
+def _trainable_wanted(module: torch.nn.Module | None, wanted: set[str] | None) -> set[str] | None:
+    """The trainable parameter names a pipeline stage must find in fragments (None: not a stage)."""
+    if module is None or wanted is None:
+        return None
+    return {n for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _reading_order(ranks: list[int], module: torch.nn.Module | None) -> list[int]:
+    """Rank files in the order a model slice reads them: the file of its own rank, then those of the ranks
+    that hold the same pipeline stage on this grid, then the rest (only read if still needed)."""
+    topology = getattr(module, "grid_topology", None)
+    dims, own = getattr(topology, "dims", None), getattr(topology, "rank", None)
+    if dims is None or own is None or dims.world_size <= 0:
+        return ranks
+    stage = dims.coord(own).pp
+
+    def key(rank: int) -> tuple[int, int]:
+        if rank == own:
+            return (0, rank)
+        same = rank < dims.world_size and dims.coord(rank).pp == stage
+        return (1 if same else 2, rank)
+
+    return sorted(ranks, key=key)
+
+
+class _Reading:
+    """The rank files read so far for one model slice, and whether its tensors are whole yet."""
+
+    def __init__(self, directory: Path, with_optimizer: bool, wanted_own: set[str] | None,
+                 trainable: set[str] | None) -> None:
+        from deepshard.checkpoint.layout import Reassembly
+
+        self.directory, self.wanted_own, self.trainable = directory, wanted_own, trainable
+        self.parts = Reassembly(with_optimizer)
+        self.with_optimizer = with_optimizer
+        self.aliases: dict[str, str] = {}
+        self.groups: list[dict[str, Any]] | None = None
+        self.meta: dict[str, Any] = {}
+        self.saved_world = 0
+        self.infos: dict[int, dict[str, Any]] = {}
+        self.skipped: list[int] = []
+
+    def wanted(self) -> set[str] | None:
+        from deepshard.checkpoint.layout import with_alias_sources
+
+        return with_alias_sources(self.wanted_own, self.aliases)
+
+    def read_json(self, rank: int) -> None:
+        path = self.directory / rank_files(rank)[1]
+        info = schema.check_rank_info(path, ckpt_io.load_json(path), rank)
+        self.infos[rank] = info
+        self.aliases.update(info.get("aliases", {}))
+        if rank == 0 or not self.meta:
+            self.meta = info.get("meta", self.meta)
+        self.groups = self.groups if self.groups is not None else info.get("param_groups")
+        self.saved_world = max(self.saved_world, int(info.get("meta", {}).get("dp_world_size", 0) or 0))
+        self._take(rank, info)
+
+    def _take(self, rank: int, info: dict[str, Any]) -> None:
+        wanted = self.wanted()
+        self.parts.declare(info, wanted)
+        if self._foreign_only(info, wanted):
+            self.skipped.append(rank)  # another stage's tensors: its tensor file is not opened
+        elif self.parts.needs(info, wanted):
+            self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
+
+    @staticmethod
+    def _foreign_only(info: dict[str, Any], wanted: set[str] | None) -> bool:
+        return wanted is not None and _foreign_fragments(info, wanted) == len(info["fragments"])
+
+    def finish_skipped(self) -> None:
+        """Files skipped before a tied weight's alias was known: read them if they now hold wanted tensors."""
+        for rank in self.skipped:
+            info = self.infos[rank]
+            wanted = self.wanted()
+            self.parts.declare(info, wanted)
+            if not self._foreign_only(info, wanted) and self.parts.needs(info, wanted):
+                self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
+
+    def done(self) -> bool:
+        """A pipeline stage's tensors are whole: every trainable parameter declared and covered, every
+        tensor-parallel part present, its optimizer hyper-parameters found. Never for a whole model (it
+        reads every rank file)."""
+        if self.trainable is None or not self.infos:
+            return False
+        if self.with_optimizer and self.groups is None:
+            return False
+        declared, covered = self.parts.coverage()
+        if any(covered.get(label, 0) < _numel(shape) for label, shape in declared.items()):
+            return False
+        names = {label.split("[tp ", 1)[0] for label in declared}
+        if any(self.aliases.get(n, n) not in names and n not in names for n in self.trainable):
+            return False
+        return all((name, i) in self.parts.values for name, (_, count, _) in self.parts.splits.items()
+                   for i in range(count))
+
+    def extra_files(self, listing: list[str]) -> list[str]:
+        """The buffer / frozen-weight files to read: those the read rank files name as theirs (a pipeline
+        stage's own), else (older checkpoints, or a whole model) every one in the directory."""
+        named = sorted({info["extra"]["file"] for info in self.infos.values() if isinstance(info.get("extra"), dict)})
+        if self.trainable is not None and named:
+            return named
+        return sorted(name for name in listing if _EXTRA.match(name))
 
 
 def _foreign_fragments(info: dict[str, Any], wanted: set[str] | None) -> int:
     """How many of a rank file's fragments the loading model slice does not want: files of this slice's
     own tensors are read first, so a copy it shares with another slice (a tied layer) comes from them."""
     return 0 if wanted is None else sum(1 for name, _, _ in info["fragments"] if name not in wanted)
-
-
-def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
-                               optim: dict[str, dict[str, Any]], kinds: dict[str, dict[str, str]]) -> None:
-    for flat_key, value in tensors.items():
-        if not flat_key.startswith("optim/"):
-            continue
-        body, where = flat_key[len("optim/"):].rsplit("@", 1)
-        name, key = body.rsplit("/", 1)
-        state = optim.setdefault(name, {})
-        if where == "scalar":
-            state[key] = value.clone()
-            kinds.setdefault(name, {})[key] = "scalar"
-        elif where == "whole":
-            state[key] = value.clone()
-            kinds.setdefault(name, {})[key] = "whole"
-        else:
-            start = int(where)
-            full = state.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=value.dtype))
-            full[start:start + value.numel()] = value
-            kinds.setdefault(name, {})[key] = "elementwise"
-
-
-def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.Tensor) -> dict[str, Any]:
-    """The optimizer state of fragment ``[start, start+numel)`` of ``name``, cast like ``like``."""
-    out: dict[str, Any] = {}
-    for key, value in full.optim.get(name, {}).items():
-        kind = full.optim_kinds[name][key]
-        if kind == "elementwise":
-            piece = value.reshape(-1)[start:start + numel]
-            if numel == _numel(full.shapes[name]) and like.dim() > 1:
-                piece = piece.view(like.shape)
-            out[key] = piece.to(device=like.device, dtype=like.dtype if piece.is_floating_point() else piece.dtype
-                                ).clone()
-        elif kind == "whole":
-            if numel != _numel(full.shapes[name]):
-                raise ValueError(f"optimizer state '{key}' of '{name}' is not elementwise and cannot be split "
-                                 "across processes; load it with ZeRO stage 0")
-            out[key] = value.to(like.device).clone()
-        else:
-            out[key] = value.clone() if torch.is_tensor(value) else value
-    return out
-
-
-def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]] | None) -> None:
-    """Restore hyperparameters group by group (lr, betas, weight_decay, ...)."""
-    if saved is None:
-        return
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the checkpoint's optimizer has {len(saved)} param groups but this optimizer has "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
-            "load_optimizer_states=False to restore the weights only")
-    for group, saved_group in zip(optimizer.param_groups, saved):
-        tuples = set(saved_group.get("__tuples__", []))
-        for key, value in saved_group.items():
-            if key in ("params", "__tuples__"):
-                continue
-            group[key] = tuple(value) if key in tuples else value
-
-
-def export_param_groups(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:
-    groups = []
-    for group in optimizer.param_groups:
-        g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-        g["params"] = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
-        g["__tuples__"] = [k for k, v in group.items() if isinstance(v, tuple)]
-        groups.append(g)
-    return groups

@@ -32,10 +32,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from deepshard.checkpoint.ledger import note_read, note_write, verifier_for
 from deepshard.utils.progress import progress
 
 __all__ = [
     "CheckpointError", "CheckpointWriteError", "free_bytes", "save_tensors", "load_tensors", "save_json", "load_json", "file_digest",
+    "file_entry",
     "write_manifest", "verify_manifest", "staging_dir", "commit_staging", "recover_tag",
     "repair_save_dir", "write_latest", "read_latest", "validate_tag", "MANIFEST_NAME", "LATEST_NAME",
 ]
@@ -122,6 +124,7 @@ def _atomic_write(path: Path, write: Callable[[Path], None], needed: int = 0) ->
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write(tmp)
         _fsync_file(tmp)
+        written = tmp.stat().st_size
         os.replace(tmp, path)
     except BaseException as err:
         try:
@@ -132,6 +135,7 @@ def _atomic_write(path: Path, write: Callable[[Path], None], needed: int = 0) ->
             raise _write_failure(path, needed, err) from err
         raise
     _fsync_dir(path.parent)
+    note_write(path, written)
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -196,31 +200,62 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor],
 
 def load_tensors(path: Path, device: str | torch.device = "cpu", names: Optional[set[str]] = None
                  ) -> dict[str, torch.Tensor]:
-    """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those, read from the
-    header's offsets; the rest of the file is not read); never unpickles.
+    """Read every tensor of a safetensors file onto ``device`` (with ``names``: only those); never unpickles.
+
+    Inside ``load_checkpoint`` (a :func:`deepshard.checkpoint.ledger.verifying` block) the whole file is
+    read once, its size and sha256 checked against the manifest as it is read, and the tensors taken from
+    those bytes. Otherwise the file is memory-mapped and only the wanted tensors are read.
 
     Raises :class:`CheckpointError` naming the file if it is missing, truncated, has a corrupt header,
     or was written under another name (files of a checkpoint swapped or renamed).
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "or the path/tag is wrong (check the directory and its 'latest' file)")
+    verifier = verifier_for(path)
+    if verifier is not None:
+        return _tensors_from_bytes(path, verifier.read(path), device, names)
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            written_as = (f.metadata() or {}).get(NAME_KEY)
-            if written_as is not None and written_as != path.name:
-                raise CheckpointError(f"{path} holds the tensors written as {written_as}: files of the checkpoint "
-                                      "were swapped or renamed; restore their names or load another tag")
-            return {key: f.get_tensor(key) for key in f.keys() if names is None or key in names}
+            _check_written_name(path, f.metadata())
+            out = {key: f.get_tensor(key) for key in f.keys() if names is None or key in names}
     except (SafetensorError, OSError, ValueError) as err:
-        size = path.stat().st_size
-        raise CheckpointError(
-            f"cannot read tensors from {path} ({size} bytes): {err}. The file is truncated or "
-            "corrupted; run verify_manifest() on its checkpoint directory to confirm, and load "
-            "another tag") from err
+        raise _unreadable(path, err) from err
+    size = path.stat().st_size
+    note_read(path, size if names is None else min(size, sum(t.nbytes for t in out.values())))
+    return out
+
+
+def _tensors_from_bytes(path: Path, data: bytearray, device: str | torch.device, names: Optional[set[str]]
+                        ) -> dict[str, torch.Tensor]:
+    from deepshard.checkpoint.safetensors_bytes import parse
+
+    try:
+        tensors, metadata = parse(data, names)
+    except ValueError as err:
+        raise _unreadable(path, err) from err
+    _check_written_name(path, metadata)
+    if str(device) != "cpu":
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return tensors
+
+
+def _check_written_name(path: Path, metadata: Optional[dict[str, str]]) -> None:
+    written_as = (metadata or {}).get(NAME_KEY)
+    if written_as is not None and written_as != path.name:
+        raise CheckpointError(f"{path} holds the tensors written as {written_as}: files of the checkpoint "
+                              "were swapped or renamed; restore their names or load another tag")
+
+
+def _unreadable(path: Path, err: BaseException) -> CheckpointError:
+    size = path.stat().st_size
+    return CheckpointError(
+        f"cannot read tensors from {path} ({size} bytes): {err}. The file is truncated or "
+        "corrupted; run `deepshard verify` on its checkpoint directory to confirm, and load "
+        "another tag")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +276,14 @@ def load_json(path: Path) -> Any:
     """Read a JSON file; :class:`CheckpointError` naming the file if it is missing or invalid."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        verifier = verifier_for(path)
+        if verifier is not None:
+            if not path.is_file():
+                raise FileNotFoundError(path)
+            text = bytes(verifier.read(path)).decode("utf-8")
+        else:
+            text = path.read_text(encoding="utf-8")
+            note_read(path, len(text))
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint file {path} does not exist; the checkpoint is incomplete "
                               "or the path/tag is wrong") from err
@@ -263,10 +305,19 @@ def load_json(path: Path) -> Any:
 def file_digest(path: Path) -> str:
     """sha256 hex digest of a file, read in 8 MiB chunks."""
     digest = hashlib.sha256()
+    size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            size += len(chunk)
+    note_read(path, size)
     return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """The manifest's record of one file: ``{"bytes": size, "sha256": digest}`` (each rank takes its own
+    files' records right after writing them, so publishing never re-reads the checkpoint)."""
+    return {"bytes": Path(path).stat().st_size, "sha256": file_digest(path)}
 
 
 def _check_relative_name(name: str) -> None:
@@ -276,13 +327,15 @@ def _check_relative_name(name: str) -> None:
                          f"checkpoint directory, without '..', and not {MANIFEST_NAME!r} itself")
 
 
-def write_manifest(directory: Path, files: list[str]) -> None:
+def write_manifest(directory: Path, files: list[str], known: Optional[dict[str, dict[str, Any]]] = None) -> None:
     """Write ``directory/manifest.json`` recording the size and sha256 of each of ``files``.
 
     ``files`` are paths relative to ``directory`` (all ranks' files; the engine gathers the list).
+    ``known``: records (:func:`file_entry`) the writers already took; only the other files are hashed here.
     """
     directory = Path(directory)
     entries: dict[str, dict[str, Any]] = {}
+    known = known or {}
     names = sorted(set(files))
     for name in progress(names, "checksumming checkpoint", total=len(names), unit="file"):
         _check_relative_name(name)
@@ -290,7 +343,10 @@ def write_manifest(directory: Path, files: list[str]) -> None:
         if not path.is_file():
             raise CheckpointError(f"cannot write the manifest of {directory}: {name} was not written "
                                   "(a rank failed to save its part?)")
-        entries[name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+        if name in known and path.stat().st_size == known[name].get("bytes"):
+            entries[name] = dict(known[name])  # a stat, not a second read of the file
+        else:
+            entries[name] = file_entry(path)
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": entries}
     save_json(directory / MANIFEST_NAME, manifest)
 

@@ -90,8 +90,9 @@ ENGINE = {"format": str, "global_steps": int, "global_samples": int, "micro_step
 
 RANK = {"rank": int, "fragments": list, "scalars": Optional(dict), "shapes": dict,
         "aliases": Optional(dict), "meta": Optional(dict), "splits": Optional(dict), "coord": Optional(dict),
-        "param_groups": Optional(ListOf(dict))}
-"""``zero_rank<N>.json``: which slices of which parameters the rank's tensors file holds."""
+        "param_groups": Optional(ListOf(dict)), "extra": Optional({"file": str})}
+"""``zero_rank<N>.json``: which slices of which parameters the rank's tensors file holds (and, for the rank
+that wrote its slice's buffers and frozen weights, that file's name)."""
 
 
 

@@ -23,7 +23,8 @@ And one guard, on any device:
 
 Each is applied when its module is imported (an import hook, so neither library is imported early);
 adjustments 1 and 2 only for the versions tested (:data:`TESTED`): another version fails with a message
-saying so. On a GPU only the guard applies.
+saying so, except a transformers newer than the tested series, which is adjusted with one warning
+(:data:`NEWER_WARNS`). On a GPU only the guard applies.
 """
 from __future__ import annotations
 
@@ -31,12 +32,18 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import os
+import re
 import sys
 import types
 from typing import Any, Callable
 
 TESTED: dict[str, tuple[str, ...]] = {"accelerate": ("1.15",), "transformers": ("5.23",)}
 """Distribution -> the major.minor series the adjustments were written and tested against."""
+
+NEWER_WARNS: tuple[str, ...] = ("transformers",)
+"""Distributions whose releases after the tested series are adjusted with a warning instead of refused:
+transformers' adjustment replaces one function that answers a yes/no question, which a newer release
+cannot break; Accelerate's wraps a private method whose signature a newer release may change."""
 
 UNTESTED_ENV = "DEEPSHARD_ALLOW_UNTESTED_HF"
 
@@ -48,14 +55,30 @@ def on_cpu() -> bool:
     return get_accelerator().kind == "cpu"
 
 
+def _series(version: str) -> tuple[int, int] | None:
+    """``"5.24.0.dev0"`` -> ``(5, 24)``; None when the version does not start with two numbers."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def check_version(dist: str) -> None:
-    """Raise unless the installed ``dist`` is a tested series (or ``DEEPSHARD_ALLOW_UNTESTED_HF=1``)."""
+    """Raise unless the installed ``dist`` is a tested series (or ``DEEPSHARD_ALLOW_UNTESTED_HF=1``); a
+    release of a :data:`NEWER_WARNS` distribution after the tested series logs one warning instead."""
     version = importlib.metadata.version(dist)
     if any(version == t or version.startswith(t + ".") for t in TESTED[dist]):
         return
     if os.environ.get(UNTESTED_ENV) == "1":
         return
     tested = ", ".join(f"{t}.x" for t in TESTED[dist])
+    newest = _series(TESTED[dist][-1])
+    installed = _series(version)
+    if dist in NEWER_WARNS and installed is not None and newest is not None and installed > newest:
+        from deepshard.utils.logging import logger
+
+        logger.warning("deepshard adjusts %s to run DeepSpeed on a CPU and was tested with %s %s; %s is newer and "
+                       "is adjusted the same way (see deepshard/compat/hf_patches.py; pip install '%s%s' for the "
+                       "tested series)", dist, dist, tested, version, dist, tested_range(dist))
+        return
     raise RuntimeError(
         f"deepshard must adjust {dist} to run DeepSpeed on a CPU and was tested with {dist} {tested}, but "
         f"{version} is installed: pip install '{dist}{tested_range(dist)}' (the tested series; from a deepshard "

@@ -4,7 +4,8 @@
 wraps torch's tensor constructors to place and cast new tensors; deepshard's does not (it partitions each
 module's parameters when the module's ``__init__`` returns), so the constructor hook that transformers
 swaps (``zero_wrapper_for_fp_tensor_constructor``) is the identity here, and ``_orig_torch_arange`` is
-torch's own ``arange``.
+torch's own ``arange``. ``ZeroParamStatus`` is the state ``param.ds_status`` reports
+(:mod:`deepshard.zero.stage3.param_status`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from deepshard.accelerator import get_accelerator
-from deepshard.zero import GatheredParameters, Init, register_external_parameter
+from deepshard.zero import (GatheredParameters, Init, ZeroParamStatus, register_external_parameter,
+                            unregister_external_parameter)
 
 _orig_torch_arange = torch.arange
 
@@ -24,5 +26,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "get_accelerator", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

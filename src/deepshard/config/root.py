@@ -30,6 +30,7 @@ from deepshard.config.optimizer import OptimizerConfig, SchedulerConfig
 from deepshard.config.precision import (AMPConfig, BF16Config, DataTypesConfig, FP16Config,
                                         TorchAutocastConfig)
 from deepshard.config.sequence import SequenceParallelConfig, check_sequence_parallel
+from deepshard.config.tolerated import drop_tolerated_keys
 from deepshard.config.unimplemented import UNIMPLEMENTED_KEYS, warn_unimplemented
 from deepshard.config.zero import ZeroConfig
 from deepshard.utils.logging import logger
@@ -99,6 +100,9 @@ class DeepShardConfig(Section):
     """Ranks that split one sample's sequence (``deepshard.sp``); the data-parallel size is what is left."""
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     """deepshard: how the sequence-parallel ranks attend (ulysses, ring, hybrid)."""
+    use_data_before_expert_parallelism: bool = False
+    """MoE layers: expert-data-parallel groups of consecutive ranks and expert-parallel groups strided
+    (DeepSpeed's key; default: the reverse, ``topology.ParallelDims.expert_group_ranks``)."""
 
     # accepted as given, not implemented (see unimplemented.py); None = not given
     autotuning: Any = None
@@ -122,7 +126,6 @@ class DeepShardConfig(Section):
     log_level: Any = None
     disable_allgather: Any = None
     graph_harvesting: Any = None
-    use_data_before_expert_parallelism: Any = None
     seq_parallel_comm_data_type: Any = None
     vocabulary_size: Any = None
 
@@ -131,6 +134,8 @@ class DeepShardConfig(Section):
     # ------------------------------------------------------------------ input preparation
     @classmethod
     def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        data = drop_tolerated_keys(data, known)
         zero = data.get("zero_optimization")
         if isinstance(zero, bool):
             logger.warning("\"zero_optimization\": %s is a deprecated form; use "
@@ -144,7 +149,12 @@ class DeepShardConfig(Section):
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
     def _lower_op(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = value.lower()
+            if value not in ("mean", "sum"):
+                raise ValueError(f"Invalid gradient_allreduce_op {value!r}: use 'mean' (average the gradients "
+                                 "over data-parallel ranks) or 'sum'")
+        return value
 
     @model_validator(mode="wrap")
     @classmethod

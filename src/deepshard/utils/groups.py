@@ -1,4 +1,4 @@
-"""DeepSpeed's ``deepspeed.utils.groups`` sequence-parallel accessors.
+"""DeepSpeed's ``deepspeed.utils.groups`` sequence-parallel and expert-parallel accessors.
 
 DeepSpeed answers these from a process-wide registry that ``deepspeed.initialize(mpu=...)`` fills; scripts
 call them with no argument (``groups._get_sequence_parallel_group()``), so deepshard keeps the one grid that
@@ -105,3 +105,103 @@ def _world_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ------------------------------------------------------------------------------------ expert parallelism
+# DeepSpeed's expert-group accessors, keyed by group name (``ep_size_<P>``): they answer for the grid of the
+# latest engine built with MoE layers (``register_expert_topology``), independently of the sequence-parallel
+# registration above.
+
+def register_expert_topology(topology: Topology) -> None:
+    """Make ``topology`` (with its ``experts`` groups) the grid the expert accessors answer for."""
+    _REGISTERED["experts"] = topology
+
+
+def _expert_groups() -> dict[str, Any]:
+    topology = _REGISTERED.get("experts")
+    return dict(topology.experts) if topology is not None else {}
+
+
+def _expert(group_name: str) -> Any:
+    groups = _expert_groups()
+    if group_name not in groups:
+        raise KeyError(f"expert parallel group {group_name!r} does not exist: deepshard.initialize makes the groups "
+                       f"of the model's MoE layers (ep_size_<ep_size>); known: {sorted(groups)}")
+    return groups[group_name]
+
+
+def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+    """DeepSpeed's deprecated ``groups.initialize``: refused, as DeepSpeed refuses it."""
+    raise RuntimeError("deepspeed.utils.groups.initialize is deprecated: pass ep_size to deepspeed.moe.layer.MoE "
+                       "(the groups are made at deepspeed.initialize)")
+
+
+def _get_expert_parallel_group(group_name: str) -> Any:
+    """The torch process group of this rank's expert-parallel peers (the all-to-all's)."""
+    return _expert(group_name).ep.group
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert(group_name).ep_ranks)
+
+
+def _get_expert_parallel_group_dict() -> dict[str, Any]:
+    return {name: groups.ep.group for name, groups in _expert_groups().items()}
+
+
+def _get_expert_data_parallel_group(group_name: str) -> Any:
+    """The torch process group of the ranks holding the same experts (expert gradients are reduced here)."""
+    return _expert(group_name).edp.group
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert(group_name).edp_ranks)
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, Any]:
+    return {name: groups.edp.group for name, groups in _expert_groups().items()}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return int(_expert(group_name).ep.size)
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return int(_expert(group_name).ep.rank)
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The first global rank of this rank's expert-parallel group."""
+    return int(_expert(group_name).ep_ranks[0])
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return int(_expert(group_name).edp.size)
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return int(_expert(group_name).edp.rank)
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank expert parameters are broadcast from at initialize (its expert-data-parallel group's first)."""
+    return int(min(_expert(group_name).edp_ranks))
+
+
+def _get_max_expert_size() -> Optional[int]:
+    """The largest ep_size of the registered MoE layers (None: none)."""
+    sizes = [groups.ep_size for groups in _expert_groups().values()]
+    return max(sizes) if sizes else None
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group() -> Any:
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """Experts are not split over tensor-parallel ranks in deepshard: 1."""
+    return 1

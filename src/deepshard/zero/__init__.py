@@ -3,20 +3,34 @@ stage-3 user API with DeepSpeed's names: ``Init``, ``GatheredParameters``, ``reg
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 from deepshard.zero.stage3.gather import GatheredParameters
 from deepshard.zero.stage3.init import Init
+from deepshard.zero.stage3.param_status import ZeroParamStatus
+from deepshard.zero.stage3.surface import external_registry
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
-__all__ = ["GatheredParameters", "Init", "StrategyContext", "ZeroStrategy", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "StrategyContext", "ZeroParamStatus", "ZeroStrategy",
+           "register_external_parameter", "unregister_external_parameter"]
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Declare that ``module``'s forward uses ``parameter`` although another module owns it, so ZeRO-3
-    gathers it around ``module``'s forward and backward too. Call it before ``deepshard.initialize``."""
-    external: Any = module.__dict__.setdefault("_deepshard_external_params", [])
-    if all(p is not parameter for p in external):
-        external.append(parameter)
+    gathers it around ``module``'s forward and backward too. Call it before ``deepshard.initialize``.
+    Kept where DeepSpeed keeps it: ``module._external_params`` (``{id(param): param}``), listed by
+    ``module.ds_external_parameters()``."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter: expected a torch.nn.Parameter, got {type(parameter).__name__}; "
+                        "register the module's parameter itself (e.g. other_module.weight)")
+    external_registry(module)[id(parameter)] = parameter
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter` (before ``deepshard.initialize``, like registering)."""
+    registry = external_registry(module)
+    if id(parameter) not in registry:
+        raise ValueError(f"unregister_external_parameter: the parameter (shape {tuple(parameter.shape)}) is not "
+                         f"registered as external on this {type(module).__name__}")
+    del registry[id(parameter)]

@@ -23,7 +23,7 @@ keeps gloo/NCCL from mismatching (the same rule DDP uses).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,6 +43,8 @@ class GradBucket:
     filled: set[int] = field(default_factory=set)  # slots written, already scaled, in this backward
     work: Any = None
     comm_buffer: torch.Tensor | None = None
+    comm: Optional[CommGroup] = None
+    """The group this bucket is summed over (None: the reducer's own)."""
     gathered: bool = False  # canonical form: the reduce-scatter is done, the all-gather is in flight
 
     @property
@@ -50,16 +52,19 @@ class GradBucket:
         return self.buffer.numel()
 
 
-def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list[list[torch.nn.Parameter]]:
+def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int,
+                 group_of: Optional[Callable[[torch.nn.Parameter], Any]] = None) -> list[list[torch.nn.Parameter]]:
     """Group ``params`` (already in launch order) into buckets of at most ``bucket_elements`` elements
-    (a parameter larger than that gets a bucket of its own), never mixing dtypes."""
+    (a parameter larger than that gets a bucket of its own), never mixing dtypes nor reduction groups
+    (``group_of``: experts split over expert-parallel ranks are summed over their own group)."""
     if bucket_elements <= 0:
         raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
     plans: list[list[torch.nn.Parameter]] = []
     current: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        if current and (size + p.numel() > bucket_elements or p.dtype != current[0].dtype):
+        other_group = group_of is not None and current and group_of(p) is not group_of(current[0])
+        if current and (size + p.numel() > bucket_elements or p.dtype != current[0].dtype or other_group):
             plans.append(current)
             current, size = [], 0
         current.append(p)
@@ -70,18 +75,23 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list
 
 
 class BucketedAllReduce:
-    """Owns the gradient buffers of ``params`` and all-reduces them in buckets during backward."""
+    """Owns the gradient buffers of ``params`` and all-reduces them in buckets during backward.
+
+    ``group_of`` names the group a parameter's gradient is summed over when it is not ``comm`` (an
+    expert's expert-data-parallel group); every sum is divided by ``comm.size`` all the same."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, bucket_elements: int,
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
-                 average: bool = True, overlap: bool = True, canonical: bool = False) -> None:
+                 average: bool = True, overlap: bool = True,
+                 group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None,
+                 canonical: bool = False) -> None:
         """``canonical``: all-reduce as a reduce-scatter in the canonical order (``comm/tree_sum.py``) and an
         all-gather of the same chunks, the reduction stages 1-3 perform, so that every stage sums each
         element alike; the averaging is applied after the sum, to this rank's chunk. Buffers are then
-        padded to a multiple of the group size. Otherwise the backend's all-reduce."""
+        padded to a multiple of their group's size. Otherwise the backend's all-reduce."""
         self.comm = comm
         self.overlap = overlap
-        self.canonical = canonical and comm.size > 1
+        self.canonical = canonical
         self._stale = False  # after zero_(): the buffers hold old values and every .grad is None
         self.comm_dtype = comm_dtype
         self.predivide = predivide
@@ -93,8 +103,11 @@ class BucketedAllReduce:
         self._next_launch = 0
         self._in_backward = False
         self._fold = 0.0  # the factor the hooks' copies scale by in this backward; 0.0: not folding
-        for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements)):
-            self.buckets.append(self._make_bucket(index, plan, comm.size if self.canonical else 1))
+        for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements, group_of)):
+            group = group_of(plan[0]) if group_of is not None else None
+            bucket = self._make_bucket(index, plan, (group or comm).size if canonical else 1)
+            bucket.comm = group
+            self.buckets.append(bucket)
         for b in self.buckets:
             for slot, p in enumerate(b.params):
                 self._bucket_of[id(p)] = (b.index, slot)
@@ -200,22 +213,27 @@ class BucketedAllReduce:
             tensor = bucket.comm_buffer
         if self.predivide != 1.0:
             tensor.div_(self.predivide)
-        if self.canonical:
-            bucket.work = self.comm.reduce_scatter_tensor(self._own_chunk(tensor), tensor, async_op=True)
+        group = bucket.comm or self.comm
+        if self.canonical and group.size > 1:
+            bucket.work = group.reduce_scatter_tensor(self._own_chunk(tensor, group), tensor, async_op=True)
         else:
-            bucket.work = self.comm.all_reduce(tensor, async_op=True)
+            bucket.work = group.all_reduce(tensor, async_op=True)
 
-    def _own_chunk(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.view(self.comm.size, -1)[self.comm.rank]
+    @staticmethod
+    def _own_chunk(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return tensor.view(group.size, -1)[group.rank]
 
     def _gather(self, bucket: GradBucket, post: float) -> None:
         """Canonical form, once a bucket's reduce-scatter is done: average this rank's chunk (in the
         gradient's dtype, as stages 1-3 do) and start the all-gather that gives every rank every chunk."""
+        group = bucket.comm or self.comm
+        if group.size == 1:
+            return
         bucket.work.wait()
         tensor = bucket.comm_buffer if bucket.comm_buffer is not None else bucket.buffer
         if post != 1.0 and bucket.comm_buffer is None:
-            self._own_chunk(tensor).mul_(post)
-        bucket.work = self.comm.all_gather_inplace(tensor, async_op=True)
+            self._own_chunk(tensor, group).mul_(post)
+        bucket.work = group.all_gather_inplace(tensor, async_op=True)
         bucket.gathered = True
 
     def end_backward(self) -> None:

@@ -22,11 +22,15 @@ from deepshard.zero.partition import FlatLayout
 
 
 class _OrderedLauncher:
-    """Shared machinery: readiness per bucket, in-order launch, the averaging factor."""
+    """Shared machinery: readiness per bucket, in-order launch, the averaging factor. ``domains[d]`` is
+    the group a bucket of domain ``d`` is reduced over (domain 0: ``comm``; others: experts'
+    expert-data-parallel groups); every sum is divided by ``comm.size`` (``averaging_factor``)."""
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup,
-                 comm_dtype: torch.dtype | None, predivide: float, average: bool, max_in_flight: int) -> None:
+                 comm_dtype: torch.dtype | None, predivide: float, average: bool, max_in_flight: int,
+                 domains: list[CommGroup] | None = None) -> None:
         self.layout, self.params, self.comm = layout, params, comm
+        self.domains = [comm] + list(domains or [])[1:]
         self.comm_dtype, self.predivide = comm_dtype, predivide
         self.post = averaging_factor(predivide, comm.size, average)
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
@@ -38,6 +42,10 @@ class _OrderedLauncher:
         self.next_launch = 0
         self.active = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def comm_of(self, index: int) -> CommGroup:
+        """The group bucket ``index`` is reduced over."""
+        return self.domains[self.layout.buckets[index].domain]
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         raise NotImplementedError
@@ -88,8 +96,8 @@ class Stage1Reducer(_OrderedLauncher):
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
-                 max_in_flight: int = 2) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight)
+                 max_in_flight: int = 2, domains: list[CommGroup] | None = None) -> None:
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains)
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
         self._bind()
@@ -125,17 +133,18 @@ class Stage1Reducer(_OrderedLauncher):
         send = full if self.comm_dtype is None or self.comm_dtype == full.dtype else full.to(self.comm_dtype)
         if self.predivide != 1.0:
             send.div_(self.predivide)  # the buffer is zeroed after the step
-        lo, hi = bucket.owned(self.comm.rank)
-        if self.comm.pairwise_for(full) and send is full:  # the result may land in its own input
+        lo, hi = bucket.owned()
+        comm = self.comm_of(index)
+        if comm.pairwise_for(full) and send is full:  # the result may land in its own input
             out = self.flat_grad[lo:hi]
         else:
             out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
-        work = self.comm.reduce_scatter_tensor(out, send, async_op=True)
+        work = comm.reduce_scatter_tensor(out, send, async_op=True)
         self.in_flight.add(InFlight(index, work, out, [send]))
 
     def _finish(self, item: InFlight) -> None:
         item.work.wait()
-        lo, hi = self.layout.buckets[item.index].owned(self.comm.rank)
+        lo, hi = self.layout.buckets[item.index].owned()
         target, out = self.flat_grad[lo:hi], item.out
         assert out is not None
         if out.data_ptr() != target.data_ptr():
@@ -160,8 +169,8 @@ class Stage2Reducer(_OrderedLauncher):
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
-                 max_in_flight: int = 2) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight)
+                 max_in_flight: int = 2, domains: list[CommGroup] | None = None) -> None:
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains)
         self.dtype, self.device = dtype, device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         for p in params:
@@ -186,7 +195,7 @@ class Stage2Reducer(_OrderedLauncher):
             pieces.append(grad_piece(p.grad, slot.numel, self.dtype, self.device, self.comm_dtype, self.predivide))
             p.grad = None
         bucket = self.layout.buckets[index]
-        self.in_flight.add(InFlight(index, self.comm.reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
+        self.in_flight.add(InFlight(index, self.comm_of(index).reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
 
     def _finish(self, item: InFlight) -> None:
         item.work.wait()

@@ -10,6 +10,10 @@ full-size buffer (the same idea as FSDP's per-group flat sharding).
 A rank's *shard* is its chunks of all buckets, laid end to end (``shard_numel`` elements). The part of
 one parameter that falls in one rank's chunk is a *fragment*: the unit the optimizer updates and the
 checkpoint stores (by parameter name and element offset, so any process count can load it).
+
+Experts split over expert-parallel ranks are sharded over their expert-data-parallel group instead of the
+data-parallel group: such parameters belong to another *domain* (``domains``), whose buckets are cut into
+that group's size of chunks, rank ``r`` of the group owning chunk ``r``. Buckets never mix domains.
 """
 from __future__ import annotations
 
@@ -25,14 +29,16 @@ class Bucket:
     numel: int       # elements of parameters in the bucket
     padded: int      # numel rounded up to a multiple of the world size
     world: int
+    rank: int = 0    # this rank's place in the bucket's domain (the group it is sharded over)
+    domain: int = 0  # which domain (0: the data-parallel group; others: expert-data-parallel groups)
 
     @property
     def chunk(self) -> int:
         return self.padded // self.world
 
-    def owned(self, rank: int) -> tuple[int, int]:
-        """[begin, end) of rank's chunk in the flat space."""
-        begin = self.start + rank * self.chunk
+    def owned(self, rank: int | None = None) -> tuple[int, int]:
+        """[begin, end) of ``rank``'s chunk in the flat space (default: this rank's)."""
+        begin = self.start + (self.rank if rank is None else rank) * self.chunk
         return begin, begin + self.chunk
 
 
@@ -65,13 +71,18 @@ class FlatLayout:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], bucket_elements: int,
                  world: int, rank: int, groups: list[list[int]] | None = None,
-                 shapes: list[tuple[int, ...]] | None = None) -> None:
+                 shapes: list[tuple[int, ...]] | None = None, domains: list[int] | None = None,
+                 domain_shapes: list[tuple[int, int]] | None = None) -> None:
         """``groups`` (lists of indices into ``params``) fixes the buckets explicitly (ZeRO-3 gathers one
         module's parameters together); otherwise parameters are packed up to ``bucket_elements``.
-        ``shapes`` overrides the parameters' own shapes (ZeRO-3 parameters are empty while sharded)."""
+        ``shapes`` overrides the parameters' own shapes (ZeRO-3 parameters are empty while sharded).
+        ``domains[i]``: the domain of parameter ``i`` (default 0), ``domain_shapes[d]``: ``(world, rank)``
+        of domain ``d`` (domain 0 is ``(world, rank)``)."""
         if bucket_elements <= 0:
             raise ValueError(f"reduce_bucket_size ({bucket_elements}) must be a positive number of elements")
         self.world, self.rank = world, rank
+        self.domains = domains if domains is not None else [0] * len(params)
+        self.domain_shapes = [(world, rank)] + list(domain_shapes or [])[1:]
         self.shapes = shapes if shapes is not None else [tuple(p.shape) for p in params]
         self.numels = [_numel(s) for s in self.shapes]
         self.buckets: list[Bucket] = []
@@ -79,7 +90,8 @@ class FlatLayout:
         if groups is None:
             groups, members, size = [], [], 0
             for i in range(len(params)):
-                if members and size + self.numels[i] > bucket_elements:
+                crossing = members and self.domains[i] != self.domains[members[0]]
+                if members and (size + self.numels[i] > bucket_elements or crossing):
                     groups.append(members)
                     members, size = [], 0
                 members.append(i)
@@ -100,8 +112,13 @@ class FlatLayout:
 
     def _close_bucket(self, start: int, members: list[int], names: list[str]) -> int:
         numel = sum(self.numels[j] for j in members)
-        padded = max(-(-numel // self.world) * self.world, self.world)
-        bucket = Bucket(len(self.buckets), start, numel, padded, self.world)
+        domain = self.domains[members[0]]
+        if any(self.domains[j] != domain for j in members):
+            raise ValueError(f"a bucket mixes parameters of domains {sorted({self.domains[j] for j in members})}: "
+                             "experts split over expert-parallel ranks must be bucketed apart from the rest")
+        world, rank = self.domain_shapes[domain]
+        padded = max(-(-numel // world) * world, world)
+        bucket = Bucket(len(self.buckets), start, numel, padded, world, rank, domain)
         offset = start
         for j in members:
             self.slots.append(Slot(names[j], j, bucket.index, offset, self.numels[j], tuple(self.shapes[j])))
@@ -116,7 +133,7 @@ class FlatLayout:
         out = []
         for s_index, slot in enumerate(self.slots):
             bucket = self.buckets[slot.bucket]
-            lo, hi = bucket.owned(self.rank)
+            lo, hi = bucket.owned()
             begin, end = max(lo, slot.flat_start), min(hi, slot.flat_start + slot.numel)
             if begin < end:
                 out.append(Fragment(slot.name, s_index, begin - slot.flat_start, end - begin, begin,
@@ -125,7 +142,7 @@ class FlatLayout:
 
     def owned_ranges(self) -> list[tuple[int, int, int]]:
         """(flat_begin, flat_end, shard_begin) of each owned chunk."""
-        return [(*b.owned(self.rank), self.shard_offset(b)) for b in self.buckets]
+        return [(*b.owned(), self.shard_offset(b)) for b in self.buckets]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

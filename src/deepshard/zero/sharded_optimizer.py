@@ -17,11 +17,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from deepshard.checkpoint.fragments import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
 from deepshard.comm.group import CommGroup
+from deepshard.shard_state import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
+from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
-from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.strategy import sources_by_copies
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
@@ -46,8 +46,11 @@ class ShardedOptimizer:
     docstring). ``params`` are the trainable parameters in ``layout``'s order."""
 
     def __init__(self, states: ShardStates, layout: FlatLayout, params: list[torch.nn.Parameter],
-                 comm: CommGroup, device: torch.device) -> None:
+                 comm: CommGroup, device: torch.device,
+                 group_of: Optional[Callable[[torch.Tensor], CommGroup]] = None) -> None:
+        """``group_of``: the group a parameter's pieces are spread over, when not ``comm`` (experts)."""
         self.states, self.layout, self.params, self.comm, self.device = states, layout, params, comm, device
+        self.group_of = group_of
         self.fragments = states.pieces
         self.frag_params: list[torch.nn.Parameter] = states.params
         self.grad_src: list[torch.Tensor] = []
@@ -122,7 +125,7 @@ class ShardedOptimizer:
             if value is not None:
                 f = self.fragments[i]
                 full[f.start:f.start + f.numel] = value.float()
-        self.comm.all_reduce(full)
+        (self.group_of(param) if self.group_of is not None else self.comm).all_reduce(full)
         return full.view(shape)
 
     def full_value(self, param: torch.nn.Parameter, shape: tuple[int, ...] | None = None) -> torch.Tensor:

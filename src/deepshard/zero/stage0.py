@@ -8,22 +8,19 @@ updates fp32 master weights that are copied back into the module after each step
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
-                                            restore_param_groups, save_rank_fragments, slice_state)
-from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
-                                               module_shapes, param_aliases)
-from deepshard.checkpoint.layout import module_splits
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.optim.kernels import fuse_host_adam
 from deepshard.optim.whole_vectors import step_whole_vectors, uses_fused_host_kernel
+from deepshard.placement import expert_of
 from deepshard.precision.cast import cast_module
+from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
+                                   slice_state)
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.grad_norm import Pieces, exact_norm
+from deepshard.zero.module_values import load_module_values, module_extra_state
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy, sources_by_copies
 
 
@@ -38,6 +35,8 @@ class Stage0Strategy(ZeroStrategy):
         super().__init__(module, optimizer, ctx)
         self.params = trainable_params(module)
         self.names = param_names(module)
+        self.split_experts = any(expert_of(p) is not None for p in self.params)
+        """Experts split over expert-parallel ranks: reduced over their own groups, counted once in the norm."""
         policy = ctx.precision
         self.masters: MasterWeights | None = None
         if policy.keeps_master_weights:
@@ -59,7 +58,8 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer = BucketedAllReduce(
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
-            overlap=overlap_for(ctx.zero_config), canonical=ctx.comm.pairwise and ctx.device.type == "cpu")
+            overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None,
+            canonical=ctx.comm.pairwise and ctx.device.type == "cpu")
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -80,6 +80,8 @@ class Stage0Strategy(ZeroStrategy):
                                  by_copies)
 
     def global_grad_norm(self, loss_scale: float) -> float:
+        if self.split_experts:
+            return self._norm_with_experts() / loss_scale
         if not self._local_gradients():
             return super().global_grad_norm(loss_scale)
         # each rank holds its own gradient: the root mean square of the ranks' norms, an upper bound of the
@@ -87,6 +89,22 @@ class Stage0Strategy(ZeroStrategy):
         comm = self.ctx.comm
         return exact_norm(self.norm_sources(False), [comm] if comm.size > 1 else [], self.ctx.device,
                           self._norm_scratch(), divisor=comm.size) / loss_scale
+
+    def _norm_with_experts(self) -> float:
+        """The norm of the whole model's gradient when experts are split over expert-parallel ranks: the
+        dense gradients (the same on every rank) plus every expert's once. Summed exactly over the
+        data-parallel group (``zero/grad_norm.py``), each rank's dense squares counted as one of
+        ``comm.size`` copies and its expert squares as one of its expert-data-parallel size (the replicas
+        of the same experts). (DeepSpeed's stage 0 averages the ranks' own norms instead, so its clipping
+        depends on ep_size; this is the norm its ZeRO 1/2 and bf16 paths take: docs/moe.md.)"""
+        comm = self.ctx.comm
+        keys: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params):
+            keys.setdefault(comm.size if expert_of(p) is None else self.ctx.reduction_group(p).size, []).append(i)
+        sources: dict[int, list[Pieces]] = {
+            c: [lambda idx=idx: self.reducer.grads_of([self.params[i] for i in idx])] for c, idx in keys.items()}
+        return exact_norm(sources, [comm] if comm.size > 1 else [], self.ctx.device, self._norm_scratch(),
+                          copies_max=max(keys))
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): the gradient hooks go."""
@@ -126,9 +144,9 @@ class Stage0Strategy(ZeroStrategy):
                 return m
         return p
 
-    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
+    def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
         if self.ctx.comm.rank != 0:
-            return []  # every data-parallel rank holds the same states: the first writes them whole
+            return None  # every data-parallel rank holds the same states: the first writes them whole
         records = []
         for p in self.params:
             target = self._master_or_param(p)
@@ -138,16 +156,12 @@ class Stage0Strategy(ZeroStrategy):
         if self.optimizer is not None:
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
                                                           for p in self.params})
-        return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), module_extra_state(self.module, exclude_frozen),
-                                   {"zero_stage": 0, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)},
-                                   splits=module_splits(self.module))
+        return ShardState(records, groups, module_extra_state(self.module, exclude_frozen),
+                          {"zero_stage": 0, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
-    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict, directory)
+    def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        load_module_values(self.module, full)
         for p in self.params:
             name = self.names[id(p)]
             if name in full.params and self.masters is not None:

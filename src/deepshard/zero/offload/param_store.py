@@ -79,6 +79,11 @@ class ParamStore(ABC):
         """A view of the range when the shard is resident on the compute device, else None."""
         return None
 
+    def host_view(self, start: int, numel: int) -> torch.Tensor | None:
+        """A view of the range wherever it is addressable (device or host memory, a file mapped into
+        memory), else None (a swap file read on demand). Writes through it change the shard."""
+        return self.view(start, numel)
+
     def fp32_file(self) -> tuple[Backing, str] | None:
         """``(backing, name)`` when the shard is fp32 in a swap file mapped into memory: the optimizer's
         offloaded states can use it as their master weights (``StatesSpec.shared_masters``)."""
@@ -185,6 +190,9 @@ class OffloadedParamStore(ParamStore):
 
     def source(self, start: int, numel: int) -> ShardSource:
         return _OffloadedSource(self, start, numel)
+
+    def host_view(self, start: int, numel: int) -> torch.Tensor | None:
+        return self.backing.view(PARAMS, start, numel)
 
     def fp32_file(self) -> tuple[Backing, str] | None:
         mapped = isinstance(self.backing, MappedFileBacking)

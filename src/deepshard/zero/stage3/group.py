@@ -23,6 +23,7 @@ import torch
 from deepshard.comm.group import CommGroup
 from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.zero.offload.param_store import ShardSource
+from deepshard.zero.stage3.param_status import ZeroParamStatus, set_status
 
 
 class GroupState(enum.Enum):
@@ -59,7 +60,9 @@ class ShardedGroup:
         for p, shape in zip(params, shapes):
             p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
             p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
+            p.ds_persist = False  # type: ignore[attr-defined]
             p.data = _placeholder(self.dtype, self.device)
+        set_status(params, ZeroParamStatus.NOT_AVAILABLE)
 
     # ------------------------------------------------------------------------------ transitions
     def unshard(self, async_op: bool = True) -> None:
@@ -71,6 +74,7 @@ class ShardedGroup:
         self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True,
                                                       key=2 * self.index + 1)
         self.state = GroupState.GATHERING
+        set_status(self.params, ZeroParamStatus.INFLIGHT)
         if not async_op:
             self.wait_for_unshard()
 
@@ -90,6 +94,7 @@ class ShardedGroup:
                 p.data = self.full[offset:offset + n].view(shape)
                 offset += n
             self.state = GroupState.GATHERED
+            set_status(self.params, ZeroParamStatus.AVAILABLE)
 
     def reshard(self, force: bool = False) -> None:
         """Drop the full values (kept for persistent groups unless ``force``)."""
@@ -102,6 +107,14 @@ class ShardedGroup:
                 p.data = _placeholder(self.dtype, self.device)
             self.full.untyped_storage().resize_(0)
             self.state = GroupState.SHARDED
+            set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
+
+    def make_persistent(self) -> None:
+        """Gather now and keep the full values for good (``stage3_param_persistence_threshold``)."""
+        self.persistent = True
+        for p in self.params:
+            p.ds_persist = True  # type: ignore[attr-defined]
+        self.unshard(async_op=False)
 
     def prefetch_shard(self) -> None:
         """Start reading this rank's chunk in (parameter offload) so a later ``unshard`` need not wait."""

@@ -26,25 +26,33 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.utils.rank_order import refuse_collectives_here
+from deepshard.zero.stage3.param_status import ZeroParamStatus, set_status
 
 _LOCAL = threading.local()
 
 
+def is_init_partitioned(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds a ``zero.Init`` shard not yet adopted by ``initialize`` (whose parameters have a
+    ``ds_tensor`` too: a view of the engine's shard)."""
+    return getattr(p, "ds_comm", None) is not None and getattr(p, "ds_tensor", None) is not None
+
+
 def full_value(p: torch.nn.Parameter, comm: CommGroup) -> torch.Tensor:
     """The full value of ``p``: its data, or gathered from its zero.Init shard (a collective then)."""
-    shard = getattr(p, "ds_tensor", None)
-    if shard is None:
+    if not is_init_partitioned(p):
         return p.detach()
+    shard = p.ds_tensor  # type: ignore[attr-defined]
     out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into_tensor(out, shard)
     return out[:p.ds_numel].view(p.ds_shape)  # type: ignore[attr-defined]
 
 
 @torch.no_grad()
-def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype | None) -> None:
-    """Keep only this rank's chunk of ``p`` (after making rank 0's value everyone's)."""
+def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype | None, ds_id: int = 0) -> bool:
+    """Keep only this rank's chunk of ``p`` (after making rank 0's value everyone's); False when ``p`` was
+    partitioned already. ``ds_id`` numbers it as DeepSpeed does (``initialize`` renumbers per model)."""
     if hasattr(p, "ds_tensor") or hasattr(p, "ds_shape"):
-        return
+        return False
     value = p.detach()
     if dtype is not None:
         value = value.to(dtype)
@@ -57,19 +65,25 @@ def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype |
     p.ds_shape = value.shape  # type: ignore[attr-defined]
     p.ds_numel = n  # type: ignore[attr-defined]
     p.ds_comm = comm  # type: ignore[attr-defined]  # the group the shards live on (GatheredParameters)
+    p.ds_id = ds_id  # type: ignore[attr-defined]
+    p.ds_persist = False  # type: ignore[attr-defined]
+    p.ds_active_sub_modules = set()  # type: ignore[attr-defined]
     p.data = torch.empty(0, dtype=value.dtype, device=value.device)
+    set_status([p], ZeroParamStatus.NOT_AVAILABLE)
+    return True
 
 
 class _InitGather:
     """Gather zero.Init-partitioned parameters of one module in place, and re-partition on exit."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, modifier_rank: int | None) -> None:
-        self.params = [p for p in params if hasattr(p, "ds_tensor")]
+        self.params = [p for p in params if is_init_partitioned(p)]
         self.comm, self.modifier_rank = comm, modifier_rank
 
     def __enter__(self) -> None:
         for p in self.params:
             p.data = full_value(p, self.comm).clone()
+        set_status(self.params, ZeroParamStatus.AVAILABLE)
 
     @torch.no_grad()
     def __exit__(self, *exc: Any) -> None:
@@ -82,6 +96,7 @@ class _InitGather:
             flat[:value.numel()] = value.reshape(-1)
             p.ds_tensor.copy_(flat[self.comm.rank * chunk:(self.comm.rank + 1) * chunk])  # type: ignore[attr-defined]
             p.data = torch.empty(0, dtype=value.dtype, device=value.device)
+        set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def _all_subclasses(cls: type) -> set[type]:
@@ -115,6 +130,7 @@ class Init:
         self._orig_apply: Callable[..., Any] | None = None
         self._orig_init_subclass: Any = None  # nn.Module's own __init_subclass__ entry, if it had one
         self.comm: CommGroup | None = None
+        self._next_id = 0  # ds_id of the next parameter partitioned here
         if module is not None and enabled:  # DeepSpeed also accepts an already-built module
             self._setup()
             for m in module.modules():
@@ -130,7 +146,8 @@ class Init:
 
     def _partition(self, module: torch.nn.Module) -> None:
         for p in module.parameters(recurse=False):
-            partition_param(p, self.comm, self.dtype)  # type: ignore[arg-type]
+            if partition_param(p, self.comm, self.dtype, self._next_id):  # type: ignore[arg-type]
+                self._next_id += 1
 
     def __enter__(self) -> "Init":
         if not self.enabled:

@@ -1,0 +1,165 @@
+"""DeepSpeed's per-parameter and per-module ZeRO-3 attributes, on a model deepshard partitions.
+
+Libraries written for DeepSpeed read them (TRL, OpenRLHF, PEFT, LLaVA-style ``maybe_zero_3``):
+
+=========================  ===================================================================================
+``param.ds_id``            a number, unique within the model (its position in ``named_parameters()``), the same
+                           on every rank; code tests ``hasattr(p, "ds_id")`` to mean "a ZeRO-3 parameter"
+``param.ds_status``        :class:`~deepshard.zero.stage3.param_status.ZeroParamStatus`, kept true on every
+                           gather and release
+``param.ds_shape``         the full shape (``param.shape`` is ``[0]`` while partitioned)
+``param.ds_numel``         the full number of elements
+``param.ds_tensor``        this rank's part of the values: a view into the shard (writes go to the model). deepshard
+                           partitions a module's parameters as one flat group, so a rank holds a contiguous
+                           stretch of that group and a parameter's part may be of any length, 0 included (in
+                           DeepSpeed every part has ``ceil(numel / world)`` elements); the parts of all ranks,
+                           in rank order, are the parameter. Empty when the shard lives in a swap file that is
+                           not mapped into memory (as DeepSpeed's is while swapped out to NVMe)
+``param.ds_persist``       True for parameters kept gathered (``stage3_param_persistence_threshold``)
+``param.all_gather()``     gather (``param_list=[...]``: those parameters; ``async_op=True``: returns a handle to
+                           ``wait()``); the parameter stays gathered until a module's forward that uses it ends,
+                           or ``param.partition()``
+``param.partition()``      release the gathered values (unless a forward or ``GatheredParameters`` uses them)
+``param.ds_active_sub_modules``  an empty set, kept for code that clears it (TRL); deepshard counts a group's users
+                           itself
+``module.ds_id``           the module's position in ``module.modules()``
+``module._external_params``  ``{id(param): param}`` registered with ``zero.register_external_parameter``;
+``module.ds_external_parameters()``  returns its ``items()``, as in DeepSpeed
+=========================  ===================================================================================
+
+A gather or release acts on the parameter's whole group (the parameters its module owns directly): a
+superset of what DeepSpeed moves, never less.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from deepshard.zero.stage3.group import ShardedGroup
+
+EXTERNAL = "_external_params"
+
+
+class ExternalParameters:
+    """``module.ds_external_parameters()``: the ``(id, param)`` pairs registered on the module."""
+
+    def __init__(self, registry: dict[int, torch.nn.Parameter]) -> None:
+        self.registry = registry
+
+    def __call__(self) -> Any:
+        return self.registry.items()
+
+
+def external_registry(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """The module's ``_external_params`` dict, created (with ``ds_external_parameters``) on first use."""
+    registry = module.__dict__.get(EXTERNAL)
+    if registry is None:
+        registry = {}
+        module.__dict__[EXTERNAL] = registry
+        module.__dict__["ds_external_parameters"] = ExternalParameters(registry)
+    return registry
+
+
+def groups_of(params: Iterable[torch.nn.Parameter]) -> list[ShardedGroup]:
+    """The distinct ZeRO-3 groups holding ``params`` (parameters no stage-3 strategy holds are skipped)."""
+    from deepshard.zero.strategy import owner_of
+
+    out: dict[int, ShardedGroup] = {}
+    for p in params:
+        strategy = owner_of(p)
+        group = strategy.group_of(p) if strategy is not None and hasattr(strategy, "group_of") else None
+        if group is not None:
+            out.setdefault(id(group), group)
+    return list(out.values())
+
+
+class _Gathering:
+    """What ``param.all_gather(async_op=True)`` returns: ``wait()`` finishes the gathers."""
+
+    def __init__(self, groups: list[ShardedGroup]) -> None:
+        self.groups = groups
+
+    def wait(self) -> None:
+        for g in self.groups:
+            g.wait_for_unshard()
+
+
+def gather(params: Iterable[torch.nn.Parameter], async_op: bool = False) -> _Gathering | None:
+    """Gather the groups of ``params`` (every rank must call it for the same parameters)."""
+    groups = groups_of(params)
+    for g in groups:
+        g.unshard(async_op=True)
+    handle = _Gathering(groups)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def partition(params: Iterable[torch.nn.Parameter]) -> None:
+    """Release the groups of ``params`` that nothing is using (a forward, ``GatheredParameters``)."""
+    for g in groups_of(params):
+        if g.users == 0:
+            g.reshard()
+
+
+class ParamCall:
+    """``param.all_gather`` / ``param.partition``: DeepSpeed's signatures; the parameter is held weakly so
+    the attribute keeps nothing alive."""
+
+    def __init__(self, param: torch.nn.Parameter, action: str) -> None:
+        self._param = weakref.ref(param)
+        self.action = action
+
+    def __call__(self, param_list: Iterable[torch.nn.Parameter] | None = None, async_op: bool = False,
+                 hierarchy: int = 0, **_: Any) -> _Gathering | None:
+        own = self._param()
+        params = list(param_list) if param_list is not None else ([own] if own is not None else [])
+        if self.action == "all_gather":
+            return gather(params, async_op=async_op)
+        partition(params)
+        return None
+
+
+def fragments(group: ShardedGroup) -> list[tuple[int, int]]:
+    """Per parameter of ``group``: the ``[lo, hi)`` range of this rank's chunk that holds part of it."""
+    start, end = group.comm.rank * group.chunk, (group.comm.rank + 1) * group.chunk
+    out, offset = [], 0
+    for n in group.numels:
+        lo, hi = max(offset, start), min(offset + n, end)
+        out.append((lo - start, hi - start) if hi > lo else (0, 0))
+        offset += n
+    return out
+
+
+def attach(module: torch.nn.Module, groups: list[ShardedGroup],
+           chunk_view: Callable[[ShardedGroup], torch.Tensor | None]) -> None:
+    """Put DeepSpeed's attributes (see the module docstring) on ``module``'s parameters and modules.
+    ``chunk_view(group)`` is the group's chunk of this rank's shard where it is addressable, else None."""
+    for i, (_, p) in enumerate(module.named_parameters()):
+        p.__dict__["ds_id"] = i
+    external: set[int] = set()
+    for i, m in enumerate(module.modules()):
+        m.__dict__["ds_id"] = i
+        external.update(external_registry(m))
+    for g in groups:
+        view = chunk_view(g)
+        if view is None:
+            view = torch.empty(0, dtype=g.dtype, device=g.device)
+        for p, (lo, hi) in zip(g.params, fragments(g)):
+            attrs = p.__dict__
+            attrs["ds_tensor"] = view[lo:hi]
+            attrs["ds_active_sub_modules"] = set()
+            attrs["is_external_param"] = id(p) in external
+            attrs["ds_process_group"] = g.comm.group
+            attrs["all_gather"] = ParamCall(p, "all_gather")
+            attrs["partition"] = ParamCall(p, "partition")
+
+
+def detach(module: torch.nn.Module) -> None:
+    """Remove the per-parameter calls (``engine.destroy()``): they act through the engine's strategy."""
+    for p in module.parameters():
+        for name in ("all_gather", "partition"):
+            p.__dict__.pop(name, None)

@@ -1,0 +1,100 @@
+"""A small mixture-of-experts model, its experts placed by global id, and the single-process PyTorch
+reference the expert-parallel runs are compared with."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepshard.moe.layer import MoE
+from deepshard.topology import ParallelDims
+from tests.multiproc.models import CLASSES, IN_FEATURES
+
+HIDDEN = 16
+
+
+class MoENet(nn.Module):
+    """Dense in, two MoE layers (``experts`` and 2 experts), dense out; the loss adds 0.01 x each layer's
+    l_aux. Routing draws no random numbers (no RTS, no top-2 sampling), so a reference on one process
+    routes exactly as the distributed run."""
+
+    def __init__(self, experts: int = 4, ep_size: int = 1, k: int = 2, drop_tokens: bool = True,
+                 capacity_factor: float = 1.0, residual: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN_FEATURES, HIDDEN)
+        mlp = nn.Sequential(nn.Linear(HIDDEN, 24), nn.ReLU(), nn.Linear(24, HIDDEN))
+        options = {"k": k, "drop_tokens": drop_tokens, "capacity_factor": capacity_factor, "use_rts": False,
+                   "top2_2nd_expert_sampling": False, "min_capacity": 0, "use_residual": residual}
+        self.moe_a = MoE(HIDDEN, mlp, num_experts=experts, ep_size=ep_size, **options)
+        self.mid = nn.Linear(HIDDEN, HIDDEN)
+        self.moe_b = MoE(HIDDEN, mlp, num_experts=2, ep_size=min(ep_size, 2), **options)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        h, aux_a, _ = self.moe_a(h)
+        h = torch.tanh(self.mid(h))
+        h, aux_b, _ = self.moe_b(h)
+        return F.cross_entropy(self.head(h).float(), y) + 0.01 * (aux_a + aux_b)
+
+
+def _full(seed: int, **options: Any) -> MoENet:
+    """All experts on one process (ep_size 1), each expert made different from the others."""
+    torch.manual_seed(seed)
+    net = MoENet(ep_size=1, **options)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for layer in (net.moe_a, net.moe_b):
+            for expert in layer.deepspeed_moe.experts.deepspeed_experts:
+                for p in expert.parameters():
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return net
+
+
+def ep_rank_of(rank: int, world: int, ep_size: int) -> int:
+    """This rank's place in its expert-parallel group (DeepSpeed's default layout, pure data parallel)."""
+    ep_groups, _ = ParallelDims(dp=world).expert_group_ranks(ep_size)
+    return next(group.index(rank) for group in ep_groups if rank in group)
+
+
+def make_moe_model(rank: int, world: int, ep_size: int, seed: int = 0, **options: Any) -> MoENet:
+    """The model with experts over ``ep_size`` ranks, holding the reference's values: dense weights as in
+    :func:`_full`, local expert ``i`` of a layer = global expert ``ep_rank * local + i``."""
+    full = _full(seed, **options)
+    if ep_size == 1:
+        return full
+    net = MoENet(ep_size=ep_size, **options)
+    source = full.state_dict()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if ".deepspeed_experts." in name:
+                layer = net.get_submodule(name.split(".deepspeed_moe.")[0])
+                head, tail = name.split(".deepspeed_experts.")
+                local, rest = tail.split(".", 1)
+                ep_rank = ep_rank_of(rank, world, layer.ep_size)
+                name = f"{head}.deepspeed_experts.{ep_rank * layer.num_local_experts + int(local)}.{rest}"
+            p.copy_(source[name])
+    return net
+
+
+def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int, clip: float, lr: float = 1e-2,
+                  **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process PyTorch: every expert on one process; each step the mean of the losses of the
+    ``chunks`` micro-batches (ranks x accumulation steps) the global batch is cut into (an MoE layer's
+    capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    model = _full(0, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for x, y in batches:
+        micro = x.shape[0] // chunks
+        loss = torch.stack([model(x[r * micro:(r + 1) * micro], y[r * micro:(r + 1) * micro])
+                            for r in range(chunks)]).mean()
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,68 @@
+"""What each rank reads at ``load_checkpoint``: counted with ``deepshard.checkpoint.ledger.track_io``.
+
+A pipeline stage reads the manifest, the engine files, its own RNG file and the rank files of its own
+stage, each exactly once (verified as it is read), and nothing of the other stage; a data-parallel rank
+never opens another rank's RNG file and never reads a file twice."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import deepshard
+from deepshard.checkpoint.ledger import track_io
+from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
+from tests.multiproc.scenarios_pipe import _data, _engine
+
+
+def _sizes(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+
+
+def _reads(ledger: Any) -> dict[str, int]:
+    return {os.path.basename(path): n for path, n in ledger.read.items()}
+
+
+def pipeline_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """pp=2 x dp=world/2 at ZeRO-1: save after one batch, then a fresh engine loads while its reads are
+    counted; the stage's parameters must come back equal."""
+    model, engine = _engine(2, 2, zero=1)
+    dp, coord = world // 2, engine.topology.coord
+    engine.train_batch(_data(1, 2, dp, coord.dp))
+    saved = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    engine.save_checkpoint(tmp, tag="p")
+    engine.destroy()
+    model, engine = _engine(2, 2, zero=1, seed_layers=False)
+    with track_io() as ledger:
+        engine.load_checkpoint(tmp, tag="p")
+    loaded = {k: engine.strategy.full_fp32_param(p) for k, p in model.named_parameters()}
+    same = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    engine.destroy()
+    dist.barrier()
+    return {"stage": coord.pp, "reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "p"), "same": same}
+
+
+def data_parallel_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """dp=world at ZeRO-2 on a model with a buffer and a frozen layer: save, load, count."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": optimizer_config(), "zero_optimization": {"stage": 2}}
+    engine, *_ = deepshard.initialize(model=make_model(), config=config)
+    batch = make_batches(1, 2 * world)[0]
+    engine.backward(engine(*micro_slice(batch, 2, 0, rank, world)))
+    engine.step()
+    engine.save_checkpoint(tmp, tag="d")
+    fresh, *_ = deepshard.initialize(model=make_model(seed=3), config=config)
+    with track_io() as ledger:
+        fresh.load_checkpoint(tmp, tag="d")
+    same = all(torch.equal(a, b) for a, b in zip(engine.module.state_dict().values(), fresh.module.state_dict().values()))
+    dist.barrier()
+    return {"reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "d"), "same": same}
+
+
+def checkpoint_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Both scenarios in one world."""
+    return {"pipeline": pipeline_reads(rank, world, os.path.join(tmp, "pipe")),
+            "dp": data_parallel_reads(rank, world, os.path.join(tmp, "dp"))}

@@ -1,0 +1,79 @@
+"""What each rank runs for the expert-parallel tests (tests/multiproc/test_moe.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import deepshard
+from deepshard.placement import expert_of
+from tests.multiproc.models import make_batches, optimizer_config
+from tests.multiproc.moe_models import make_moe_model
+from tests.multiproc.scenarios_stage0 import run_steps
+
+GLOBAL_BATCH = 16
+
+
+def _config(stage: int, micro: int, gas: int = 1, dtype: str = "fp32", clip: float = 0.5,
+            bucket: int = 500) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+                           "optimizer": optimizer_config(), "gradient_clipping": clip,
+                           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def global_expert_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 value under its global name (experts by global id), from this rank."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        found = expert_of(p)
+        out[found.saved_name if found is not None else name] = engine.strategy.full_fp32_param(p)
+    return out
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[int, int, str, int]], steps: int = 4) -> dict[Any, Any]:
+    """Each (stage, ep_size, dtype, gas): ``steps`` steps; the losses and every weight by global name."""
+    out: dict[Any, Any] = {}
+    batches = make_batches(steps, GLOBAL_BATCH, seed=5)
+    for stage, ep, dtype, gas in cases:
+        micro = GLOBAL_BATCH // (world * gas)
+        model = make_moe_model(rank, world, ep)
+        engine, *_ = deepshard.initialize(model=model, config=_config(stage, micro, gas, dtype))
+        losses = run_steps(engine, batches, micro, gas, rank, world)
+        out[(stage, ep, dtype, gas)] = {"losses": losses, "weights": global_expert_weights(engine),
+                                        "comms": engine.comms_logger.summary()}
+        engine.destroy()
+    return out
+
+
+def layout_and_accounting(rank: int, world: int) -> dict[str, Any]:
+    """ep 2 on this world: DeepSpeed's group accessors, the layers' groups, the per-rank parameter and
+    optimizer-state bytes at stages 0 and 1, and the all-to-all traffic of one step."""
+    from deepshard.utils import groups as ds_groups  # deepspeed.utils.groups under the shim
+
+    out: dict[str, Any] = {}
+    batch = make_batches(1, GLOBAL_BATCH, seed=7)
+    for stage in (0, 1):
+        engine, *_ = deepshard.initialize(model=make_moe_model(rank, world, 2), config=_config(stage, GLOBAL_BATCH // world))
+        run_steps(engine, batch, GLOBAL_BATCH // world, 1, rank, world)  # optimizer state exists
+        engine.comms_logger.reset()
+        run_steps(engine, batch, GLOBAL_BATCH // world, 1, rank, world)
+        params = list(engine.module.parameters())
+        out[stage] = {"report": engine.memory_report(), "comms": engine.comms_logger.summary(),
+                      "dense": sum(p.numel() for p in params if expert_of(p) is None),
+                      "experts": sum(p.numel() for p in params if expert_of(p) is not None),
+                      "groups": {name: engine.optimizer.param_groups[i]["name"]
+                                 for i, name in enumerate(["first", "second"][:len(engine.optimizer.param_groups)])}}
+        engine.destroy()
+    out["accessors"] = {
+        "ep_ranks": ds_groups._get_expert_parallel_group_ranks("ep_size_2"),
+        "edp_ranks": ds_groups._get_expert_data_parallel_group_ranks("ep_size_2"),
+        "ep_rank": ds_groups._get_expert_parallel_rank("ep_size_2"),
+        "ep_world": ds_groups._get_expert_parallel_world_size("ep_size_2"),
+        "edp_world": ds_groups._get_expert_data_parallel_world_size("ep_size_2"),
+        "src": ds_groups._get_expert_broadcast_src_rank("ep_size_2"),
+        "max": ds_groups._get_max_expert_size_name(),
+    }
+    return out

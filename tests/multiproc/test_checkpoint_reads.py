@@ -1,0 +1,53 @@
+"""Each rank reads and verifies only the checkpoint files it loads (issue: every rank used to hash every
+file of the checkpoint, N x the checkpoint's size at N ranks)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.multiproc.harness import run_world
+from tests.multiproc.scenarios_checkpoint_reads import checkpoint_reads
+
+SHARED = {"manifest.json", "engine.json", "engine.safetensors"}
+WORLD = 4  # pp=2 x dp=2 for the pipeline; dp=4 for the data-parallel run
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return run_world(checkpoint_reads, WORLD, str(tmp_path_factory.mktemp("reads")), timeout=300)
+
+
+def _stage_files(result: dict[str, Any], stage: int, dp: int) -> set[str]:
+    ranks = range(stage * dp, (stage + 1) * dp)
+    names = {f"zero_rank{r}.{ext}" for r in ranks for ext in ("json", "safetensors")}
+    return names | {"module_extra.safetensors" if r == 0 else f"module_extra_rank{r}.safetensors" for r in ranks}
+
+
+def test_a_pipeline_stage_reads_only_its_own_stage_files_each_once(reads: list[dict[str, Any]]) -> None:
+    dp = WORLD // 2
+    totals = []
+    for rank, result in enumerate(reads):
+        pipe = result["pipeline"]
+        assert pipe["same"] is True
+        got, sizes = pipe["reads"], pipe["sizes"]
+        own = _stage_files(pipe, pipe["stage"], dp) | SHARED | {f"rng_rank{rank}.safetensors"}
+        assert set(got) <= own, f"rank {rank} read {sorted(set(got) - own)} of another stage or rank"
+        assert {f"zero_rank{r}.safetensors" for r in range(pipe['stage'] * dp, (pipe['stage'] + 1) * dp)} <= set(got)
+        for name, n in got.items():  # read once, whole (verified as read): never twice, never another file
+            assert n == sizes[name], f"rank {rank} read {n} bytes of {name} ({sizes[name]} bytes)"
+        totals.append(sum(n for name, n in got.items() if name not in SHARED))
+    whole = sum(n for name, n in reads[0]["pipeline"]["sizes"].items() if name not in SHARED)
+    for rank, total in enumerate(totals):  # about its stage's share: half the per-rank files, not all of them
+        assert total <= 0.6 * whole, f"rank {rank} read {total} of {whole} per-rank bytes"
+
+
+def test_a_data_parallel_rank_reads_no_other_ranks_rng_and_each_file_once(reads: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(reads):
+        dp = result["dp"]
+        assert dp["same"] is True
+        got, sizes = dp["reads"], dp["sizes"]
+        rngs = {name for name in got if name.startswith("rng_rank")}
+        assert rngs == {f"rng_rank{rank}.safetensors"}
+        for name, n in got.items():
+            assert n == sizes[name], f"rank {rank} read {n} bytes of {name} ({sizes[name]} bytes)"
