@@ -149,7 +149,12 @@ def _ops_and_device() -> dict[str, Any]:
 
     with deepspeed.OnDevice(dtype=torch.half, device="meta"):
         layer = torch.nn.Linear(3, 4)
+    from deepspeed.utils.torch import required_torch_version
+
+    versions = [required_torch_version(min_version=a, max_version=b) for a, b in (
+        (1.9, None), ("2.1", None), (None, "1.13"), (99, None), (None, 99), ("2.13", "2.13"), (2.0, 3.0))]
     return {"ops": [deepspeed.ops.__compatible_ops__[b.NAME] for b in (CPUAdamBuilder, FusedAdamBuilder)],
+            "torch_versions": versions,
             "on_device": [str(layer.weight.device), str(layer.weight.dtype), str(torch.get_default_dtype())],
             "version": [deepspeed.__version_major__, deepspeed.__version_minor__]}
 
