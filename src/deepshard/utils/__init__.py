@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deepshard.utils.logging import logger
+from deepshard.utils.logging import log_dist, logger, set_log_level_from_string
 from deepshard.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                                             set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
                                             unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
@@ -11,7 +11,7 @@ from deepshard.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_mod
 if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
     import torch
 
-__all__ = ["OnDevice", "RepeatingLoader", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
+__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", "set_log_level_from_string", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "z3_leaf_parameter"]
