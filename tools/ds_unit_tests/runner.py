@@ -71,8 +71,8 @@ def side_env(side: str, local_size: int, extra_path: str, per_test_timeout: int,
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     if side == "deepshard":
         env["DEEPSHARD_DS_UNIT_SHIM"] = "1"
-    if preload:
-        env["DS_UNIT_FORKSERVER_PRELOAD"] = "torch,deepspeed,deepspeed.comm,deepspeed.accelerator"
+    if preload:  # torch only: forking after deepspeed's import (which starts threads) deadlocks workers
+        env["DS_UNIT_FORKSERVER_PRELOAD"] = "torch"
     return env
 
 
