@@ -194,7 +194,7 @@ def resolve_dist_env(environ: Mapping[str, str], rank: int = -1, world_size: int
 def default_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
     """The process-group timeout: ``DEEPSHARD_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` (minutes), else 10 min.
     The same setting bounds every wait of the library's collective watchdog (``comm/watchdog.py``)."""
-    from deepshard.comm.watchdog import timeout_minutes
+    from deepshard.comm.settings import timeout_minutes  # here: deepshard.comm's package imports this module
 
     found = timeout_minutes(environ)
     return datetime.timedelta(minutes=found[1] if found is not None else DEFAULT_TIMEOUT_MINUTES)

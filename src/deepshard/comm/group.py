@@ -19,6 +19,7 @@ import torch.distributed as dist
 import deepshard.comm.pairwise as pairwise
 import deepshard.comm.shm as shared_memory
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.settings import mode_from, slot_bytes_from
 from deepshard.comm.watchdog import Watchdog
 
 Work = Optional[dist.Work]
@@ -96,7 +97,7 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
-        self.shm = shared_memory.mode_from(shm, os.environ) is not False
+        self.shm = mode_from(shm, os.environ) is not False
         self._shm_link: Optional[shared_memory.ShmTransport] = None
         self._watchdog: Optional[Watchdog] = None
         self.progress: Any = None
@@ -151,7 +152,7 @@ class CommGroup:
         if self._shm_link is None:  # the rendezvous' tags: taken at the same collective on every rank
             tags = [self._next_tag(-1 - i, 8 * self.size) for i in range(3)]
             self._shm_link = shared_memory.ShmTransport(self.group, self.rank, self.peers, self.name,
-                                                        shared_memory.slot_bytes_from(os.environ),
+                                                        slot_bytes_from(os.environ),
                                                         self.watchdog.limit, tags)
         return self._shm_link if self._shm_link.queues else None
 
@@ -170,7 +171,7 @@ class CommGroup:
         """Sum ``tensor`` in place over the group."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0)
+        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_reduce", tensor))
 
@@ -181,7 +182,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
+        self.logger.record(self._label("all_gather"), output.numel(), output.element_size(), group_size=self.size)
         if self.pairwise_for(output):
             return self._pairwise_gather(output, shard, key, async_op)
         work = _all_gather(output, shard, group=self.group, async_op=True)
@@ -194,7 +195,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
-            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
+            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size(), group_size=self.size)
             return self._pairwise_gather(buffer, mine, 0, async_op)
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
@@ -217,7 +218,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(data)
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size())
+        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size(), group_size=self.size)
         what = self._what("all_to_all", data)
         if self.pairwise_for(data):
             tag = self._next_tag(0, data.numel() * data.element_size())
@@ -231,7 +232,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
+        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size(), group_size=self.size)
         if self.pairwise_for(full):
             link = self._shm_for(full)
             tag = self._next_tag(0, full.numel() * full.element_size())
@@ -256,7 +257,7 @@ class CommGroup:
         if self.size == 1:  # the result is the padded concatenation itself
             flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
-        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
+        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size(), group_size=self.size)
         what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         if self.pairwise_for(pieces[0]):
             link = self._shm_for(pieces[0])
@@ -278,7 +279,7 @@ class CommGroup:
         """Broadcast from group rank ``src``."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size())
+        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size(), group_size=self.size)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
@@ -293,7 +294,7 @@ class CommGroup:
         if self.size == 1:
             return
         if label is not None:
-            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0)
+            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         if self.pairwise_for(tensor):
             tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
             work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)
