@@ -12,6 +12,8 @@ import pytest
 
 from tests.multiproc.device import ENV, KINDS
 
+pytest_plugins = ["tests.timing"]  # the time per test file, printed at the end
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", choices=KINDS, default=None,
