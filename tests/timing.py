@@ -7,8 +7,9 @@ launchers and their ranks) and the children still alive at the time of reading, 
 figure includes the set-up of the fixtures it was first to need, so a module fixture counts once, in its
 file.
 
-``--timing-top N`` sets the number of files shown (0: none); ``--timing-json PATH`` writes every test's
-figures (nodeid, file, wall, cpu, worlds, ranks) for a closer look.
+The table appears when the run spans more than one file (``--timing-top N`` sets its length, and shows
+it for one file too; 0 hides it); ``--timing-json PATH`` writes every test's figures (nodeid, file,
+wall, cpu, worlds, ranks) for a closer look.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 
 import pytest
 
+DEFAULT_TOP = 15
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -59,7 +61,7 @@ def _world_counts() -> tuple[int, int]:
 class SuiteTiming:
     """Collects each test's wall and CPU seconds and prints the per-file table at the end."""
 
-    def __init__(self, top: int, json_path: str | None) -> None:
+    def __init__(self, top: int | None, json_path: str | None) -> None:
         self.top, self.json_path = top, json_path
         self.records: list[dict[str, Any]] = []
         self.start_wall, self.start_cpu = time.monotonic(), cpu_seconds()
@@ -78,18 +80,19 @@ class SuiteTiming:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.json_path:
             Path(self.json_path).write_text(json.dumps(self.records, indent=1))
-        if self.top <= 0 or not self.records:
-            return
         files: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for r in self.records:
             row = files[r["file"]]
             for key in ("wall", "cpu", "worlds", "ranks"):
                 row[key] += r[key]
             row["tests"] += 1
+        top = self.top if self.top is not None else (DEFAULT_TOP if len(files) > 1 else 0)
+        if top <= 0:
+            return
         write = terminalreporter.write_line
         terminalreporter.section("time per test file (CPU seconds include every child process)")
         write(f"{'file':<58} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'worlds':>6}")
-        for name, row in sorted(files.items(), key=lambda kv: -kv[1]["cpu"])[:self.top]:
+        for name, row in sorted(files.items(), key=lambda kv: -kv[1]["cpu"])[:top]:
             write(f"{name:<58} {int(row['tests']):>5} {row['wall']:>8.1f} {row['cpu']:>8.1f} {int(row['worlds']):>6}")
         wall, cpu = time.monotonic() - self.start_wall, cpu_seconds() - self.start_cpu
         worlds = sum(int(r["worlds"]) for r in self.records)
@@ -103,12 +106,13 @@ class SuiteTiming:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("timing", "the suite's own time per test file")
-    group.addoption("--timing-top", type=int, default=15, metavar="N",
-                    help="print the N test files that took the most CPU seconds at the end (0: no table)")
+    group.addoption("--timing-top", type=int, default=None, metavar="N",
+                    help=f"print the N test files that took the most CPU seconds at the end (0: no table; "
+                         f"default: {DEFAULT_TOP} when more than one file ran)")
     group.addoption("--timing-json", default=None, metavar="PATH", help="write every test's wall and CPU seconds")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--timing-top") > 0 or config.getoption("--timing-json"):
-        config.pluginmanager.register(SuiteTiming(config.getoption("--timing-top"),
-                                                  config.getoption("--timing-json")), "deepshard-timing")
+    top, json_path = config.getoption("--timing-top"), config.getoption("--timing-json")
+    if top != 0 or json_path:
+        config.pluginmanager.register(SuiteTiming(top, json_path), "deepshard-timing")

@@ -8,7 +8,9 @@ and deepshard, and it still begins from the same state: nothing but imports happ
 
 Two rules keep the fork safe. The server never runs a torch operation (an OpenMP or intra-op thread pool
 created before ``fork`` is unusable in the child), so OpenMP is pinned to one thread before torch loads
-and nothing here computes. And the imported objects are moved out of the garbage collector's sight
+and nothing here computes. The generator torch seeds at start is put back after the imports, so an unseeded draw in a rank is what
+it would be in a spawned interpreter (Python's ``random`` reseeds itself in each child). And the imported
+objects are moved out of the garbage collector's sight
 (``gc.freeze``): a child's first full collection would otherwise touch, and so copy, every page the
 server filled.
 """
@@ -21,8 +23,10 @@ import pkgutil
 
 os.environ["OMP_NUM_THREADS"] = "1"  # read once by OpenMP when torch loads: no thread pool in the server
 
-import torch  # noqa: E402,F401
+import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401
+
+_FIRST_RNG = torch.random.get_rng_state()  # a new interpreter's generator, before any import could draw
 
 import tests.multiproc  # noqa: E402
 
@@ -47,5 +51,6 @@ def _preload() -> list[str]:
 
 
 FAILED = _preload()
+torch.random.set_rng_state(_FIRST_RNG)  # ranks start from the generator a spawned interpreter has
 gc.collect()
 gc.freeze()
