@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from deepshard._version import __version__
+from deepshard._version import (__git_branch__, __git_hash__, __version__, __version_major__,
+                                __version_minor__, __version_patch__)
 from deepshard.compat.finder import install_spelling_finder
 
 version = __version__
@@ -33,6 +34,7 @@ _LAZY = {
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),
     "PipelineModule": ("deepshard.pipe", "PipelineModule"),
+    "OnDevice": ("deepshard.utils.init_on_device", "OnDevice"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
                "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp", "moe", "git_version_info"}

@@ -139,7 +139,7 @@ def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, 
 def test_convert_to_deepshard_keeps_every_tensor(ds_suite: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     from deepshard.checkpoint import verify_manifest
     from deepshard.checkpoint.deepspeed_format import read_full_state
-    from deepshard.checkpoint.fragments import load_full_state
+    from deepshard.checkpoint.reader import load_full_state
 
     root, _ = ds_suite
     out = subprocess.run([sys.executable, "-m", "deepshard.launcher.cli", "convert", str(root / "z3"),

@@ -206,16 +206,20 @@ def test_a_killed_node_is_named_even_when_a_rank_elsewhere_fails_first(tmp_path:
 
 
 def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tmp_path: Path) -> None:
-    """``--elastic_training``: two agents meet through torch's c10d rendezvous. Node 1's agent is killed
+    """``--elastic_training``: node 0 trains alone (``--min_elastic_nodes 1``) until node 1 arrives; torch's c10d
+    rendezvous then restarts both in a world of two (not counted as a restart). Node 1's agent is killed
     outright; node 0's rank loses its peer, and with ``--max_restarts 1`` node 0's agent forms a new world
-    without node 1 (``--min_elastic_nodes 1``) and finishes; node 1's rank died with its agent."""
+    without node 1 and finishes; node 1's rank died with its agent."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
     port = free_port_pair()
     script = [str(SCRIPTS / "elastic_probe.py"), "--steps", "60"]
     extra = ["--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2", "--max_restarts", "1"]
-    node0 = start_node(0, hostfile, port, script, extra)
-    time.sleep(1.0)  # node 0 hosts the rendezvous store (both agents are on this machine)
+    node0 = start_node(0, hostfile, port, script, extra)  # it hosts the rendezvous store (both run here)
+    line = ""
+    while "of 1 attempt 0" not in line:
+        line = node0.stdout.readline()  # type: ignore[union-attr]
+        assert line, "node 0 ended before its rank started"
     node1 = start_node(1, hostfile, port, script, extra)
     try:
         line = ""
@@ -233,6 +237,7 @@ def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tm
     # the job went on in a world without node 1, which every rank can see
     assert "rank 0 of 1 attempt 1 done LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 GROUP_WORLD_SIZE=1" in out0, out0
     assert "restarting every rank (restart 1 of 1)" in err0, err0
+    assert "1 node(s) waiting to join: restarting every rank in a new world" in err0, err0
     deadline = time.monotonic() + 5
     while not _gone(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -155,3 +155,37 @@ def test_accelerator_and_version_info(shim: None) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert DeepSpeedEngine is deepspeed.DeepSpeedEngine and deepspeed.PipelineEngine.__name__ == "PipelineEngine"
+
+
+def test_deepspeed_assertions_are_assertion_errors_too() -> None:
+    """Where DeepSpeed asserts, deepshard's error is also an AssertionError (code written for DeepSpeed catches
+    that), still saying what is wrong and what to do."""
+    import torch.distributed as dist
+
+    from deepshard import initialize
+    from deepshard.distributed import init_distributed
+
+    assert not dist.is_initialized()
+    with pytest.raises(AssertionError, match="not initialized; call torch.distributed.init_process_group"):
+        init_distributed(dist_init_required=False)
+    with pytest.raises(ValueError, match="needs model="):
+        initialize(model=None, config={"train_batch_size": 1})
+    with pytest.raises(AssertionError, match="needs model="):
+        initialize(model=None, config={"train_batch_size": 1})
+
+
+def test_config_log_level_sets_the_logger() -> None:
+    import logging
+
+    from deepshard.utils.logging import get_log_level_from_string, logger, set_log_level_from_string
+
+    saved = logger.level
+    try:
+        set_log_level_from_string("ERROR")
+        assert logger.getEffectiveLevel() == logging.ERROR and get_log_level_from_string("debug") == logging.DEBUG
+        with pytest.raises(ValueError, match="'loud' is not one of debug, info"):
+            set_log_level_from_string("loud")
+    finally:
+        logger.setLevel(saved)
+        for handler in logger.handlers:
+            handler.setLevel(logging.NOTSET)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -334,3 +336,47 @@ def test_the_report_says_what_became_of_the_other_ranks(codes: tuple, stopped: s
         assert others_outcome(streams, streams.streams[0], stopped) == said
     finally:
         streams.cleanup()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_shim_outlives_a_signalled_rank_reports_it_and_ends_by_its_signal(tmp_path: Path, sig: int) -> None:
+    """torch and the agent signal the whole process group: the rank gets the signal once (the shim does not
+    pass it on again), and the shim, which ignores it, reports the rank's death and dies of the same signal; a
+    rank killed alone (the kernel's OOM killer) is reported the same way."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux only")
+    rank = ("import signal, sys, time\n"
+            "got = []\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+            "print('ready', flush=True)\n"
+            "while not got: time.sleep(0.01)\n"
+            "time.sleep(0.3)\n"
+            "print('got', len(got), flush=True)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+            "signal.raise_signal(signal.SIGTERM)\n")
+    if sig == signal.SIGKILL:
+        rank = "import time\nprint('ready', flush=True)\ntime.sleep(30)\n"
+    python, args = shim_argv([sys.executable, "-c", rank], os.getpid(), None, {}, False)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    watch = RankWatch(str(tmp_path / "status"), lambda *a: seen.append(("start", a)),
+                      lambda *a: seen.append(("exit", a)))
+    output = tmp_path / "output"
+    os.mkfifo(output)
+    reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)
+    env = {**os.environ, "LOCAL_RANK": "0", STATUS_ENV: watch.path, OUTPUT_ENV: str(output)}
+    shim = subprocess.Popen([python, *args], env=env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:  # the shim holds the pipe once it reported the start
+        time.sleep(0.01)
+    os.set_blocking(reader, True)
+    with os.fdopen(reader, "rb") as pipe:
+        assert pipe.readline() == b"ready\n"
+        if sig == signal.SIGTERM:
+            os.killpg(shim.pid, sig)  # as torch's agent and deepshard's stop do
+        else:
+            os.kill(seen[0][1][1], sig)
+        said = pipe.read().decode()
+    assert shim.wait(30) == -sig
+    watch.close()
+    assert [kind for kind, _ in seen] == ["start", "exit"] and seen[1][1][2] == -sig
+    assert said == ("got 1\n" if sig == signal.SIGTERM else "")

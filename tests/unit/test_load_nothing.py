@@ -24,7 +24,7 @@ class _Lines(logging.Handler):
 def test_nothing_to_load_is_named_and_can_be_required(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from deepshard.checkpoint.engine_checkpoint import REQUIRE_ENV
+    from deepshard.checkpoint.engine_load import REQUIRE_ENV
 
     created = not dist.is_initialized()
     monkeypatch.chdir(tmp_path)

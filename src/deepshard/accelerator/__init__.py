@@ -214,8 +214,15 @@ class DeviceAccelerator:
 
     # -------------------------------------------------------------------------------- tensors
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy of a host tensor when a CUDA device will read it; unchanged on CPU."""
-        return tensor.pin_memory() if self.kind == "cuda" else tensor
+        """Page-locked copy of a host tensor when a CUDA device will read it (counted by
+        :mod:`deepshard.utils.pin_memory_tracker`); unchanged on CPU."""
+        if self.kind != "cuda":
+            return tensor
+        from deepshard.utils.pin_memory_tracker import track_pinned_memory
+
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_pinned()) if self.kind == "cuda" else False

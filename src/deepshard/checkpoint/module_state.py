@@ -1,16 +1,13 @@
-"""Module-level pieces of a checkpoint: names, shapes, tied-weight aliases, buffers and frozen weights."""
+"""Module-level pieces of a checkpoint: names, shapes, tied-weight aliases and frozen weights, and the one
+check that a checkpoint's names fit the model (before any strategy takes a value from it)."""
 from __future__ import annotations
-
-import torch
 
 from pathlib import Path
 
-from deepshard.checkpoint.fragments import FullState
+import torch
+
 from deepshard.checkpoint.matching import check_names
-
-
-def trainable_names(module: torch.nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+from deepshard.shard_state import FullState
 
 
 def module_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -33,20 +30,11 @@ def frozen_param_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
-def module_extra_state(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """Everything in the state dict that is not a trainable parameter: buffers and frozen parameters
-    (the latter left out with ``exclude_frozen``)."""
-    trainable = {id(p) for p in module.parameters() if p.requires_grad}
-    frozen = set(frozen_param_names(module)) if exclude_frozen else set()
-    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()
-            if id(v) not in trainable and k not in frozen}
-
-
 def checkpoint_names_vs_model(module: torch.nn.Module, full: FullState) -> tuple[list[str], list[str]]:
     """(missing, unexpected): the model's state-dict names absent from ``full``, and ``full``'s tensor
     names the model does not have (tied-weight aliases count as present)."""
     own = list(module.state_dict(keep_vars=True))
-    missing = [k for k in own if full.aliases.get(k, k) not in full.params and k not in full.module_extra]
+    missing = [k for k in own if not full.has(k)]
     known = set(own) | set(full.aliases)
     # earlier ZeRO-3 checkpoints also saved non-persistent buffers (e.g. rotary inv_freq): not unexpected
     known |= {name for name, _ in module.named_buffers()}
@@ -56,22 +44,8 @@ def checkpoint_names_vs_model(module: torch.nn.Module, full: FullState) -> tuple
     return missing, unexpected
 
 
-@torch.no_grad()
-def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool, where: Path) -> None:
-    """Copy full fp32 values into the module's (whole, unsharded) parameters, buffers and frozen weights,
-    after :func:`check_names` accepted the checkpoint (nothing is changed when it refuses)."""
-    own = module.state_dict(keep_vars=True)
+def check_model_names(module: torch.nn.Module, full: FullState, strict: bool, where: Path) -> None:
+    """Refuse (or, non-strict, warn about) a checkpoint whose names do not fit ``module``
+    (``matching.check_names``); nothing has been changed when it refuses."""
     missing, unexpected = checkpoint_names_vs_model(module, full)
-    check_names(list(own), missing, unexpected, strict, where)
-    for key, value in own.items():
-        source_name = full.aliases.get(key, key)
-        if source_name in full.params:
-            src = full.params[source_name]
-        elif key in full.module_extra:
-            src = full.module_extra[key]
-        else:
-            continue
-        if tuple(src.shape) != tuple(value.shape):
-            raise ValueError(f"checkpoint tensor '{key}' has shape {tuple(src.shape)} but the model's is "
-                             f"{tuple(value.shape)}; the checkpoint was saved from a different model")
-        value.data.copy_(src)
+    check_names(list(module.state_dict(keep_vars=True)), missing, unexpected, strict, where)

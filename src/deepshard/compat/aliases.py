@@ -23,6 +23,7 @@ RENAMED: dict[str, str] = {
     "deepspeed.profiling": "deepshard.profiling",
     "deepspeed.runtime.pipe": "deepshard.pipe",
     "deepspeed.runtime.pipe.topology": "deepshard.pipe.grid",
+    "deepspeed.runtime.pipe.schedule": "deepshard.pipe.instructions",
     "deepspeed.runtime.sequence_parallel": "deepshard.sp",
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
     "deepspeed.sequence": "deepshard.sp",
@@ -34,19 +35,13 @@ RENAMED: dict[str, str] = {
 MISSING: dict[str, str] = {
     "deepspeed.moe.mappings": "the token drop/gather around the all-to-all for experts under Megatron-style tensor "
                               "parallelism (deepshard's MoE layers run without an mpu)",
-    "deepspeed.runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes (deepshard's schedules are "
-                                       "data: deepshard.pipe.schedule.build_schedule; pick one with the config's "
-                                       "pipeline.schedule)",
     "deepspeed.runtime.data_pipeline": "the data-efficiency pipeline (curriculum learning, random-LTD, data "
                                        "sampling); feed your own DataLoader",
     "deepspeed.runtime.domino": "Domino tensor-parallel overlap (deepshard's tensor parallelism is "
                                 "deepshard.tp / the config's tensor_parallel section)",
     "deepspeed.runtime.state_dict_factory": "Megatron checkpoint loading for inference",
     "deepspeed.ops.sparse_attention": "block-sparse attention kernels",
-    "deepspeed.ops.op_builder": "DeepSpeed's JIT op builders (deepshard compiles no ops)",
     "deepspeed.ops.transformer": "DeepSpeed's fused transformer kernels",
-    "deepspeed.utils.timer": "DeepSpeed's timer registry (deepshard's engine times forward, backward, "
-                             "backward_inner, backward_allreduce and step; turn on wall_clock_breakdown)",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.compression": "compression training",

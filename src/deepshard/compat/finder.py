@@ -32,6 +32,11 @@ def shim_version() -> str:
     return f"{DEEPSPEED_CONTRACT}+deepshard.{__version__}"
 
 
+_MACHINERY = frozenset({"__path__", "__spec__", "__loader__", "__package__", "__file__", "__cached__",
+                        "__builtins__", "__getattr__", "__dir__", "__wrapped__"})
+"""Module attributes the import system reads or sets on the alias itself; never the implementation's."""
+
+
 class AliasModule(types.ModuleType):
     """``deepspeed.<x>``: attribute reads go to the deepshard module ``target``."""
 
@@ -42,10 +47,12 @@ class AliasModule(types.ModuleType):
             self.__file__ = target.__file__  # error messages then point at deepshard's module
         if name == "deepspeed":
             self.__version__ = shim_version()
+            major, minor, patch = (int(part) for part in DEEPSPEED_CONTRACT.split("."))
+            self.__version_major__, self.__version_minor__, self.__version_patch__ = major, minor, patch
 
     def __getattr__(self, name: str) -> Any:
         target = self.__dict__["_deepshard_target"]
-        if name.startswith("__") and name.endswith("__"):
+        if name in _MACHINERY:
             raise AttributeError(name)
         try:
             return getattr(target, name)

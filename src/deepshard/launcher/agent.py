@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -59,6 +60,7 @@ class JobWatch:
         self.groups: dict[int, int] = {}  # local rank -> the process group torch started its shim in
         self.running_at_signal: int | None = None
         self._watch: RankWatch | None = None
+        self._saved: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------- an attempt starts and runs
@@ -126,8 +128,9 @@ class JobWatch:
                     _signal(self.groups.get(local_rank), signal.SIGKILL)
 
     def tick(self, force: bool = False) -> bool:
-        """torch's agent looks at the job (main thread, every monitor interval while the ranks run); True when
-        another node's failure stops this node's ranks."""
+        """torch's agent looks at the job (main thread, every monitor interval while the ranks run); True while
+        this node stops its ranks for something that happened elsewhere (then torch's rendezvous is left alone:
+        its store may be gone with node 0)."""
         self.install_signal_handlers()
         self.streams.out.flush_stale(list(self.streams.streams.values()), FALLOUT_HOLD_S)
         found = self.link.check(self.attempt, force) if self.link is not None and not self.stopping else None
@@ -135,13 +138,13 @@ class JobWatch:
             with self._lock:
                 self.job_failure, self.stopping = found, True
                 self._stop_running()
-        return found is not None
+        return self.stopping
 
     def nodes_waiting(self, count: int) -> int:
         """torch would restart every rank to let ``count`` nodes in. In a static job that is a node restarting
         after a failure, which the job board names (then the restart counts, as on that node): returns 0 so
         torch restarts on the ranks' exits instead. Otherwise (elastic: a node joining) ``count``."""
-        if self.link is not None and (self.stopping or self.tick(force=True)):
+        if self.link is not None and self.tick(force=True):
             return 0
         logger.info("%d node(s) waiting to join: restarting every rank in a new world", count)
         with self._lock:
@@ -150,11 +153,17 @@ class JobWatch:
 
     def install_signal_handlers(self) -> None:
         """Ours rather than torch's (it sets its own at every start): both raise ``SignalException``; ours first
-        counts the ranks that were running."""
+        counts the ranks that were running. The ones before the first call come back with
+        :meth:`restore_signal_handlers`."""
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED_SIGNALS:
                 if signal.getsignal(sig) != self._on_signal:
+                    self._saved.setdefault(sig, signal.getsignal(sig))
                     signal.signal(sig, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.running_at_signal = sum(1 for s in self.streams.streams.values() if s.running)
@@ -255,8 +264,9 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     except SignalException as exc:
         shut = link is not None  # an elastic job goes on without this node (torch's agent does the same)
         running = watch.running_at_signal or 0
-        print(f"deepshard: {where}received {exc.sigval.name}; forwarding it to {running} running "
-              f"{'rank' if running == 1 else 'ranks'}", file=sys.stderr, flush=True)
+        told = f"forwarding it to {running} running {'rank' if running == 1 else 'ranks'}" if running else \
+            "no rank was running"
+        print(f"deepshard: {where}received {exc.sigval.name}; {told}", file=sys.stderr, flush=True)
         if link is not None:
             link.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
         return 128 + exc.sigval
@@ -265,12 +275,22 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     except LaunchError as exc:
         print(f"deepshard: {where}error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except (RendezvousFailed, RendezvousError, StoreLost) as exc:
+    except (RendezvousFailed, StoreLost) as exc:
         print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)
+        return 1
+    except DistError as exc:  # a store wait of torch's agent ran out (a node went away while they met)
+        print(f"deepshard: {where}attempt {watch.attempt + 1}: {str(exc).splitlines()[0]}", file=sys.stderr,
+              flush=True)
+        return 1
+    except RendezvousError as exc:  # torch's rendezvous lost its store while the ranks ran
+        cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
+        print(f"deepshard: {where}the rendezvous store at {rdzv.place.endpoint} (node 0's agent) stopped answering: "
+              f"{exc}{cause}", file=sys.stderr, flush=True)
         return 1
     finally:
         streams.cleanup()
         _close(rdzv, link, shut)
+        watch.restore_signal_handlers()
 
 
 def _close(rdzv: JobRendezvous, link: JobLink | None, shut: bool) -> None:

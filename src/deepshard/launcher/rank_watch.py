@@ -38,6 +38,8 @@ os.dup2(output, 1)
 os.dup2(output, 2)
 os.close(output)
 shim = os.getpid()
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda sig, frame: None)  # they reach the rank through its process group: outlive it
 pid = os.fork()
 if pid == 0:
     libc.prctl(1, signal.SIGKILL)  # the rank dies with this shim
@@ -49,25 +51,20 @@ if pid == 0:
     except OSError as exc:
         print(f'deepshard: cannot run {sys.argv[3]!r}: {exc}', file=sys.stderr, flush=True)
         os._exit(127)
-def forward(sig, frame):
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(sig, forward)
 os.write(status, f'start {local} {pid} {os.getpgid(0)}\\n'.encode())
 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 os.write(status, f'exit {local} {pid} {code}\\n'.encode())
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
+if code < 0:  # end as the rank did: by its signal
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(shim, -code)
 os._exit(code)
 """
 """What torch's agent runs for each rank: it ties itself and the rank to the agent (Linux's
 ``PR_SET_PDEATHSIG``: nothing outlives the agent), pins the rank's cores, sets deepshard's variables, sends the
-rank's output to its pipe, runs the command as its child, forwards the agent's signals to it, reports the rank's
-pid (and the process group torch started it in) and its exit, and ends as the rank did."""
+rank's output to its pipe, runs the command as its child, reports the rank's pid (and the process group torch
+started it in) and its exit, and ends as the rank did. The agent's signals go to the whole process group (torch's
+and deepshard's alike), so the rank gets each once, and the shim waits for the rank's exit to report it."""
 
 
 def shim_argv(command: Sequence[str], agent_pid: int, cores: Sequence[Sequence[int]] | None,

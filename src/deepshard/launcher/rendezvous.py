@@ -184,8 +184,9 @@ class JobRendezvous(RendezvousHandler):
             self._ranks_store = TCPStore(self.place.rank0_addr or "0.0.0.0", 0, is_master=True,
                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
             port = self._ranks_store.port
-        return RendezvousStoreInfo.build(rank, PrefixStore(f"deepshard/attempt{self.attempt}", store),
-                                         self.place.rank0_addr, server_port=port)
+        # this round's store (torch prefixes it by round): the same on every node, whatever each one counts
+        return RendezvousStoreInfo.build(rank, PrefixStore("deepshard/ranks", store), self.place.rank0_addr,
+                                         server_port=port)
 
 
 def open_rendezvous(place: Place, fingerprint: str, is_host: bool | None) -> JobRendezvous:
