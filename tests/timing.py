@@ -9,7 +9,7 @@ file.
 
 The table appears when the run spans more than one file (``--timing-top N`` sets its length, and shows
 it for one file too; 0 hides it); ``--timing-json PATH`` writes every test's figures (nodeid, file,
-wall, cpu, worlds, ranks) for a closer look.
+wall, cpu, worlds, ranks), one JSON object a line as each test ends (a run stopped early keeps what it had).
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ class SuiteTiming:
         self.records: list[dict[str, Any]] = []
         self.start_wall, self.start_cpu = time.monotonic(), cpu_seconds()
         self.start_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+        if json_path:
+            Path(json_path).write_text("")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
@@ -73,13 +75,14 @@ class SuiteTiming:
         wall, cpu = time.monotonic(), cpu_seconds()
         yield
         worlds_after, ranks_after = _world_counts()
-        self.records.append({"nodeid": item.nodeid, "file": item.nodeid.split("::")[0],
-                             "wall": time.monotonic() - wall, "cpu": cpu_seconds() - cpu,
-                             "worlds": worlds_after - worlds, "ranks": ranks_after - ranks})
+        record = {"nodeid": item.nodeid, "file": item.nodeid.split("::")[0], "wall": time.monotonic() - wall,
+                  "cpu": cpu_seconds() - cpu, "worlds": worlds_after - worlds, "ranks": ranks_after - ranks}
+        self.records.append(record)
+        if self.json_path:
+            with open(self.json_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.json_path:
-            Path(self.json_path).write_text(json.dumps(self.records, indent=1))
         files: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for r in self.records:
             row = files[r["file"]]
