@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.grad_reducers import grad_piece
 from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
 from deepshard.zero.stage3.group import ShardedGroup
@@ -24,16 +25,19 @@ class Stage3Reducer:
                  accumulate: Callable[[int, torch.Tensor, float], None], comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
                  on_reduced: Callable[[int, torch.Tensor], None] | None = None,
-                 on_release: Callable[[ShardedGroup], None] | None = None) -> None:
+                 on_release: Callable[[ShardedGroup], None] | None = None,
+                 grad_reduce: GradReduce | None = None) -> None:
         """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
         ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
-        (an optimizer step in backward)."""
+        (an optimizer step in backward). ``grad_reduce``: how a group's gradients are reduced (default: a
+        reduce-scatter over ``comm``; hybrid sharding and qgZ: ``zero/grad_comm.py``)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
+        self.grad_reduce = grad_reduce if grad_reduce is not None else GradReduce(comm)
         self.on_reduced = on_reduced
         self.on_release = on_release
         self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = averaging_factor(predivide, comm.size, average)
+        self.post = averaging_factor(predivide, self.grad_reduce.world, average)
         self.waiter = waiter
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
@@ -67,8 +71,8 @@ class Stage3Reducer:
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        self.in_flight.add(InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2),
-                                     held=pieces))
+        work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        self.in_flight.add(InFlight(gi, work, held=pieces))
         self.launched.add(gi)
 
     def _finish(self, item: InFlight) -> None:
