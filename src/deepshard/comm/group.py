@@ -149,7 +149,8 @@ class CommGroup:
 
     def _record(self, op: str, elements: int, element_size: int, volume_factor: float = 1.0) -> None:
         """Count a collective under ``op`` (``_label``), split by link (``shares``)."""
-        self.logger.record(self._label(op), elements, element_size, volume_factor, self.shares)
+        self.logger.record(self._label(op), elements, element_size, volume_factor, group_size=self.size,
+                           shares=self.shares)
 
     def _label(self, op: str) -> str:
         """The comms logger's key: tensor- and pipeline-parallel traffic is counted apart from data
