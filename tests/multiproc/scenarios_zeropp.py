@@ -114,3 +114,10 @@ def pieces(rank: int, world: int) -> dict[str, Any]:
 
 def save_many(rank: int, world: int, runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     return [save_and_resume(rank, world, tmp, zero, other) for tmp, zero, other in runs]
+
+
+def everything(rank: int, world: int, cases: list[tuple[str, int, int, int, dict[str, Any]]],
+               runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The whole 4-rank part of the tests in one world (a spawned world costs more than most of its cases):
+    the collectives alone, the layouts' training, then the checkpoint runs."""
+    return {"pieces": pieces(rank, world), "trained": layouts(rank, world, cases), "saved": save_many(rank, world, runs)}

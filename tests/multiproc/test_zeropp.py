@@ -4,7 +4,6 @@ design says, across the machine boundary and inside it; checkpoints resume exact
 layouts. The collectives alone are checked against their unquantized results."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_token_batches, reference_transformer, rel_err
-from tests.multiproc.scenarios_zeropp import STEPS, layouts, load_many, pieces, save_many
+from tests.multiproc.scenarios_zeropp import STEPS, everything, load_many
 
 FP32_RTOL = 1e-6
 ZEROPP = {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True}
@@ -33,8 +32,20 @@ EXACT = ("hybrid1", "hybrid2", "hybrid3", "hierarchical3", "hpz")
 
 
 @pytest.fixture(scope="module")
-def trained() -> dict[str, Any]:
-    return run_world(layouts, 4, [(n, s, m, g, dict(z)) for n, s, m, g, z in CASES], timeout=900)[0]
+def world4(tmp_path_factory: Any) -> dict[str, Any]:
+    """One 4-rank world for the collectives, the layouts and the checkpoints (per rank: ``pieces``; rank
+    0's ``trained`` and ``saved``); the checkpoints' directories under ``dirs``."""
+    tmp = tmp_path_factory.mktemp("zeropp")
+    dirs = (str(tmp / "zeropp"), str(tmp / "hybrid"))
+    runs = [(dirs[0], ZEROPP, {"mics_shard_size": 2}), (dirs[1], {"mics_shard_size": 2}, {"stage": 2})]
+    res = run_world(everything, 4, [(n, s, m, g, dict(z)) for n, s, m, g, z in CASES], runs, timeout=1200)
+    return {"pieces": [r["pieces"] for r in res], "trained": res[0]["trained"], "saved": res[0]["saved"],
+            "dirs": dirs}
+
+
+@pytest.fixture(scope="module")
+def trained(world4: dict[str, Any]) -> dict[str, Any]:
+    return world4["trained"]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +110,8 @@ def test_hpz_keeps_a_secondary_shard(trained: dict[str, Any]) -> None:
     assert "secondary_parameters" not in trained["plain"]["report"]
 
 
-def test_collectives_against_unquantized_results() -> None:
-    res = run_world(pieces, 4, timeout=300)
+def test_collectives_against_unquantized_results(world4: dict[str, Any]) -> None:
+    res = world4["pieces"]
     total = sum(r["input"] for r in res)
     chunk = res[0]["shard"].numel()
     shards = torch.cat([r["shard"] for r in res])
@@ -114,10 +125,9 @@ def test_collectives_against_unquantized_results() -> None:
         assert 0 < rel_err(r["qgather"], shards) < 0.02
 
 
-def test_checkpoints_resume_exactly_and_load_at_other_layouts(tmp_path: Path) -> None:
-    zeropp, hybrid = str(tmp_path / "zeropp"), str(tmp_path / "hybrid")
-    saved = run_world(save_many, 4, [(zeropp, ZEROPP, {"mics_shard_size": 2}),
-                                     (hybrid, {"mics_shard_size": 2}, {"stage": 2})], timeout=600)[0]
+def test_checkpoints_resume_exactly_and_load_at_other_layouts(world4: dict[str, Any]) -> None:
+    saved = world4["saved"]
+    zeropp, hybrid = world4["dirs"]
     for out in saved:
         assert out["again"] == out["second"]  # the first step after a resume is the uninterrupted run's
         for key, value in out["uninterrupted"].items():
