@@ -94,10 +94,14 @@ def score(trial: Trial, global_batch: int, memory_bytes: int, bandwidth: float) 
 
 
 def search(model: ModelFile, base: dict[str, Any], space: Space, memory_bytes: int, bandwidth: float = 10e9,
-           steps: int = 2, progress: Callable[[Trial], None] | None = None) -> Plan:
+           steps: int = 2, progress: Callable[[Trial], None] | None = None,
+           measure: Callable[[Choice], Trial] | None = None) -> Plan:
     """Try the choices of ``space`` (see the module docstring) and pick one. Offload and activation
     checkpointing only save memory at a cost in time, so they are tried for a (tp, pp, stage) only when it
-    does not fit its largest micro batch without them."""
+    does not fit its largest micro batch without them. ``measure``: how a choice is dry-run (default: as
+    ``steps`` steps of ``model`` on ``base``; a caller searching several budgets passes one that remembers)."""
+    if measure is None:
+        measure = lambda choice: _measure(model, choice, base, space, steps)  # noqa: E731
     plan = Plan(space, memory_bytes, bandwidth)
     too_big: set[tuple[Any, ...]] = set()
     plain_fits: set[tuple[int, int, int]] = set()
@@ -106,7 +110,7 @@ def search(model: ModelFile, base: dict[str, Any], space: Space, memory_bytes: i
         if why is not None:
             plan.trials.append(Trial(choice, reason=why))
             continue
-        trial = _measure(model, choice, base, space, steps)
+        trial = dataclasses.replace(measure(choice))  # a copy: scoring writes into it
         if trial.reason is None:
             score(trial, space.global_batch, memory_bytes, bandwidth)
             if not trial.fits:
