@@ -54,7 +54,8 @@ def build_tied_weights(module: PipelineModule, topology: Topology) -> TiedWeight
             continue
         c = topology.coord  # this rank's copy of the key is tied with the same (dp, sp, tp) on the other stages
         mine = [dims.rank(Coord(pp=s, dp=c.dp, tp=c.tp, sp=c.sp)) for s in stages] if c.pp in stages else None
-        group = own_group(mine, topology.rank, logger=topology.world.logger, name="pp")
+        group = own_group(mine, topology.rank, logger=topology.world.logger, name="pp",
+                          nodes=topology.world.nodes)
         if group is not None:
             tied.groups[key] = group
     return tied
