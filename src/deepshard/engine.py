@@ -296,7 +296,8 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
                                 self.topology.dp.rank, self.dp_world_size, collate_fn,
                                 drop_last=self._config.dataloader_drop_last,
                                 pin_memory=pin_memory and self.accelerator.kind == "cuda",
-                                num_workers=num_local_io_workers or 0)
+                                num_workers=num_local_io_workers or 0,
+                                accumulation=self.gradient_accumulation_steps() if self._config.deterministic else None)
 
     def destroy(self) -> None:
         """Release what the engine holds (DeepSpeed's name): the strategy's hooks and files, the

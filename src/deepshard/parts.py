@@ -109,7 +109,10 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                           prescale_gradients=bool(cfg.prescale_gradients),
                           average_gradients=cfg.gradient_allreduce_op != "sum",
                           optimizer_offload=optimizer_offload, param_offload=param_offload,
-                          step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward))
+                          step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward),
+                          deterministic_steps=int(cfg.gradient_accumulation_steps) if cfg.deterministic else 0)
+    if cfg.deterministic:  # every backend's reduce-scatter sums in the canonical order (NCCL's too)
+        topology.seq_dp.canonical = True
     return strategy_class(cfg.zero_optimization.stage)(model, optimizer, ctx)
 
 

@@ -67,6 +67,9 @@ class Plan:
     step_in_backward: bool = False
     compressed_optimizer: Optional[str] = None
     fp32_accumulation: bool = False
+    deterministic: bool = False
+    grads_on_disk: bool = False
+    """ZeRO-3's reduced gradients wait in the optimizer's swap files (offload_optimizer to nvme)."""
     heads: Optional[int] = None
     """The attention's query heads (the model's config, or its attention modules under automatic TP);
     None: not known (the user's own tensor-parallel layers decide)."""
@@ -114,7 +117,8 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
                 param_offload=param_policy.moves_states, step_in_backward=bool(zero.optimizer_step_in_backward),
                 compressed_optimizer=_compressed_name(cfg, optimizer),
                 fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32,
-                zeropp=_zeropp(zero))
+                zeropp=_zeropp(zero), deterministic=bool(cfg.deterministic),
+                grads_on_disk=int(zero.stage) == 3 and getattr(opt_policy, "device", None) == "nvme")
 
 
 def _zeropp(zero: Any) -> Any:
@@ -353,7 +357,33 @@ def _hierarchy_rules(plan: Plan) -> list[Conflict]:
     return out
 
 
+def _determinism_rules(plan: Plan) -> list[Conflict]:
+    if not plan.deterministic:
+        return []
+    problems = []
+    if plan.pipeline:
+        problems.append("a pipeline model (each stage adds its micro-batches' gradients in schedule order before "
+                        "its one reduction; remove \"deterministic\": the default mode already gives every ZeRO "
+                        "stage the same bits at one layout)")
+    if plan.compressed_optimizer is not None:
+        problems.append(f"optimizer {plan.compressed_optimizer} (its compressed exchange replaces the reduction "
+                        "the mode orders; use Adam or AdamW)")
+    if plan.grads_on_disk and plan.accumulation > 1:
+        problems.append(f"ZeRO-3 gradients in nvme swap files with gradient_accumulation_steps "
+                        f"{plan.accumulation} (the sum over micro-batches keeps partial sums in memory; offload "
+                        "to cpu, or accumulate 1 step)")
+    if any(p > 1 for p in plan.expert_parallel):
+        problems.append("MoE layers split over expert-parallel ranks (experts are reduced over their own groups, "
+                        "outside the canonical tree; use ep_size=1)")
+    if plan.zeropp is not None and (plan.zeropp.hybrid or plan.zeropp.quantized_gradients):
+        problems.append("hybrid sharding or zero_quantized_gradients (they replace the reduction the mode orders)")
+    if not problems:
+        return []
+    return [Conflict("\"deterministic\": true cannot be used", "; ".join(problems),
+                     "or set \"deterministic\" to false")]
+
+
 RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (
     _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules,
-    _sequence_rules, _expert_rules, _hierarchy_rules)
+    _sequence_rules, _expert_rules, _hierarchy_rules, _determinism_rules)
 """Every rule, in the order conflicts are reported."""

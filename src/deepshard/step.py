@@ -86,12 +86,19 @@ class StepRunner:
         self.autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
 
     def for_backward(self, loss: Any, divide: bool = True) -> tuple[Any, Any]:
-        """``(loss / accumulation steps, that times the loss scale)``: what backward starts from."""
+        """``(loss / accumulation steps, that times the loss scale)``: what backward starts from. In the
+        deterministic mode backward starts from the undivided loss (each micro-batch's gradient enters the
+        canonical sum whole, and the strategy divides the sum once: ``zero/canonical.py``); the divided
+        loss is still what is returned."""
         steps = int(self.config.gradient_accumulation_steps)
         if divide and steps > 1:
-            loss = loss / steps
+            divided = loss / steps
+            if not self.config.deterministic:
+                loss = divided
+        else:
+            divided = loss
         scale = self.loss_scaler.scale
-        return loss, (loss * scale if scale != 1.0 else loss)
+        return divided, (loss * scale if scale != 1.0 else loss)
 
     @staticmethod
     def reduce_once(strategy: ZeroStrategy) -> None:

@@ -87,11 +87,60 @@ def reduced_gradient(rank: int, world: int, stage: int) -> bool:
     return all(torch.equal(got[n], canonical_sum([g[n] for g in local]).mul_(factor)) for n in got)
 
 
-def stage_world(rank: int, world: int) -> dict[str, Any]:
+def stage_world(rank: int, world: int, root: str | None = None) -> dict[Any, Any]:
     """Every variant in fp32 and bf16, and the reduced-gradient check at stages 0 and 3 (rank 0 keeps
-    the results)."""
-    out: dict[str, Any] = {"reduced": {s: reduced_gradient(rank, world, s) for s in (0, 3)}}
+    the results); with ``root``, also the deterministic mode's runs (``layout_world``) under ``"layouts"``."""
+    out: dict[Any, Any] = {"reduced": {s: reduced_gradient(rank, world, s) for s in (0, 3)}}
     for dtype in ("fp32", "bf16"):
         for stage, offload in VARIANTS:
             out[(dtype, stage, offload)] = train(rank, world, stage, dtype, offload)
+    if root is not None:
+        out["layouts"] = layout_world(rank, world, root)
     return out if rank == 0 else {"reduced": out["reduced"]}
+
+
+# ------------------------------------------------------------------ the deterministic mode (layout invariance)
+ATOMS = 4
+"""Micro-batches per global batch: dp=1 x accumulation 4, dp=2 x 2 and dp=4 x 1 train the same ones."""
+LAYOUT_STEPS = 2
+LAYOUT_VARIANTS: list[tuple[int, str]] = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+
+
+def layout_run(rank: int, world: int, stage: int, offload: str, steps: int, first: int = 0,
+               load: str | None = None, save: str | None = None) -> dict[str, torch.Tensor]:
+    """``steps`` global batches from batch ``first`` with ``"deterministic": true`` at dp=``world`` x
+    accumulation ``ATOMS / world`` (rank ``r``'s micro-step ``m`` trains micro-batch ``m x world + r``);
+    every parameter's full fp32 value at the end."""
+    import deepshard
+    from deepshard.utils import safe_get_full_fp32_param
+
+    gas = ATOMS // world
+    engine, *_ = deepshard.initialize(model=make_transformer(),
+                                      config=config(stage, world, "fp32", offload, gas=gas, deterministic=True))
+    if load is not None:
+        engine.load_checkpoint(load)
+    for batch in make_token_batches(first + steps, MICRO * ATOMS)[first:]:
+        for m in range(gas):
+            engine.backward(engine(*atom(batch, m * world + rank)))
+            engine.step()
+    if save is not None:
+        engine.save_checkpoint(save)
+    params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return params
+
+
+def layout_world(rank: int, world: int, root: str) -> dict[Any, Any]:
+    """Every variant at this world's layout; at dp=2 also the first half saved under ``root``, at dp=4
+    also the second half resumed from it."""
+    half = LAYOUT_STEPS // 2
+    out: dict[Any, Any] = {}
+    for stage, offload in LAYOUT_VARIANTS:
+        where = f"{root}/zero{stage}-{offload}"
+        out[(stage, offload)] = layout_run(rank, world, stage, offload, LAYOUT_STEPS)
+        if world == 2:
+            layout_run(rank, world, stage, offload, half, save=where)
+        if world == 4:
+            out[(stage, offload, "resumed")] = layout_run(rank, world, stage, offload, LAYOUT_STEPS - half,
+                                                          first=half, load=where)
+    return out if rank == 0 else {}

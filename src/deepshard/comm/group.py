@@ -22,6 +22,7 @@ import deepshard.comm.nodes as node_map
 from deepshard.comm.logger import CommsLogger
 from deepshard.comm.nodes import NodeMap
 from deepshard.comm.settings import mode_from, slot_bytes_from
+from deepshard.comm.tree_sum import OwnChunk, tree_sum
 from deepshard.comm.watchdog import Watchdog
 
 Work = Optional[dist.Work]
@@ -111,6 +112,10 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo" and self.size <= PAIRWISE_MAX_RANKS) if pairwise is None \
             else bool(pairwise)
+        self.canonical = False
+        """Reduce-scatters in the canonical order on every backend (the deterministic mode): the backend's own
+        (NCCL's, gloo's beyond ``PAIRWISE_MAX_RANKS``) become an all-to-all of the chunks summed here
+        (``tree_sum.py``). Pairwise forms always are."""
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.nodes = nodes if nodes is not None else (node_map.from_env(world) or NodeMap.single(world))
@@ -267,8 +272,30 @@ class CommGroup:
             else:
                 work = pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag)
             return self._settle(work, async_op, what)
+        if self.canonical:
+            work = self._canonical_reduce_scatter([full.reshape(-1)], output.numel(), output)
+            return self._settle(work, async_op, self._what("reduce_scatter", full))
         work = _reduce_scatter(output, full, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("reduce_scatter", full))
+
+    def _canonical_reduce_scatter(self, pieces: list[torch.Tensor], chunk: int,
+                                  output: Optional[torch.Tensor] = None) -> pairwise.CollectiveWork:
+        """A reduce-scatter on the backend's all-to-all: every rank's chunk arrives here and is summed in the
+        canonical order (the bits of the pairwise forms)."""
+        dtype, device = pieces[0].dtype, pieces[0].device
+        staging = _padded_concat(pieces, chunk * self.size)
+        rows = torch.empty((self.size, chunk), dtype=dtype, device=device)
+        native = dist.all_to_all_single(rows, staging, group=self.group, async_op=True)
+        wide = self.size > 2 and dtype.itemsize < 4
+
+        def finish() -> torch.Tensor:
+            acc = tree_sum(self.size, self.rank, rows.__getitem__, OwnChunk([(0, rows[self.rank])]), not wide,
+                           lambda: torch.empty(chunk, dtype=torch.float32, device=device), lambda t: None)
+            if output is not None:
+                return output.copy_(acc.reshape(output.shape))
+            return acc if acc.dtype == dtype else acc.to(dtype)
+
+        return pairwise.CollectiveWork([native], finish, scratch_bytes=2 * staging.numel() * staging.element_size())
 
     def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int, key: int = 0) -> Any:
         """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
@@ -292,6 +319,8 @@ class CommGroup:
                 work = link.reduce_scatter_pieces(pieces, chunk, tag, what)
             else:
                 work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
+        elif self.canonical:
+            work = self._canonical_reduce_scatter(pieces, chunk)
         else:
             staging = _padded_concat(pieces, chunk * self.size)
             out = torch.empty(chunk, dtype=dtype, device=device)

@@ -47,6 +47,9 @@ class DeepShardConfig(Section):
     gradient_accumulation_steps: Optional[int] = None
     managed_gradient_accumulation: bool = True
     """False: the caller owns the accumulation boundary and every ``step()`` applies an update."""
+    deterministic: bool = False
+    """deepshard's own key: the same bits for any data-parallel size x accumulation split of one global
+    batch, and across resumes on another process count (``docs/determinism.md``)."""
 
     # optimisation
     optimizer: Optional[OptimizerConfig] = None

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.canonical import StepTree
 from deepshard.zero.in_flight import averaging_factor
 
 
@@ -84,14 +85,19 @@ class BucketedAllReduce:
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
                  average: bool = True, overlap: bool = True,
                  group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None,
-                 canonical: bool = False) -> None:
+                 canonical: bool = False, tree_factor: float | None = None) -> None:
         """``canonical``: all-reduce as a reduce-scatter in the canonical order (``comm/tree_sum.py``) and an
         all-gather of the same chunks, the reduction stages 1-3 perform, so that every stage sums each
         element alike; the averaging is applied after the sum, to this rank's chunk. Buffers are then
-        padded to a multiple of their group's size. Otherwise the backend's all-reduce."""
+        padded to a multiple of their group's size. Otherwise the backend's all-reduce. ``tree_factor``: the
+        deterministic mode with accumulation (``zero/canonical.py``): every micro-step is reduce-scattered,
+        the chunks summed over micro-steps in the canonical tree, times this factor, then all-gathered."""
         self.comm = comm
         self.overlap = overlap
-        self.canonical = canonical
+        self.canonical = canonical or tree_factor is not None
+        self.tree_factor = tree_factor
+        self.tree: StepTree | None = None
+        self._boundary = True
         self._stale = False  # after zero_(): the buffers hold old values and every .grad is None
         self.comm_dtype = comm_dtype
         self.predivide = predivide
@@ -112,6 +118,12 @@ class BucketedAllReduce:
             for slot, p in enumerate(b.params):
                 self._bucket_of[id(p)] = (b.index, slot)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._tree_offsets: list[int] = []
+        if tree_factor is not None:
+            chunks = [b.numel // (b.comm or comm).size for b in self.buckets]
+            self._tree_offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+            first = self.buckets[0].buffer if self.buckets else torch.zeros(0)
+            self.tree = StepTree(torch.zeros(sum(chunks), dtype=first.dtype, device=first.device))
 
     @staticmethod
     def _make_bucket(index: int, params: list[torch.nn.Parameter], multiple: int = 1) -> GradBucket:
@@ -130,6 +142,8 @@ class BucketedAllReduce:
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
+        if self.tree is not None:  # the canonical tree needs every micro-step reduced on its own
+            self._boundary, reduce = reduce, True
         self.reduce_enabled = reduce
         self._in_backward = True
         self._next_launch = 0
@@ -254,6 +268,10 @@ class BucketedAllReduce:
             self._next_launch += 1
         post = 1.0 if folded else averaging_factor(self.predivide, self.comm.size, self.average)
         self._fold = 0.0
+        if self.tree is not None:
+            self._tree_step()
+            self.reduce_enabled = False
+            return
         if self.canonical:
             for bucket in self.buckets:
                 self._gather(bucket, post)
@@ -269,6 +287,33 @@ class BucketedAllReduce:
             if post != 1.0 and not scaled:
                 bucket.buffer.mul_(post)
         self.reduce_enabled = False
+
+    def _tree_step(self) -> None:
+        """Deterministic mode: this micro-step's reduced chunks join the tree and the buckets are cleared for
+        the next micro-step; at the boundary the tree's sum is every rank's chunk, all-gathered."""
+        tree = self.tree
+        assert tree is not None
+        current = tree.current()
+        for bucket, off in zip(self.buckets, self._tree_offsets):
+            bucket.work.wait()
+            bucket.work = None
+            reduced = bucket.comm_buffer if bucket.comm_buffer is not None else bucket.buffer
+            chunk = self._own_chunk(reduced, bucket.comm or self.comm)
+            current[off:off + chunk.numel()].copy_(chunk)
+            bucket.comm_buffer = None
+        tree.commit()
+        if not self._boundary:
+            self.zero_()
+            return
+        result = tree.finish(self.tree_factor)  # type: ignore[arg-type]
+        for bucket, off in zip(self.buckets, self._tree_offsets):
+            group = bucket.comm or self.comm
+            own = self._own_chunk(bucket.buffer, group)
+            own.copy_(result[off:off + own.numel()])
+            bucket.work = group.all_gather_inplace(bucket.buffer, async_op=True)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
 
     # ------------------------------------------------------------------------------------- helpers
     def zero_(self) -> None:

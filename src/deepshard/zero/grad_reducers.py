@@ -18,6 +18,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.zero.grad_comm import GradReduce
+from deepshard.zero.canonical import StepTree
 from deepshard.zero.in_flight import InFlight, InFlightQueue, averaged, averaging_factor
 from deepshard.zero.partition import FlatLayout
 
@@ -101,8 +102,14 @@ class Stage1Reducer(_OrderedLauncher):
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  max_in_flight: int = 2, domains: list[CommGroup] | None = None,
-                 grad_reduce: GradReduce | None = None) -> None:
+                 grad_reduce: GradReduce | None = None, tree_factor: float | None = None) -> None:
+        """``tree_factor``: the deterministic mode with accumulation: every micro-step is reduce-scattered and
+        the steps' chunks are summed in the canonical tree (``zero/canonical.py``), times this factor."""
         super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains, grad_reduce)
+        self.tree_factor = tree_factor
+        self.tree = (StepTree(torch.zeros(layout.shard_numel, dtype=dtype, device=device))
+                     if tree_factor is not None else None)
+        self.boundary = True
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
         self._bind()
@@ -120,6 +127,23 @@ class Stage1Reducer(_OrderedLauncher):
     def begin_backward(self, reduce: bool) -> None:
         self._bind()
         super().begin_backward(reduce)
+        self.boundary = reduce
+        if self.tree is not None:  # the canonical tree needs each micro-step reduced on its own (even alone)
+            self.active = True
+
+    def end_backward(self) -> None:
+        """Deterministic mode: this micro-step's chunks join the tree and the local gradient is cleared for the
+        next one; at the boundary the tree's sum becomes the owned chunks of the flat gradient."""
+        launched = self.active
+        super().end_backward()
+        if self.tree is None or not launched:
+            return
+        self.tree.commit()
+        self.flat_grad.zero_()
+        if self.boundary:
+            result = self.tree.finish(self.tree_factor)  # type: ignore[arg-type]
+            for (lo, hi, off), view in zip(self.layout.owned_ranges(), self.shard_views):
+                view.copy_(result[off:off + hi - lo])
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s_index = self.slot_of[id(p)]
@@ -155,6 +179,10 @@ class Stage1Reducer(_OrderedLauncher):
         lo, hi = self.layout.buckets[item.index].owned()
         target, out = self.flat_grad[lo:hi], item.out
         assert out is not None
+        if self.tree is not None:
+            off = self.layout.shard_offset(self.layout.buckets[item.index])
+            self.tree.current()[off:off + hi - lo].copy_(out)
+            return
         if out.data_ptr() != target.data_ptr():
             target.copy_(out)
         if self.post != 1.0:
@@ -173,15 +201,20 @@ class Stage1Reducer(_OrderedLauncher):
 
 
 class Stage2Reducer(_OrderedLauncher):
-    """Gradient shard only; every backward reduce-scatters its buckets into it."""
+    """Gradient shard only; every backward reduce-scatters its buckets into it (in the deterministic mode
+    into the partial sums of the canonical tree over micro-steps, ``zero/canonical.py``)."""
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  max_in_flight: int = 2, domains: list[CommGroup] | None = None,
-                 grad_reduce: GradReduce | None = None) -> None:
+                 grad_reduce: GradReduce | None = None, tree_factor: float | None = None) -> None:
+        """``tree_factor``: the deterministic mode with accumulation (the factor of the canonical sum)."""
         super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains, grad_reduce)
         self.dtype, self.device = dtype, device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self.tree = StepTree(self.shard) if tree_factor is not None else None
+        self.tree_factor = tree_factor
+        self.boundary = True
         for p in params:
             p.grad = None
 
@@ -189,6 +222,7 @@ class Stage2Reducer(_OrderedLauncher):
         super().begin_backward(reduce)
         # stage 2 cannot hold unreduced full gradients between micro-steps: it always reduces
         self.active = True
+        self.boundary = reduce
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if self.active:
@@ -212,12 +246,20 @@ class Stage2Reducer(_OrderedLauncher):
         item.work.wait()
         bucket = self.layout.buckets[item.index]
         off = self.layout.shard_offset(bucket)
-        self.shard[off:off + bucket.chunk].add_(averaged(item.work.result, self.dtype, self.post))
+        if self.tree is not None:
+            self.tree.current()[off:off + bucket.chunk].copy_(item.work.result)
+        else:
+            self.shard[off:off + bucket.chunk].add_(averaged(item.work.result, self.dtype, self.post))
 
     def end_backward(self) -> None:
+        launched = self.active
         super().end_backward()
         for p in self.params:  # a parameter whose bucket was reduced before it got a gradient
             p.grad = None
+        if self.tree is not None and launched:
+            self.tree.commit()
+            if self.boundary:
+                self.tree.finish(self.tree_factor)  # type: ignore[arg-type]
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [self.shard[off:off + hi - lo] for lo, hi, off in self.layout.owned_ranges()]

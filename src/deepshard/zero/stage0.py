@@ -59,10 +59,14 @@ class Stage0Strategy(ZeroStrategy):
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
             overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None,
-            canonical=ctx.comm.pairwise and ctx.device.type == "cpu")
+            canonical=(ctx.comm.pairwise and ctx.device.type == "cpu") or ctx.deterministic_steps > 0,
+            tree_factor=ctx.final_factor() if ctx.deterministic_steps > 1 else None)
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
+        if self.reducer.tree is not None:  # the deterministic mode sums every micro-step, on one process too
+            self.reducer.begin_backward(reduce)
+            return
         self.reducer.begin_backward(reduce and self.ctx.comm.size > 1 and not self._local_gradients())
 
     def _local_gradients(self) -> bool:

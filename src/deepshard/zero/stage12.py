@@ -63,9 +63,10 @@ class Stage12Strategy(ZeroStrategy):
         grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(grad_reduce.world)
+        tree_factor = ctx.final_factor() if ctx.deterministic_steps > 1 else None  # zero/canonical.py
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
                                    policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms,
-                                   grad_reduce=grad_reduce)
+                                   grad_reduce=grad_reduce, tree_factor=tree_factor)
         self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))

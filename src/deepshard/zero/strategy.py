@@ -126,6 +126,19 @@ class StrategyContext:
                 found = len(groups) - 1
             index.append(found)
         return index, groups
+    deterministic_steps: int = 0
+    """The deterministic mode's accumulation steps (``zero/canonical.py``): every micro-step is reduced, the
+    steps' sums are added in the canonical tree and averaged once at the boundary over ``dp x steps``
+    micro-batches (whose losses the engine does not divide). 0: the default mode."""
+
+    def final_factor(self) -> float:
+        """What the deterministic mode multiplies the canonical sum by at the boundary."""
+        steps = max(1, self.deterministic_steps)
+        if self.prescale_gradients and self.gradient_predivide_factor == 1.0:
+            predivide = float(self.comm.size)
+        else:
+            predivide = self.gradient_predivide_factor
+        return predivide / (self.comm.size * steps) if self.average_gradients else predivide / steps
 
 
 def copies_of(param: torch.Tensor) -> int:

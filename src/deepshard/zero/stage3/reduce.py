@@ -29,12 +29,15 @@ class Stage3Reducer:
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
                  on_reduced: Callable[[int, torch.Tensor], None] | None = None,
                  on_release: Callable[[ShardedGroup], None] | None = None,
-                 grad_reduce: GradReduce | None = None, deferred: set[int] | None = None) -> None:
+                 grad_reduce: GradReduce | None = None, deferred: set[int] | None = None,
+                 average_chunks: bool = True) -> None:
         """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
         ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
         (an optimizer step in backward). ``grad_reduce``: how a group's gradients are reduced (default: a
         reduce-scatter over ``comm``; hybrid sharding and qgZ: ``zero/grad_comm.py``). ``deferred``: indices
-        of groups reduced at the end of backward only (leaf modules' groups)."""
+        of groups reduced at the end of backward only (leaf modules' groups). ``average_chunks`` False: chunks
+        are handed on as summed (the deterministic mode averages the canonical sum over micro-steps once, at
+        the boundary)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
         self.grad_reduce = grad_reduce if grad_reduce is not None else GradReduce(comm)
         self.on_reduced = on_reduced
@@ -42,10 +45,11 @@ class Stage3Reducer:
         self.deferred = deferred or set()
         self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = averaging_factor(predivide, self.grad_reduce.world, average)
+        self.post = averaging_factor(predivide, self.grad_reduce.world, average) if average_chunks else 1.0
         self.waiter = waiter
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
+        self.open = False  # between begin_backward and end_backward
         self.ready: list[int] = [0] * len(groups)
         self.expected = [sum(1 for p in g.params if p.requires_grad) for g in groups]
         self.group_of: dict[int, int] = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
@@ -53,6 +57,7 @@ class Stage3Reducer:
                       if p.requires_grad]
 
     def begin_backward(self) -> None:
+        self.open = True
         self.launched.clear()
         self.ready = [0] * len(self.groups)
 
@@ -94,11 +99,15 @@ class Stage3Reducer:
         gradients: what the earlier ones hold leaves first)."""
         self.in_flight.drain()
 
-    def end_backward(self) -> None:
+    def end_backward(self) -> bool:
+        """Launch the groups no gradient reached, finish every reduce-scatter; True when this closed a
+        backward (False for a second call)."""
+        closing, self.open = self.open, False
         for gi in range(len(self.groups)):
             if gi not in self.launched:
                 self._launch(gi)
         self.in_flight.drain()
+        return closing
 
     def scratch_bytes(self) -> int:
         return self.in_flight.scratch_bytes()

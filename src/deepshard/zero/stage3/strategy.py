@@ -19,7 +19,8 @@ import torch
 from deepshard.precision.cast import cast_buffers
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.offload.factory import make_grad_shard, make_param_store, make_shard_states
-from deepshard.zero.offload.grad_store import GradShard
+from deepshard.zero.canonical import StepTree
+from deepshard.zero.offload.grad_store import GradShard, ResidentGradShard
 from deepshard.zero.offload.param_store import ParamStore
 from deepshard.zero.offload.policy import NoOffload
 from deepshard.zero.optimizer_guard import guard
@@ -110,11 +111,13 @@ class Stage3Strategy(ZeroStrategy):
         grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(grad_reduce.world)
-        self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grads.accumulate, policy.comm_dtype, predivide,
+        self.tree = self._step_tree()
+        self._boundary = True
+        self.reducer = Stage3Reducer(self.groups, offsets, comm, self._accumulate, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait,
                                      on_reduced=self._step_group if step_in_backward else None,
                                      on_release=lambda g: self.hooks.after_release(g), grad_reduce=grad_reduce,
-                                     deferred=self._leaf_group_indices(module))
+                                     deferred=self._leaf_group_indices(module), average_chunks=self.tree is None)
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
                                  before_backward=self.reducer.finish_in_flight)
@@ -150,6 +153,22 @@ class Stage3Strategy(ZeroStrategy):
         for g in self.groups + self.frozen_groups:
             if g.users == 0:
                 g.reshard()
+
+    def _step_tree(self) -> StepTree | None:
+        """The deterministic mode's sum over micro-steps (``zero/canonical.py``), with accumulation only."""
+        if self.ctx.deterministic_steps <= 1 or self.steps_in_backward:
+            return None
+        if not isinstance(self.grads, ResidentGradShard):  # refused by the plan check (grads_on_disk)
+            raise ValueError("the deterministic mode with accumulation keeps ZeRO-3's gradient shard in memory; "
+                             "offload_optimizer to nvme keeps it on disk: offload to cpu, or accumulate 1 step")
+        return StepTree(self.grads.tensor)
+
+    def _accumulate(self, start: int, values: torch.Tensor, factor: float) -> None:
+        """A group's reduced chunk into the gradient shard (or this micro-step's partial sum)."""
+        if self.tree is None:
+            self.grads.accumulate(start, values, factor)
+        else:
+            self.tree.current()[start:start + values.numel()].copy_(values)
 
     def _prefetch_window(self) -> int:
         """``stage3_prefetch_bucket_size``, or by default the largest gathered group (one module ahead),
@@ -238,6 +257,7 @@ class Stage3Strategy(ZeroStrategy):
                                "cannot be honoured: turn the option off to accumulate gradients")
         self.hooks.stop_recording()
         self.reducer.begin_backward()
+        self._boundary = reduce
 
     @torch.no_grad()
     def _step_group(self, gi: int, chunk: torch.Tensor) -> None:
@@ -254,7 +274,11 @@ class Stage3Strategy(ZeroStrategy):
         self.states.step_pieces(indices, grads, 1.0, self._publish)
 
     def end_backward(self) -> None:
-        self.reducer.end_backward()
+        closed = self.reducer.end_backward()
+        if self.tree is not None and closed:
+            self.tree.commit()
+            if self._boundary:
+                self.tree.finish(self.ctx.final_factor())
         self.hooks.end_backward()
         for g in self.groups + self.frozen_groups:
             if g.users == 0:
