@@ -129,3 +129,46 @@ def test_whole_vectors_keeps_state_and_step_counts() -> None:
     assert all(opt.state[p]["exp_avg"].shape == p.shape for p in params)
     assert len(opt.state) == len(params) and [p for group in opt.param_groups for p in group["params"]] == params
     opt.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_step_tree_continues_the_tree_over_ranks(dp: int) -> None:
+    """8 atoms as dp ranks x 8/dp steps: each step's tree over ranks, continued by ``StepTree`` over the
+    steps, is the written tree over the 8 atoms (``zero/canonical.py``), times the factor, for every dp."""
+    from deepshard.zero.canonical import StepTree
+
+    g = torch.Generator().manual_seed(dp)
+    atoms = [torch.randn(29, generator=g) * 10 ** torch.randint(-3, 4, (29,), generator=g) for _ in range(8)]
+    base = torch.full((29,), float("nan"))
+    tree = StepTree(base)
+    for step in range(8 // dp):
+        tree.current().copy_(_written_tree(atoms[step * dp:(step + 1) * dp]))
+        tree.commit()
+    assert tree.pending == 8 // dp
+    result = tree.finish(0.125)
+    assert result is base and torch.equal(result, _written_tree(atoms) * 0.125)
+    assert tree.pending == 0 and tree.nbytes() <= 3 * 29 * 4  # at most floor(log2 8) partial sums beyond base
+
+
+def test_atom_sampler_gives_every_split_the_same_micro_batches() -> None:
+    """Rank r's micro-step m of a global batch is micro-batch m x dp + r of the same shuffled order, for
+    every dp x accumulation split (and a partial last batch is completed from the epoch's start)."""
+    from deepshard.data import AtomSampler
+
+    data = list(range(37))
+    micro, atoms = 2, 8
+
+    def atoms_of(dp: int) -> list[list[int]]:
+        per_rank = [list(AtomSampler(data, micro, r, dp, atoms // dp, seed=5)) for r in range(dp)]
+        out = []
+        for batch in range(len(per_rank[0]) // (micro * atoms // dp)):
+            for m in range(atoms // dp):
+                for r in range(dp):
+                    at = (batch * atoms // dp + m) * micro
+                    out.append(per_rank[r][at:at + micro])
+        return out
+
+    reference = atoms_of(1)
+    assert all(atoms_of(dp) == reference for dp in (2, 4, 8))
+    flat = [i for a in reference for i in a]
+    assert len(flat) == 48 and sorted(set(flat)) == data  # 3 global batches of 16 cover the epoch
