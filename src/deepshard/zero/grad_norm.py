@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -139,5 +138,8 @@ def exact_norm(sources: dict[int, Sequence[Pieces]], groups: Sequence[CommGroup]
         for g in groups:
             g.all_reduce_control(limbs, "all_reduce of the gradient norm", label="all_reduce(scalar)")
         totals = decode(limbs)
-    weighted = sum((Fraction(t, c) for c, t in zip(range(1, copies_max + 1), totals)), Fraction(0))
-    return math.sqrt(math.ldexp(float(weighted / divisor), -2 * k))
+    # sum(t_c / c) / divisor, exactly: over the common denominator lcm(1..copies_max) x divisor, then one
+    # correctly rounded integer division (no ``fractions``: its import of ``decimal`` costs zero.Init's memory)
+    common = math.lcm(*range(1, copies_max + 1))
+    numerator = sum(t * (common // c) for c, t in zip(range(1, copies_max + 1), totals))
+    return math.sqrt(math.ldexp(numerator / (common * divisor), -2 * k))
