@@ -46,6 +46,8 @@ class Cell:
     zeropp: str = "none"
     """Hierarchical ZeRO (``ZEROPP_KEYS``): none, hybrid (MiCS shard groups of half the data-parallel ranks),
     hpz (secondary shards over 2 ranks), zeropp (hpZ + qwZ + qgZ)."""
+    deterministic: bool = False
+    """``"deterministic": true`` (``docs/determinism.md``): the canonical sum over micro-batches."""
 
     @property
     def world(self) -> int:
@@ -57,6 +59,7 @@ class Cell:
                 f"off_{self.offload}-{self.model}")
         base += f"-sp{self.sp}_{self.sp_mode}" if self.sp > 1 else ""
         base += f"-zpp_{self.zeropp}" if self.zeropp != "none" else ""
+        base += "-det" if self.deterministic else ""
         return base + (f"-reload{''.join(map(str, self.reload))}" if self.reload else "")
 
 
@@ -150,6 +153,18 @@ ZEROPP_CELLS: list[Cell] = [
 quantized cells a tolerance of their own): with tensor parallelism (automatic and the user's), the three
 precisions, accumulation and both offloads; refused at stage 0 (hybrid) and below stage 3 (hpZ)."""
 
+DETERMINISTIC_CELLS: list[Cell] = [
+    Cell(1, 1, 2, 2, "fp32", 3, "optimizer", "tied", deterministic=True),
+    Cell(1, 2, 2, 1, "bf16", 3, "none", "megatron", deterministic=True),
+    Cell(1, 1, 4, 3, "fp32", 3, "params", "plain", deterministic=True),
+    Cell(1, 1, 2, 0, "fp16", 3, "none", "plain", deterministic=True),
+    Cell(2, 1, 2, 1, "fp32", 3, "none", "plain", deterministic=True),
+    Cell(1, 1, 2, 3, "fp32", 3, "optimizer", "tied", deterministic=True),
+]
+"""The deterministic mode (not an all-pairs axis: its bitwise claims are ``test_determinism.py``'s; here it
+trains to the single-process result): every stage, accumulation, both offloads, tensor parallelism, the
+three precisions; refused with a pipeline, and at ZeRO-3 with gradients in swap files and accumulation."""
+
 ZEROPP_TOLERANCE = 0.2
 """Relative error allowed for the quantized cells (``zeropp``: 8-bit weights, 4-bit gradients in two hops on
 the 4-rank cells) against the fp32 reference over the matrix's 3 steps: the parameters' worst element moves by
@@ -179,10 +194,11 @@ collectives take their two hops."""
 def cells() -> list[Cell]:
     """Every cell of the matrix in a fixed order: all-pairs rows over the valid cells (every pair of
     values that can meet does, in a valid cell), the bug cells, the refused cells, the
-    sequence-parallel cells, then the hybrid sharding / ZeRO++ cells."""
+    sequence-parallel cells, the hybrid sharding / ZeRO++ cells, then the deterministic-mode cells."""
     rows = [Cell(**row) for row in all_pairs(AXES, allowed)]
     seen = {c.id for c in rows}
-    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS + SP_CELLS + ZEROPP_CELLS if c.id not in seen]
+    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS + SP_CELLS + ZEROPP_CELLS + DETERMINISTIC_CELLS
+             if c.id not in seen]
     return rows + extra
 
 
@@ -205,6 +221,11 @@ REFUSALS: list[tuple[str, str, str, str]] = [
      "hybrid sharding partitions the optimizer states (ZeRO 1-2) or everything (ZeRO 3) over its shard groups"),
     ("hpz-below-3", "zeropp = hpz or zeropp (zero_hpz_partition_size, zero_quantized_weights) with zero 0-2",
      "they act on ZeRO-3's parameter gathers", "below ZeRO-3 every rank holds the whole parameters"),
+    ("deterministic-pipeline", "deterministic with pp = 2", "a pipeline model (each stage adds its micro-batches'",
+     "a pipeline stage adds its micro-batches' gradients in schedule order, outside the canonical sum"),
+    ("deterministic-nvme-gas", "deterministic with zero = 3, offload = optimizer (nvme) and gas = 3",
+     "ZeRO-3 gradients in nvme swap files with gradient_accumulation_steps",
+     "the canonical sum over micro-batches keeps partial sums in memory; offload to cpu, or accumulate 1 step"),
 ]
 """The expected refusals, in one place: a plan check that lists every conflict keeps these substrings."""
 
@@ -227,6 +248,10 @@ def rules_broken(row: dict) -> list[str]:
     hpz_on = row.get("zeropp") == "hpz" and row.get("dp", 1) * row.get("sp", 1) > 1
     if (hpz_on or row.get("zeropp") == "zeropp") and row.get("zero", 3) < 3:
         out.append("hpz-below-3")
+    if row.get("deterministic") and row.get("pp", 1) > 1:
+        out.append("deterministic-pipeline")
+    if row.get("deterministic") and row.get("zero") == 3 and row.get("offload") == "optimizer" and row.get("gas", 1) > 1:
+        out.append("deterministic-nvme-gas")
     return out
 
 
@@ -239,7 +264,8 @@ def allowed(row: dict) -> bool:
 def refusals(cell: Cell) -> list[str]:
     """The rule names ``cell`` breaks (empty: it must train)."""
     return rules_broken({"pp": cell.pp, "tp": cell.tp, "dp": cell.dp, "zero": cell.zero, "offload": cell.offload,
-                         "model": cell.model, "sp": cell.sp, "zeropp": cell.zeropp})
+                         "model": cell.model, "sp": cell.sp, "zeropp": cell.zeropp, "gas": cell.gas,
+                         "deterministic": cell.deterministic})
 
 
 def refusal_substrings(cell: Cell) -> list[str]:
@@ -355,6 +381,11 @@ def markdown_table() -> str:
                  + "; ".join(f"{c.zeropp} with {'tp=2 x ' if c.tp > 1 else ''}dp={c.dp} ZeRO {c.zero} {c.precision}"
                              f"{f' gas {c.gas}' if c.gas > 1 else ''}"
                              f"{f' offload {c.offload}' if c.offload != 'none' else ''} {c.model}" for c in z_valid)
+                 + " |")
+    d_valid = [c for c in DETERMINISTIC_CELLS if not refusals(c)]
+    lines.append(f"| deterministic | off; on (`\"deterministic\": true`) in {len(d_valid)} cells of their own: "
+                 + "; ".join(f"{'tp=2 x ' if c.tp > 1 else ''}dp={c.dp} ZeRO {c.zero} {c.precision} gas {c.gas}"
+                             f"{f' offload {c.offload}' if c.offload != 'none' else ''} {c.model}" for c in d_valid)
                  + " |")
     lines += ["", "| combination | result |", "| --- | --- |"]
     for _, where, _, reason in REFUSALS:

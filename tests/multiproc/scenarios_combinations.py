@@ -294,6 +294,8 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if cell.model == "autotp" or (cell.model in ("attn", "attn_mqa") and cell.tp > 1):
         cfg["tensor_parallel"] = {"autotp_size": cell.tp}
+    if cell.deterministic:
+        cfg["deterministic"] = True
     if cell.sp > 1:
         cfg["sequence_parallel_size"] = cell.sp
         cfg["sequence_parallel"] = {"mode": cell.sp_mode, **({"ulysses_size": 2} if cell.sp_mode == "hybrid" else {})}

@@ -150,6 +150,19 @@ def test_step_tree_continues_the_tree_over_ranks(dp: int) -> None:
     assert tree.pending == 0 and tree.nbytes() <= 3 * 29 * 4  # at most floor(log2 8) partial sums beyond base
 
 
+def test_step_tree_with_a_step_count_not_a_power_of_two() -> None:
+    """3 steps: the binary counter holds (s0 + s1) and s2; the rest are added newest first."""
+    from deepshard.zero.canonical import StepTree
+
+    steps = [torch.randn(11, generator=torch.Generator().manual_seed(i)) * 10 ** i for i in range(3)]
+    tree = StepTree(torch.zeros(11))
+    for _ in range(2):  # twice over: finish starts the tree over
+        for s in steps:
+            tree.current().copy_(s)
+            tree.commit()
+        assert torch.equal(tree.finish(0.5), ((steps[0] + steps[1]) + steps[2]) * 0.5)
+
+
 def test_atom_sampler_gives_every_split_the_same_micro_batches() -> None:
     """Rank r's micro-step m of a global batch is micro-batch m x dp + r of the same shuffled order, for
     every dp x accumulation split (and a partial last batch is completed from the epoch's start)."""

@@ -58,7 +58,8 @@ class StepTree:
         while len(self.counts) > 1:
             top = len(self.counts) - 1
             self.buffers[top - 1].add_(self.buffers[top])
-            self.counts[-2] += self.counts.pop()
+            span = self.counts.pop()
+            self.counts[-1] += span
         self.counts.clear()
         if factor != 1.0:
             self.base.mul_(factor)
