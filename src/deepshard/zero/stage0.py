@@ -8,6 +8,8 @@ updates fp32 master weights that are copied back into the module after each step
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
@@ -109,16 +111,16 @@ class Stage0Strategy(ZeroStrategy):
         return total
 
     def step(self, grad_multiplier: float) -> None:
-        self.require_optimizer()
+        optimizer = self.require_optimizer()
         if self.masters is not None:
             self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
-            self.optimizer.step()
+            optimizer.step()
             self.masters.clear_grads()
             self.masters.publish()
         else:
             if grad_multiplier != 1.0:
                 torch._foreach_mul_(self.reducer.grads(), grad_multiplier)
-            self.optimizer.step()
+            optimizer.step()
 
     def zero_grad(self) -> None:
         self.reducer.zero_()
@@ -201,11 +203,11 @@ def overlap_for(zero_config: object) -> bool:
     return True
 
 
-def tensor_bytes(tensors: object) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views count once)."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:  # type: ignore[attr-defined]
+    for t in tensors:
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
             continue
