@@ -151,7 +151,7 @@ class CommGroup:
         """Sum ``tensor`` in place over the group."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0)
+        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_reduce", tensor))
 
@@ -162,7 +162,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
+        self.logger.record(self._label("all_gather"), output.numel(), output.element_size(), group_size=self.size)
         what = self._what("all_gather", output)
         return self._settle(self.transport.all_gather(output, shard, key, what), async_op, what)
 
@@ -182,7 +182,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(data)
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size())
+        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size(), group_size=self.size)
         what = self._what("all_to_all", data)
         return self._settle(self.transport.all_to_all(output, data, what), async_op, what)
 
@@ -191,7 +191,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
+        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size(), group_size=self.size)
         what = self._what("reduce_scatter", full)
         return self._settle(self.transport.reduce_scatter(output, full, what), async_op, what)
 
@@ -207,15 +207,17 @@ class CommGroup:
         if self.size == 1:  # the result is the padded concatenation itself
             flat = padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
-        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
-        what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
+        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size(),
+                           group_size=self.size)
+        what = (f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements"
+                f" over {self.size} ranks")
         return self._settle(self.transport.reduce_scatter_pieces(pieces, chunk, self.size, key, what), True, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size())
+        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size(), group_size=self.size)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
@@ -230,7 +232,7 @@ class CommGroup:
         if self.size == 1:
             return
         if label is not None:
-            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0)
+            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         self._settle(self.transport.all_reduce_small(tensor, op, what), False, what)
 
     def barrier(self, what: str = "barrier") -> None:
