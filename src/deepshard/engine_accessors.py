@@ -6,7 +6,7 @@ answers the same questions from deepshard's validated config (``deepshard.config
 
 - methods that return one config value, and methods about features deepshard does not implement and whose
   config sections it refuses to turn on (random-LTD, curriculum learning, data efficiency, DeepCompile passes,
-  ZenFlow, ZeRO++ quantisation), which return what DeepSpeed returns while the feature is off: generated
+  ZenFlow), which return what DeepSpeed returns while the feature is off: generated
   from the tables of ``deepshard.engine_accessor_specs`` into ``engine_accessors_generated.py``
   (``GeneratedAccessors``, this class's base) by ``tools/gen_engine_accessors.py``;
 - the methods below, whose answer is derived (offload devices, ZeRO stage tests, dtypes, batch info).

@@ -257,6 +257,26 @@ class GeneratedAccessors:
         the config's ``zero_optimization.save_muon_momentum_buffer_in_memory``."""
         return self._config.zero_optimization.save_muon_momentum_buffer_in_memory
 
+    def zero_hpz_partition_size(self) -> int:
+        """DeepSpeed's ``engine.zero_hpz_partition_size()``:
+        the config's ``zero_optimization.zero_hpz_partition_size``."""
+        return self._config.zero_optimization.zero_hpz_partition_size
+
+    def zero_quantized_weights(self) -> bool:
+        """DeepSpeed's ``engine.zero_quantized_weights()``:
+        the config's ``zero_optimization.zero_quantized_weights``."""
+        return self._config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        """DeepSpeed's ``engine.zero_quantized_nontrainable_weights()``:
+        the config's ``zero_optimization.zero_quantized_nontrainable_weights``."""
+        return self._config.zero_optimization.zero_quantized_nontrainable_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        """DeepSpeed's ``engine.zero_quantized_gradients()``:
+        the config's ``zero_optimization.zero_quantized_gradients``."""
+        return self._config.zero_optimization.zero_quantized_gradients
+
     def zero_offload_optimizer(self) -> Optional[OffloadOptimizerConfig]:
         """DeepSpeed's ``engine.zero_offload_optimizer()``:
         the config's ``zero_optimization.offload_optimizer``."""
@@ -323,26 +343,6 @@ class GeneratedAccessors:
 
     def zero_legacy_stage1(self) -> bool:
         """DeepSpeed's ``engine.zero_legacy_stage1()``: always False, DeepSpeed's answer while the
-        feature is off (deepshard does not implement it and refuses the config that turns it on)."""
-        return False
-
-    def zero_hpz_partition_size(self) -> int:
-        """DeepSpeed's ``engine.zero_hpz_partition_size()``: always 1, DeepSpeed's answer while the
-        feature is off (deepshard does not implement it and refuses the config that turns it on)."""
-        return 1
-
-    def zero_quantized_weights(self) -> bool:
-        """DeepSpeed's ``engine.zero_quantized_weights()``: always False, DeepSpeed's answer while the
-        feature is off (deepshard does not implement it and refuses the config that turns it on)."""
-        return False
-
-    def zero_quantized_nontrainable_weights(self) -> bool:
-        """DeepSpeed's ``engine.zero_quantized_nontrainable_weights()``: always False, DeepSpeed's answer while the
-        feature is off (deepshard does not implement it and refuses the config that turns it on)."""
-        return False
-
-    def zero_quantized_gradients(self) -> bool:
-        """DeepSpeed's ``engine.zero_quantized_gradients()``: always False, DeepSpeed's answer while the
         feature is off (deepshard does not implement it and refuses the config that turns it on)."""
         return False
 
