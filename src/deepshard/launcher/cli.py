@@ -27,7 +27,7 @@ from deepshard.launcher.options import (
     add_script_args,
 )
 from deepshard.launcher.preflight import check_port_free, free_port, prepare_log_dir
-from deepshard.launcher.rank_entry import real_deepspeed, route_ranks
+from deepshard.compat.run import real_deepspeed, route_ranks
 from deepshard.utils.logging import logger
 from deepshard.utils.progress import PROGRESS_ENV
 
