@@ -1,4 +1,5 @@
-"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one."""
+"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one (with no
+subcommand, ``deepshard`` is the launcher, :mod:`deepshard.launcher.cli`, whose ``main`` dispatches through here)."""
 from __future__ import annotations
 
 import argparse
