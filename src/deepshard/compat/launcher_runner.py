@@ -1,6 +1,7 @@
-"""DeepSpeed's helpers of ``deepspeed.launcher.runner`` (re-exported by :mod:`deepshard.launcher.runner`, which
-runs the launcher): the command line, DeepSpeed's hostfile and ``--include``/``--exclude`` helpers over
-deepshard's own (:mod:`deepshard.launcher.hostfile`), and ``encode_world_info``."""
+"""DeepSpeed's ``deepspeed.launcher.runner`` module API over deepshard's launcher (the module path
+:mod:`deepshard.launcher.runner` re-exports it and runs it): ``main``, the command line, DeepSpeed's hostfile and
+``--include``/``--exclude`` helpers over deepshard's own (:mod:`deepshard.launcher.hostfile`), and
+``encode_world_info``."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,8 @@ from typing import Any
 
 from deepshard.launcher import cli
 from deepshard.launcher.hostfile import parse_hostfile, parse_node_spec
+
+__all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "encode_world_info", "main", "parse_args", "parse_resource_filter"]
 
 DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
 """The env file every node's ranks get (DeepSpeed's name; deepshard also reads ``.deepshard_env``,
@@ -61,3 +64,8 @@ def _parse_hostfile(hostfile_lines: Sequence[str]) -> dict[str, int]:
 def encode_world_info(world_info: Mapping[str, Any]) -> str:
     """``world_info`` (``{host: slots}``) as the base64 JSON token DeepSpeed's runners pass to every node."""
     return base64.urlsafe_b64encode(json.dumps(dict(world_info)).encode("utf-8")).decode("ascii")
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Run the launcher on ``args`` (``sys.argv[1:]`` when None); returns the exit status."""
+    return cli.main(None if args is None else list(args))

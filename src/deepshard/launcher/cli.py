@@ -26,8 +26,10 @@ from deepshard.launcher.options import (
     add_process_args,
     add_resource_args,
     add_script_args,
+    check_port_free,
+    free_port,
+    prepare_log_dir,
 )
-from deepshard.launcher.preflight import check_port_free, free_port, prepare_log_dir
 from deepshard.utils.logging import logger
 from deepshard.utils.progress import PROGRESS_ENV
 

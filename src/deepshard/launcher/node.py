@@ -68,7 +68,7 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     on ``master_addr:master_port``; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
-    from deepshard.launcher.link import JobLink
+    from deepshard.launcher.board import JobLink
     from deepshard.launcher.rendezvous import Place, RendezvousFailed, open_rendezvous
 
     ajob = node_agent_job(job, base_env, available_cores)

@@ -1,28 +1,10 @@
-"""DeepSpeed's launcher module path, ``deepshard.launcher.runner`` (``deepspeed.launcher.runner``): :func:`main`
-runs the ``deepshard`` launcher (``python -m deepshard.launcher.runner`` too); DeepSpeed's helpers of that module
-are :mod:`deepshard.compat.launcher_runner`'s."""
-from __future__ import annotations
-
+"""DeepSpeed's launcher module path, ``deepshard.launcher.runner`` (``deepspeed.launcher.runner``): ``main(argv)``
+runs the ``deepshard`` launcher and returns its exit status, as ``python -m deepshard.launcher.runner`` does; the
+module's DeepSpeed names are :mod:`deepshard.compat.launcher_runner`'s."""
 import sys
-from collections.abc import Sequence
 
-from deepshard.compat.launcher_runner import (
-    DEEPSPEED_ENVIRONMENT_NAME,
-    _parse_hostfile,
-    encode_world_info,
-    parse_args,
-    parse_resource_filter,
-)
-from deepshard.launcher import cli
-
-__all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "_parse_hostfile", "encode_world_info", "main", "parse_args",
-           "parse_resource_filter"]
-
-
-def main(args: Sequence[str] | None = None) -> int:
-    """Run the launcher on ``args`` (``sys.argv[1:]`` when None); returns the exit status."""
-    return cli.main(None if args is None else list(args))
-
+from deepshard.compat.launcher_runner import *  # noqa: F403 - the names DeepSpeed's module has
+from deepshard.compat.launcher_runner import _parse_hostfile, main  # noqa: F401 - DeepSpeed's unit tests use both
 
 if __name__ == "__main__":
     sys.exit(main())
