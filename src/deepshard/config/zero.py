@@ -90,14 +90,39 @@ class OffloadOptimizerConfig(Section):
         return self.pipeline_read or self.pipeline_write
 
 
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+"""Hugging Face mixture-of-experts blocks that are ZeRO-3 leaves by default (as in DeepSpeed 0.19.8)."""
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
 class LeafModuleConfig(Section):
-    """Modules ZeRO-3 gathers as a whole instead of hooking their children (MoE blocks)."""
+    """Modules ZeRO-3 gathers as a whole instead of hooking their children (MoE blocks): by class (plain or
+    fully qualified name), by module name, or by name suffix. A single string counts as a one-item list;
+    repeats are dropped."""
 
     section_path: ClassVar[str] = "zero_optimization.leaf_module"
 
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        for key in ("classes", "names", "name_suffixes"):
+            if isinstance(data.get(key), str):
+                data[key] = [data[key]]
+        return data
+
+    @model_validator(mode="after")
+    def _drop_repeats(self) -> "LeafModuleConfig":
+        for key in ("classes", "names", "name_suffixes"):
+            object.__setattr__(self, key, list(dict.fromkeys(getattr(self, key))))
+        return self
 
 
 class ZeroConfig(Section):

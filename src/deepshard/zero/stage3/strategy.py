@@ -109,7 +109,8 @@ class Stage3Strategy(ZeroStrategy):
         self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grads.accumulate, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait,
                                      on_reduced=self._step_group if step_in_backward else None,
-                                     on_release=lambda g: self.hooks.after_release(g))
+                                     on_release=lambda g: self.hooks.after_release(g),
+                                     deferred=self._leaf_group_indices(module))
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
                                  before_backward=self.reducer.finish_in_flight)
@@ -195,6 +196,13 @@ class Stage3Strategy(ZeroStrategy):
         if states is not None:
             states.flush()
         return groups
+
+    def _leaf_group_indices(self, module: torch.nn.Module) -> set[int]:
+        """The trainable groups holding parameters of leaf modules' subtrees (their reduction waits for the
+        end of backward: see ``reduce.py``)."""
+        group_of = {id(p): gi for gi, g in enumerate(self.groups) for p in g.params}  # the reducer's numbering
+        return {group_of[id(p)] for m in module.modules() if is_z3_leaf(m) for p in m.parameters()
+                if id(p) in group_of}
 
     def _groups_by_module(self, module: torch.nn.Module) -> dict[int, list[ShardedGroup]]:
         """The groups each module's forward needs: its own parameters and registered external ones; a
