@@ -235,8 +235,8 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this process holds per category (parameters, gradients, master_weights,
-        optimizer_state, buffers, comm_buckets; gathered_parameters under ZeRO-3; offloaded and
-        offload_buffers with offload) and ``total``, the resident sum (offloaded bytes excluded)."""
+        optimizer_state, buffers, comm_buckets; gathered_parameters under ZeRO-3, secondary_parameters with
+        hpZ; offloaded and offload_buffers with offload) and ``total``, the resident sum (offloaded bytes excluded)."""
         report = dict(self._strategy().memory_report())
         # 'total' is what this process holds in memory: bytes offloaded to disk are reported apart
         report["total"] = sum(v for k, v in report.items() if k != "offloaded")

@@ -144,29 +144,6 @@ def dump(engine: Any) -> dict[str, Any]:
     return out
 
 
-def skip_op_builds() -> None:
-    """Stop real DeepSpeed from compiling its C++ ops, which no accessor reads.
-
-    On its CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce when its comm backend starts
-    and a fused Adam when the config names Adam/AdamW: minutes of a C++ build for every fresh venv (CI
-    makes one per run), and again each time another venv compiled the same op names into the shared
-    ``~/.cache/torch_extensions`` (the build command changes with the venv's path). The accessors only read
-    the config, so both builds are stubbed: gloo does the collectives, and the stub Adam kernel refuses to run.
-    """
-    import deepspeed.comm.torch  # noqa: F401 - ``deepspeed.comm.torch`` the attribute is torch itself
-    import deepspeed.ops.adam.fused_adam
-
-    def never_called(*_: Any) -> None:
-        raise RuntimeError("accessor_worker stubs DeepSpeed's fused Adam kernel: no optimizer step may run here")
-
-    class NoBuild:
-        def load(self) -> Any:
-            return argparse.Namespace(multi_tensor_adam=never_called)
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.ops.adam.fused_adam.FusedAdamBuilder = NoBuild  # type: ignore[assignment]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--library", choices=("deepspeed", "deepshard"), required=True)
@@ -176,8 +153,6 @@ def main() -> None:
         import deepshard
 
         sys.modules["deepspeed"] = deepshard
-    else:
-        skip_op_builds()
     print(json.dumps({case: dump(build(case)) for case in args.case}))
 
 

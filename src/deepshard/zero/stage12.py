@@ -25,7 +25,8 @@ from deepshard.zero.offload.policy import NoOffload
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm  # noqa: F401 (re-exported)
+from deepshard.zero.grad_norm import Pieces
+from deepshard.zero.sharded_optimizer import ShardedOptimizer
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -59,10 +60,12 @@ class Stage12Strategy(ZeroStrategy):
         flat32 = self._build_flat_params(module)
         reducer_cls = Stage1Reducer if stage == 1 else Stage2Reducer
         predivide = ctx.gradient_predivide_factor
+        grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
-            predivide = float(comm.size)
+            predivide = float(grad_reduce.world)
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
-                                   policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms)
+                                   policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms,
+                                   grad_reduce=grad_reduce)
         self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
@@ -116,13 +119,10 @@ class Stage12Strategy(ZeroStrategy):
         self.reducer.end_backward()
 
     # ---------------------------------------------------------------------------------------- step
-    def global_grad_norm(self, loss_scale: float) -> float:
-        local = squared_norm(self._grad_shards(), self.ctx.device)
-        total = self.ctx.comm.all_reduce_sum_scalar(local)
-        return float(total.sqrt().item()) / loss_scale
-
-    def local_grad_sq(self) -> torch.Tensor:
-        return self.opt_shard.local_grad_sq(self.module)
+    def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
+        if not by_copies:
+            return {1: [self._grad_shards]}
+        return self.opt_shard.norm_sources(self.module)
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
@@ -150,6 +150,8 @@ class Stage12Strategy(ZeroStrategy):
 
     # --------------------------------------------------------------------------------- checkpoints
     def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
+        if self.ctx.replica_rank != 0:  # hybrid sharding: replica 0 of each shard writes it
+            return None
         return ShardState(self.opt_shard.records(), self.opt_shard.param_groups_for_save(self.optimizer),
                           module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                           {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})

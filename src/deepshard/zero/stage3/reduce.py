@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.grad_reducers import grad_piece
-from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
+from deepshard.zero.in_flight import InFlight, InFlightQueue, averaged, averaging_factor
 from deepshard.zero.stage3.group import ShardedGroup
 
 
@@ -28,18 +29,20 @@ class Stage3Reducer:
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
                  on_reduced: Callable[[int, torch.Tensor], None] | None = None,
                  on_release: Callable[[ShardedGroup], None] | None = None,
-                 deferred: set[int] | None = None) -> None:
+                 grad_reduce: GradReduce | None = None, deferred: set[int] | None = None) -> None:
         """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
         ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
-        (an optimizer step in backward). ``deferred``: indices of groups reduced at the end of backward
-        only (leaf modules' groups)."""
+        (an optimizer step in backward). ``grad_reduce``: how a group's gradients are reduced (default: a
+        reduce-scatter over ``comm``; hybrid sharding and qgZ: ``zero/grad_comm.py``). ``deferred``: indices
+        of groups reduced at the end of backward only (leaf modules' groups)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
+        self.grad_reduce = grad_reduce if grad_reduce is not None else GradReduce(comm)
         self.on_reduced = on_reduced
         self.on_release = on_release
         self.deferred = deferred or set()
         self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = averaging_factor(predivide, comm.size, average)
+        self.post = averaging_factor(predivide, self.grad_reduce.world, average)
         self.waiter = waiter
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
@@ -73,8 +76,8 @@ class Stage3Reducer:
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        self.in_flight.add(InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2),
-                                     held=pieces))
+        work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        self.in_flight.add(InFlight(gi, work, held=pieces))
         self.launched.add(gi)
 
     def _finish(self, item: InFlight) -> None:
@@ -84,7 +87,7 @@ class Stage3Reducer:
             chunk = item.work.result
             self.on_reduced(item.index, chunk.mul_(self.post) if self.post != 1.0 else chunk)
             return
-        self.accumulate(self.offsets[item.index], item.work.result, self.post)
+        self.accumulate(self.offsets[item.index], averaged(item.work.result, group.dtype, self.post), 1.0)
 
     def finish_in_flight(self) -> None:
         """Complete the reduce-scatters in flight (a module's backward is about to produce more
