@@ -49,8 +49,8 @@ process ids) over pairwise TCP, under the same deadline; only when every rank is
 pairwise TCP forms for its life (one log line). Each rank unlinks its own file once all have mapped it,
 so nothing stays in ``/dev/shm`` past the rendezvous, whatever happens to the processes later.
 
-Results are bit-identical to ``pairwise``: the same summation order (the chunk from rank ``r - 1``, this
-rank's own, then ranks ``r - 2, r - 3, ...``), 16-bit chunks from more than two ranks summed in fp32.
+Results are bit-identical to ``pairwise``: the same summation order (the canonical tree over ranks of
+``tree_sum.py``), 16-bit chunks from more than two ranks summed in fp32.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from deepshard.comm.pairwise import piece_ranges
+from deepshard.comm.tree_sum import OwnChunk, tree_sum
 from deepshard.utils.hugepages import advise_huge_pages
 
 HEADER_BYTES = 4096
@@ -145,6 +146,7 @@ class ShmRing:
         if not direct:
             advise_huge_pages(acc)
         per_round = self.slot_bytes // ((self.size - 1) * dtype.itemsize)
+        temps: list[torch.Tensor] = []
         with self._outboxes():
             for lo in range(0, chunk, per_round):
                 n = min(per_round, chunk - lo)
@@ -152,7 +154,7 @@ class ShmRing:
                 self._fill(slot, pieces, numels, chunk, lo, n, per_round)
                 self._publish(t, fingerprint)
                 self._await_peers(t, fingerprint, deadline, what)
-                self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide)
+                self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide, temps)
                 self._read_done(t)
         if output is not None:
             return output if direct else output.copy_(acc.reshape(output.shape))
@@ -180,25 +182,29 @@ class ShmRing:
                 block[at:].zero_()
 
     def _sum(self, acc: torch.Tensor, t: int, pieces: list[torch.Tensor], numels: list[int], chunk: int,
-             lo: int, per_round: int, wide: bool) -> None:
-        """``acc`` = the block from rank ``r - 1`` + this rank's own elements + the blocks from ranks
-        ``r - 2, r - 3, ...`` (the pairwise order). ``acc`` may be this rank's own elements (in-place
-        reduce-scatter): each element is read before it is written."""
+             lo: int, per_round: int, wide: bool, temps: list[torch.Tensor]) -> None:
+        """``acc`` = the canonical sum (``tree_sum.py``) of the blocks from the other ranks and this rank's own
+        elements. ``acc`` may be this rank's own elements (in-place reduce-scatter): the sum is taken in
+        ``temps`` (reused across rounds) and copied in at the end."""
         n, dtype = acc.numel(), pieces[0].dtype
-        first = self._block((self.rank - 1) % self.size, t, 1, n, per_round, dtype)
-        at = 0
+        own, at = [], 0
         begin = self.rank * chunk + lo
         for i, off, m in piece_ranges(numels, begin, begin + n):
-            if wide:  # widen first, then add: as pairwise's fp32 accumulator
-                acc[at:at + m].copy_(first[at:at + m])
-                acc[at:at + m].add_(pieces[i][off:off + m])
-            else:
-                torch.add(first[at:at + m], pieces[i][off:off + m], out=acc[at:at + m])
+            own.append((at, pieces[i][off:off + m]))
             at += m
-        if at < n:  # the zero padding of the last chunk
-            acc[at:].copy_(first[at:])
-        for k in range(2, self.size):
-            acc.add_(self._block((self.rank - k) % self.size, t, k, n, per_round, dtype))
+        free = list(temps)
+
+        def temp() -> torch.Tensor:
+            if not free:
+                temps.append(torch.empty(per_round, dtype=torch.float32 if wide else dtype))
+                free.append(temps[-1])
+            return free.pop()[:n]
+
+        def block(r: int) -> torch.Tensor:
+            return self._block(r, t, (self.rank - r) % self.size, n, per_round, dtype)
+
+        result = tree_sum(self.size, self.rank, block, OwnChunk(own), False, temp, lambda x: None)
+        acc.copy_(result)
 
 
 def _alive(pid: int) -> bool:

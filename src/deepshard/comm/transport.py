@@ -162,6 +162,31 @@ class SharedMemoryTransport(PairwiseTransport):
         nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
         return link.reduce_scatter_pieces(pieces, chunk, self.tag(key, nbytes, count=len(pieces)), what)
 
+    def all_reduce_small(self, tensor: torch.Tensor, op: str, what: str) -> Any:
+        """An all-gather of every rank's copy through shared memory, combined here in rank order (the same
+        bits as the TCP form): microseconds instead of a TCP round."""
+        link = self._shm() if self.pairwise_for(tensor) else None
+        if link is None:
+            return super().all_reduce_small(tensor, op, what)
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_control: the tensor must be contiguous")
+        flat = tensor.reshape(-1)
+        size = len(self.peers)
+        copies = torch.empty((size, flat.numel()), dtype=flat.dtype, device=flat.device)
+        work = link.all_gather(copies, flat.clone(), self.tag(zlib.crc32(op.encode()) + 1, _nbytes(tensor)), what)
+
+        def finish() -> torch.Tensor:
+            acc = copies[0].clone()
+            for r in range(1, size):
+                if op == "max":
+                    torch.maximum(acc, copies[r], out=acc)
+                else:
+                    acc.add_(copies[r])
+            flat.copy_(acc)
+            return tensor
+
+        return pairwise.CollectiveWork([work], finish)
+
 
 Transport = NativeTransport | PairwiseTransport | SharedMemoryTransport
 
