@@ -322,11 +322,37 @@ class CommGroup:
             self._record(label, tensor.numel(), tensor.element_size(), 2.0)
         if self.pairwise_for(tensor):
             tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
+            link = self._shm_for(tensor)
+            if link is not None:  # an all-gather through shared memory, combined here: microseconds, not a TCP round
+                self._settle(self._shm_all_reduce_small(link, tensor, op, tag, what), False, what)
+                return
             work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)
         else:
             reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
             work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
         self._settle(work, False, what)
+
+    def _shm_all_reduce_small(self, link: shared_memory.ShmTransport, tensor: torch.Tensor, op: str, tag: int,
+                              what: str) -> Any:
+        """``pairwise.all_reduce_small`` over shared memory: every rank's copy gathered, then combined in rank
+        order (the same bits as the TCP form)."""
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_control: the tensor must be contiguous")
+        flat = tensor.reshape(-1)
+        copies = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
+        work = link.all_gather(copies, flat.clone(), tag, what)
+
+        def finish() -> torch.Tensor:
+            acc = copies[0].clone()
+            for r in range(1, self.size):
+                if op == "max":
+                    torch.maximum(acc, copies[r], out=acc)
+                else:
+                    acc.add_(copies[r])
+            flat.copy_(acc)
+            return tensor
+
+        return pairwise.CollectiveWork([work], finish)
 
     def barrier(self, what: str = "barrier") -> None:
         """Wait for every rank (under the watchdog; ``what`` names the barrier in its diagnosis)."""
