@@ -114,11 +114,13 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _search(*args: Any) -> Any:
+def _search(model_path: str, *args: Any) -> Any:
+    """The planner's search, in a fresh process (its model file is loaded there: its functions do not pickle)."""
+    from deepshard.dryrun.plan_model import load_model_file
     from deepshard.dryrun.planner import search
 
     _one_thread()
-    return search(*args)
+    return search(load_model_file(model_path), *args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +161,7 @@ def _check_pick(args: argparse.Namespace, base: dict[str, Any], budget: str) -> 
     memory = parse_bytes(budget)
     space = Space(args.world_size, base["train_batch_size"], micros=(1, 2, 4, 8), tps=(1, 2), pps=(1, 2))
     with mp.get_context("spawn").Pool(1) as pool:
-        plan = pool.apply(_search, (load_model_file(args.model), base, space, memory))
+        plan = pool.apply(_search, (args.model, base, space, memory))
     if plan.pick is None:
         print(f"budget {budget}: nothing fits")
         return {"budget": memory, "pick": None}
