@@ -53,6 +53,9 @@ class ExpertShard:
     saved_name: str
     """The parameter's name with its layer's *global* expert id (``...deepspeed_experts.<G>...``): the name
     checkpoints store it under, the same for every layout."""
+    every_name: tuple[str, ...] = ()
+    """The same parameter's saved name in each of the layer's experts (other ranks hold the rest): what a
+    checkpoint of the whole model holds for it."""
 
 
 @dataclass
@@ -121,15 +124,30 @@ def mark_tied(param: torch.Tensor, stages: int) -> None:
     record_of(param).tied_stages = int(stages)
 
 
-def mark_expert(param: torch.Tensor, group: str, saved_name: str) -> None:
-    """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``."""
-    record_of(param).expert = ExpertShard(group, saved_name)
+def mark_expert(param: torch.Tensor, group: str, saved_name: str, every_name: tuple[str, ...] = ()) -> None:
+    """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``
+    (``every_name``: its names in every expert of its layer)."""
+    record_of(param).expert = ExpertShard(group, saved_name, tuple(every_name))
+
+
+def saved_name(param: torch.Tensor, name: str) -> str:
+    """The name checkpoints store ``param`` (called ``name`` in its module) under: its global expert name
+    for an expert split over expert-parallel ranks, else ``name``."""
+    found = placement_of(param)
+    return name if found is None or found.expert is None else found.expert.saved_name
 
 
 def expert_of(param: torch.Tensor) -> Optional[ExpertShard]:
     """``param``'s expert record (None: a dense parameter, or an expert every rank holds)."""
     found = placement_of(param)
     return None if found is None else found.expert
+
+
+def identities(param: torch.Tensor, name: str) -> set[str]:
+    """The names a checkpoint may list ``param`` (saved as ``name``) under in its optimizer groups: ``name``,
+    and for an expert its name in every expert of its layer (the writer may have held other experts)."""
+    found = expert_of(param)
+    return {name} | (set(found.every_name) if found is not None else set())
 
 
 def split_of(param: torch.Tensor) -> Optional[TensorSplit]:

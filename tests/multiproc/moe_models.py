@@ -79,18 +79,19 @@ def make_moe_model(rank: int, world: int, ep_size: int, seed: int = 0, **options
     return net
 
 
-def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int, clip: float, lr: float = 1e-2,
-                  **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int | list[int], clip: float,
+                  lr: float = 1e-2, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process PyTorch: every expert on one process; each step the mean of the losses of the
-    ``chunks`` micro-batches (ranks x accumulation steps) the global batch is cut into (an MoE layer's
-    capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    ``chunks`` micro-batches (ranks x accumulation steps; a list: per step) the global batch is cut into (an
+    MoE layer's capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    per_step = chunks if isinstance(chunks, list) else [chunks] * len(batches)
     model = _full(0, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
-    for x, y in batches:
-        micro = x.shape[0] // chunks
+    for (x, y), cut in zip(batches, per_step):
+        micro = x.shape[0] // cut
         loss = torch.stack([model(x[r * micro:(r + 1) * micro], y[r * micro:(r + 1) * micro])
-                            for r in range(chunks)]).mean()
+                            for r in range(cut)]).mean()
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -77,3 +77,22 @@ def layout_and_accounting(rank: int, world: int) -> dict[str, Any]:
         "max": ds_groups._get_max_expert_size_name(),
     }
     return out
+
+
+def save_moe_world(rank: int, world: int, stage: int, ep: int, tmp: str) -> list[float]:
+    """3 steps, then a checkpoint and the 16-bit weights (``tmp``/ckpt, ``tmp``/weights)."""
+    micro = GLOBAL_BATCH // world
+    engine, *_ = deepshard.initialize(model=make_moe_model(rank, world, ep), config=_config(stage, micro))
+    losses = run_steps(engine, make_batches(6, GLOBAL_BATCH, seed=9)[:3], micro, 1, rank, world)
+    engine.save_checkpoint(f"{tmp}/ckpt", client_state={"by": world})
+    engine.save_16bit_model(f"{tmp}/weights", "model.safetensors")
+    return losses
+
+
+def resume_moe_world(rank: int, world: int, stage: int, ep: int, gas: int, tmp: str) -> dict[str, Any]:
+    """A model of other initial weights loads the checkpoint and trains the next 3 steps."""
+    micro = GLOBAL_BATCH // (world * gas)
+    engine, *_ = deepshard.initialize(model=make_moe_model(rank, world, ep, seed=77), config=_config(stage, micro, gas))
+    _, client = engine.load_checkpoint(f"{tmp}/ckpt")
+    losses = run_steps(engine, make_batches(6, GLOBAL_BATCH, seed=9)[3:], micro, gas, rank, world)
+    return {"losses": losses, "weights": global_expert_weights(engine), "client": client}

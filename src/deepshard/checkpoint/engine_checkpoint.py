@@ -42,7 +42,6 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
     the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-    _refuse_split_experts(engine, "save_checkpoint")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
     staging = ckpt_io.staging_path(save_dir, tag)
@@ -58,16 +57,6 @@ def save_engine_checkpoint(engine: "DeepShardEngine", save_dir: Path, tag: str |
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
-
-
-def _refuse_split_experts(engine: "DeepShardEngine", what: str) -> None:
-    """Checkpoints of experts split over expert-parallel ranks are not written yet (each rank holds other
-    experts under the same local names): refuse rather than save a wrong file."""
-    from deepshard.placement import expert_of
-
-    if any(expert_of(p) is not None for p in engine.module.parameters()):
-        raise NotImplementedError(f"{what} of a model whose MoE layers have ep_size > 1 is not supported yet; "
-                                  "train with ep_size=1 to checkpoint, or save the experts yourself")
 
 
 def _prepare_staging(save_dir: Path, tag: str) -> None:
@@ -164,7 +153,6 @@ def load_engine_checkpoint(engine: "DeepShardEngine", load_dir: Path, tag: str |
                            load_module_only: bool) -> tuple[str | None, dict | None]:
     from deepshard.checkpoint.deepspeed_format import deepspeed_tag_dir, load_deepspeed_checkpoint
 
-    _refuse_split_experts(engine, "load_checkpoint")
     ds_tag = deepspeed_tag_dir(load_dir, tag)
     if ds_tag is not None:  # a directory DeepSpeed's save_checkpoint wrote: read as it is, no pickle run
         return load_deepspeed_checkpoint(engine, ds_tag, strict, load_optimizer_states, load_lr_scheduler_states,
@@ -266,8 +254,10 @@ def save_16bit_model(engine: "DeepShardEngine", save_dir: Path, filename: str,
         return False
     from deepshard.tp.consolidate import gather_tensor_parallel
 
-    _refuse_split_experts(engine, "save_16bit_model")
+    from deepshard.checkpoint.experts import whole_state_dict
+
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    state = whole_state_dict(state, engine.module, engine.topology.world)  # every expert, by global id
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
     writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage
     if writer and engine.topology.dims.pp > 1:

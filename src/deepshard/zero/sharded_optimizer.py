@@ -21,7 +21,7 @@ from deepshard.checkpoint.fragments import FragmentRecord, FullState, export_par
 from deepshard.comm.group import CommGroup
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
-from deepshard.placement import norm_weight
+from deepshard.placement import identities, norm_weight
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 
@@ -81,10 +81,10 @@ class ShardedOptimizer:
     def local_grad_sq(self, module: torch.nn.Module) -> torch.Tensor:
         """This rank's sum of squared gradient elements, each piece weighted by its parameter's placement
         (``1 / copies``: a replicated or tied parameter counts once over the model-parallel group)."""
-        named = dict(module.named_parameters())  # the pieces' own tensors carry no placement
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f, g in zip(self.fragments, self.grad_src):
-            total += norm_weight(named[f.name]) * squared_norm([g], self.device).reshape(())
+        for f, g in zip(self.fragments, self.grad_src):  # the pieces' own tensors carry no placement
+            param = self.params[self.layout.slots[f.slot].param_index]
+            total += norm_weight(param) * squared_norm([g], self.device).reshape(())
         return total
 
     # ----------------------------------------------------------------------------------- checkpoints
@@ -112,7 +112,9 @@ class ShardedOptimizer:
 
         with_states = with_states and optimizer is not None
         if with_states:
-            restore_param_groups(optimizer, full.param_groups)  # type: ignore[arg-type]
+            names = {id(self.frag_params[i]): identities(self.params[self.layout.slots[f.slot].param_index], f.name)
+                     for i, f in enumerate(self.fragments)}
+            restore_param_groups(optimizer, full.param_groups, lambda t: names.get(id(t), set()))  # type: ignore[arg-type]
         self.states.load(value, state if with_states else None)
 
     # ---------------------------------------------------------------------------------- full values

@@ -21,7 +21,7 @@ from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
-from deepshard.placement import expert_of, norm_weight
+from deepshard.placement import expert_of, identities, norm_weight
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -139,19 +139,25 @@ class Stage0Strategy(ZeroStrategy):
         return p
 
     def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        if self.ctx.comm.rank != 0:
-            return []  # every data-parallel rank holds the same states: the first writes them whole
+        # every replica holds the same states: the first data-parallel rank writes them whole, and the first
+        # rank of each expert-data-parallel group the experts it holds (under their global names)
+        first = self.ctx.comm.rank == 0
+        mine = [p for p in self.params if self.ctx.reduction_group(p).rank == 0] if self.split_experts else \
+            (self.params if first else [])
+        if not mine:
+            return []
         records = []
-        for p in self.params:
+        for p in mine:
             target = self._master_or_param(p)
             state = self.optimizer.state.get(target, {}) if self.optimizer is not None else {}
             records.append(FragmentRecord(self.names[id(p)], 0, p.numel(), target.detach().float(), dict(state)))
         groups = None
-        if self.optimizer is not None:
+        if self.optimizer is not None and first:
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
                                                           for p in self.params})
         return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module), module_extra_state(self.module, exclude_frozen),
+                                   param_aliases(self.module),
+                                   module_extra_state(self.module, exclude_frozen) if first else None,
                                    {"zero_stage": 0, "dp_world_size": self.ctx.comm.size,
                                     "frozen_params": frozen_param_names(self.module)},
                                    splits=module_splits(self.module))
@@ -169,7 +175,8 @@ class Stage0Strategy(ZeroStrategy):
         if self.compressed is not None:
             self.compressed.reset_exchange()
         if load_optimizer_states and self.optimizer is not None:
-            restore_param_groups(self.optimizer, full.param_groups)
+            names = {id(self._master_or_param(p)): identities(p, self.names[id(p)]) for p in self.params}
+            restore_param_groups(self.optimizer, full.param_groups, lambda t: names.get(id(t), set()))
             self.optimizer.state.clear()
             for p in self.params:
                 name = self.names[id(p)]
