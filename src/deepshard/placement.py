@@ -56,6 +56,11 @@ class ExpertShard:
     every_name: tuple[str, ...] = ()
     """The same parameter's saved name in each of the layer's experts (other ranks hold the rest): what a
     checkpoint of the whole model holds for it."""
+    offset: int = 0
+    """Where the parameter starts in the flattened tensor it is saved as (AutoEP: this rank's experts of a
+    fused ``[E, ...]`` parameter); 0 for a whole tensor."""
+    global_shape: Optional[tuple[int, ...]] = None
+    """The shape of the tensor it is saved as, when it is a slice of it (None: its own shape)."""
 
 
 @dataclass
@@ -124,10 +129,29 @@ def mark_tied(param: torch.Tensor, stages: int) -> None:
     record_of(param).tied_stages = int(stages)
 
 
-def mark_expert(param: torch.Tensor, group: str, saved_name: str, every_name: tuple[str, ...] = ()) -> None:
+def mark_expert(param: torch.Tensor, group: str, saved_name: str, every_name: tuple[str, ...] = (), offset: int = 0,
+                global_shape: Optional[tuple[int, ...]] = None) -> None:
     """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``
-    (``every_name``: its names in every expert of its layer)."""
-    record_of(param).expert = ExpertShard(group, saved_name, tuple(every_name))
+    (``every_name``: its names in every expert of its layer; ``offset`` / ``global_shape``: the slice of a
+    larger saved tensor it is)."""
+    record_of(param).expert = ExpertShard(group, saved_name, tuple(every_name), int(offset), global_shape)
+
+
+def saved_slice(param: torch.Tensor) -> tuple[int, Optional[tuple[int, ...]]]:
+    """``(offset, shape)`` of the saved tensor ``param`` is a slice of: ``(0, None)`` for a whole tensor."""
+    found = expert_of(param)
+    return (0, None) if found is None else (found.offset, found.global_shape)
+
+
+def local_part(value: torch.Tensor, param: torch.Tensor, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """``param``'s own part of a saved (whole) tensor ``value``, of ``param``'s shape (or ``shape``: a ZeRO-3
+    parameter's full shape while it is sharded)."""
+    offset, whole = saved_slice(param)
+    if whole is None:
+        return value
+    shape = tuple(param.shape) if shape is None else tuple(shape)
+    numel = int(torch.Size(shape).numel())
+    return value.reshape(-1)[offset:offset + numel].view(shape)
 
 
 def saved_name(param: torch.Tensor, name: str) -> str:

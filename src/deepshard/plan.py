@@ -100,7 +100,7 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     accum = cfg.data_types.grad_accum_dtype
     autotp = resolve_tp_config(model, cfg.tensor_parallel).enabled
     heads, kv_heads = attention_head_counts(model, module_attributes=autotp)
-    return Plan(expert_parallel=_expert_parallel_sizes(model),dims=dims, stage=int(zero.stage),
+    return Plan(expert_parallel=_expert_parallel_sizes(model, cfg.expert_parallel),dims=dims, stage=int(zero.stage),
                 pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
                 schedule=str(cfg.pipeline.schedule), autotp=autotp, heads=heads, kv_heads=kv_heads,
                 fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,
@@ -112,13 +112,18 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
                 fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32)
 
 
-def _expert_parallel_sizes(model: Any) -> tuple[int, ...]:
+def _expert_parallel_sizes(model: Any, autoep_section: Any) -> tuple[int, ...]:
+    """The ep sizes of the model's MoE layers, then AutoEP's (the ``expert_parallel`` section)."""
+    from deepshard.moe.autoep import AutoEPConfig
     from deepshard.moe.parallel import moe_layers
 
     sizes: list[int] = []
     for _, layer in moe_layers(model) if hasattr(model, "named_modules") else []:
         if layer.ep_size not in sizes:
             sizes.append(layer.ep_size)
+    autoep = AutoEPConfig(autoep_section)
+    if autoep.enabled and autoep.size not in sizes:
+        sizes.append(autoep.size)
     return tuple(sizes)
 
 
@@ -284,11 +289,6 @@ def _expert_rules(plan: Plan) -> list[Conflict]:
         out.append(Conflict(f"MoE layers with ep_size={split[0]} and sequence parallelism (sp={dims.sp})",
                             "expert gradients are averaged over data-parallel replicas, while sequence-parallel "
                             "ranks backpropagate one shared loss", "use sequence_parallel_size 1 with MoE"))
-    if plan.stage == 3:
-        out.append(Conflict(f"MoE layers with ep_size={split[0]} and zero_optimization.stage=3",
-                            "ZeRO-3 does not shard expert parameters over their expert-data-parallel group yet "
-                            "(DeepSpeed refuses native MoE under ZeRO-3 altogether)",
-                            "use ZeRO stage 0, 1 or 2, or ep_size=1"))
     if plan.compressed_optimizer is not None:
         out.append(Conflict(f"optimizer {plan.compressed_optimizer} with MoE layers of ep_size={split[0]}",
                             "its compressed momentum exchange averages every parameter over all data-parallel "

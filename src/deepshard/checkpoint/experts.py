@@ -10,29 +10,35 @@ import torch
 from torch import nn
 
 from deepshard.comm.group import CommGroup
-from deepshard.placement import expert_of, saved_name
+from deepshard.placement import expert_of, saved_name, saved_slice
 
 _EXPERT_ID = re.compile(r"(?:^|\.)deepspeed_experts\.(\d+)(?:\.|$)")
 
 
 def whole_state_dict(state: dict[str, torch.Tensor], module: nn.Module, world: CommGroup) -> dict[str, torch.Tensor]:
     """``state`` (this rank's ``module.state_dict()``) as the whole model's on the world's rank 0: every
-    layer's experts from the ranks holding them, under their global ids, in the order a model holding every
-    expert lists them (collective over ``world``; the other ranks get their own part, renamed)."""
+    layer's experts from the ranks holding them, under their global ids (AutoEP's slices of fused experts put
+    back together), in the order a model holding every expert lists them (collective over ``world``; the
+    other ranks get their own part, renamed)."""
     import torch.distributed as dist
 
-    experts_here = {n: saved_name(p, n) for n, p in module.named_parameters(remove_duplicate=False)
-                    if expert_of(p) is not None}
+    experts_here = {n: p for n, p in module.named_parameters(remove_duplicate=False) if expert_of(p) is not None}
     if not experts_here:  # (the same answer on every rank: the layers' ep sizes are the model's)
         return state
-    mine = {experts_here.get(k, k): v for k, v in state.items()}
+    mine = {saved_name(experts_here[k], k) if k in experts_here else k: v for k, v in state.items()}
+    pieces = [(saved_name(p, k), saved_slice(p), state[k]) for k, p in experts_here.items() if k in state]
+    parts: list[Any] = [pieces]
     if world.size > 1:
-        expert_names = set(experts_here.values())
-        experts = {k: v for k, v in mine.items() if k in expert_names}
-        parts: list[Any] = [None] * world.size if world.rank == 0 else []
-        dist.gather_object(experts, parts if world.rank == 0 else None, dst=world.peers[0], group=world.group)
-        for part in parts:
-            mine.update(part)
+        parts = [None] * world.size if world.rank == 0 else []
+        dist.gather_object(pieces, parts if world.rank == 0 else None, dst=world.peers[0], group=world.group)
+    for part in parts:
+        for name, (offset, shape), value in part:
+            if shape is None:
+                mine[name] = value
+                continue
+            if tuple(mine[name].shape) != tuple(shape):
+                mine[name] = torch.zeros(shape, dtype=value.dtype)
+            mine[name].reshape(-1)[offset:offset + value.numel()] = value.reshape(-1).cpu()
     return {k: mine[k] for k in sorted(mine, key=_model_order(list(mine)))}
 
 

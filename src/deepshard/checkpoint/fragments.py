@@ -312,7 +312,7 @@ def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.
         kind = full.optim_kinds[name][key]
         if kind == "elementwise":
             piece = value.reshape(-1)[start:start + numel]
-            if numel == _numel(full.shapes[name]) and like.dim() > 1:
+            if numel == like.numel() and like.dim() > 1:  # a whole parameter (or a saved slice of one) keeps its shape
                 piece = piece.view(like.shape)
             out[key] = piece.to(device=like.device, dtype=like.dtype if piece.is_floating_point() else piece.dtype
                                 ).clone()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from deepshard.checkpoint.fragments import FullState
 from deepshard.checkpoint.matching import check_names
-from deepshard.placement import expert_of, saved_name
+from deepshard.placement import expert_of, local_part, saved_name, saved_slice
 
 
 def trainable_names(module: torch.nn.Module) -> dict[int, str]:
@@ -34,8 +34,8 @@ def other_experts(module: torch.nn.Module) -> set[str]:
 
 def module_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Full shapes of the trainable parameters by canonical (saved) name (``ds_shape`` when sharded by stage 3)."""
-    return {saved_name(p, n): tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()
-            if p.requires_grad}
+    return {saved_name(p, n): saved_slice(p)[1] or tuple(getattr(p, "ds_shape", p.shape))
+            for n, p in module.named_parameters() if p.requires_grad}
 
 
 def param_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -90,7 +90,7 @@ def load_module_from_full(module: torch.nn.Module, full: FullState, strict: bool
         stored = renamed.get(key, key)
         source_name = full.aliases.get(stored, stored)
         if source_name in full.params:
-            src = full.params[source_name]
+            src = local_part(full.params[source_name], value)  # an AutoEP rank's slice of fused experts
         elif stored in full.module_extra:
             src = full.module_extra[stored]
         else:

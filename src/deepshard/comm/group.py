@@ -31,7 +31,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _DoneWork:
     """Stands in for an async handle when nothing was sent (world size 1)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         return True
 
     def is_completed(self) -> bool:

@@ -21,7 +21,7 @@ from deepshard.checkpoint.fragments import FragmentRecord, FullState, export_par
 from deepshard.comm.group import CommGroup
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
-from deepshard.placement import identities, norm_weight
+from deepshard.placement import identities, norm_weight, saved_slice
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 
@@ -91,8 +91,14 @@ class ShardedOptimizer:
     def records(self) -> list[FragmentRecord]:
         """Every piece's fp32 value and optimizer state (read back from host memory or disk when
         offloaded, one sub-group at a time)."""
-        return [FragmentRecord(self.fragments[i].name, self.fragments[i].start, self.fragments[i].numel,
+        return [FragmentRecord(self.fragments[i].name, self._saved_start(i), self.fragments[i].numel,
                                value.float(), state) for i, value, state in self.states.records()]
+
+    def _saved_start(self, i: int) -> int:
+        """Piece ``i``'s offset in the tensor it is saved as (its parameter's own offset there: AutoEP's slices
+        of fused experts start past the other ranks' experts)."""
+        f = self.fragments[i]
+        return saved_slice(self.params[self.layout.slots[f.slot].param_index])[0] + f.start
 
     def param_groups_for_save(self, optimizer: Optional[torch.optim.Optimizer]) -> list[dict] | None:
         """The optimizer's hyper-parameters by parameter name, from the first data-parallel rank only."""
@@ -103,12 +109,13 @@ class ShardedOptimizer:
     def load(self, full: FullState, optimizer: Optional[torch.optim.Optimizer], with_states: bool) -> None:
         """Piece values (and, with ``with_states``, optimizer state) from a reassembled checkpoint."""
         def value(i: int) -> torch.Tensor | None:
-            f = self.fragments[i]
-            return full.params[f.name].reshape(-1)[f.start:f.start + f.numel] if f.name in full.params else None
+            f, start = self.fragments[i], self._saved_start(i)
+            return full.params[f.name].reshape(-1)[start:start + f.numel] if f.name in full.params else None
 
         def state(i: int) -> dict | None:
             f = self.fragments[i]
-            return slice_state(full, f.name, f.start, f.numel, self.frag_params[i]) if f.name in full.optim else None
+            return slice_state(full, f.name, self._saved_start(i), f.numel, self.frag_params[i]) if f.name in full.optim \
+                else None
 
         with_states = with_states and optimizer is not None
         if with_states:

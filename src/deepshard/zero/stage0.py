@@ -21,7 +21,7 @@ from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.precision.cast import cast_module
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
-from deepshard.placement import expert_of, identities, norm_weight
+from deepshard.placement import expert_of, identities, local_part, norm_weight, saved_slice
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -150,7 +150,8 @@ class Stage0Strategy(ZeroStrategy):
         for p in mine:
             target = self._master_or_param(p)
             state = self.optimizer.state.get(target, {}) if self.optimizer is not None else {}
-            records.append(FragmentRecord(self.names[id(p)], 0, p.numel(), target.detach().float(), dict(state)))
+            offset = saved_slice(p)[0]  # an AutoEP rank's experts: their place in the whole fused tensor
+            records.append(FragmentRecord(self.names[id(p)], offset, p.numel(), target.detach().float(), dict(state)))
         groups = None
         if self.optimizer is not None and first:
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
@@ -171,7 +172,7 @@ class Stage0Strategy(ZeroStrategy):
             if name in full.params and self.masters is not None:
                 m = self.masters.master_of(p)
                 if m is not None:
-                    m.copy_(full.params[name])
+                    m.copy_(local_part(full.params[name], p))
         if self.compressed is not None:
             self.compressed.reset_exchange()
         if load_optimizer_states and self.optimizer is not None:
@@ -182,7 +183,7 @@ class Stage0Strategy(ZeroStrategy):
                 name = self.names[id(p)]
                 if name in full.optim:
                     target = self._master_or_param(p)
-                    self.optimizer.state[target] = slice_state(full, name, 0, p.numel(), target)
+                    self.optimizer.state[target] = slice_state(full, name, saved_slice(p)[0], p.numel(), target)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:

@@ -67,8 +67,9 @@ class Stage3Reducer:
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        self.in_flight.add(InFlight(gi, self.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2),
-                                     held=pieces))
+        # over the group's own comm: an expert's group is reduced over its expert-data-parallel ranks
+        work = group.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        self.in_flight.add(InFlight(gi, work, held=pieces))
         self.launched.add(gi)
 
     def _finish(self, item: InFlight) -> None:

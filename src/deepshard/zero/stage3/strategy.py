@@ -22,6 +22,7 @@ from deepshard.checkpoint.layout import module_splits
 from deepshard.checkpoint.matching import check_names
 from deepshard.checkpoint.module_state import (checkpoint_names_vs_model, frozen_param_names, module_shapes,
                                                param_aliases)
+from deepshard.placement import local_part, saved_name
 from deepshard.precision.cast import cast_buffers
 from deepshard.zero.offload.factory import make_grad_shard, make_param_store, make_shard_states
 from deepshard.zero.offload.grad_store import GradShard
@@ -42,7 +43,7 @@ from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], list[str]]]:
     """(module name, params, param names) per module and requires_grad, each parameter once."""
     seen: set[int] = set()
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): saved_name(p, n) for n, p in module.named_parameters()}  # experts: their global names
     out = []
     for mod_name, m in module.named_modules():
         own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
@@ -116,7 +117,8 @@ class Stage3Strategy(ZeroStrategy):
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
                                  before_backward=self.reducer.finish_in_flight)
-        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
+        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device,
+                                          group_of=ctx.reduction_group)
         pieces = self.opt_shard.fragments
         self.opt_shard.set_grad_sources(  # none kept with a step in backward: each chunk is applied as it comes
             [torch.zeros(0, dtype=policy.param_dtype, device=ctx.device) for _ in pieces] if step_in_backward
@@ -165,8 +167,10 @@ class Stage3Strategy(ZeroStrategy):
             members.append(list(range(index, index + len(ps))))
             index += len(ps)
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
+        # experts split over expert-parallel ranks are sharded over their expert-data-parallel group
+        domains, comms = self.ctx.domains(params)
         return FlatLayout(params, names, 1 << 62, self.ctx.comm.size, self.ctx.comm.rank, groups=members,
-                          shapes=shapes)
+                          shapes=shapes, domains=domains, domain_shapes=[(g.size, g.rank) for g in comms])
 
     @torch.no_grad()
     def _build_groups(self, discovered: list[tuple[str, list[torch.nn.Parameter], list[str]]], layout: FlatLayout,
@@ -174,8 +178,10 @@ class Stage3Strategy(ZeroStrategy):
         """One group at a time: take each parameter's full fp32 value (gathering it if zero.Init
         partitioned it), keep this rank's chunk (in ``store``; its fp32 masters in ``states``), drop the
         full value. Peak memory: one group."""
-        comm, groups = self.ctx.comm, []
+        groups = []
+        domains, comms = self.ctx.domains([p for _, ps, _ in discovered for p in ps])
         for (mod_name, params, _), bucket in zip(discovered, layout.buckets):
+            comm = comms[bucket.domain] if domains else self.ctx.comm
             values = [full_value(p, comm) for p in params]
             flat = torch.zeros(bucket.padded, dtype=torch.float32, device=self.ctx.device)
             offset = 0
@@ -192,7 +198,7 @@ class Stage3Strategy(ZeroStrategy):
                 for name in ("ds_tensor", "ds_comm"):
                     p.__dict__.pop(name, None)
             groups.append(ShardedGroup(len(groups), mod_name, params, shapes, store.source(off, bucket.chunk),
-                                       comm, self.ctx.device, self.watchdog.wait))
+                                       comm, self.ctx.device, comm.watchdog.wait))
         store.flush()
         if states is not None:
             states.flush()
@@ -319,9 +325,10 @@ class Stage3Strategy(ZeroStrategy):
     @torch.no_grad()
     def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
         full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(p): saved_name(p, n) for n, p in self.module.named_parameters()}
         missing, unexpected = checkpoint_names_vs_model(self.module, full)
-        check_names(list(self.module.state_dict(keep_vars=True)), missing, unexpected, strict, directory)
+        check_names([saved_name(p, n) for n, p in self.module.state_dict(keep_vars=True).items()], missing, unexpected,
+                    strict, directory)
         absent = set(missing)
         for g in self.groups + self.frozen_groups:
             values = []
@@ -329,6 +336,8 @@ class Stage3Strategy(ZeroStrategy):
             for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
                 name = names[id(p)]
                 src = full.params.get(name, full.module_extra.get(name))
+                if src is not None and name in full.params:
+                    src = local_part(src, p, shape)  # an AutoEP rank's slice of fused experts
                 if src is None:  # non-strict: a tensor the checkpoint lacks keeps its value
                     src = current[i] if current is not None else torch.zeros(shape)
                 elif tuple(src.shape) != tuple(shape):
@@ -393,25 +402,25 @@ class Stage3Strategy(ZeroStrategy):
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-        """The full 16-bit state dict, gathered group by group onto rank 0 (a collective; {} elsewhere)."""
+        """The full 16-bit state dict, gathered group by group onto rank 0 (a collective; {} elsewhere).
+        Experts split over expert-parallel ranks are gathered within their expert-data-parallel group:
+        its first rank keeps them (``checkpoint.experts.whole_state_dict`` collects them on rank 0)."""
         by_param: dict[int, torch.Tensor] = {}
         for g in self.groups + self.frozen_groups:
             if exclude_frozen and not g.requires_grad:
                 continue
             was = g.state
             g.unshard(async_op=False)
-            if rank == 0:
+            if g.comm.rank == 0 and (rank == 0 or g.comm is not self.ctx.comm):
                 for p in g.params:
                     by_param[id(p)] = p.detach().cpu().clone()
             if was is GroupState.SHARDED:
                 g.reshard()
-        if rank != 0:
-            return {}
         out = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             if id(value) in by_param:
                 out[name] = by_param[id(value)]
-            elif not isinstance(value, torch.nn.Parameter):
+            elif not isinstance(value, torch.nn.Parameter) and rank == 0:
                 out[name] = value.detach().cpu().clone()
         return out
 
