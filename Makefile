@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
 
-.PHONY: install demo test test-quick plain-install bench clean deepspeed-venv
+.PHONY: install demo test test-quick plain-install bench clean deepspeed-venv ecosystem-venv ecosystem-compare
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -58,5 +58,24 @@ $(BENCH_VENV)/.installed: pyproject.toml
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 
+# TRL and PEFT on deepshard against the same scripts on DeepSpeed 0.19.8 (docs/ecosystem.md): their own venv
+# with the libraries' newest releases that install together, built once (~3 min); not part of `make test`
+# (each comparison run takes minutes: the libraries' imports and DeepSpeed's CPU op build).
+ECO_VENV ?= .venv-ecosystem
+ECO_PACKAGES ?= deepspeed==0.19.8 trl==1.16.0 peft==0.21.2 transformers==5.24.0 accelerate==1.15.0 datasets
+
+$(ECO_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(ECO_VENV)
+	$(ECO_VENV)/bin/pip install -q $(TORCH)
+	DS_BUILD_OPS=0 $(ECO_VENV)/bin/pip install -q $(ECO_PACKAGES)
+	$(ECO_VENV)/bin/pip install -q -e .
+	touch $@
+
+ecosystem-venv: $(ECO_VENV)/.installed
+
+# every case (about an hour on 2 busy cores); ECO_ARGS="--cases sft_zero3 grpo_zero3" for some
+ecosystem-compare: $(ECO_VENV)/.installed
+	$(ECO_VENV)/bin/python -m benchmarks.ecosystem.run_compare $(ECO_ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-plain $(BENCH_VENV) $(DS_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-plain $(BENCH_VENV) $(DS_VENV) $(ECO_VENV) build *.egg-info src/*.egg-info

@@ -127,7 +127,7 @@ def merge_earlier(run: dict[str, Any], earlier: dict[str, Any]) -> None:
         run["scaling_runs"], run["scaling"] = earlier["scaling_runs"], earlier.get("scaling", [])
     run["workloads"] = {**earlier.get("workloads", {}), **run.get("workloads", {})}
     analysis.add_comparisons(run["rows"])
-    targets = analysis.evaluate_targets(run["rows"])
+    targets = analysis.evaluate_targets(run["rows"], quick=bool(run.get("settings", {}).get("quick")))
     run["targets"] = [t.describe() for t in targets]
     run["targets_detail"] = [{**vars(t), "verdict": t.verdict} for t in targets]
     run["notes"] = _notes(run["rows"])
@@ -174,7 +174,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             scale_rows.append(row)
     rows = [analysis.merge_repeats(r) for r in runs.values()]
     analysis.add_comparisons(rows)
-    targets = analysis.evaluate_targets(rows)
+    targets = analysis.evaluate_targets(rows, quick=args.quick)
     workloads = {w: describe(make_workload(w, quick=args.quick)) for w in set(args.workload) | {args.scaling_workload}}
     machine = report.machine_info()
     machine["load_average_before"] = load_before

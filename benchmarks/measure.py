@@ -256,9 +256,9 @@ def time_collectives(numel: int, repeats: int = 3) -> dict[str, float]:
     pair = CommGroup(pairwise=True, shm=False)  # deepshard's pairwise forms over gloo's TCP
     calls["reduce_scatter (deepshard pairwise TCP)"] = lambda: pair.reduce_scatter_tensor(shard, full)
     calls["all_gather (deepshard pairwise TCP)"] = lambda: pair.all_gather_into_tensor(gathered, shard)
-    from deepshard.comm import shm
+    from deepshard.comm import settings
 
-    if shm.mode_from(None, os.environ) is not False:  # what deepshard uses on one host (comm/shm.py)
+    if settings.mode_from(None, os.environ) is not False:  # what deepshard uses on one host (comm/shm.py)
         local = CommGroup(pairwise=True)
         calls["reduce_scatter (deepshard shared memory)"] = lambda: local.reduce_scatter_tensor(shard, full)
         calls["all_gather (deepshard shared memory)"] = lambda: local.all_gather_into_tensor(gathered, shard)

@@ -125,6 +125,11 @@ TARGET_COLUMNS = [("step time / DDP", "step / DDP <= 1.10"), ("step time / FSDP2
                   ("volume per step / analytic", "volume / analytic 1 +/- 0.02")]
 
 
+def _quick(run: dict[str, Any]) -> bool:
+    """Whether some target went unjudged because the run measured the ``--quick`` sizes."""
+    return any(t.get("verdict") == analysis.NOT_JUDGED for t in run.get("targets_detail", []))
+
+
 def targets_table(details: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The targets as one row per deepshard engine x workload x dtype: ``value verdict`` per target,
     ``-`` where a target does not apply to that stage."""
@@ -155,7 +160,9 @@ def format_table(run: dict[str, Any]) -> str:
     if run.get("targets_detail"):
         header, body = targets_table(run["targets_detail"])
         widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-        lines += ["", "Targets (deepshard rows that ran; ok / MISSED / n/a):"]
+        lines += ["", "Targets (deepshard rows that ran; ok / MISSED / n/a"
+                  + (f"; {analysis.NOT_JUDGED}: timing, memory and stage 3 are set for the full-size models, "
+                     "see docs/benchmarks.md):" if _quick(run) else "):")]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body]
     if run.get("scaling"):
         lines += ["", "Scaling: model-state bytes per process (stage 3)"]
@@ -203,7 +210,8 @@ def render_markdown(run: dict[str, Any], chart: str | None = None) -> str:
         lines += [f"**{_group_title(group, run.get('workloads', {}))}**", ""]
         lines += _md_table(COLUMNS, [row_cells(r) for r in group]) + [""]
     if run.get("targets_detail"):
-        lines += ["**Targets** (deepshard rows that ran; `-`: does not apply to that stage):", ""]
+        judged = f"; {analysis.NOT_JUDGED}: the shrunk models' timing, memory and stage 3" if _quick(run) else ""
+        lines += [f"**Targets** (deepshard rows that ran; `-`: does not apply to that stage{judged}):", ""]
         lines += _md_table(*targets_table(run["targets_detail"])) + [""]
     if run.get("scaling"):
         lines += ["**Scaling** (model-state bytes per process):", ""]

@@ -5,7 +5,10 @@
 
 The script is written against DeepSpeed's public API only (``import deepshard as deepspeed`` would
 read the same). Rank 0 shows a progress bar, logs the loss, and ends with a summary: loss first ->
-last, validation loss before and after, tokens/s, and the memory each process holds.
+last, validation loss before and after, tokens/s, and the memory each process holds. The bar is drawn only
+where rank 0's output reaches a terminal (``deepshard.utils.progress.bars_on``: the launcher on a terminal
+turns it on, ``DEEPSHARD_PROGRESS=0/1`` forces it); in a redirected log the loss lines say the rate and the
+time left instead, one plain line per ``--log_every`` steps.
 
 Batch size and process count: the config says ``train_batch_size`` 32 = micro 8 x accumulation 2 x
 2 processes. When the script runs on another number of processes, it keeps the global batch (32) and
@@ -33,6 +36,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepshard  # noqa: E402
 from deepshard.accelerator import cpu_has_native_bf16, get_accelerator  # noqa: E402
+from deepshard.config import ConfigError  # noqa: E402
+from deepshard.utils.progress import bars_on, format_seconds  # noqa: E402
 from corpus import ByteWindowDataset, load_stdlib_corpus, train_val_split  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
@@ -72,8 +77,8 @@ def fit_batch_to_world(config: dict[str, Any], world: int) -> dict[str, Any] | N
     gas = config.get("gradient_accumulation_steps")
     if not all(isinstance(v, int) for v in (tbs, micro, gas)) or tbs == micro * gas * world:
         return None
-    if tbs % (micro * world) != 0:
-        raise ValueError(
+    if tbs % (micro * world) != 0:  # a ConfigError: the launcher prints it once, in one line
+        raise ConfigError(
             f"train_batch_size {tbs} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
             f"{world} processes = {micro * world}; run on a process count that divides "
             f"{tbs // micro} or edit the config")
@@ -153,7 +158,9 @@ def train(engine: Any, loader: Iterable[Any], steps: int, log_every: int, rank: 
     batches = repeat(loader)
     gas = engine.gradient_accumulation_steps()
     losses: list[float] = []
-    bar = tqdm(total=steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    # no bar (no \r redraws) where the output is a log file or a pipe: the loss lines carry the progress
+    bar = tqdm(total=steps, desc="train", unit="step", disable=rank != 0 or not bars_on(), dynamic_ncols=True)
+    start = time.perf_counter()
     for step in range(1, steps + 1):
         step_loss = 0.0
         for _ in range(gas):
@@ -167,7 +174,12 @@ def train(engine: Any, loader: Iterable[Any], steps: int, log_every: int, rank: 
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", refresh=False)
         bar.update(1)
         if rank == 0 and (step % log_every == 0 or step == 1 or step == steps):
-            bar.write(f"step {step:4d}/{steps}  loss {losses[-1]:.4f}  lr {lr:.3e}")
+            line = f"step {step:4d}/{steps}  loss {losses[-1]:.4f}  lr {lr:.3e}"
+            if bar.disable:
+                elapsed = time.perf_counter() - start
+                line += (f"  {step / elapsed:.2f} step/s  elapsed {format_seconds(elapsed)}  "
+                         f"left {format_seconds(elapsed / step * (steps - step))}")
+            bar.write(line)
     bar.close()
     return losses
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from deepshard._version import (__git_branch__, __git_hash__, __version__, __version_major__,
+                                __version_minor__, __version_patch__)
+from deepshard.compat.finder import install_spelling_finder
+
 version = __version__
 
 _LAZY = {
@@ -26,16 +29,19 @@ _LAZY = {
     "DeepShardConfig": ("deepshard.config", "DeepShardConfig"),
     "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
     "DeepSpeedEngine": ("deepshard.engine", "EngineCore"),  # DeepSpeed's class name: the base of both engines
-    "DeepSpeedConfig": ("deepshard.config", "DeepShardConfig"),
+    "DeepSpeedConfig": ("deepshard.runtime.ds_config", "DeepSpeedConfig"),
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),
     "PipelineModule": ("deepshard.pipe", "PipelineModule"),
+    "OnDevice": ("deepshard.utils.init_on_device", "OnDevice"),
 }
 _SUBMODULES = {"comm", "checkpoint", "config", "monitor", "optim", "precision", "runtime", "utils", "zero",
                "launcher", "accelerator", "data", "profiling", "ops", "pipe", "checkpointing", "tp", "moe", "git_version_info"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+install_spelling_finder()  # deepshard.X for every deepspeed.X path (deepshard.compat.aliases is the table)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,7 +54,9 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"deepshard.{name}")
         globals()[name] = module
         return module
-    raise AttributeError(f"module 'deepshard' has no attribute '{name}'")
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute("deepshard", name)
 
 
 def __dir__() -> list[str]:

@@ -17,7 +17,12 @@ from deepshard.distributed import init_distributed
 from deepshard.grid import build_topology
 from deepshard.parallelize import parallelize
 from deepshard.parts import OptimizerArg
+from deepshard.utils.logging import set_log_level_from_string
 from deepshard.utils.teardown import settle_backend_threads_at_exit
+
+
+class MissingModelError(ValueError, AssertionError):
+    """``initialize`` got no model (an AssertionError too: DeepSpeed asserts here, and code catches that)."""
 
 
 def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
@@ -34,7 +39,8 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     The dataloader is None unless ``training_data`` is given.
     """
     if model is None:
-        raise ValueError("deepshard.initialize needs model=<torch.nn.Module>")
+        raise MissingModelError("deepshard.initialize needs model=<torch.nn.Module> (a model passed first, "
+                                "without model=, lands in args)")
     model = adopt_compiled(model)  # torch.compile(model): train the original, compiled in place
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config=... or config_params=... (an alias), not both")
@@ -44,6 +50,8 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     raw, _ = read_config_source(source)
     topology = build_topology(raw, model=model, mpu=mpu, mesh_param=mesh_param)
     cfg = load_config(source, dp_world_size=topology.dp.size)
+    if cfg.log_level is not None:
+        set_log_level_from_string(cfg.log_level)  # the config's log_level sets deepshard's logger, as DeepSpeed's
     check_same_on_every_rank(cfg, topology.world)  # before the first collective that depends on it
     warn_unused_pipeline(cfg, model)
     engine = parallelize(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler, mpu=mpu)

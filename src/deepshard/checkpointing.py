@@ -39,3 +39,10 @@ def options_from_config(section: Any) -> CheckpointOptions:
     """The options of a config's ``activation_checkpointing`` section."""
     return CheckpointOptions(cpu_checkpointing=bool(section.cpu_checkpointing),
                              partition_activations=bool(section.partition_activations))
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed names this module does not provide: an AttributeError that says why and what to use."""
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute(__name__, name)

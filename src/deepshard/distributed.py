@@ -194,7 +194,7 @@ def resolve_dist_env(environ: Mapping[str, str], rank: int = -1, world_size: int
 def default_timeout(environ: Mapping[str, str]) -> datetime.timedelta:
     """The process-group timeout: ``DEEPSHARD_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` (minutes), else 10 min.
     The same setting bounds every wait of the library's collective watchdog (``comm/watchdog.py``)."""
-    from deepshard.comm.watchdog import timeout_minutes
+    from deepshard.comm.settings import timeout_minutes  # here: deepshard.comm's package imports this module
 
     found = timeout_minutes(environ)
     return datetime.timedelta(minutes=found[1] if found is not None else DEFAULT_TIMEOUT_MINUTES)
@@ -270,6 +270,11 @@ def _export(env: DistEnv) -> None:
         os.environ["MASTER_ADDR"] = env.master_addr
 
 
+class DistNotInitializedError(RuntimeError, AssertionError):
+    """``dist_init_required=False`` without an initialized ``torch.distributed`` (an AssertionError too, which
+    is what DeepSpeed raises and code written for it catches)."""
+
+
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: datetime.timedelta | None = None, init_method: str | None = None,
@@ -277,8 +282,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      rank: int = -1, world_size: int = -1) -> None:
     """Initialize ``torch.distributed`` (DeepSpeed's ``deepspeed.init_distributed`` signature).
 
-    Does nothing when a default process group already exists. ``dist_init_required=False`` skips
-    initialization (the caller promises to do it). The backend is ``dist_backend`` or the
+    Does nothing when a default process group already exists. ``dist_init_required=False`` promises one
+    exists (:class:`DistNotInitializedError` when it does not, as DeepSpeed asserts). The backend is ``dist_backend`` or the
     accelerator's (``gloo`` on CPU, ``nccl`` on CUDA); on CUDA the current device is set to the local
     rank first. ``timeout`` defaults to :func:`default_timeout`. A world of one process without
     ``init_method`` uses an in-memory store (no port). ``config`` is accepted for compatibility and
@@ -294,9 +299,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if dist.is_initialized():
         return
     if dist_init_required is False:
-        logger.warning("init_distributed(dist_init_required=False): torch.distributed is not initialized "
-                       "and deepshard leaves it so; call torch.distributed.init_process_group yourself")
-        return
+        raise DistNotInitializedError(
+            "init_distributed(dist_init_required=False) was told not to initialize torch.distributed, but it is not "
+            "initialized; call torch.distributed.init_process_group first, or pass dist_init_required=True (or None)")
     env = resolve_dist_env(os.environ, rank, world_size, distributed_port, auto_mpi_discovery, init_method)
     if env.source != "none":
         _export(env)

@@ -257,7 +257,7 @@ class EngineCore(EngineAccessors, EngineClientCalls, torch.nn.Module):
                         ) -> tuple[str | None, dict | None]:
         """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``); returns ``(path, client_state)``,
         or ``(None, None)`` when there is nothing to load."""
-        from deepshard.checkpoint.engine_checkpoint import load_engine_checkpoint
+        from deepshard.checkpoint.engine_load import load_engine_checkpoint
 
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported; load the module state yourself "
@@ -333,7 +333,7 @@ class DeepShardEngine(EngineCore):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside skip the gradient reduction (local accumulation only)."""
-        if self.zero_optimization_stage() >= 2:
+        if not self._strategy().capabilities.no_sync:
             raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
                                "gradients are partitioned as they are produced; use gradient_accumulation_steps")
         self._no_sync_depth += 1
@@ -348,14 +348,14 @@ class DeepShardEngine(EngineCore):
         with self.tools.time("forward"):
             inputs = self.precision.cast_inputs(inputs)
             kwargs = self.precision.cast_inputs(kwargs)
-            with explain_sharded_parameter_errors(self._config.zero_optimization.stage):
+            with explain_sharded_parameter_errors(self._strategy().capabilities.partitioned_parameters):
                 return self.module(*inputs, **kwargs)
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
         checkpoints are unchanged. At ZeRO stage 3 pass ``torch.compile(model)`` to ``initialize``
         instead (see docs/compile-and-checkpointing.md)."""
-        if self._config.zero_optimization.stage == 3:
+        if self._strategy().capabilities.partitioned_parameters:
             raise NotImplementedError(
                 "engine.compile() at ZeRO stage 3: the stage-3 hooks were set up for eager execution; "
                 "compile before initialize instead: deepshard.initialize(model=torch.compile(model), ...)")

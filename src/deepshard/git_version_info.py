@@ -9,15 +9,17 @@ from typing import Any
 
 import torch
 
+from deepshard import _version
 from deepshard.compat.finder import shim_version
+from deepshard.ops import op_builder as _op_builder
 
 __all__ = ["accelerator_name", "compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]
 
 version: str = shim_version()
-git_hash: str = "unknown"
-git_branch: str = "unknown"
+git_hash: str = _version.__git_hash__
+git_branch: str = _version.__git_branch__
 installed_ops: dict[str, bool] = {}
-compatible_ops: dict[str, bool] = {}
+compatible_ops: dict[str, bool] = _op_builder.compatible_ops()
 torch_info: dict[str, Any] = {
     "version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
     "bf16_support": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),

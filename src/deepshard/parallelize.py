@@ -32,7 +32,6 @@ from deepshard.parts import (OptimizerArg, broadcast_module, build_client_optimi
 from deepshard.plan import Plan, describe, enforce
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
-from deepshard.zero.optimizer_guard import guard
 from deepshard.placement import adopt_megatron_attributes, set_copies
 
 
@@ -97,8 +96,6 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     strategy = build_strategy(model, client_optimizer, cfg, topology, precision, accelerator)
     if client_optimizer is not None:
         client_optimizer.overflow = False  # type: ignore[attr-defined]  # set at every step (step.py)
-        if strategy.stage >= 1:
-            guard(client_optimizer, strategy)  # a direct optimizer.step() would update nothing: say so
     scheduler = build_lr_scheduler(cfg, client_optimizer, lr_scheduler)
     monitor = build_monitor(cfg, topology.rank)
     comms = topology.world.logger

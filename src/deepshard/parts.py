@@ -1,5 +1,6 @@
 """The parts a run is built from, one builder each, called in order by ``deepshard.parallelize``: replicas
-made equal, the precision policy, the optimizer, the ZeRO strategy, the LR scheduler, the monitors."""
+made equal, the precision policy, the optimizer, the ZeRO strategy (from :data:`STRATEGIES`, the one table
+of stages), the LR scheduler, the monitors."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -13,9 +14,27 @@ from deepshard.precision import PrecisionPolicy
 from deepshard.topology import Topology
 from deepshard.utils.logging import logger
 from deepshard.zero.master import check_optimizer_params, trainable_params
-from deepshard.zero.strategy import StrategyContext, ZeroStrategy, strategy_class
+from deepshard.zero.offload.policy import OffloadPolicy, make_offload_policies
+from deepshard.zero.stage0 import Stage0Strategy
+from deepshard.zero.stage12 import Stage1Strategy, Stage2Strategy
+from deepshard.zero.stage3.strategy import Stage3Strategy
+from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+
+STRATEGIES: dict[int, type[ZeroStrategy]] = {0: Stage0Strategy, 1: Stage1Strategy, 2: Stage2Strategy,
+                                             3: Stage3Strategy}
+"""The ZeRO strategy of each ``zero_optimization.stage``: the one table of stages. Every strategy is built
+the same way, ``cls(module, optimizer, StrategyContext)``, and declares what it composes with on its class
+(``capabilities``), which the plan check reads from here before anything is built."""
+
+
+def strategy_class(stage: int) -> type[ZeroStrategy]:
+    """The strategy class of ZeRO ``stage`` (0-3)."""
+    found = STRATEGIES.get(stage)
+    if found is None:
+        raise ValueError(f"zero_optimization.stage={stage!r}: use 0, 1, 2 or 3")
+    return found
 
 
 @torch.no_grad()
@@ -80,36 +99,29 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     whole weights, and the gradient mean over dp x sp is the single-process gradient when every sp rank
     backpropagates the same global loss, as ``deepshard.sp.loss`` computes it). The plan check
     (``deepshard.plan``) has refused what it cannot hold."""
-    stage = cfg.zero_optimization.stage
     optimizer_offload, param_offload = offload_policies(cfg, accelerator)
     ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
                           experts={name: groups.edp for name, groups in topology.experts.items()},
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                           prescale_gradients=bool(cfg.prescale_gradients),
-                          average_gradients=cfg.gradient_allreduce_op != "sum")
-    cls = strategy_class(stage)
-    if stage == 0:
-        return cls(model, optimizer, ctx)
-    if stage in (1, 2):
-        return cls(model, optimizer, ctx, stage, optimizer_offload=optimizer_offload)  # type: ignore[call-arg]
-    return cls(model, optimizer, ctx, optimizer_offload=optimizer_offload, param_offload=param_offload,  # type: ignore[call-arg]
-               step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward))
+                          average_gradients=cfg.gradient_allreduce_op != "sum",
+                          optimizer_offload=optimizer_offload, param_offload=param_offload,
+                          step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward))
+    return strategy_class(cfg.zero_optimization.stage)(model, optimizer, ctx)
 
 
-def offload_policies(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[Any, Any]:
+def offload_policies(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[OffloadPolicy, OffloadPolicy]:
     """The offload policies ``(optimizer, param)`` for the strategy (``deepshard.zero.offload``).
 
     ``device: cpu`` on a CPU-only run is a no-op (the states already are in host memory; said once);
     ``nvme`` keeps states in files under ``nvme_path``. Partial offload (``ratio`` < 1) is refused here
     (a key on its own); offload at stage 0 by the plan check."""
-    from deepshard.zero.offload.policy import make_offload_policies
-
     policies = make_offload_policies(cfg.zero_optimization, cfg.aio, accelerator.kind)
     for what, policy in zip(("master weights and optimizer states", "parameter shards"), policies):
         if policy.moves_states:
             logger.debug("zero_optimization offload: %s %s", what, policy.describe())
-    if cfg.zero_optimization.stage == 3 and policies[1].moves_states and not policies[0].moves_states:
+    if policies[1].moves_states and not policies[0].moves_states:
         logger.warning("zero_optimization.offload_param moves the parameter shard off the device but "
                        "offload_optimizer does not: the fp32 master weights and optimizer state stay resident "
                        "(in fp32 training an fp32 master copy is kept for the optimizer); offload both for the "

@@ -137,6 +137,17 @@ def mark_expert(param: torch.Tensor, group: str, saved_name: str, every_name: tu
     record_of(param).expert = ExpertShard(group, saved_name, tuple(every_name), int(offset), global_shape)
 
 
+def saved_names(module: torch.nn.Module) -> dict[str, str]:
+    """State-dict name -> the name a checkpoint stores it under, where they differ: the parameters of
+    experts split over expert-parallel ranks (their global expert id)."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        stored = saved_name(p, name)
+        if stored != name:
+            out[name] = stored
+    return out
+
+
 def saved_slice(param: torch.Tensor) -> tuple[int, Optional[tuple[int, ...]]]:
     """``(offset, shape)`` of the saved tensor ``param`` is a slice of: ``(0, None)`` for a whole tensor."""
     found = expert_of(param)

@@ -16,7 +16,7 @@ import torch
 
 from deepshard.config.base import ConfigError
 from deepshard.topology import ParallelDims
-from deepshard.zero.strategy import Capabilities, strategy_class
+from deepshard.zero.strategy import Capabilities
 
 COMPRESSED_OPTIMIZERS = ("onebitadam",)
 """Optimizer types (lower case) whose compressed momentum exchange replaces the gradient all-reduce."""
@@ -77,7 +77,9 @@ class Plan:
 
     @property
     def caps(self) -> Capabilities:
-        """What the stage's strategy composes with (declared on its class)."""
+        """What the stage's strategy composes with (declared on its class; ``parts.STRATEGIES``)."""
+        from deepshard.parts import strategy_class
+
         return strategy_class(self.stage).capabilities
 
     @property
@@ -289,6 +291,10 @@ def _expert_rules(plan: Plan) -> list[Conflict]:
         out.append(Conflict(f"MoE layers with ep_size={split[0]} and sequence parallelism (sp={dims.sp})",
                             "expert gradients are averaged over data-parallel replicas, while sequence-parallel "
                             "ranks backpropagate one shared loss", "use sequence_parallel_size 1 with MoE"))
+    if not plan.caps.expert_parallel:
+        out.append(Conflict(f"MoE layers with ep_size={split[0]} and zero_optimization.stage={plan.stage}",
+                            "this ZeRO stage does not shard expert parameters over their expert-data-parallel group",
+                            "use another ZeRO stage, or ep_size=1"))
     if plan.compressed_optimizer is not None:
         out.append(Conflict(f"optimizer {plan.compressed_optimizer} with MoE layers of ep_size={split[0]}",
                             "its compressed momentum exchange averages every parameter over all data-parallel "

@@ -6,7 +6,8 @@ each ZeRO checkpoint with DeepSpeed's own zero_to_fp32. deepshard then loads tho
 1, 2 and 4 and at other ZeRO stages (and the pipeline one as a pipeline and as a plain model): its next
 3 losses must equal DeepSpeed's own resume. The other way: deepshard saves, ``deepshard convert --to
 deepspeed`` writes DeepSpeed directories, and a second DeepSpeed world resumes them with deepshard's
-losses. Each world runs once per session.
+losses. Each world runs once per session. Where DeepSpeed refuses bf16 on this CPU (``ds_support``), its
+bf16 cases are left out of the suite and the tests that need them skip saying so; the fp32 cases still run.
 """
 from __future__ import annotations
 
@@ -20,26 +21,19 @@ from typing import Any
 import pytest
 import torch
 
+from tests.deepspeed_compat.ds_support import REPO, refused_dtypes, require_deepspeed
 from tests.deepspeed_compat.scenarios import load_and_train, save_then_resume
 from tests.multiproc.harness import run_world
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ds_worker.py")
-DS_VENV = REPO / ".venv-deepspeed"
-DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DS_VENV / "bin" / "python"))
-DS_READY = "DEEPSHARD_DEEPSPEED_PYTHON" in os.environ or (DS_VENV / ".installed").exists()
 FP32_TOL = 1e-5   # measured: 0 (bit-identical losses) at every layout; the margin is for other CPUs' kernels
 BF16_TOL = 1e-3   # measured: 0 at the writer's dp, 6e-8 at dp 1 and 1.2e-7 at dp 4 (fp32 loss of bf16 outputs)
 
 
 def _deepspeed(args: list[str], timeout: float = 1200) -> None:
-    if not (DS_READY and DS_PYTHON.exists()):
-        failed = DS_VENV / ".failed"
-        why = f" ({failed.read_text().strip()})" if failed.exists() else ""
-        pytest.skip(f"DeepSpeed 0.19.8 is not installed at {DS_PYTHON}{why}: build it with `make deepspeed-venv` "
-                    "(needs the package index), or point DEEPSHARD_DEEPSPEED_PYTHON at a python that has it")
+    python = require_deepspeed()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(DS_PYTHON), str(WORKER), "--library", "deepspeed", *args], env=env,
+    proc = subprocess.run([str(python), str(WORKER), "--library", "deepspeed", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"DeepSpeed run {args} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -51,7 +45,8 @@ def ds_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     if reuse and (Path(reuse) / "results.json").exists():
         return Path(reuse), json.loads((Path(reuse) / "results.json").read_text())
     root = tmp_path_factory.mktemp("deepspeed_suite")
-    _deepspeed(["--suite", str(root)])
+    refused = sorted(set(refused_dtypes(str(require_deepspeed()))) & {"bf16"})  # the suite has no fp16 case
+    _deepspeed(["--suite", str(root), *(["--leave_out", *refused] if refused else [])])
     return root, json.loads((root / "results.json").read_text())
 
 
@@ -60,8 +55,14 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def _bf16_refused() -> str | None:
+    """Why DeepSpeed wrote no bf16 checkpoint here, or None."""
+    return refused_dtypes(str(require_deepspeed())).get("bf16")
+
+
 def _matrix(root: Path, world: int) -> list[tuple[str, str, int, str, bool]]:
-    """(label, DeepSpeed directory, deepshard stage, dtype, pipeline) loaded by a world of ``world``."""
+    """(label, DeepSpeed directory, deepshard stage, dtype, pipeline) loaded by a world of ``world``; the bf16
+    cases only where DeepSpeed wrote its bf16 checkpoint."""
     cases = []
     for name, stages in (("z0", (0, 2)), ("z1", (1, 3)), ("z2", (2, 1)), ("z3", (3, 2))):
         cases += [(f"{name}->z{s}", str(root / name), s, "fp32", False) for s in stages]
@@ -72,7 +73,7 @@ def _matrix(root: Path, world: int) -> list[tuple[str, str, int, str, bool]]:
     if world in (1, 4):
         cases += [("pipe_z1->z2", str(root / "pipe_z1"), 2, "fp32", False),
                   (f"z2_bf16->z{3 if world == 1 else 1}", str(root / "z2_bf16"), 3 if world == 1 else 1, "bf16", False)]
-    return cases
+    return [case for case in cases if case[3] != "bf16" or (root / "z2_bf16").is_dir()]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -89,11 +90,13 @@ def test_deepshard_resumes_deepspeed_checkpoints(ds_suite: tuple[Path, dict[str,
         assert got[label]["global_steps"] == 6 and got[label]["global_samples"] == 48
         assert got[label]["client_state"] == {"epoch": 3, "note": "hello"}
     print(json.dumps(report))
+    if not (root / "z2_bf16").is_dir():
+        pytest.skip(f"the fp32 cases passed; the bf16 case is not compared: {_bf16_refused() or 'no bf16 checkpoint'}")
 
 
 def test_deepspeed_resumes_converted_deepshard_checkpoints(ds_suite: tuple[Path, dict[str, Any]],
                                                            tmp_path: Path) -> None:
-    from deepshard.launcher.convert_cli import main as convert_main
+    from deepshard.checkpoint.convert_cli import main as convert_main
 
     native = tmp_path / "native"
     mine = run_world(save_then_resume, 2, str(native), 2, timeout=600)[0]
@@ -122,6 +125,8 @@ def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, 
     from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main
 
     root, _ = ds_suite
+    if not (root / f"{name}_fp32.pt").exists() and name.endswith("bf16"):
+        pytest.skip(f"no DeepSpeed checkpoint {name}: {_bf16_refused() or 'the suite wrote none'}")
     theirs = torch.load(root / f"{name}_fp32.pt", weights_only=True)
     assert main([str(root / name), str(tmp_path), "--safe_serialization"]) in (0, None)  # the CLI
     for mine in (get_fp32_state_dict_from_zero_checkpoint(root / name), load_file(tmp_path / "model.safetensors")):
@@ -134,7 +139,7 @@ def test_zero_to_fp32_matches_deepspeeds_script(ds_suite: tuple[Path, dict[str, 
 def test_convert_to_deepshard_keeps_every_tensor(ds_suite: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     from deepshard.checkpoint import verify_manifest
     from deepshard.checkpoint.deepspeed_format import read_full_state
-    from deepshard.checkpoint.fragments import load_full_state
+    from deepshard.checkpoint.reader import load_full_state
 
     root, _ = ds_suite
     out = subprocess.run([sys.executable, "-m", "deepshard.launcher.cli", "convert", str(root / "z3"),

@@ -137,6 +137,33 @@ def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path)
     _check_recipe(offload, reference, x_all, weights, stage=3, optimizer="DeepSpeedCPUAdam")
 
 
+def test_unchanged_accelerate_launch_with_the_standin(tmp_path: Path) -> None:
+    """``accelerate launch --config_file cfg.yaml script.py``, Accelerate's own launcher, unchanged, after the
+    one step ``python -m deepshard.compat.standin on`` (here into a temporary site directory that a
+    ``sitecustomize`` adds, so the test environment is not changed): Accelerate finds a DeepSpeed, starts
+    its ranks through torchrun, and their ``import deepspeed`` is deepshard. On a CPU the YAML says
+    ``use_cpu: false`` (``true`` makes Accelerate start a single process without DeepSpeed)."""
+    from deepshard.compat import standin
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+    standin.turn_on(site)
+    config, out = tmp_path / "cfg.yaml", tmp_path / "out"
+    config.write_text(YAML.replace("use_cpu: true", "use_cpu: false"))
+    out.mkdir()
+    env = _env(RECIPE_OUT=str(out))
+    env.pop("DEEPSHARD_REPLACE_DEEPSPEED")
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    accelerate = Path(sys.executable).with_name("accelerate")
+    proc = subprocess.Popen([str(accelerate), "launch", "--config_file", str(config), "--main_process_port",
+                             str(_free_port()), str(SCRIPTS / "accelerate_recipe.py")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reference, x_all, weights = _recipe_reference(steps=6)
+    _finish(proc, "accelerate launch with the stand-in")
+    _check_recipe(out, reference, x_all, weights)
+
+
 def test_hf_trainer_zero2_zero3_fp32_bf16_match_a_plain_trainer(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]' in a deepshard checkout")
     from transformers import LlamaForCausalLM

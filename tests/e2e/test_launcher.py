@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -136,11 +137,15 @@ def test_deepspeed_script_finds_deepshard_and_a_config_typo_is_one_line_once() -
     assert "deepshard: error (ranks 0, 1)" in out or "deepshard: error (rank " in out, out
     assert "Traceback" not in out and "last output of" not in out, out
     assert re.search(r"--master_port 0: rendezvous on free port \d+", out), out
+    # every rank failed: the report says what became of the other rank, never "stopped the other 0 ranks"
+    assert re.search(r"exited with code 1; (the other 1 rank failed too|stopped the other 1 rank)\n", out), out
     verbose = _launch(["--num_gpus", "1", "--verbose", script], timeout=120)
     assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stdout + verbose.stderr
 
 
-def test_sigterm_to_launcher_is_forwarded() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_is_forwarded_to_the_running_ranks(sig: signal.Signals) -> None:
+    """The report counts the ranks that were running (it said "0 running ranks" while 2 were training)."""
     cmd = [*_deepshard(), "--master_port", str(_free_port()), "--num_gpus", "2",
            str(SCRIPTS / "sleep_forever.py")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
@@ -148,13 +153,13 @@ def test_sigterm_to_launcher_is_forwarded() -> None:
     pids: list[int] = []
     try:
         pids = sleeping_pids(proc, 2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "received SIGTERM" in err
+    assert proc.returncode == 128 + sig, err
+    assert f"deepshard: received {sig.name}; forwarding it to 2 running ranks" in err, err
     assert all(_gone(pid) for pid in pids)
 
 

@@ -68,11 +68,13 @@ def rank_pids(text: str) -> list[int]:
 
 
 def test_two_no_ssh_nodes_train_as_one_world_of_four(tmp_path: Path) -> None:
+    """Also what each rank knows of its machine: its local rank among LOCAL_WORLD_SIZE, its node (GROUP_RANK /
+    CROSS_RANK) among GROUP_WORLD_SIZE (CROSS_SIZE) nodes; ``--num_nodes 2`` takes the first two hosts."""
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("# two machines\nnode-a slots=2\n\nnode-b slots=2  # the second\n")
+    hostfile.write_text("# two machines\nnode-a slots=2\n\nnode-b slots=2  # the second\nnode-c slots=2\n")
     port, logs = free_port_pair(), tmp_path / "logs"
     args = [TRAIN, "--save_dir", str(tmp_path / "ckpt"), "--steps", "3"]
-    extra = ["--bind_cores_to_rank", "--enable_each_rank_log", str(logs)]
+    extra = ["--num_nodes", "2", "--bind_cores_to_rank", "--enable_each_rank_log", str(logs)]
     procs = [start_node(1, hostfile, port, args, extra), start_node(0, hostfile, port, args, extra)]
     (rc1, out1, err1), (rc0, out0, err0) = finish(procs, 80)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -82,6 +84,8 @@ def test_two_no_ssh_nodes_train_as_one_world_of_four(tmp_path: Path) -> None:
     for rank, row in rows.items():
         assert row["world"] == 4 and row["steps"] == 3 and row["start_step"] == 0
         assert (row["local_rank"], row["cross_rank"]) == (rank % 2, str(rank // 2))
+        assert row["node"] == {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2), "GROUP_WORLD_SIZE": "2",
+                               "CROSS_SIZE": "2"}
     # every rank trained on other data; equal weights prove the gradients were averaged across both nodes
     assert len({round(r["checksum"], 10) for r in rows.values()}) == 1
     cores = sorted(os.sched_getaffinity(0))
@@ -202,16 +206,20 @@ def test_a_killed_node_is_named_even_when_a_rank_elsewhere_fails_first(tmp_path:
 
 
 def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tmp_path: Path) -> None:
-    """``--elastic_training``: two agents meet through torch's c10d rendezvous. Node 1's agent is killed
+    """``--elastic_training``: node 0 trains alone (``--min_elastic_nodes 1``) until node 1 arrives; torch's c10d
+    rendezvous then restarts both in a world of two (not counted as a restart). Node 1's agent is killed
     outright; node 0's rank loses its peer, and with ``--max_restarts 1`` node 0's agent forms a new world
-    without node 1 (``--min_elastic_nodes 1``) and finishes; node 1's rank died with its agent."""
+    without node 1 and finishes; node 1's rank died with its agent."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
     port = free_port_pair()
     script = [str(SCRIPTS / "elastic_probe.py"), "--steps", "60"]
     extra = ["--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2", "--max_restarts", "1"]
-    node0 = start_node(0, hostfile, port, script, extra)
-    time.sleep(1.0)  # node 0 hosts the rendezvous store (both agents are on this machine)
+    node0 = start_node(0, hostfile, port, script, extra)  # it hosts the rendezvous store (both run here)
+    line = ""
+    while "of 1 attempt 0" not in line:
+        line = node0.stdout.readline()  # type: ignore[union-attr]
+        assert line, "node 0 ended before its rank started"
     node1 = start_node(1, hostfile, port, script, extra)
     try:
         line = ""
@@ -224,9 +232,12 @@ def test_elastic_two_nodes_a_killed_node_agent_and_the_job_goes_on_without_it(tm
     finally:
         finish([node1], 5)
     assert rc0 == 0, out0 + err0
-    assert re.search(r"rank 0 of 2 attempt 0 pid=\d+ sleeping", out0), out0
-    assert "rank 0 of 1 attempt 1 done" in out0, out0  # the job went on in a world without node 1
+    assert re.search(r"rank 0 of 2 attempt 0 pid=\d+ sleeping LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 "
+                     r"GROUP_WORLD_SIZE=2", out0), out0
+    # the job went on in a world without node 1, which every rank can see
+    assert "rank 0 of 1 attempt 1 done LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 GROUP_WORLD_SIZE=1" in out0, out0
     assert "restarting every rank (restart 1 of 1)" in err0, err0
+    assert "1 node(s) waiting to join: restarting every rank in a new world" in err0, err0
     deadline = time.monotonic() + 5
     while not _gone(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)

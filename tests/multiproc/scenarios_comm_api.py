@@ -44,3 +44,63 @@ def comm_api_world(rank: int, world: int) -> dict[str, Any]:
     acc = get_accelerator()
     out["device"] = (acc.device_name(0), acc.current_device_name(), acc.communication_backend_name())
     return out
+
+
+def comm_api_rest_world(rank: int, world: int) -> dict[str, Any]:
+    """The rest of DeepSpeed 0.19.8's ``deepspeed.comm`` functions, each next to torch.distributed's own
+    call on the same inputs (the reference): objects, coalesced and batched collectives, group ranks, the
+    logger's interval helpers and the launcher-environment readers."""
+    import torch.distributed as dist
+
+    from deepshard import comm
+
+    out: dict[str, Any] = {}
+    obj = {"rank": rank, "tag": "r" * (rank + 1)}
+    ours, theirs = [None] * world, [None] * world
+    comm.all_gather_object(ours, obj)
+    dist.all_gather_object(theirs, obj)
+    out["objects"] = (ours, theirs)
+
+    inputs = [torch.full((2,), float(rank)), torch.arange(3.0) + 10 * rank]
+    outs = [torch.empty(2 * world), torch.empty(3 * world)]
+    comm.all_gather_coalesced(outs, inputs)
+    refs = [torch.empty(2 * world), torch.empty(3 * world)]
+    for ref, inp in zip(refs, inputs):
+        dist.all_gather_into_tensor(ref, inp)
+    handle = comm.all_gather_coalesced([torch.empty(2 * world)], [inputs[0]], async_op=True)
+    out["gather_coalesced"] = ([o.tolist() for o in outs], [r.tolist() for r in refs], handle.wait())
+
+    mine = [torch.full((2,), rank + 1.0), torch.full((3,), 2.0 * rank)]
+    ref = [t.clone() for t in mine]
+    comm.all_reduce_coalesced(mine)
+    for t in ref:
+        dist.all_reduce(t)
+    out["reduce_coalesced"] = ([t.tolist() for t in mine], [t.tolist() for t in ref])
+
+    peer = (rank + 1) % world
+    source = (rank - 1) % world
+    send, recv = torch.full((3,), float(rank)), torch.empty(3)
+    for req in comm.batch_isend_irecv([comm.P2POp(comm.isend, send, peer), comm.P2POp(comm.irecv, recv, source)]):
+        req.wait()
+    ref_recv = torch.empty(3)
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, ref_recv, source)]):
+        req.wait()
+    out["p2p"] = (recv.tolist(), ref_recv.tolist())
+
+    group = comm.new_group([world - 1])
+    out["group_ranks"] = (comm.get_all_ranks_from_group(), comm.get_all_ranks_from_group(group),
+                          dist.get_process_group_ranks(group))
+    out["has"] = (comm.has_all_gather_into_tensor(), comm.has_reduce_scatter_tensor(),
+                  comm.has_all_reduce_coalesced(), isinstance(comm.has_coalescing_manager(), bool))
+    out["launcher"] = (comm.get_local_rank_from_launcher(), comm.get_world_rank_from_launcher(),
+                       comm.get_world_size_from_launcher())
+    comm.reset_log()
+    before = comm.has_comm_data()
+    comm.all_reduce(torch.ones(1))
+    comm.barrier()
+    out["log"] = (before, comm.has_comm_data(), comm.get_comm_operation_count(), sorted(comm.get_logged_comm_ops()))
+    mesh = comm.initialize_mesh_device((world,), ("dp",))
+    out["mesh"] = (tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+    backend = comm.TorchBackend("gloo")
+    out["backend"] = (backend.name, backend.is_initialized(), backend.get_world_size())
+    return out

@@ -152,3 +152,107 @@ def external_world(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     return {"listed": listed, "is_external": model.a.weight.is_external_param, "losses": losses,
             "weights": full_weights(engine)}
+
+
+def _gather_if_partitioned(*params: torch.nn.Parameter) -> Any:
+    """TRL's ``maybe_gather_lm_head_ctx``: gather only what is not already AVAILABLE."""
+    import contextlib
+
+    todo = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE] if hasattr(params[0], "ds_id") else []
+    return deepshard.zero.GatheredParameters(todo) if todo else contextlib.nullcontext()
+
+
+class _HeadLogits(torch.autograd.Function):
+    """A fused LM head as TRL writes one: the weight is read directly (its module is never called), in
+    forward and again in backward, each time inside a gather."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        return hidden @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, weight = ctx.saved_tensors
+        with _gather_if_partitioned(weight):
+            return grad @ weight, grad.t() @ hidden
+
+
+class FusedHeadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        with _gather_if_partitioned(self.head.weight):
+            out = _HeadLogits.apply(h, self.head.weight)
+        return nn.functional.mse_loss(out, y)
+
+
+def make_fused_head() -> FusedHeadNet:
+    torch.manual_seed(5)
+    return FusedHeadNet()
+
+
+def fused_head_world(rank: int, world: int) -> dict[str, Any]:
+    engine, *_ = deepshard.initialize(model=make_fused_head(), config=z3_config(8 // world, 1))
+    losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
+    return {"losses": losses, "weights": full_weights(engine),
+            "released": engine.module.head.weight.ds_status.name}
+
+
+class _Scale(nn.Module):
+    """A frozen norm-like scale: its parameter is saved for backward as itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _AdaptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = _Scale()
+        self.base = nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.adapter = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.scale(x)
+        return torch.tanh(self.base(h) + self.adapter(h))
+
+
+class FrozenBaseNet(nn.Module):
+    """A LoRA-shaped model: a frozen base (a scale and a Linear) with a small trainable adapter, the block
+    under non-reentrant activation checkpointing (PEFT + TRL's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = _AdaptedBlock()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, self.inp(x), use_reentrant=False)  # an input that requires grad
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def make_frozen_base() -> FrozenBaseNet:
+    torch.manual_seed(6)
+    return FrozenBaseNet()
+
+
+def frozen_base_world(rank: int, world: int) -> dict[str, Any]:
+    # a prefetch window of one group: the frozen scale is still partitioned when the recompute reaches it
+    engine, *_ = deepshard.initialize(model=make_frozen_base(),
+                                      config=z3_config(8 // world, 1, stage3_prefetch_bucket_size=8))
+    losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
+    return {"losses": losses, "weights": full_weights(engine),
+            "after": sorted({p.ds_status.name for p in engine.module.parameters()})}

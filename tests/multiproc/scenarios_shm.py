@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from deepshard.comm import shm
+from deepshard.comm import settings, shm
 from deepshard.comm.group import CommGroup
 from deepshard.comm.watchdog import CollectiveTimeout
 
@@ -132,7 +132,7 @@ def _mismatch(rank: int) -> str:
 def every_shm_check(rank: int, world: int, grid: bool, failures: bool) -> dict[str, Any]:
     """One world runs every check of its size: the collectives over the world (and over the dp groups of a
     2x2 grid), the fallback, and (``failures``) a peer that never arrives and mismatched collectives."""
-    os.environ[shm.SLOT_VAR] = SLOT_MB
+    os.environ[settings.SLOT_VAR] = SLOT_MB
     out: dict[str, Any] = {"world": _all_cases(*_pair(None, "world"))}
     if grid:
         groups = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])]

@@ -11,8 +11,9 @@ import torch
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_token_batches, make_transformer, rel_err, train_reference
-from tests.multiproc.scenarios_param_surface import (external_batches, external_world, generation_world,
-                                                     make_external, surface_world)
+from tests.multiproc.scenarios_param_surface import (external_batches, external_world, frozen_base_world,
+                                                     fused_head_world, generation_world, make_external,
+                                                     make_frozen_base, make_fused_head, surface_world)
 
 WORLD = 2
 FP32_RTOL = 1e-6
@@ -100,3 +101,32 @@ def test_register_external_parameter_trains_like_reference() -> None:
         assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
         for name, value in ref_w.items():
             assert rel_err(r["weights"][name], value) <= FP32_RTOL, name
+
+
+def test_a_weight_read_directly_in_a_custom_backward_trains_like_reference() -> None:
+    """TRL's fused LM-head loss: an autograd function reads ``head.weight`` without calling ``head``,
+    gathering it in forward and again in its backward; the gradient is accumulated after the backward
+    returns, so the gather must outlast it until the reduction."""
+    results = run_world(fused_head_world, WORLD)
+    model = make_fused_head()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_losses, ref_w = train_reference(model, opt, external_batches(), 0.5)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
+        for name, value in ref_w.items():
+            assert rel_err(r["weights"][name], value) <= FP32_RTOL, name
+        assert r["released"] == "NOT_AVAILABLE"  # released once its gradient was reduced
+
+
+def test_frozen_base_under_non_reentrant_checkpointing_trains_like_reference() -> None:
+    """PEFT's shape (frozen base, trainable adapter) with the block checkpointed without reentrancy: the
+    recompute must not release the frozen parameter the checkpoint saved (its shape is compared after)."""
+    results = run_world(frozen_base_world, WORLD)
+    model = make_frozen_base()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref_losses, ref_w = train_reference(model, opt, external_batches(), 0.5)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
+        for name, value in ref_w.items():
+            assert rel_err(r["weights"][name], value) <= FP32_RTOL, name
+        assert r["after"] == ["NOT_AVAILABLE"]  # everything released after the step

@@ -108,6 +108,42 @@ def test_summarize_compare_and_targets() -> None:
     assert report.row_cells(ddp)[1] == "3,000 (noisy)" and report.row_cells(ours)[1] == "3,300"
 
 
+def test_quick_runs_judge_only_the_size_independent_targets() -> None:
+    """``--quick``: exact byte counts at stages 0-2 keep their verdicts; timing, memory and stage 3 are shown
+    as not judged (the targets are set for the full-size models), in the terminal table and the markdown."""
+    state = {"parameters": 4 * PSI, "gradients": 4 * PSI, "master_weights": 0, "optimizer_state": 8 * PSI,
+             "buffers": 0, "comm_buckets": 0, "total": 16 * PSI}
+    ddp = analysis.summarize_case(_case("ddp"), _ranks([[1, 1, 1, 1]] * 2, [[4, 3, 2, 1]] * 2, 3 * 2 * PSI),
+                                  PSI, 64, "ddp", 0)
+    slow = analysis.summarize_case(_case("deepshard-z0"), _ranks([[1, 2, 2, 2]] * 2, [[4, 3, 2, 1]] * 2,
+                                                                3 * 2 * PSI, state), PSI, 64, "deepshard", 0)
+    wrong = analysis.summarize_case(_case("deepshard-z1"), _ranks([[1, 1, 1, 1]] * 2, [[4, 3, 2, 1]] * 2,
+                                                                 3 * 2 * PSI, state), PSI, 64, "deepshard", 1)
+    z3 = analysis.summarize_case(_case("deepshard-z3"), _ranks([[1, 1, 1, 1]] * 2, [[4, 3, 2, 1]] * 2,
+                                                              3 * 2 * PSI, state), PSI, 64, "deepshard", 3)
+    rows = [ddp, slow, wrong, z3]
+    analysis.add_comparisons(rows)
+    full = {(t.name, t.where.split()[0]): t.verdict for t in analysis.evaluate_targets(rows)}
+    quick = {(t.name, t.where.split()[0]): t.verdict for t in analysis.evaluate_targets(rows, quick=True)}
+    not_judged = "not judged at --quick sizes"
+    assert full[("step time / DDP", "deepshard-z0")] == "MISSED" and quick[("step time / DDP", "deepshard-z0")] == not_judged
+    assert full[("peak memory / DDP", "deepshard-z3")] == "MISSED" == full[("model-state bytes / formula", "deepshard-z3")]
+    assert quick[("peak memory / DDP", "deepshard-z3")] == not_judged == quick[("model-state bytes / formula", "deepshard-z3")]
+    assert quick[("volume per step / analytic", "deepshard-z3")] == not_judged
+    assert quick[("step time / FSDP2", "deepshard-z3")] == "n/a"  # no FSDP2 row: nothing to judge either way
+    assert quick[("model-state bytes / formula", "deepshard-z1")] == "MISSED"  # 16Ψ held, 12Ψ expected: a bug at any size
+    assert quick[("volume per step / analytic", "deepshard-z0")] == "met"
+    assert "MISSED" not in {v for k, v in quick.items() if k[0] != "model-state bytes / formula"}
+    run = {"machine": report.machine_info(), "command": "python benchmarks/bench.py --quick",
+           "settings": {"warmup": 1, "steps": 3, "seed": 0, "lr": 1e-3, "quick": True}, "rows": rows, "scaling": [],
+           "targets_detail": [{**vars(t), "verdict": t.verdict} for t in analysis.evaluate_targets(rows, quick=True)],
+           "notes": []}
+    table = report.format_table(run)
+    assert "ok / MISSED / n/a; not judged at --quick sizes: timing, memory and stage 3 are set for the full-size" in table
+    assert "2.000 not judged at --quick sizes" in table and table.count("MISSED") == 2, table  # header + z1's state
+    assert "not judged at --quick sizes: the shrunk models' timing, memory and stage 3" in report.render_markdown(run)
+
+
 def test_scaling_rows_against_one_process() -> None:
     rows = []
     for n in (1, 2, 4):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint.fragments import FragmentRecord, load_full_state, rank_files, save_rank_fragments
+from deepshard.checkpoint.fragments import rank_files, save_rank_fragments
+from deepshard.checkpoint.reader import load_full_state
+from deepshard.shard_state import FragmentRecord
 from deepshard.config import ConfigError
 from deepshard.grid import dims_from_config
 from deepshard.topology import ParallelDims

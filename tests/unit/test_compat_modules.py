@@ -113,7 +113,16 @@ def test_config_constants_and_helpers(shim: None) -> None:
 
     assert (config.ADAM_OPTIMIZER, config.ADAMW_OPTIMIZER, config.LAMB_OPTIMIZER, config.ADAGRAD_OPTIMIZER,
             config.LION_OPTIMIZER, config.MUON_OPTIMIZER) == ("adam", "adamw", "lamb", "adagrad", "lion", "muon")
-    assert len(config.DEEPSPEED_OPTIMIZERS) == 9 and config.DeepSpeedConfig.__name__ == "DeepShardConfig"
+    from deepshard.config import DeepShardConfig
+
+    assert len(config.DEEPSPEED_OPTIMIZERS) == 9 and issubclass(config.DeepSpeedConfig, DeepShardConfig)
+    ds_config = config.DeepSpeedConfig({"train_batch_size": 8, "gradient_accumulation_steps": 2})  # dp 1
+    assert (ds_config.train_micro_batch_size_per_gpu, ds_config._param_dict) == (4, {"train_batch_size": 8,
+                                                                                     "gradient_accumulation_steps": 2})
+    ds_config.train_batch_size, ds_config.train_micro_batch_size_per_gpu = 9, 4
+    with pytest.raises(AssertionError, match=r"train_batch_size \(9\) must equal"):
+        ds_config._configure_train_batch_size()
+    assert config.get_gradient_clipping({}) == 1.0 and config.get_log_level({"log_level": "INFO"}) == "INFO"
     assert config.load_config is not None  # deepshard.config's names are there too
     assert len(lr_schedules.CONFIG_KEYS) == 25 and lr_schedules.WARMUP_MIN_LR == "warmup_min_lr"
     assert (lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.LR_RANGE_TEST_STAIRCASE, lr_schedules.TOTAL_NUM_STEPS) == (
@@ -146,3 +155,37 @@ def test_accelerator_and_version_info(shim: None) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert DeepSpeedEngine is deepspeed.DeepSpeedEngine and deepspeed.PipelineEngine.__name__ == "PipelineEngine"
+
+
+def test_deepspeed_assertions_are_assertion_errors_too() -> None:
+    """Where DeepSpeed asserts, deepshard's error is also an AssertionError (code written for DeepSpeed catches
+    that), still saying what is wrong and what to do."""
+    import torch.distributed as dist
+
+    from deepshard import initialize
+    from deepshard.distributed import init_distributed
+
+    assert not dist.is_initialized()
+    with pytest.raises(AssertionError, match="not initialized; call torch.distributed.init_process_group"):
+        init_distributed(dist_init_required=False)
+    with pytest.raises(ValueError, match="needs model="):
+        initialize(model=None, config={"train_batch_size": 1})
+    with pytest.raises(AssertionError, match="needs model="):
+        initialize(model=None, config={"train_batch_size": 1})
+
+
+def test_config_log_level_sets_the_logger() -> None:
+    import logging
+
+    from deepshard.utils.logging import get_log_level_from_string, logger, set_log_level_from_string
+
+    saved = logger.level
+    try:
+        set_log_level_from_string("ERROR")
+        assert logger.getEffectiveLevel() == logging.ERROR and get_log_level_from_string("debug") == logging.DEBUG
+        with pytest.raises(ValueError, match="'loud' is not one of debug, info"):
+            set_log_level_from_string("loud")
+    finally:
+        logger.setLevel(saved)
+        for handler in logger.handlers:
+            handler.setLevel(logging.NOTSET)

@@ -98,7 +98,7 @@ def test_big_realistic_config_loads(tmp_path: pathlib.Path, warnings_logged: lis
     cfg = load_config(str(path), 4)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 2, 4)
     assert cfg.bf16_enabled and cfg.model_dtype == torch.bfloat16 and cfg.bf16.check_grad_overflow is True
-    assert cfg.fp16.initial_scale_power == 12 and cfg.fp16.initial_dynamic_scale == 4096.0
+    assert cfg.fp16.initial_scale_power == 12 and cfg.fp16.initial_dynamic_scale() == 4096.0
     assert cfg.gradient_allreduce_op == "mean" and cfg.gradient_predivide_factor == 2.0
     assert cfg.scheduler.type == "WarmupDecayLR" and cfg.scheduler.params["total_num_steps"] == 1000
     zero = cfg.zero_optimization

@@ -14,7 +14,7 @@ import torch
 from deepshard.checkpoint.deepspeed_format import UnsafeCheckpointError, load_pt, read_engine_record, read_full_state
 from deepshard.checkpoint.deepspeed_format.flat import join_zero3, join_zero12, split_zero3, split_zero12
 from deepshard.checkpoint.deepspeed_format.write import Source, write_deepspeed
-from deepshard.checkpoint.fragments import FullState
+from deepshard.shard_state import FullState
 from deepshard.checkpoint.io import CheckpointError
 
 SHAPES = {"emb.weight": (5, 3), "lin.weight": (7, 5), "lin.bias": (7,), "out.bias": (1,)}

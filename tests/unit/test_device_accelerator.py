@@ -10,7 +10,19 @@ from deepshard.accelerator import DeviceAccelerator, get_accelerator
 @pytest.fixture()
 def cpu(monkeypatch: pytest.MonkeyPatch) -> DeviceAccelerator:
     monkeypatch.setenv("DEEPSHARD_ACCELERATOR", "cpu")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     return get_accelerator()
+
+
+def test_cpu_device_count_is_local_size(cpu: DeviceAccelerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's CPU accelerator counts LOCAL_SIZE devices (its DistributedTest skips a world larger than the
+    count); unset or 0 is one device here (DeepSpeed then counts NUMA nodes, one on a plain machine)."""
+    for value, expected in (("2", 2), ("4", 4), ("0", 1), ("", 1)):
+        monkeypatch.setenv("LOCAL_SIZE", value)
+        assert cpu.device_count() == expected, value
+    monkeypatch.setenv("LOCAL_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_SIZE='two' is not an integer"):
+        cpu.device_count()
 
 
 def test_cpu_names_and_backend(cpu: DeviceAccelerator) -> None:

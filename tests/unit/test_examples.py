@@ -144,12 +144,14 @@ def test_batch_config_is_refit_for_another_process_count() -> None:
 
 # ------------------------------------------------------------------ the scripts, run as a user would
 
-def _run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+def _run_script(args: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess:
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                     "DEEPSHARD_PROGRESS")
     env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update({"DEEPSHARD_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env.update({"DEEPSHARD_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **extra})
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, timeout=120)
+    # decoded here, not with text=True, whose universal newlines would turn a progress bar's \r into \n
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 def test_readme_example_is_the_quickstart_files() -> None:
@@ -173,10 +175,14 @@ def test_quickstart_trains_and_checkpoints_on_one_process(tmp_path: Path) -> Non
 
 
 def test_train_gpt_runs_a_few_steps_and_prints_the_summary(tmp_path: Path) -> None:
+    """Output captured (not a terminal): no progress bar redraws, a plain line with the rate per interval."""
     done = _run_script([str(EXAMPLES / "train_gpt.py"), "--deepspeed_config", str(EXAMPLES / "ds_config.json"),
-                        "--steps", "4", "--max_bytes", "200000", "--val_batches", "2"], tmp_path)
+                        "--steps", "4", "--max_bytes", "200000", "--val_batches", "2", "--log_every", "2"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
+    assert "\r" not in out + done.stderr and "train:" not in done.stderr, done.stderr
+    progress = re.findall(r"^step +(\d)/4  loss [0-9.]+  lr \S+  [0-9.]+ step/s  elapsed \d+s  left \d+s$", out, re.M)
+    assert progress == ["1", "2", "4"], out
     assert "=== summary ===" in out and "1 process(es), global batch 32 x 128 tokens" in out, out
     first, last = (float(v) for v in re.search(r"train loss\s+([0-9.]+) -> ([0-9.]+)", out).groups())
     assert abs(first - math.log(256)) < 0.5 and last < first, out
@@ -197,3 +203,13 @@ def test_train_gpt_runs_a_few_steps_and_prints_the_summary(tmp_path: Path) -> No
     parts = [v for k, v in mib.items() if k not in ("rank", "total", "peak_rss")]
     assert mib["total"] == pytest.approx(sum(parts), abs=0.1 * len(parts))
     assert mib["peak_rss"] > mib["total"]
+
+
+def test_train_gpt_draws_its_bar_where_progress_bars_are_on(tmp_path: Path) -> None:
+    """DEEPSHARD_PROGRESS=1 (what the launcher sets for its ranks when it runs on a terminal): tqdm's bar."""
+    done = _run_script([str(EXAMPLES / "train_gpt.py"), "--deepspeed_config", str(EXAMPLES / "ds_config.json"),
+                        "--steps", "2", "--max_bytes", "200000", "--val_batches", "2"], tmp_path,
+                       DEEPSHARD_PROGRESS="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "\r" in done.stderr and "train: 100%" in done.stderr and "2/2" in done.stderr, done.stderr
+    assert re.search(r"^step +2/2  loss [0-9.]+  lr \S+$", done.stdout, re.M), done.stdout  # the bar has the rate

@@ -48,6 +48,22 @@ def test_a_port_in_use_is_refused_naming_the_flag_and_a_free_port(script: str,
     assert f"--master_port {port} is already in use on 127.0.0.1" in err and "e.g. --master_port " in err, err
 
 
+def test_deepshard_launch_names_its_own_port_flag(tmp_path: Path, script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`deepshard launch` takes --main_process_port and rejects --master_port: its port error says so."""
+    from deepshard.launcher.accelerate_cli import launch_main
+
+    config = tmp_path / "accelerate.json"
+    config.write_text('{"distributed_type": "DEEPSPEED", "num_processes": 1, "use_cpu": true}')
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert launch_main(["--config_file", str(config), "--main_process_port", str(port), script]) == 2
+    err = capsys.readouterr().err
+    assert f"--main_process_port {port} is already in use" in err and "e.g. --main_process_port " in err, err
+    assert "--master_port" not in err, err
+
+
 def test_an_unwritable_rank_log_directory_is_refused(script: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "not_a_dir"

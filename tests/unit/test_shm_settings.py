@@ -10,34 +10,34 @@ import time
 
 import pytest
 
-from deepshard.comm import shm
+from deepshard.comm import settings, shm
 
 
 def test_mode_reads_the_argument_then_the_variable() -> None:
-    assert shm.mode_from(None, {}) is None and shm.mode_from(None, {"DEEPSHARD_SHM": "auto"}) is None
-    assert shm.mode_from(None, {"DEEPSHARD_SHM": "0"}) is False and shm.mode_from(None, {"DEEPSHARD_SHM": "1"}) is True
-    assert shm.mode_from(True, {"DEEPSHARD_SHM": "0"}) is True
+    assert settings.mode_from(None, {}) is None and settings.mode_from(None, {"DEEPSHARD_SHM": "auto"}) is None
+    assert settings.mode_from(None, {"DEEPSHARD_SHM": "0"}) is False and settings.mode_from(None, {"DEEPSHARD_SHM": "1"}) is True
+    assert settings.mode_from(True, {"DEEPSHARD_SHM": "0"}) is True
     with pytest.raises(ValueError, match="DEEPSHARD_SHM='yes'.*auto, 1.*or 0"):
-        shm.mode_from(None, {"DEEPSHARD_SHM": "yes"})
+        settings.mode_from(None, {"DEEPSHARD_SHM": "yes"})
 
 
 def test_weakly_ordered_cpus_keep_tcp() -> None:
     """The round counters rely on x86's in-order stores: elsewhere auto means TCP, and asking is refused."""
-    assert shm.mode_from(None, {}, machine="x86_64") is None
-    assert shm.mode_from(None, {}, machine="aarch64") is False
-    assert shm.mode_from(None, {"DEEPSHARD_SHM": "0"}, machine="arm64") is False
+    assert settings.mode_from(None, {}, machine="x86_64") is None
+    assert settings.mode_from(None, {}, machine="aarch64") is False
+    assert settings.mode_from(None, {"DEEPSHARD_SHM": "0"}, machine="arm64") is False
     for value, env in ((None, {"DEEPSHARD_SHM": "1"}), (True, {})):
         with pytest.raises(ValueError, match="DEEPSHARD_SHM=1.*aarch64 CPU.*x86's in-order stores; unset it"):
-            shm.mode_from(value, env, machine="aarch64")
+            settings.mode_from(value, env, machine="aarch64")
 
 
 def test_slot_size_in_mib_rounded_to_pages() -> None:
-    assert shm.slot_bytes_from({}) == 1 << 20
-    assert shm.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": "0.5"}) == 1 << 19
-    assert shm.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": "0.000001"}) == 4096
+    assert settings.slot_bytes_from({}) == 1 << 20
+    assert settings.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": "0.5"}) == 1 << 19
+    assert settings.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": "0.000001"}) == 4096
     for bad in ("big", "0", "-1"):
         with pytest.raises(ValueError, match="DEEPSHARD_SHM_SLOT_MB"):
-            shm.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": bad})
+            settings.slot_bytes_from({"DEEPSHARD_SHM_SLOT_MB": bad})
 
 
 def test_a_zombie_or_reaped_peer_is_not_alive() -> None:

@@ -20,7 +20,8 @@ import torch
 
 from deepshard.checkpoint import CheckpointError, write_latest, write_manifest
 from deepshard.checkpoint.consolidate import FROZEN_META_KEY, parse_size, plan_shards
-from deepshard.checkpoint.fragments import FragmentRecord, save_rank_fragments
+from deepshard.checkpoint.fragments import save_rank_fragments
+from deepshard.shard_state import FragmentRecord
 from deepshard.utils.logging import logger
 from deepshard.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                           get_fp32_state_dict_from_zero_checkpoint,

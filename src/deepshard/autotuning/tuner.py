@@ -21,6 +21,7 @@ import argparse
 import json
 import shlex
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,8 +263,9 @@ def tune(args: argparse.Namespace, argv: list[str]) -> tuple[Path | None, list[s
     return optimal, launcher, script
 
 
-def main(args: argparse.Namespace, argv: list[str]) -> int:
-    """``--autotuning tune``: search and write the results; ``run``: then train with the best config."""
+def main(args: argparse.Namespace, argv: list[str], launch: Callable[[list[str]], int]) -> int:
+    """``--autotuning tune``: search and write the results; ``run``: then train with the best config through
+    ``launch`` (the ``deepshard`` command's entry point, given by the launcher that called this)."""
     optimal, launcher, script = tune(args, argv)
     if optimal is None:
         print("deepshard: autotuning: no experiment succeeded; see the summary above and the logs under "
@@ -272,6 +274,4 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"deepshard: autotuning: best config written to {optimal}", flush=True)
     if args.autotuning != "run":
         return 0
-    from deepshard.launcher.cli import main as launch
-
     return launch([*launcher, *with_config(script, optimal)])

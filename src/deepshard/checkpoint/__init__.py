@@ -1,4 +1,6 @@
 """Checkpoint files: tensors in safetensors, metadata in JSON, atomic saves, verified loads."""
+from typing import Any
+
 from deepshard.checkpoint.io import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -25,3 +27,10 @@ __all__ = [
     "save_tensors", "staging_dir", "unflatten_state", "validate_tag", "verify_manifest",
     "write_latest", "write_manifest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed names this module does not provide: an AttributeError that says why and what to use."""
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute(__name__, name)

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint.fragments import FullState, load_full_state
+from deepshard.checkpoint.reader import load_full_state
+from deepshard.shard_state import FullState
 from deepshard.utils.logging import logger
 from deepshard.utils.progress import progress
 

@@ -3,7 +3,7 @@
 Each rank writes ``zero_rank<r>.safetensors`` + ``zero_rank<r>.json`` holding the fp32 values and the
 optimizer state of the fragments it owns (stage 0: rank 0 owns every parameter whole; stages 1-2: each
 rank its partition). Rank 0 also writes ``module_extra.safetensors``: buffers and frozen parameters.
-Loading reassembles full tensors per parameter name from all ranks' files (``load_full_state``), and a
+Loading reassembles full tensors per parameter name from all ranks' files (``read_fragments``), and a
 strategy then takes the slices it owns, so a checkpoint written by any stage on any number of processes
 loads into any stage on any number of processes directly, with no conversion step.
 
@@ -14,7 +14,6 @@ state slice), ``optim/<name>/<key>@scalar`` (a 0-d state such as Adam's ``step``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ import torch
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint import schema
 from deepshard.checkpoint.matching import check_coverage
-from deepshard.utils.progress import progress
+from deepshard.shard_state import FragmentRecord, FullState
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
@@ -42,31 +41,6 @@ def extra_file(rank: int) -> str:
 
 def rank_files(rank: int) -> tuple[str, str]:
     return f"zero_rank{rank}.safetensors", f"zero_rank{rank}.json"
-
-
-@dataclass
-class FragmentRecord:
-    """One fragment to save: ``value`` is the 1-D fp32 slice; ``state`` its optimizer state."""
-
-    name: str
-    start: int
-    numel: int
-    value: torch.Tensor
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class FullState:
-    """A checkpoint reassembled per parameter name."""
-
-    params: dict[str, torch.Tensor]
-    optim: dict[str, dict[str, Any]]
-    optim_kinds: dict[str, dict[str, str]]
-    param_groups: list[dict[str, Any]] | None
-    module_extra: dict[str, torch.Tensor]
-    aliases: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    meta: dict[str, Any]
 
 
 def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord],
@@ -120,20 +94,17 @@ def _numel(shape: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def load_full_state(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
-    """Reassemble full fp32 parameters (and optimizer state) from the rank files.
+def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
+    """Reassemble full fp32 parameters (and optimizer state) from a deepshard tag's rank files (a tag of
+    either format: ``checkpoint.reader.load_full_state``).
 
     Tensor-parallel parts are put back together along their split dimension (global tensors). With
     ``module``, only the files holding tensors that module has are read, and the result is cut back to
     ``module``'s own tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its
     slices. A pipeline stage reads the rank files of its own stage, its own first, and stops once its
     tensors are whole: another stage's files are not opened, not even their JSON."""
-    from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag, read_full_state
     from deepshard.checkpoint.layout import wanted_names
 
-    if is_deepspeed_tag(directory):  # DeepSpeed's own files, whole tensors by name like ours
-        ds_full = read_full_state(directory, with_optimizer)
-        return _localized(ds_full, module)
     listing = _listing(directory)
     ranks = sorted(int(m.group(1)) for name in listing if (m := _RANK_JSON.match(name)))
     if not ranks:
@@ -282,93 +253,3 @@ def _foreign_fragments(info: dict[str, Any], wanted: set[str] | None) -> int:
     """How many of a rank file's fragments the loading model slice does not want: files of this slice's
     own tensors are read first, so a copy it shares with another slice (a tied layer) comes from them."""
     return 0 if wanted is None else sum(1 for name, _, _ in info["fragments"] if name not in wanted)
-
-
-def _collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
-                               optim: dict[str, dict[str, Any]], kinds: dict[str, dict[str, str]]) -> None:
-    for flat_key, value in tensors.items():
-        if not flat_key.startswith("optim/"):
-            continue
-        body, where = flat_key[len("optim/"):].rsplit("@", 1)
-        name, key = body.rsplit("/", 1)
-        state = optim.setdefault(name, {})
-        if where == "scalar":
-            state[key] = value.clone()
-            kinds.setdefault(name, {})[key] = "scalar"
-        elif where == "whole":
-            state[key] = value.clone()
-            kinds.setdefault(name, {})[key] = "whole"
-        else:
-            start = int(where)
-            full = state.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=value.dtype))
-            full[start:start + value.numel()] = value
-            kinds.setdefault(name, {})[key] = "elementwise"
-
-
-def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.Tensor) -> dict[str, Any]:
-    """The optimizer state of fragment ``[start, start+numel)`` of ``name``, cast like ``like``."""
-    out: dict[str, Any] = {}
-    for key, value in full.optim.get(name, {}).items():
-        kind = full.optim_kinds[name][key]
-        if kind == "elementwise":
-            piece = value.reshape(-1)[start:start + numel]
-            if numel == like.numel() and like.dim() > 1:  # a whole parameter (or a saved slice of one) keeps its shape
-                piece = piece.view(like.shape)
-            out[key] = piece.to(device=like.device, dtype=like.dtype if piece.is_floating_point() else piece.dtype
-                                ).clone()
-        elif kind == "whole":
-            if numel != _numel(full.shapes[name]):
-                raise ValueError(f"optimizer state '{key}' of '{name}' is not elementwise and cannot be split "
-                                 "across processes; load it with ZeRO stage 0")
-            out[key] = value.to(like.device).clone()
-        else:
-            out[key] = value.clone() if torch.is_tensor(value) else value
-    return out
-
-
-def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]] | None,
-                         identify: Callable[[torch.Tensor], set[str]] | None = None) -> None:
-    """Restore hyperparameters group by group (lr, betas, weight_decay, ...). With another number of groups
-    than the checkpoint's (MoE layers at other expert-parallel sizes get other expert groups), each group
-    takes the hyperparameters of the saved group that lists most of its parameters, ``identify(p)`` giving
-    the names a parameter may be saved under (its structural keys ``name`` and ``moe`` stay its own)."""
-    if saved is None:
-        return
-    if len(saved) == len(optimizer.param_groups):
-        pairs = list(zip(optimizer.param_groups, saved))
-        keep: tuple[str, ...] = ()
-    elif identify is not None:
-        pairs = [(group, _best_saved_group(group, saved, identify)) for group in optimizer.param_groups]
-        keep = ("name", "moe")
-    else:
-        raise ValueError(
-            f"the checkpoint's optimizer has {len(saved)} param groups but this optimizer has "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
-            "load_optimizer_states=False to restore the weights only")
-    for group, saved_group in pairs:
-        tuples = set(saved_group.get("__tuples__", []))
-        for key, value in saved_group.items():
-            if key in ("params", "__tuples__") or key in keep:
-                continue
-            group[key] = tuple(value) if key in tuples else value
-
-
-def _best_saved_group(group: dict[str, Any], saved: list[dict[str, Any]],
-                      identify: Callable[[torch.Tensor], set[str]]) -> dict[str, Any]:
-    names = set().union(*(identify(p) for p in group["params"])) if group["params"] else set()
-    overlap = [len(names & set(s.get("params", []))) for s in saved]
-    if not overlap or max(overlap) == 0:
-        raise ValueError(f"the checkpoint's {len(saved)} optimizer param groups list none of the parameters of a "
-                         f"group of this optimizer ({len(group['params'])} parameters); build the optimizer with "
-                         "the checkpoint's groups, or load with load_optimizer_states=False")
-    return saved[overlap.index(max(overlap))]
-
-
-def export_param_groups(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:
-    groups = []
-    for group in optimizer.param_groups:
-        g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-        g["params"] = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
-        g["__tuples__"] = [k for k, v in group.items() if isinstance(v, tuple)]
-        groups.append(g)
-    return groups

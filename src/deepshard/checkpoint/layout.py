@@ -18,8 +18,9 @@ from typing import Any, Optional
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.tp.params import shard_of, unshard
 from deepshard.placement import split_of
+from deepshard.shard_state import FullState
+from deepshard.tp.params import shard_of, unshard
 
 Key = tuple[str, int]  # (parameter name, tensor-parallel part index)
 
@@ -98,13 +99,11 @@ class Reassembly:
     def add(self, info: dict[str, Any], tensors: dict[str, torch.Tensor], wanted: Optional[set[str]] = None) -> None:
         """Take the file's fragments of the wanted names (all when None): a file also holding another
         pipeline stage's fragments must not leave that stage's tensors half-joined."""
-        from deepshard.checkpoint.fragments import _collect_optimizer_tensors
-
         shapes = {k: tuple(v) for k, v in info["shapes"].items()}
         file_optim: dict[str, dict[str, Any]] = {}
         file_kinds: dict[str, dict[str, str]] = {}
         if self.with_optimizer:
-            _collect_optimizer_tensors(tensors, shapes, file_optim, file_kinds)
+            collect_optimizer_tensors(tensors, shapes, file_optim, file_kinds)
         for name, start, numel in info["fragments"]:
             if wanted is not None and name not in wanted:
                 continue
@@ -172,7 +171,30 @@ class Reassembly:
         return out
 
 
-def localize(full: Any, module: torch.nn.Module) -> Any:
+def collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                              optim: dict[str, dict[str, Any]], kinds: dict[str, dict[str, str]]) -> None:
+    """A rank file's ``optim/<name>/<key>@<where>`` tensors into ``optim`` (whole per name and key: an
+    elementwise slice placed at its offset) and their kinds into ``kinds``."""
+    for flat_key, value in tensors.items():
+        if not flat_key.startswith("optim/"):
+            continue
+        body, where = flat_key[len("optim/"):].rsplit("@", 1)
+        name, key = body.rsplit("/", 1)
+        state = optim.setdefault(name, {})
+        if where == "scalar":
+            state[key] = value.clone()
+            kinds.setdefault(name, {})[key] = "scalar"
+        elif where == "whole":
+            state[key] = value.clone()
+            kinds.setdefault(name, {})[key] = "whole"
+        else:
+            start = int(where)
+            full = state.setdefault(key, torch.zeros(_numel(shapes[name]), dtype=value.dtype))
+            full[start:start + value.numel()] = value
+            kinds.setdefault(name, {})[key] = "elementwise"
+
+
+def localize(full: FullState, module: torch.nn.Module) -> FullState:
     """Cut ``full``'s global tensors to ``module``'s own tensor-parallel parts (values and elementwise
     optimizer state), in place; returns ``full``."""
     wanted = wanted_names(module)

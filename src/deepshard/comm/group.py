@@ -16,9 +16,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from deepshard.comm import pairwise
-from deepshard.comm import shm as shared_memory
+import deepshard.comm.pairwise as pairwise
+import deepshard.comm.shm as shared_memory
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.settings import mode_from, slot_bytes_from
 from deepshard.comm.watchdog import Watchdog
 
 Work = Optional[dist.Work]
@@ -96,7 +97,7 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
-        self.shm = shared_memory.mode_from(shm, os.environ) is not False
+        self.shm = mode_from(shm, os.environ) is not False
         self._shm_link: Optional[shared_memory.ShmTransport] = None
         self._watchdog: Optional[Watchdog] = None
         self.progress: Any = None
@@ -151,7 +152,7 @@ class CommGroup:
         if self._shm_link is None:  # the rendezvous' tags: taken at the same collective on every rank
             tags = [self._next_tag(-1 - i, 8 * self.size) for i in range(3)]
             self._shm_link = shared_memory.ShmTransport(self.group, self.rank, self.peers, self.name,
-                                                        shared_memory.slot_bytes_from(os.environ),
+                                                        slot_bytes_from(os.environ),
                                                         self.watchdog.limit, tags)
         return self._shm_link if self._shm_link.queues else None
 

@@ -60,64 +60,31 @@ import hashlib
 import logging
 import mmap
 import os
-import platform
 import secrets
 import socket
 import time
 from collections import deque
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from deepshard.comm import pairwise
+import deepshard.comm.pairwise as pairwise
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
-from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit, positive_setting
+from deepshard.comm.settings import DEFAULT_SLOT_BYTES
+from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit
 from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.utils.logging import logger
 
-MODE_VAR = "DEEPSHARD_SHM"
-SLOT_VAR = "DEEPSHARD_SHM_SLOT_MB"
 HOST_VAR = "DEEPSHARD_SHM_HOST"
 """Overrides this host's name in the rendezvous (tests use it to put ranks on "different hosts")."""
 SHM_DIR = "/dev/shm"
-DEFAULT_SLOT_BYTES = 1 << 20
 HEADER_BYTES = 4096
 _WRITTEN, _READ, _PRINT = 0, 1, 2  # header words: last written round, last fully read round, fingerprints
 _YIELDS = 200  # waits first yield the core this many times, then sleep
 _SLEEP_S = 30e-6
 _LIVENESS_S = 0.25  # how often a long wait checks that the peers' processes still exist
-
-
-ORDERED_STORES = ("x86_64", "amd64", "i386", "i686")
-"""CPUs whose stores become visible to other cores in program order, which the round counters rely on
-(Python has no memory fence to issue on a weakly ordered CPU such as ARM)."""
-
-
-def mode_from(value: Optional[bool], environ: Mapping[str, str], machine: Optional[str] = None) -> Optional[bool]:
-    """The transport setting: ``value`` when given, else ``DEEPSHARD_SHM`` (auto/1: used where every rank
-    of a gloo group is on one host; 0: never). None means auto. On a CPU outside :data:`ORDERED_STORES`
-    auto means TCP and asking for shared memory is an error."""
-    raw = environ.get(MODE_VAR, "auto").strip().lower() if value is None else ("1" if value else "0")
-    if raw not in ("", "auto", "0", "1"):
-        raise ValueError(f"{MODE_VAR}={raw!r}: use auto, 1 (shared memory between ranks on one host) or 0 (TCP)")
-    cpu = (machine if machine is not None else platform.machine()).lower()
-    if cpu not in ORDERED_STORES:
-        if raw == "1":
-            raise ValueError(f"{MODE_VAR}=1 (or CommGroup(shm=True)) on a {cpu or 'unknown'} CPU: the shared-memory "
-                             "transport relies on x86's in-order stores; unset it (auto keeps TCP here)")
-        return False
-    return None if raw in ("", "auto") else raw == "1"
-
-
-def slot_bytes_from(environ: Mapping[str, str]) -> int:
-    """The outbox slot size: ``DEEPSHARD_SHM_SLOT_MB`` (MiB, may be fractional) or 1 MiB."""
-    raw = environ.get(SLOT_VAR, "").strip()
-    if not raw:
-        return DEFAULT_SLOT_BYTES
-    mib = positive_setting(SLOT_VAR, raw, "MiB", "1")
-    return max(4096, int(mib * (1 << 20)) // 4096 * 4096)
 
 
 class Late(Exception):

@@ -28,12 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from deepshard.comm.settings import timeout_minutes
+
 if TYPE_CHECKING:
     from deepshard.comm.group import CommGroup
 
 DEFAULT_TIMEOUT_S = 600.0
 GRACE_S = 5.0
-TIMEOUT_VARS = ("DEEPSHARD_TIMEOUT", "DEEPSPEED_TIMEOUT")
 _KEY = "deepshard/watchdog/last/"
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
               "socket closed", "end of file", "connection abort")
@@ -51,30 +52,6 @@ class WaitLimit:
 
     seconds: float
     source: str
-
-
-def positive_setting(key: str, value: str, unit: str, example: str, note: str = "") -> float:
-    """``value`` of environment variable ``key`` as a positive number of ``unit``; a clear error otherwise."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is not a number of {unit}; e.g. {key}={example}") from None
-    if not number > 0:
-        raise ValueError(f"{key}={value!r} must be a positive number of {unit}{note}")
-    return number
-
-
-def timeout_minutes(environ: Mapping[str, str]) -> tuple[str, float] | None:
-    """``(variable, minutes)`` from ``DEEPSHARD_TIMEOUT`` / ``DEEPSPEED_TIMEOUT``, or None when neither is set."""
-    if environ.get("DEEPSHARD_WATCHDOG_TIMEOUT", "").strip():
-        raise ValueError("DEEPSHARD_WATCHDOG_TIMEOUT is no longer read: DEEPSHARD_TIMEOUT (minutes) bounds every "
-                         "wait, collectives and pipeline transfers alike; e.g. DEEPSHARD_TIMEOUT=0.5 for 30 s. "
-                         "Unset DEEPSHARD_WATCHDOG_TIMEOUT")
-    for key in TIMEOUT_VARS:
-        value = environ.get(key, "").strip()
-        if value:
-            return key, positive_setting(key, value, "minutes", "30", " (0.5 = 30 s)")
-    return None
 
 
 def wait_limit(group: Any = None, environ: Mapping[str, str] | None = None) -> WaitLimit:

@@ -23,6 +23,7 @@ RENAMED: dict[str, str] = {
     "deepspeed.profiling": "deepshard.profiling",
     "deepspeed.runtime.pipe": "deepshard.pipe",
     "deepspeed.runtime.pipe.topology": "deepshard.pipe.grid",
+    "deepspeed.runtime.pipe.schedule": "deepshard.pipe.instructions",
     "deepspeed.runtime.sequence_parallel": "deepshard.sp",
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
     "deepspeed.sequence": "deepshard.sp",
@@ -34,22 +35,13 @@ RENAMED: dict[str, str] = {
 MISSING: dict[str, str] = {
     "deepspeed.moe.mappings": "the token drop/gather around the all-to-all for experts under Megatron-style tensor "
                               "parallelism (deepshard's MoE layers run without an mpu)",
-    "deepspeed.runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes (deepshard's schedules are "
-                                       "data: deepshard.pipe.schedule.build_schedule; pick one with the config's "
-                                       "pipeline.schedule)",
     "deepspeed.runtime.data_pipeline": "the data-efficiency pipeline (curriculum learning, random-LTD, data "
                                        "sampling); feed your own DataLoader",
     "deepspeed.runtime.domino": "Domino tensor-parallel overlap (deepshard's tensor parallelism is "
                                 "deepshard.tp / the config's tensor_parallel section)",
     "deepspeed.runtime.state_dict_factory": "Megatron checkpoint loading for inference",
     "deepspeed.ops.sparse_attention": "block-sparse attention kernels",
-    "deepspeed.ops.op_builder": "DeepSpeed's JIT op builders (deepshard compiles no ops)",
     "deepspeed.ops.transformer": "DeepSpeed's fused transformer kernels",
-    "deepspeed.runtime.zero.offload_config": "DeepSpeed's engine.offload_states()/reload_states() (states moved "
-                                             "off the device between steps); configure "
-                                             "zero_optimization.offload_optimizer / offload_param instead",
-    "deepspeed.utils.timer": "DeepSpeed's timer registry (deepshard's engine times forward, backward, "
-                             "backward_inner, backward_allreduce and step; turn on wall_clock_breakdown)",
     "deepspeed.inference": "the inference engine",
     "deepspeed.module_inject": "kernel injection for inference",
     "deepspeed.compression": "compression training",
@@ -79,6 +71,9 @@ REFUSED_NAMES: dict[str, str] = {
                                                       "and use deepshard's own checkpoints instead (they resume "
                                                       "on any layout without a conversion)",
 }
+REFUSED_NAMES["deepspeed.comm.CCLBackend"] = (
+    "DeepSpeed's Intel oneCCL communication backend; deepshard communicates through torch.distributed "
+    "(deepspeed.comm.TorchBackend), use that instead")
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
                   "streams are deepshard.tp.random's)")
@@ -98,23 +93,34 @@ for _name in _UNIVERSAL:
 
 
 def refusal(fullname: str) -> str:
-    """The AttributeError message for a ``deepspeed`` name deepshard lacks: why, and what to use."""
-    if fullname in REFUSED_NAMES:
-        return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat): it is "
-                f"{REFUSED_NAMES[fullname]}")
-    return (f"{fullname} is not provided by this 'deepspeed' (deepshard, via deepshard.compat); use the real "
-            "DeepSpeed for it")
+    """The AttributeError message for a ``deepspeed`` name deepshard lacks, or for its ``deepshard.``
+    spelling: why, and what to use."""
+    ds_name = "deepspeed" + fullname[len("deepshard"):] if fullname.startswith("deepshard.") else fullname
+    who = "deepshard" if ds_name != fullname else "this 'deepspeed' (deepshard, via deepshard.compat)"
+    if ds_name in REFUSED_NAMES:
+        return f"{fullname} is not provided by {who}: it is {REFUSED_NAMES[ds_name]}"
+    return f"{fullname} is not provided by {who}; use the real DeepSpeed for it"
 
 
-def target_of(fullname: str) -> str:
+def missing_attribute(module_name: str, name: str) -> AttributeError:
+    """What a deepshard module's ``__getattr__`` raises for a name it lacks: the refusal of
+    :data:`REFUSED_NAMES` (why, and what to use) when the DeepSpeed spelling of the name is listed there."""
+    if name.startswith("__") and name.endswith("__"):
+        return AttributeError(f"module {module_name!r} has no attribute {name!r}")
+    return AttributeError(refusal(f"{module_name}.{name}"), name=name)
+
+
+def target_of(fullname: str, shown: str | None = None) -> str:
     """The deepshard module name for the DeepSpeed module ``fullname``; raises ImportError for a
     feature deepshard does not implement (an ImportError, not ModuleNotFoundError, so that the message
-    reaches the user through ``from deepspeed.x import y`` too)."""
+    reaches the user through ``from deepspeed.x import y`` too). ``shown`` is the name the user imported
+    when it is not ``fullname`` (the ``deepshard.X`` spelling of ``deepspeed.X``)."""
     for prefix, feature in MISSING.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
-            raise ImportError(
-                f"No module named {fullname!r}: this 'deepspeed' is deepshard (deepshard.compat), which does not "
-                f"implement {feature}; use the real DeepSpeed for it", name=fullname)
+            who = ("this 'deepspeed' is deepshard (deepshard.compat), which" if shown is None
+                   else "deepshard")
+            raise ImportError(f"No module named {shown or fullname!r}: {who} does not implement {feature}; use "
+                              "the real DeepSpeed for it", name=shown or fullname)
     parts = fullname.split(".")
     for cut in range(len(parts), 0, -1):
         prefix = ".".join(parts[:cut])

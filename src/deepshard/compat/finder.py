@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Any, Iterable
@@ -26,9 +27,14 @@ DEEPSPEED_CONTRACT = "0.19.8"
 def shim_version() -> str:
     """``0.19.8+deepshard.<version>``: DeepSpeed's contract version, with deepshard's as the local label
     so version checks pass and the string still says what is installed."""
-    from deepshard import __version__
+    from deepshard._version import __version__
 
     return f"{DEEPSPEED_CONTRACT}+deepshard.{__version__}"
+
+
+_MACHINERY = frozenset({"__path__", "__spec__", "__loader__", "__package__", "__file__", "__cached__",
+                        "__builtins__", "__getattr__", "__dir__", "__wrapped__"})
+"""Module attributes the import system reads or sets on the alias itself; never the implementation's."""
 
 
 class AliasModule(types.ModuleType):
@@ -41,10 +47,12 @@ class AliasModule(types.ModuleType):
             self.__file__ = target.__file__  # error messages then point at deepshard's module
         if name == "deepspeed":
             self.__version__ = shim_version()
+            major, minor, patch = (int(part) for part in DEEPSPEED_CONTRACT.split("."))
+            self.__version_major__, self.__version_minor__, self.__version_patch__ = major, minor, patch
 
     def __getattr__(self, name: str) -> Any:
         target = self.__dict__["_deepshard_target"]
-        if name.startswith("__") and name.endswith("__"):
+        if name in _MACHINERY:
             raise AttributeError(name)
         try:
             return getattr(target, name)
@@ -78,9 +86,7 @@ class _ShimDistribution(importlib.metadata.Distribution):
         return None
 
     def locate_file(self, path: str | os.PathLike[str]) -> Path:
-        import deepshard
-
-        return Path(deepshard.__file__).parent.parent / path
+        return Path(__file__).resolve().parents[2] / path  # the folder deepshard is installed in
 
 
 class DeepSpeedFinder(importlib.abc.MetaPathFinder):
@@ -103,3 +109,31 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
         if name is None or name.replace("-", "_").lower() == "deepspeed":
             return iter([_ShimDistribution()])
         return iter([])
+
+
+class DeepshardSpellingFinder(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path`` from ``import deepshard`` on: ``deepshard.X`` answers for every DeepSpeed
+    module path ``deepspeed.X`` whose implementation lives under another deepshard name (the same table,
+    :data:`deepshard.compat.aliases.RENAMED`), so a one-import user writes ``deepshard.runtime.zero.stage3``
+    where DeepSpeed's docs say ``deepspeed.runtime.zero.stage3``. Real deepshard modules are found first
+    (this finder only sees names the file system does not have); no ``deepspeed`` name is touched."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("deepshard."):
+            return None
+        impl_name = target_of("deepspeed" + fullname[len("deepshard"):], shown=fullname)
+        if impl_name == fullname:
+            return None  # not a renamed path: "No module named 'deepshard.x'"
+        try:
+            impl = importlib.import_module(impl_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (impl_name + ".").startswith(exc.name + "."):
+                return None  # the implementation has no such submodule: "No module named 'deepshard.x.y'"
+            raise
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(impl), is_package=True)
+
+
+def install_spelling_finder() -> None:
+    """Put :class:`DeepshardSpellingFinder` at the end of ``sys.meta_path`` once (``import deepshard`` does)."""
+    if not any(isinstance(f, DeepshardSpellingFinder) for f in sys.meta_path):
+        sys.meta_path.append(DeepshardSpellingFinder())

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from deepshard.config.base import DtypeName, Section
+from deepshard.config.base import DtypeName, Section, exact_error
 
 
 class FP16Config(Section):
-    """fp16 training with (by default) dynamic loss scaling (Micikevicius et al., 2018)."""
+    """fp16 training with (by default) dynamic loss scaling (Micikevicius et al., 2018).
+
+    ``loss_scale_window`` and ``min_loss_scale`` are checked (positive) only where they are used, i.e. when
+    fp16 is enabled with dynamic scaling (``loss_scale`` 0), as DeepSpeed does: a static-scale config may
+    carry unused values."""
 
     section_path: ClassVar[str] = "fp16"
 
@@ -21,16 +25,31 @@ class FP16Config(Section):
     """A fixed loss scale; 0 selects dynamic loss scaling."""
     initial_scale_power: int = Field(16, ge=0)
     """Dynamic scaling starts at ``2 ** initial_scale_power``."""
-    loss_scale_window: int = Field(1000, ge=1)
+    loss_scale_window: int = 1000
     """Steps without overflow before the scale is doubled."""
     hysteresis: int = Field(2, ge=1)
     """Overflows tolerated before the scale is halved."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every step without overflow."""
-    min_loss_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    min_loss_scale: float = Field(1.0, allow_inf_nan=False)
     fp16_master_weights_and_grads: bool = False
 
-    @property
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _loss_scale_is_a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError("fp16.loss_scale must be a number (0 for dynamic loss scaling)")
+        return value  # a string is refused by the strict number check, with the usual message
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_settings(self) -> "FP16Config":
+        if self.enabled and self.loss_scale == 0:
+            for key in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, key) <= 0:
+                    raise exact_error(f"fp16.{key} must be > 0 with dynamic loss scaling (fp16 enabled, "
+                                      f"loss_scale 0), got {getattr(self, key)!r}")
+        return self
+
     def initial_dynamic_scale(self) -> float:
         """The first loss scale of dynamic scaling, ``2 ** initial_scale_power``."""
         return float(2 ** self.initial_scale_power)

@@ -149,7 +149,12 @@ class DeepShardConfig(Section):
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
     def _lower_op(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = value.lower()
+            if value not in ("mean", "sum"):
+                raise ValueError(f"Invalid gradient_allreduce_op {value!r}: use 'mean' (average the gradients "
+                                 "over data-parallel ranks) or 'sum'")
+        return value
 
     @model_validator(mode="wrap")
     @classmethod

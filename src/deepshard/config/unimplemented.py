@@ -12,7 +12,6 @@ from deepshard.utils.logging import logger
 
 # Scalar keys: the value that means "off" (anything else is warned about).
 UNIMPLEMENTED_SCALARS: dict[str, Any] = {
-    "log_level": None,
     "disable_allgather": False,
     "graph_harvesting": False,
     "seq_parallel_comm_data_type": None,
@@ -54,8 +53,6 @@ _SECTION_RULES: dict[str, Callable[[Any], bool]] = {
 
 def _scalar_on(key: str, value: Any) -> bool:
     off = UNIMPLEMENTED_SCALARS[key]
-    if key == "log_level" and isinstance(value, str):
-        return value.lower() not in ("info",)
     if key == "seq_parallel_comm_data_type" and isinstance(value, str):
         return value.lower() not in ("fp32", "float32")
     if key == "vocabulary_size":

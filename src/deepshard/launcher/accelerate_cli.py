@@ -32,7 +32,7 @@ _HELP = {
     "main_process_port": "rendezvous port (Accelerate's default 29500; 0: a free port, one machine only)",
     "mixed_precision": "no, fp16, bf16 (or fp8): what Accelerate tells the script",
     "gpu_ids": "GPUs to use, e.g. '0,1' (sets CUDA_VISIBLE_DEVICES; 'all' for every GPU)",
-    "rdzv_backend": "Accelerate's rendezvous backend; deepshard's launcher uses a static rendezvous",
+    "rdzv_backend": "Accelerate's rendezvous backend; deepshard's launcher always uses torch's c10d rendezvous",
     "max_restarts": "restart every rank up to N times after a failure",
     "num_cpu_threads_per_process": "OMP_NUM_THREADS for each process",
     "deepspeed_config_file": "a DeepSpeed JSON config (then the settings below come from that file)",
@@ -118,7 +118,7 @@ def launch_main(argv: Sequence[str], prog: str = "deepshard launch") -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(plan.env)  # the launcher passes its environment on to every rank
-    return cli.main((["--verbose"] if args.verbose else []) + plan.launcher_argv)
+    return cli.main((["--verbose"] if args.verbose else []) + plan.launcher_argv, port_flag="--main_process_port")
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -151,7 +151,7 @@ def config_document(values: dict[str, Any]) -> dict[str, Any]:
                            "num_machines": int(values.get("num_machines") or 1),
                            "num_processes": int(values.get("num_processes") or 1),
                            "rdzv_backend": "static", "same_network": True,
-                           "use_cpu": ac._bool(values.get("use_cpu") or False, "use_cpu")}
+                           "use_cpu": ac.as_bool(values.get("use_cpu") or False, "use_cpu")}
     for key in ("main_process_ip", "main_process_port", "gpu_ids"):
         if values.get(key) is not None:
             doc[key] = values[key]

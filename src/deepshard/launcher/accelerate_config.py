@@ -179,7 +179,7 @@ def merge(config: Mapping[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]
     return merged
 
 
-def _bool(value: Any, key: str) -> bool:
+def as_bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -260,7 +260,7 @@ def device_env(merged: Mapping[str, Any], dtype: str) -> dict[str, str]:
     """Where the ranks compute. DeepSpeed with ``use_cpu`` stays DeepSpeed on the CPU (deepshard's device
     and Accelerate's device set to cpu); the other types get Accelerate's ``ACCELERATE_USE_CPU``."""
     env: dict[str, str] = {}
-    use_cpu = _bool(merged.get("use_cpu", False), "use_cpu")
+    use_cpu = as_bool(merged.get("use_cpu", False), "use_cpu")
     if use_cpu and dtype == "DEEPSPEED":
         env.update(DEEPSHARD_ACCELERATOR="cpu", ACCELERATE_TORCH_DEVICE="cpu")
     elif use_cpu or dtype == "MULTI_CPU":
@@ -311,9 +311,9 @@ def plan(config: Mapping[str, Any], flags: Mapping[str, Any], script: str, scrip
                 argv += [flag, str(ds[key])]
     env = {"ACCELERATE_MIXED_PRECISION": str(merged.get("mixed_precision") or "no").lower(),
            **device_env(merged, dtype)}
-    if _bool(merged.get("debug", False), "debug"):
+    if as_bool(merged.get("debug", False), "debug"):
         env["ACCELERATE_DEBUG_MODE"] = "true"
-    if _bool(merged.get("enable_cpu_affinity", False), "enable_cpu_affinity"):
+    if as_bool(merged.get("enable_cpu_affinity", False), "enable_cpu_affinity"):
         env["ACCELERATE_CPU_AFFINITY"] = "1"
     if merged.get("num_cpu_threads_per_process"):
         env["OMP_NUM_THREADS"] = str(_int(merged["num_cpu_threads_per_process"], "num_cpu_threads_per_process"))

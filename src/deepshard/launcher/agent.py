@@ -1,335 +1,297 @@
-"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on)."""
+"""One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on), driven through its public
+interface: ``LocalElasticAgent(...).run()`` with deepshard's ``LogsSpecs`` (:mod:`.rank_streams`), rank shim
+(:mod:`.rank_watch`) and rendezvous handler (:mod:`.rendezvous`), whose calls reach :class:`JobWatch`."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed import DistError
+from torch.distributed.elastic.agent.server import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError
 
-from deepshard.launcher import rank_errors
-from deepshard.launcher.coordination import ChannelLost, JobFailure
-from deepshard.launcher.local import LOCAL_RANK_MACRO, AgentJob
+from deepshard.launcher.board import JobFailure, StoreLost
+from deepshard.launcher.link import JobLink
+from deepshard.launcher.local import AgentJob
+from deepshard.launcher.options import LaunchError
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status
 from deepshard.launcher.rank_streams import RankStream, RankStreams
-from deepshard.launcher.rendezvous import NodeRendezvous
-from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, fold_noise, signal_handlers
+from deepshard.launcher.rank_watch import STATUS_ENV, RankWatch, shim_argv
+from deepshard.launcher.rendezvous import JobRendezvous, RendezvousFailed
+from deepshard.launcher.report import report_held, report_local
 from deepshard.utils.logging import logger
 
 MONITOR_INTERVAL_S = 0.1
 GRACE_S = 5
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-RANK_SHIM = (
-    "import ctypes, json, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the agent\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)  # the agent died before the guard was set\n"
-    "setup, env = json.loads(sys.argv[2]), os.environ\n"
-    "cores = setup['cores'][int(env['LOCAL_RANK'])] if setup['cores'] else None\n"
-    "if cores:\n"
-    "    os.sched_setaffinity(0, cores)\n"
-    "env.update(setup['env'])\n"
-    "if cores and 'OMP_NUM_THREADS' not in setup['user_env']:\n"
-    "    env['OMP_NUM_THREADS'] = str(len(cores))\n"
-    "env['DEEPSHARD_RESTART_COUNT'] = env.get('TORCHELASTIC_RESTART_COUNT', '0')\n"
-    "env['CROSS_RANK'], env['CROSS_SIZE'] = env.get('GROUP_RANK', '0'), env.get('GROUP_WORLD_SIZE', '1')\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])")
+EXIT_BARRIER_S = 1
+"""torch's exit barrier, for multi-node static jobs: their agents wait for one another on the job board instead,
+where another node's failure ends the wait at once."""
 
 
-def entry(job: AgentJob, agent_pid: int, python: str = sys.executable) -> tuple[str, list[str]]:
-    """torch's entrypoint and arguments for one rank: the shim (see :data:`RANK_SHIM`), then the command."""
-    setup = {"cores": [list(c) for c in job.cores] if job.cores else None, "env": job.rank_env,
-             "user_env": sorted(job.user_env & {"OMP_NUM_THREADS"})}
-    return python, ["-c", RANK_SHIM, str(agent_pid), json.dumps(setup), *job.argv]
+class JobStopped(Exception):
+    """The job ends without a restart (a signal, a lost node, the launcher gone): ``failure`` says why."""
+
+    def __init__(self, failure: JobFailure) -> None:
+        super().__init__(failure.headline())
+        self.failure = failure
 
 
-class NodeAgent(LocalElasticAgent):
-    """torch's ``LocalElasticAgent`` with deepshard's output, report and job-wide failure hooks."""
+class JobWatch:
+    """deepshard's side of one node's run: the ranks' starts and exits (from the shim), the first failure
+    (it holds the other ranks' output and stops them at once), the job board of a multi-node job (``link``),
+    signals, and the report of every attempt."""
 
-    def __init__(self, spec: WorkerSpec, job: AgentJob, streams: RankStreams, rdzv: NodeRendezvous,
+    def __init__(self, job: AgentJob, streams: RankStreams, link: JobLink | None = None,
                  on_started: Callable[[list[int]], None] | None = None) -> None:
-        super().__init__(spec, streams, shutdown_timeout=GRACE_S, exit_barrier_timeout=rdzv.join_timeout_s)
-        self.job, self.streams, self.rdzv, self.on_started = job, streams, rdzv, on_started
+        self.job, self.streams, self.link, self.on_started = job, streams, link, on_started
+        self.attempt = self.restart_count = -1
         self.first: RankStream | None = None
+        self.stopped: set[int] = set()
         self.job_failure: JobFailure | None = None
-        self.stopped_others = 0
-        self._announced = self._stopping = False
-        self._generation = 0
+        self.stopping = False
+        self.groups: dict[int, int] = {}  # local rank -> the process group torch started its shim in
+        self.running_at_signal: int | None = None
+        self._watch: RankWatch | None = None
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------------------ torch's hooks
+    # ---------------------------------------------------------------------- an attempt starts and runs
 
-    def _start_workers(self, worker_group):  # type: ignore[no-untyped-def]
+    def begin(self, envs: dict[int, dict[str, str]]) -> None:
+        """torch is about to start an attempt's ranks (``LogsSpecs.reify``): watch them through the shim."""
         with self._lock:
-            self.first, self.job_failure, self._announced, self._stopping = None, None, False, False
-            self._generation += 1
+            self.attempt = self.streams.attempt
+            self.restart_count = int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
+            self.first, self.stopped, self.job_failure, self.stopping, self.groups = None, set(), None, False, {}
         self.streams.out.release()
-        pids = super()._start_workers(worker_group)
-        for local_rank, pid in pids.items():
-            threading.Thread(target=self._watch_exit, args=(local_rank, pid, self._generation), name=f"deepshard-wait-{local_rank}",
-                             daemon=True).start()
-        if self.on_started is not None:
-            self.on_started(sorted(pids.values()))
-        logger.info("started %d ranks: %s", len(pids), ", ".join(
-            f"rank {w.global_rank} pid {pids[w.local_rank]}" for w in worker_group.workers))
+        if self.link is not None:
+            self.link.new_attempt()
+        path, attempt = self.streams.path(f"attempt{self.attempt}-status.pipe"), self.attempt
+        self._watch = RankWatch(path, lambda local, pid, group: self._started(attempt, local, pid, group),
+                                lambda local, pid, code: self._exited(attempt, local, pid, code))
+        for env in envs.values():
+            env[STATUS_ENV] = path
+
+    def _started(self, attempt: int, local_rank: int, pid: int, group: int) -> None:
+        with self._lock:
+            if attempt != self.attempt:
+                return
+            streams = self.streams.streams
+            streams[local_rank].pid, self.groups[local_rank] = pid, group
+            self.streams.opened(local_rank)
+            if any(s.pid is None for s in streams.values()):
+                return
+        logger.info("started %d ranks: %s", len(streams),
+                    ", ".join(f"rank {s.rank} pid {s.pid}" for s in streams.values()))
         if self.job.log_dir is not None:
-            logger.info("per-rank logs: %s", ", ".join(str(s.log_path) for s in self.streams.streams.values()))
-        return pids
+            logger.info("per-rank logs: %s", ", ".join(str(s.log_path) for s in streams.values()))
+        if self.on_started is not None:
+            self.on_started(sorted(s.pid for s in streams.values() if s.pid is not None))
 
-    def _stop_workers(self, worker_group, *args, **kwargs):  # type: ignore[no-untyped-def]
-        super()._stop_workers(worker_group, *args, **kwargs)
-        self._end_attempt()
-
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        super()._shutdown(death_sig, timeout)
-        self._end_attempt()
-
-    def _monitor_workers(self, worker_group):  # type: ignore[no-untyped-def]
-        if self._pcontext is None:
-            return super()._monitor_workers(worker_group)
-        running = self._note_exits()
-        if self.first is not None and running:
-            self.stopped_others = len(running)
-            self._pcontext.close(timeout=GRACE_S)  # every other rank: SIGTERM, SIGKILL after the grace
-        result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.HEALTHY:
-            self.streams.out.flush_stale(list(self.streams.streams.values()), FALLOUT_HOLD_S)
-        if result.state == WorkerState.FAILED:
-            self._note_exits()
-            return self._failed(result)
-        if result.state == WorkerState.HEALTHY and self.rdzv.multi_node:
-            return self._check_job(result)
-        if result.state == WorkerState.SUCCEEDED and self.rdzv.multi_node:
-            return self._await_others(result)
-        return result
-
-    def _restart_workers(self, worker_group):  # type: ignore[no-untyped-def]
-        self._stop_workers(worker_group)  # every rank gone and its output drained before the report
-        self.report(restarting=True)
-        super()._restart_workers(worker_group)
-
-    # ------------------------------------------------------------------------------ bookkeeping
-
-    def _watch_exit(self, local_rank: int, pid: int, generation: int) -> None:
-        """Learn of a rank's exit the moment it happens (``WNOWAIT``: torch still reaps it), so the other ranks'
-        output is held before their fallout arrives."""
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # torch reaped it first
-            return
-        if info is None:
-            return
-        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        self._exited(local_rank, code, pid, generation)
-
-    def _exited(self, local_rank: int, code: int, pid: int, generation: int | None = None) -> None:
+    def _exited(self, attempt: int, local_rank: int, pid: int, code: int) -> None:
         with self._lock:
-            if generation is not None and generation != self._generation:
-                return  # a rank of an attempt that already ended
-            stream = self.streams.mark_exited(local_rank, code, pid)
-            if code != 0 and self.first is None and not self._stopping:
-                self.first = stream
-                self.streams.out.hold()
+            if attempt != self.attempt:
+                return
+            self.streams.streams[local_rank].pid = pid
+            stream = self.streams.mark_exited(local_rank, code)
+            if code == 0 or self.first is not None or self.stopping:
+                return
+            self.first = stream
+            self.streams.out.hold()
+            self._stop_running()
+        if self.link is not None:
+            self.job_failure = self.link.publish_rank_failure(attempt, stream)
 
-    def _note_exits(self) -> list[int]:
-        """Stamp the ranks that exited since the last look; the first failure holds the others' output."""
-        running = []
-        for local_rank, handler in self._pcontext.subprocess_handlers.items():  # type: ignore[union-attr]
-            code = handler.proc.poll()
-            if code is None:
-                running.append(local_rank)
-                continue
-            self._exited(local_rank, code, handler.proc.pid)
-        return running
+    def _stop_running(self) -> None:
+        """SIGTERM to every rank still running (its whole process group: helpers it started too), SIGKILL after
+        ``GRACE_S`` (lock held)."""
+        running = [s.local_rank for s in self.streams.streams.values() if s.running]
+        self.stopped |= set(running)
+        for local_rank in running:
+            _signal(self.groups.get(local_rank), signal.SIGTERM)
+        timer = threading.Timer(GRACE_S, self._kill, args=(self.attempt, running))
+        timer.daemon = True
+        timer.start()
 
-    def _end_attempt(self) -> None:
-        """The attempt's ranks are gone: close torch's ends of their pipes and drain the readers."""
-        if self._pcontext is not None:
-            for handler in getattr(self._pcontext, "subprocess_handlers", {}).values():
-                for name in ("_stdout", "_stderr"):
-                    stream = getattr(handler, name, None)
-                    if stream is not None and not stream.closed:
-                        stream.close()
+    def _kill(self, attempt: int, local_ranks: list[int]) -> None:
+        with self._lock:
+            for local_rank in local_ranks:
+                if attempt == self.attempt and self.streams.streams[local_rank].running:
+                    _signal(self.groups.get(local_rank), signal.SIGKILL)
+
+    def tick(self, force: bool = False) -> bool:
+        """torch's agent looks at the job (main thread, every monitor interval while the ranks run); True while
+        this node stops its ranks for something that happened elsewhere (then torch's rendezvous is left alone:
+        its store may be gone with node 0)."""
+        self.install_signal_handlers()
+        self.streams.out.flush_stale(list(self.streams.streams.values()), FALLOUT_HOLD_S)
+        found = self.link.check(self.attempt, force) if self.link is not None and not self.stopping else None
+        if found is not None:
+            with self._lock:
+                self.job_failure, self.stopping = found, True
+                self._stop_running()
+        return self.stopping
+
+    def nodes_waiting(self, count: int) -> int:
+        """torch would restart every rank to let ``count`` nodes in. In a static job that is a node restarting
+        after a failure, which the job board names (then the restart counts, as on that node): returns 0 so
+        torch restarts on the ranks' exits instead. Otherwise (elastic: a node joining) ``count``."""
+        if self.link is not None and self.tick(force=True):
+            return 0
+        logger.info("%d node(s) waiting to join: restarting every rank in a new world", count)
+        with self._lock:
+            self.stopping = True
+        return count
+
+    def install_signal_handlers(self) -> None:
+        """Ours rather than torch's (it sets its own at every start): both raise ``SignalException``; ours first
+        counts the ranks that were running."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in HANDLED_SIGNALS:
+                if signal.getsignal(sig) != self._on_signal:
+                    signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.running_at_signal = sum(1 for s in self.streams.streams.values() if s.running)
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    # ---------------------------------------------------------------------- an attempt ends
+
+    def attempt_ended(self, restarting: bool) -> None:
+        """Every rank of the attempt is gone: drain their output and report (raises ``JobStopped`` where the job
+        must end instead of restarting)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.streams.finish()
+        stop = self.job_failure if self.job_failure is not None and not self.job_failure.restartable else None
+        self.report(restarting and stop is None)
+        if stop is not None and restarting:
+            raise JobStopped(stop)
 
-    def _failed(self, result: RunResult) -> RunResult:
-        if self.first is None:  # it failed between our look and torch's: take torch's root cause
-            local = min(result.failures.values(), key=lambda f: f.timestamp).local_rank
-            self.first = self.streams.streams[local]
-        if self.rdzv.multi_node and self.job_failure is None:
-            self.job_failure = self.rdzv.publish_rank_failure(self.first)
-            if self.job_failure is not None and not self.job_failure.restartable:
-                self._remaining_restarts = 0
-        return result
-
-    def _check_job(self, result: RunResult) -> RunResult:
-        found = self.rdzv.check()
-        if found is None:
-            return result
-        self._stop_for(found)
-        self.stopped_others = len(self._note_exits())
-        return RunResult(state=WorkerState.FAILED)
-
-    def _stop_for(self, failure: JobFailure) -> None:
-        """Another node's failure (or a lost node) ends this attempt here too."""
-        with self._lock:
-            self.job_failure, self._stopping = failure, True
-        if not failure.restartable:
-            self._remaining_restarts = 0
-
-    def _await_others(self, result: RunResult) -> RunResult:
-        """This node's ranks succeeded: wait for every node's, or a failure elsewhere (then restart or stop
-        with the job)."""
-        try:
-            self.rdzv.channel.mark_finished(self.rdzv.round)
-            while not self.rdzv.channel.all_finished(self.rdzv.round):
-                found = self.rdzv.check(force=True)
-                if found is not None:
-                    self._stop_for(found)
-                    return RunResult(state=WorkerState.FAILED)
-                time.sleep(MONITOR_INTERVAL_S)
-        except ChannelLost as exc:
-            self._stop_for(self.rdzv.store_lost(str(exc)))
-            return RunResult(state=WorkerState.FAILED)
-        return result
-
-    # ------------------------------------------------------------------------------ the report
-
-    @property
-    def restart_count(self) -> int:
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+    def report(self, restarting: bool) -> None:
+        """Print this attempt's failure, then the other ranks' output since."""
+        first, out = self.first, self.streams.out
+        if first is not None and first.held:  # the failing rank's own last words, where they belong
+            out.write_now(bytes(first.held))
+            first.held.clear()
+        if self.link is not None:  # then the ranks' own words, as they are: the report names the job's failure
+            if self.job_failure is not None:
+                self.job_failure = self.link.blame(self.job_failure)
+                ending = (f"restarting every rank (restart {self.restart_count + 1} of {self.job.max_restarts})"
+                          if restarting else f"exiting with code {self.job_failure.exit_code}")
+                self.link.report(self.job_failure, self.job.nproc, ending)
+            out.release()
+            out.flush_stale(list(self.streams.streams.values()), 0.0)
+            return
+        if first is not None:
+            report_local(first, self.streams, self.stopped)
+            if restarting:
+                logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)",
+                               self.restart_count, self.exit_code(), self.restart_count + 1, self.job.max_restarts)
+        report_held(self.streams, first)
+        out.release()
 
     def exit_code(self) -> int:
         if self.job_failure is not None:
             return self.job_failure.exit_code
         return exit_status(self.first.returncode if self.first is not None else 1)
 
-    def report(self, restarting: bool) -> None:
-        """Print this attempt's failure (once), then the other ranks' output since."""
-        if self._announced:
-            return
-        self._announced = True
-        attempt = self.restart_count - (1 if restarting else 0)
-        if self.first is not None and self.first.held:  # the failing rank's own last words, where they belong
-            self.streams.out.write_now(bytes(self.first.held))
-            self.first.held.clear()
-        if self.rdzv.multi_node:  # then the ranks' own words, as they are: the report names the job's failure
-            self.rdzv.report(self.job_failure, self.first is not None, self.job, attempt, restarting)
-            self.streams.out.release()
-            self.streams.out.flush_stale(list(self.streams.streams.values()), 0.0)
-            return
-        if self.first is not None:
-            report_local(self.first, self.streams, self.stopped_others)
-            if restarting:
-                logger.warning("attempt %d failed (exit %d); restarting every rank (restart %d of %d)", attempt,
-                               self.exit_code(), attempt + 1, self.job.max_restarts)
-        report_held(self.streams, self.first)
-        self.streams.out.release()
+    def take_failures(self, failures: dict[int, Any]) -> None:
+        """torch's record of the last attempt's failures, for a rank whose exit the shim could not report."""
+        if self.first is None and failures:
+            failure = min(failures.values(), key=lambda f: f.timestamp)
+            self.first = self.streams.mark_exited(failure.local_rank, failure.exitcode)
 
 
-def early_exits(streams: RankStreams, failed: RankStream) -> str | None:
-    """A line naming the ranks that exited 0 before ``failed`` failed (they left the others waiting in
-    their next collective), or None."""
-    early = [s for s in streams.streams.values() if s is not failed and s.returncode == 0
-             and s.ended_at is not None and failed.ended_at is not None and s.ended_at <= failed.ended_at]
-    if not early:
-        return None
-    names = ", ".join(s.name for s in early)
-    lead = max(failed.ended_at - s.ended_at for s in early)  # type: ignore[operator]
-    verb = "was" if len(early) == 1 else "were"
-    return (f"deepshard: {names} exited 0 while the others were still running ({lead:.1f}s before "
-            f"{failed.name} failed): {names} {verb} done while the others still expected it in their "
-            "collectives. Every rank must run the same number of steps (and call save_checkpoint) alike; "
-            "look for a rank-dependent loop bound, break or early return")
-
-
-def report_local(failed: RankStream, streams: RankStreams, stopped: int) -> None:
-    """One node's report: early exits, the ranks' one-line errors, then who failed and its last output."""
-    early = early_exits(streams, failed)
-    if early is not None:
-        print(early, file=sys.stderr, flush=True)
-    errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
-    if errors:
-        print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
-    reported = any(failed.rank in ranks for ranks in errors.values())
-    plural = "rank" if stopped == 1 else "ranks"
-    lines = [f"deepshard: {failed.who} exited with {failed.exit}; stopped the other {stopped} {plural}"]
-    tail, trace = failed.text(), error_file_traceback(failed.error_file)
-    if trace and not reported:
-        lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
-    if not reported and not (trace and trace.strip().splitlines()[-1] in tail):
-        lines += ([f"----- last output of rank {failed.rank} -----", tail] if tail else
-                  [f"(rank {failed.rank} printed nothing)"])
-    if not reported and (tail or trace):
-        lines.append(f"----- end of rank {failed.rank} output -----")
-    if failed.log_path:
-        lines.append(f"full log of rank {failed.rank}: {failed.log_path}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def error_file_traceback(path: str) -> str | None:
-    """The traceback a rank wrote to torch's elastic error file (``@record``, or deepshard's rank entry)."""
+def _signal(group: int | None, sig: int) -> None:
     try:
-        with open(path, encoding="utf-8") as handle:
-            message = json.load(handle).get("message", {})
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(message, dict):
-        return None
-    trace = message.get("extraInfo", {}).get("py_callstack")
-    return trace if isinstance(trace, str) and trace.strip() else None
+        if group is not None:
+            os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
-def report_held(streams: RankStreams, failed: RankStream | None) -> None:
-    """The other ranks' output since the failure, after the report, their connection noise folded."""
-    for stream in streams.streams.values():
-        if stream is failed or not stream.held:
-            continue
-        text, folded = fold_noise(bytes(stream.held).decode("utf-8", errors="replace"))
-        stream.held.clear()
-        if text:
-            print(f"----- {stream.name}'s output after the failure -----\n{text}", file=sys.stderr, flush=True)
-        if folded:
-            where = f" (in {stream.log_path})" if stream.log_path else ""
-            print(f"deepshard: folded {folded} lines of {stream.name}'s lost-connection fallout{where}",
-                  file=sys.stderr, flush=True)
+def _torch_logs() -> None:
+    level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(level)  # deepshard reports starts and stops
 
 
-def run_agent(job: AgentJob, rdzv: NodeRendezvous,
+def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
               on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
-    """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's
-    exit code, 1 for a rank killed by a signal or a lost node, 128+N for signal N)."""
-    torch_level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
-    logging.getLogger("torch.distributed.elastic").setLevel(torch_level)  # deepshard reports starts and stops
+    """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's exit
+    code, 1 for a rank killed by a signal or a lost node, 128+N for signal N, 2 for mismatched nodes)."""
+    _torch_logs()
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
-    entrypoint, args = entry(job, os.getpid(), python)
+    streams = RankStreams(Output(), job.log_dir)
+    watch = JobWatch(job, streams, link, on_started)
+    streams.on_attempt, rdzv.hooks = watch.begin, watch
+    entrypoint, args = shim_argv(job.argv, os.getpid(), job.cores, job.rank_env, "OMP_NUM_THREADS" in job.user_env,
+                                 python)
     spec = WorkerSpec(role="default", local_world_size=job.nproc, rdzv_handler=rdzv, entrypoint=entrypoint,
                       args=tuple(args), max_restarts=job.max_restarts, monitor_interval=MONITOR_INTERVAL_S)
-    streams = RankStreams(Output(), job.log_dir)
-    agent = NodeAgent(spec, job, streams, rdzv, on_started)
+    barrier_s = EXIT_BARRIER_S if link is not None else rdzv.place.join_timeout_s
+    agent = LocalElasticAgent(spec, streams, exit_barrier_timeout=barrier_s, shutdown_timeout=GRACE_S)
+    where = f"node {link.node_rank} ({link.host}): " if link is not None else ""
+    shut = True
     try:
-        with signal_handlers(_terminate_process_handler, HANDLED_SIGNALS):  # also while it waits for nodes
-            result = agent.run()
-        if not result.is_failed():
+        watch.install_signal_handlers()
+        result = agent.run()
+        if result is not None and result.is_failed():
+            watch.take_failures(result.failures)
+        watch.attempt_ended(restarting=False)
+        if result is not None and result.is_failed():
+            return watch.exit_code()
+        found = link.await_others(watch.attempt) if link is not None else None
+        if link is None or found is None:
             return 0
-        agent.report(restarting=False)
-        return agent.exit_code()
+        link.report(found, job.nproc, f"exiting with code {found.exit_code}")
+        return found.exit_code
     except SignalException as exc:
-        running = sum(1 for s in streams.streams.values() if s.ended_at is None)
-        print(f"deepshard: received {exc.sigval.name}; forwarding it to {running} running ranks",
-              file=sys.stderr, flush=True)
-        rdzv.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
+        shut = link is not None  # an elastic job goes on without this node (torch's agent does the same)
+        running = watch.running_at_signal or 0
+        print(f"deepshard: {where}received {exc.sigval.name}; forwarding it to {running} running "
+              f"{'rank' if running == 1 else 'ranks'}", file=sys.stderr, flush=True)
+        if link is not None:
+            link.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
         return 128 + exc.sigval
-    except (ChannelLost, TimeoutError) as exc:
-        print(f"deepshard: {rdzv.where}{exc}", file=sys.stderr, flush=True)
+    except JobStopped as exc:
+        return exc.failure.exit_code
+    except LaunchError as exc:
+        print(f"deepshard: {where}error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RendezvousFailed, StoreLost) as exc:
+        print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)
+        return 1
+    except DistError as exc:  # a store wait of torch's agent ran out (a node went away while they met)
+        print(f"deepshard: {where}attempt {watch.attempt + 1}: {str(exc).splitlines()[0]}", file=sys.stderr,
+              flush=True)
+        return 1
+    except RendezvousError as exc:  # torch's rendezvous lost its store while the ranks ran
+        cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
+        print(f"deepshard: {where}the rendezvous store at {rdzv.place.endpoint} (node 0's agent) stopped answering: "
+              f"{exc}{cause}", file=sys.stderr, flush=True)
         return 1
     finally:
         streams.cleanup()
-        rdzv.close()
+        _close(rdzv, link, shut)
+
+
+def _close(rdzv: JobRendezvous, link: JobLink | None, shut: bool) -> None:
+    """Close the rendezvous (``shut``) and leave the job board; node 0 last, its store goes with it."""
+    if link is not None and link.node_rank == 0:
+        link.close()
+    try:
+        if shut:
+            rdzv.shutdown()
+    except Exception:  # noqa: BLE001 - the store may be gone with node 0; nothing is left to close then
+        pass
+    if link is not None and link.node_rank != 0:
+        link.close()

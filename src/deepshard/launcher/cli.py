@@ -192,21 +192,23 @@ def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_de
                         elastic=node.elastic_range(args, 1))
 
 
-def _with_port(args: argparse.Namespace, mode: str) -> argparse.Namespace:
-    """``--master_port 0``: a free port of this machine, logged (one machine only: every node of a
-    multi-node job must be told the same port)."""
+def _with_port(args: argparse.Namespace, mode: str, flag: str = "--master_port") -> argparse.Namespace:
+    """``--master_port 0`` (``flag``: how the command the user typed spells it): a free port of this machine,
+    logged (one machine only: every node of a multi-node job must be told the same port)."""
     if args.master_port != 0:
         return args
     if mode != "local":
-        raise LaunchError("--master_port 0 (a free port) works on one machine only: every node must know the "
+        raise LaunchError(f"{flag} 0 (a free port) works on one machine only: every node must know the "
                           "port, so pass the same free port number to the whole job")
     port = free_port(args.master_addr or "127.0.0.1")
-    logger.info("--master_port 0: rendezvous on free port %d", port)
+    logger.info("%s 0: rendezvous on free port %d", flag, port)
     return argparse.Namespace(**{**vars(args), "master_port": port})
 
 
-def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[int]], None] | None], int]]:
-    """Check and plan everything before a process starts; returns the mode and a runner."""
+def _prepare(args: argparse.Namespace,
+             port_flag: str = "--master_port") -> tuple[str, Callable[[Callable[[list[int]], None] | None], int]]:
+    """Check and plan everything before a process starts; returns the mode and a runner. Errors about the port
+    name ``port_flag``, the flag of the command the user typed."""
     if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
         raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
                           "fix the path, or pass --module to run a module")
@@ -221,11 +223,11 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Callable[[Callable[[list[in
         args = node.with_node_rank(args, os.environ)  # `srun deepshard --no_ssh ...`: one per node
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
     cores = sorted(os.sched_getaffinity(0))
-    args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode)
+    args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode, port_flag)
     if mode == "local":
         job = local_job(args, hostfile, cuda_devices, names)
         node.node_agent_job(job, os.environ, cores)  # errors surface now
-        check_port_free(args.master_addr or "127.0.0.1", args.master_port)
+        check_port_free(args.master_addr or "127.0.0.1", args.master_port, port_flag)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
         return mode, lambda started: node.run_node(job, os.environ, cores, started)
@@ -265,9 +267,10 @@ def help_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, port_flag: str = "--master_port") -> int:
     """Entry point of the ``deepshard`` console script: a subcommand, else DeepSpeed's launcher; no arguments
-    prints the help to stderr and returns 2."""
+    prints the help to stderr and returns 2. ``port_flag``: how errors name the port (``deepshard launch``
+    passes its own ``--main_process_port``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         help_parser().print_help(sys.stderr)
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     found = find_command(argv)
     if found is not None:
         return run_command(found[0], argv[1:])
-    return launch(parse_args(argv), argv)
+    return launch(parse_args(argv), argv, port_flag)
 
 
 def _error(exc: Exception) -> int:
@@ -286,7 +289,7 @@ def _error(exc: Exception) -> int:
     return 2
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
+def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master_port") -> int:
     """Run the launch a parsed command line describes (``argv``: the words it was parsed from, which
     autotuning trials reuse); returns the exit status."""
     if args.quiet or args.log_level:
@@ -299,11 +302,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         from deepshard.autotuning.tuner import main as autotune
 
         try:
-            return autotune(args, argv)
+            return autotune(args, argv, main)
         except ValueError as exc:
             return _error(exc)
     try:
-        _, run = _prepare(args)
+        _, run = _prepare(args, port_flag)
     except (LaunchError, ValueError) as exc:
         return _error(exc)
     pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepshard") if args.save_pid else None

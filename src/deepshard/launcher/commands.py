@@ -6,6 +6,8 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from deepshard.launcher.options import DefaultsHelpFormatter
+
 
 @dataclass(frozen=True)
 class Command:
@@ -31,7 +33,7 @@ COMMANDS: dict[str, Command] = {
     "zero_to_fp32": Command("consolidate a ZeRO checkpoint into fp32 weights (`zero_to_fp32.py`)",
                             "deepshard.utils.zero_to_fp32:main", ("deepshard_zero_to_fp32",)),
     "convert": Command("convert a checkpoint to DeepSpeed's format or from it (`deepshard convert SRC DST --to ...`)",
-                       "deepshard.launcher.convert_cli:main"),
+                       "deepshard.checkpoint.convert_cli:main"),
     "verify": Command("check every file of a checkpoint against its manifest (sizes and sha256)",
                       "deepshard.checkpoint.verify:main"),
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
@@ -53,14 +55,15 @@ def run_command(name: str, argv: Sequence[str]) -> int:
     return int(COMMANDS[name].load()(list(argv), prog=f"deepshard {name}") or 0)
 
 
+class _CommandsFirst(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The launcher's help with the command list kept as written (it is the description)."""
+
+
 def add_command_list(parser: argparse.ArgumentParser) -> None:
-    """List the subcommands in ``parser``'s help (used for ``deepshard --help`` only: the launcher's own
+    """List the subcommands first in ``parser``'s help (used for ``deepshard --help`` only: the launcher's own
     parser takes the script as its first positional, so it never parses a subcommand)."""
-    parser.usage = USAGE
-    group = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command",
-                                  description="with no COMMAND, deepshard is DeepSpeed's launcher: the "
-                                              "arguments and options below")
-    for name, command in COMMANDS.items():
-        group.add_parser(name, help=command.summary, add_help=False)
-    groups = parser._action_groups  # list the commands first (argparse keeps groups in creation order)
-    groups.insert(0, groups.pop())
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["commands:", "  with no COMMAND, deepshard is DeepSpeed's launcher: the arguments and options below"]
+    lines += [f"    {name:<{width}}{command.summary}" for name, command in COMMANDS.items()]
+    parser.usage, parser.formatter_class = USAGE, _CommandsFirst
+    parser.description = "\n\n".join([parser.description or "", *["\n".join(lines)]])

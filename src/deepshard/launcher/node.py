@@ -8,14 +8,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from deepshard.launcher.hostfile import decode_world_info
 from deepshard.launcher.local import AgentJob, LocalLaunch, detect_cuda_devices, parse_core_list, plan_job
-from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args
+from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args, env_seconds
 from deepshard.utils.logging import logger
 
-RUN_ID = "deepshard"
+JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class NodeJob:
         return self.hosts[self.node_rank]
 
     def fingerprint(self) -> str:
-        """What every node must agree on (compared through the coordination store)."""
+        """What every node must agree on (compared through the rendezvous store)."""
         return json.dumps({"world": self.world, "max_restarts": self.max_restarts,
                            "master_port": self.launch.master_port}, sort_keys=True)
 
@@ -69,24 +68,32 @@ def node_agent_job(job: NodeJob, base_env: Mapping[str, str], available_cores: S
 
 def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
              on_started: Callable[[list[int]], None] | None = None) -> int:
-    """Run this node's part of the job on torch's agent; returns the exit status."""
+    """Run this node's part of the job on torch's agent, meeting the other nodes through torch's c10d rendezvous
+    on ``master_addr:master_port``; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
-    from deepshard.launcher.rendezvous import ElasticRendezvous, NodeRendezvous
+    from deepshard.launcher.link import JobLink
+    from deepshard.launcher.rendezvous import Place, RendezvousFailed, open_rendezvous
 
     ajob = node_agent_job(job, base_env, available_cores)
-    rdzv: Any
+    timeout = env_seconds(base_env, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
+    endpoint, nodes = f"{job.launch.master_addr}:{job.launch.master_port}", len(job.hosts)
     if job.elastic is not None:
-        endpoint = f"{job.launch.master_addr}:{job.launch.master_port}"
-        rdzv = ElasticRendezvous(endpoint, RUN_ID, job.elastic[0], job.elastic[1], base_env)
+        place = Place(endpoint, job.hosts, None, job.elastic[0], job.elastic[1], None, timeout)
         logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, endpoint, *job.elastic)
-        return run_agent(ajob, rdzv, on_started)
-    rdzv = NodeRendezvous(job.hosts, job.node_rank, job.launch.master_addr, job.launch.master_port, RUN_ID,
-                          job.fingerprint(), base_env, job.exit_on_stdin_close, ajob.nproc)
-    if rdzv.multi_node:
-        logger.info("node %d (%s): %s the agents' store %s:%d", job.node_rank, job.host,
-                    "serving" if job.node_rank == 0 else "joining", job.launch.master_addr, job.launch.master_port)
-    return run_agent(ajob, rdzv, on_started)
+    else:
+        place = Place(endpoint, job.hosts, job.node_rank, nodes, nodes, job.launch.master_addr, timeout)
+        if nodes > 1:
+            logger.info("node %d (%s): %s the rendezvous (c10d) at %s", job.node_rank, job.host,
+                        "serving" if job.node_rank == 0 else "joining", endpoint)
+    try:
+        rdzv = open_rendezvous(place, job.fingerprint(), None if job.elastic else job.node_rank == 0)
+    except RendezvousFailed as exc:
+        where = f"node {job.node_rank} ({job.host}): " if nodes > 1 else ""
+        print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)
+        return 1
+    link = None if rdzv.board is None else JobLink(rdzv.board, base_env, job.exit_on_stdin_close, job.report_on_node0)
+    return run_agent(ajob, rdzv, link, on_started)
 
 
 # Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -36,9 +37,9 @@ def add_resource_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
                         help="slots [0, N) per node; on a CPU machine, the number of processes; -1: every GPU, "
                              "or 1 process on a CPU machine")
-    parser.add_argument("--master_port", type=_port_number, default=DEFAULT_MASTER_PORT,
-                        help="rendezvous port; 0: a free port (one machine only; the launcher logs it); "
-                             "multi-node agents also use port+1 to coordinate")
+    parser.add_argument("--master_port", type=port_number, default=DEFAULT_MASTER_PORT,
+                        help="port of the nodes' rendezvous (torch's c10d store, served by node 0's agent); 0: a free "
+                             "port (one machine only; the launcher logs it)")
     parser.add_argument("--master_addr", default="",
                         help="rendezvous address (default: 127.0.0.1 on one machine, else the first host)")
     parser.add_argument("--node_rank", type=int, default=-1,
@@ -103,10 +104,28 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
                              "deepshard anyway (without it, DeepSpeed runs and the launcher says so)")
 
 
-def _port_number(text: str) -> int:
-    from deepshard.launcher.preflight import port_number
+def port_number(text: str) -> int:
+    """argparse type of ``--master_port``: an integer in 1..65535, or 0 for a free port."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an integer in 1..65535 "
+                                         "(0: a free port)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1..65535; pick a free port in that range, "
+                                         "e.g. 29500, or 0 for any free port")
+    return port
 
-    return port_number(text)
+
+def env_seconds(environ: Mapping[str, str], key: str, default: float) -> float:
+    """A number of seconds from ``environ[key]`` (``default`` when unset); a bad value names the variable."""
+    value = environ.get(key)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise LaunchError(f"{key}={value!r} is not a number of seconds; e.g. {key}={default:.0f}") from None
 
 
 def add_script_args(parser: argparse.ArgumentParser) -> None:

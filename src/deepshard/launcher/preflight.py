@@ -3,25 +3,11 @@ the fix instead of a traceback from a rank: port numbers, a port already taken, 
 directory. (A hostfile that is not text is refused by :func:`deepshard.launcher.hostfile.read_hostfile`.)"""
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import socket
 
 from deepshard.launcher.options import LaunchError
-
-
-def port_number(text: str) -> int:
-    """argparse type of ``--master_port``: an integer in 1..65535, or 0 for a free port."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an integer in 1..65535 "
-                                         "(0: a free port)") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 1..65535; pick a free port in that range, "
-                                         "e.g. 29500, or 0 for any free port")
-    return port
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

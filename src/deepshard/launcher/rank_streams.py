@@ -6,13 +6,15 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from deepshard.launcher.preflight import prepare_log_dir
 from deepshard.launcher.output import Output, describe_exit, pump
+from deepshard.launcher.rank_watch import OUTPUT_ENV
 
 
 @dataclass
@@ -44,6 +46,10 @@ class RankStream:
     def exit(self) -> str:
         return describe_exit(self.returncode or 1)
 
+    @property
+    def running(self) -> bool:
+        return self.pid is not None and self.returncode is None
+
     def text(self) -> str:
         return bytes(self.tail).decode("utf-8", errors="replace").rstrip()
 
@@ -51,35 +57,41 @@ class RankStream:
 class RankStreams(LogsSpecs):
     """A ``LogsSpecs`` for torch's agent: every rank's stdout+stderr into a pipe the launcher forwards."""
 
-    def __init__(self, out: Output, log_dir: str | None = None) -> None:
+    def __init__(self, out: Output, log_dir: str | None = None,
+                 on_attempt: Callable[[dict[int, dict[str, str]]], None] | None = None) -> None:
         super().__init__(log_dir=None)
-        self.out = out
-        self.log_dir = log_dir
+        self.out, self.log_dir, self.on_attempt = out, log_dir, on_attempt
         if log_dir is not None:
             prepare_log_dir(log_dir)
         self._tmp = tempfile.mkdtemp(prefix="deepshard-ranks-")
         self.streams: dict[int, RankStream] = {}
+        self.attempt = -1
 
     @property
     def root_log_dir(self) -> str:  # abstract in torch's LogsSpecs
         return self.log_dir or self._tmp
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        """Fresh pipes (and readers) for the attempt torch is about to start."""
+        """Fresh pipes (and readers) for the attempt torch is about to start; ``on_attempt`` sees its variables."""
         self.finish()
-        dest = LogsDest()
+        self.attempt += 1
+        dest, self.streams = LogsDest(), {}
         for local_rank, env in sorted(envs.items()):
-            attempt, rank = env.get("TORCHELASTIC_RESTART_COUNT", "0"), int(env["RANK"])
-            path = os.path.join(self._tmp, f"attempt{attempt}-rank{rank}.pipe")
-            error_file = os.path.join(self._tmp, f"attempt{attempt}-rank{rank}-error.json")
+            rank, stem = int(env["RANK"]), os.path.join(self._tmp, f"attempt{self.attempt}-rank{env['RANK']}")
             log_path = os.path.join(self.log_dir, f"rank_{rank}.log") if self.log_dir is not None else None
-            stream = RankStream(rank, local_rank, log_path, error_file)
-            self._open(stream, path)
+            stream = RankStream(rank, local_rank, log_path, f"{stem}-error.json")
+            self._open(stream, f"{stem}.pipe")
             self.streams[local_rank] = stream
-            dest.stdouts[local_rank] = dest.stderrs[local_rank] = path
-            dest.error_files[local_rank] = error_file
-            env["TORCHELASTIC_ERROR_FILE"] = error_file
+            dest.stdouts[local_rank] = dest.stderrs[local_rank] = ""  # torch's: none; the shim opens the pipe
+            env[OUTPUT_ENV] = f"{stem}.pipe"
+            dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = stream.error_file
+        if self.on_attempt is not None:
+            self.on_attempt(envs)
         return dest
+
+    def path(self, name: str) -> str:
+        """A path in this launch's scratch directory (removed at the end)."""
+        return os.path.join(self._tmp, name)
 
     def _open(self, stream: RankStream, path: str) -> None:
         os.mkfifo(path)
@@ -92,19 +104,24 @@ class RankStreams(LogsSpecs):
                                          name=f"deepshard-out-{stream.rank}", daemon=True)
         stream.reader.start()
 
-    def mark_exited(self, local_rank: int, returncode: int, pid: int) -> RankStream:
-        """The agent saw ``local_rank`` exit: stamp the time (failures then hold the others' output)."""
+    def mark_exited(self, local_rank: int, returncode: int) -> RankStream:
+        """``local_rank`` exited: stamp the time (failures then hold the others' output)."""
         stream = self.streams[local_rank]
         if stream.ended_at is None:
-            stream.ended_at, stream.returncode, stream.pid = time.monotonic(), returncode, pid
+            stream.ended_at, stream.returncode = time.monotonic(), returncode
         return stream
+
+    def opened(self, local_rank: int) -> None:
+        """The rank's shim holds its pipe: the launcher's write end goes (end-of-file when the rank's are gone)."""
+        stream = self.streams[local_rank]
+        if stream.write_fd >= 0:
+            os.close(stream.write_fd)
+            stream.write_fd = -1
 
     def finish(self, timeout_s: float = 2.0) -> None:
         """Close the launcher's write ends and let the readers drain what the ranks wrote."""
-        for stream in self.streams.values():
-            if stream.write_fd >= 0:
-                os.close(stream.write_fd)
-                stream.write_fd = -1
+        for local_rank in self.streams:
+            self.opened(local_rank)
         deadline = time.monotonic() + timeout_s
         for stream in self.streams.values():
             if stream.reader is not None:

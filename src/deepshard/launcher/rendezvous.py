@@ -1,4 +1,7 @@
-"""The node agents' rendezvous: torch's ``RendezvousHandler`` with static node ranks and a job channel."""
+"""How the node agents meet: torch's c10d rendezvous (the one ``torchrun --rdzv_backend c10d`` uses), static
+jobs included (min = max nodes), behind a ``RendezvousHandler`` that adds deepshard's part through the public
+interface: hostfile node ranks for static jobs, a fresh store (on a free port of the first node) for every
+attempt's ranks, the attempt hooks of :mod:`.agent`, and a watchdog over every wait of a (re)start."""
 from __future__ import annotations
 
 import datetime
@@ -6,285 +9,230 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
-from torch.distributed import PrefixStore
-from torch.distributed.elastic.rendezvous.api import (
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
+    RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from deepshard.launcher.coordination import (
-    HEARTBEAT_TIMEOUT_S,
-    ChannelLost,
-    Heartbeat,
-    JobChannel,
-    JobFailure,
-    JoinTimeout,
-    open_store,
-)
+from deepshard.launcher.board import JobBoard, StoreLost
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.output import exit_status, output_block
-from deepshard.launcher.rank_streams import RankStream
 
-JOIN_TIMEOUT_S = 300.0
-EXIT_WAIT_S = 15.0
-WATCH_INTERVAL_S = 0.25
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "closed its connection", "broken pipe")
+RUN_ID = "deepshard"
+STORE_TIMEOUT_S = 60
+CONNECT_ATTEMPT_S = 2.0
+WATCHDOG_MARGIN_S = 30.0
 
 
-def env_seconds(environ: Mapping[str, str], key: str, default: float) -> float:
-    value = environ.get(key)
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise LaunchError(f"{key}={value!r} is not a number of seconds; e.g. {key}={default:.0f}") from None
+class AttemptHooks(Protocol):
+    """What the agent's side (:class:`~deepshard.launcher.agent.JobWatch`) does at the rendezvous' calls."""
+
+    def tick(self) -> bool: ...  # torch's agent looks at the job (every monitor interval, main thread)
+
+    def nodes_waiting(self, count: int) -> int: ...  # torch would restart for new nodes: how many count
+
+    def attempt_ended(self, restarting: bool) -> None: ...  # may raise to end the job instead of a restart
 
 
-class _StdinWatch:
-    """The ssh launcher holds the agent's stdin open; end-of-file means it went away."""
+class RendezvousFailed(RuntimeError):
+    """The nodes did not meet: the message names what was waited for and how to fix it."""
 
-    def __init__(self) -> None:
-        self.closed = threading.Event()
-        threading.Thread(target=self._run, name="deepshard-stdin", daemon=True).start()
 
-    def _run(self) -> None:
+class Watchdog:
+    """Bounds a wait that torch or the network could stretch forever: if ``watch(what, seconds)`` is still open
+    when the time is up, ``on_expire`` gets a message naming what was waited for (by default it is printed and
+    the agent exits with status 1; its ranks die with it)."""
+
+    def __init__(self, on_expire: Callable[[str], None] | None = None) -> None:
+        self._on_expire = on_expire or _give_up
+
+    @contextmanager
+    def watch(self, what: str, seconds: float) -> Iterator[None]:
+        timer = threading.Timer(seconds, self._on_expire, args=(f"{what}: still waiting after {seconds:.0f} s; "
+                                                                "giving up (the job cannot go on)",))
+        timer.daemon = True
+        timer.start()
         try:
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        self.closed.set()
+            yield
+        finally:
+            timer.cancel()
 
 
-def format_job_failure(failure: JobFailure, full: bool) -> str:
-    """The report: the headline, and with ``full`` the end of the failed rank's output."""
-    lines = [f"deepshard: {failure.headline()}"]
-    if full and failure.kind == "rank":
-        lines += output_block(f"rank {failure.rank} (host {failure.host})", failure.rank, failure.tail)
-    return "\n".join(lines)
+def _give_up(message: str) -> None:
+    print(f"deepshard: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
-class NodeRendezvous(StaticTCPRendezvous):
-    """torch's static rendezvous of ``hosts`` (node ranks = their order), with a job channel in its store:
-    join barrier, first failure, heartbeats, aborts (docs/launcher.md, "Under the hood")."""
+@dataclass(frozen=True)
+class Place:
+    """Where this node stands in the job: static jobs have hostfile node ranks (``node_rank``), elastic ones
+    take torch's (``node_rank`` None) and accept ``min_nodes..max_nodes``."""
 
-    def __init__(self, hosts: list[str], node_rank: int, master_addr: str, master_port: int, run_id: str,
-                 fingerprint: str, environ: Mapping[str, str], stdin_close: bool = False,
-                 local_ranks: int = 1) -> None:
-        self.join_timeout_s = env_seconds(environ, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
-        super().__init__(master_addr, master_port, node_rank, len(hosts), run_id, int(self.join_timeout_s))
-        self.hosts, self.node_rank, self.fingerprint = hosts, node_rank, fingerprint
-        self.heartbeat_timeout_s = env_seconds(environ, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
-        self.local_ranks = local_ranks
-        self.stdin = _StdinWatch() if stdin_close else None
-        self.round = -1
-        self.channel: JobChannel | None = None  # type: ignore[assignment]
-        self._heartbeat: Heartbeat | None = None
-        self.lost: list[int] = []
-        self._next_check = 0.0
-        self._seen: JobFailure | None = None
-        self._round_stores: list[Any] = []
-        self.mine: JobFailure | None = None  # this node's own rank failure, until reported
+    endpoint: str  # ``master_addr:master_port``: node 0's agent serves the rendezvous store there
+    hosts: list[str]
+    node_rank: int | None
+    min_nodes: int
+    max_nodes: int
+    rank0_addr: str | None  # how the ranks reach the first node (None: its name, as torch does)
+    join_timeout_s: float
 
-    # -------------------------------------------------------------------------- torch's protocol
 
-    @property
-    def multi_node(self) -> bool:
-        return len(self.hosts) > 1
+class JobRendezvous(RendezvousHandler):
+    """torch's c10d handler (``inner``), with each attempt's node rank, ranks' store and hooks deepshard's."""
 
-    @property
-    def host(self) -> str:
-        return self.hosts[self.node_rank]
+    def __init__(self, inner: RendezvousHandler, place: Place, board: JobBoard | None = None,
+                 watchdog: Watchdog | None = None) -> None:
+        self.inner, self.place, self.board = inner, place, board
+        self.watchdog = watchdog or Watchdog()
+        self.hooks: AttemptHooks | None = None
+        self.attempt = -1
+        self._ranks_store: TCPStore | None = None  # this attempt's, on the first node: the previous one closes
 
-    @property
-    def where(self) -> str:
-        return f"node {self.node_rank} ({self.host}): " if self.multi_node else ""
+    # ---------------------------------------------------------------------- torch's interface
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._store is None:
-            self._open()
-        self.round += 1
-        self._seen = None
-        if self.multi_node:
-            try:
-                self.channel.join(self.round, self.join_timeout_s)
-            except JoinTimeout as exc:
-                self.lost = sorted(set(self.lost) | set(exc.missing))
-                raise
-        return RendezvousInfo(PrefixStore(f"{self.run_id}/{self.round}", self._store), self.node_rank,
-                              len(self.hosts), RendezvousStoreInfo(self.master_addr, self._ranks_port()))
+        if self.attempt >= 0 and self.hooks is not None:
+            self.hooks.attempt_ended(restarting=True)  # the previous attempt's ranks are gone
+        self.attempt += 1
+        where = f"attempt {self.attempt}: "
+        limit = self.place.join_timeout_s + STORE_TIMEOUT_S + WATCHDOG_MARGIN_S
+        with self.watchdog.watch(f"{where}the nodes meeting in torch's c10d rendezvous at {self.place.endpoint}",
+                                 limit):
+            info = self._meet(where)
+        rank, world = self._rank(info)
+        with self.watchdog.watch(f"{where}node 0's store for the ranks (announced in the rendezvous store)",
+                                 STORE_TIMEOUT_S + WATCHDOG_MARGIN_S):
+            bootstrap = self._fresh_store(info.store, rank)
+        return RendezvousInfo(info.store, rank, world, bootstrap)
 
-    def _ranks_port(self) -> int:
-        """Where this attempt's ranks meet: the agents' store on ``master_port`` for the first attempt; a fresh
-        store of node 0 on a free port for each restart (torch's ranks keep no attempt prefix: the keys of the
-        ranks that died must not be found by their successors)."""
-        if self.round == 0:
-            return self.master_port
-        key = f"round{self.round}/ranks_port"
-        if self.node_rank == 0:
-            from torch.distributed import TCPStore
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
 
-            server = TCPStore(self.master_addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.join_timeout_s))
-            self._round_stores = [server]  # the previous attempt's store goes; this one lives
-            self.channel.store.set(key, str(server.port))
-            return int(server.port)
-        return int(self.channel.store.get(key))
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the ranks connect to the store this handler serves; none of them hosts one
 
-    def _open(self) -> None:
-        is_host = self.node_rank == 0
-        timeout = self.join_timeout_s if self.multi_node else 10.0
-        self._store = open_store(self.master_addr, self.master_port, is_host, timeout)
-        self.channel = JobChannel(PrefixStore("deepshard", self._store), self.node_rank, len(self.hosts),
-                                  self.hosts, heartbeat_timeout_s=self.heartbeat_timeout_s)
-        if not self.multi_node:
-            return
-        self.channel.check_config(self.fingerprint)
-        if not is_host:
-            beat_store = open_store(self.master_addr, self.master_port, False, self.join_timeout_s)
-            self._heartbeat = Heartbeat(JobChannel(PrefixStore("deepshard", beat_store), self.node_rank,
-                                                   len(self.hosts), self.hosts)).start()
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
 
-    # -------------------------------------------------------------------------- the job channel
+    def set_closed(self) -> None:
+        self.inner.set_closed()
 
-    def store_lost(self, detail: str) -> JobFailure:
-        return JobFailure("lost", 0, self.hosts[0], "the coordination store (node 0's agent)",
-                          f"stopped answering: {detail}", 1, restartable=False)
+    def num_nodes_waiting(self) -> int:
+        if self.hooks is None:
+            return self.inner.num_nodes_waiting()
+        if self.hooks.tick():
+            return 0  # this attempt ends on the ranks' exits: a failure, not a change of nodes
+        waiting = self.inner.num_nodes_waiting()
+        return self.hooks.nodes_waiting(waiting) if waiting else 0
 
-    def _abort_with(self, failure: JobFailure) -> JobFailure:
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+    # ---------------------------------------------------------------------- deepshard's part
+
+    def _meet(self, where: str) -> RendezvousInfo:
         try:
-            return self.channel.publish_abort(failure)
-        except ChannelLost:
-            return failure
+            return self.inner.next_rendezvous()
+        except RendezvousTimeoutError:
+            raise RendezvousFailed(f"{where}{self._absent()} within {self.place.join_timeout_s:.0f} s "
+                                   f"(DEEPSHARD_JOIN_TIMEOUT); start the same command there, check that it can "
+                                   f"reach {self.place.endpoint}, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)") from None
+        except RendezvousClosedError:
+            raise RendezvousFailed(f"{where}the rendezvous at {self.place.endpoint} was closed: another node "
+                                   "ended the job") from None
 
-    def _lost_node(self, node: int, extra: str = "") -> JobFailure:
-        return self._abort_with(JobFailure(
-            "lost", node, self.hosts[node], "the node agent",
-            f"sent no heartbeat for {self.heartbeat_timeout_s:.0f} s (killed, or its machine is unreachable)"
-            + extra, 1, restartable=False))
-
-    def check(self, force: bool = False) -> JobFailure | None:
-        """Anything elsewhere in the job that must stop this node's ranks now (None: carry on)."""
-        now = time.monotonic()
-        if self._seen is not None or not (force or now >= self._next_check):
-            return self._seen
-        self._next_check = now + WATCH_INTERVAL_S
-        if self.stdin is not None and self.stdin.closed.is_set():
-            self._seen = self._abort_with(JobFailure("abort", self.node_rank, self.host, "the launcher's ssh "
-                                                     "connection", "closed (launcher stopped)", 1, restartable=False))
-            return self._seen
-        if self._heartbeat is not None and self._heartbeat.lost is not None:
-            self._seen = self.store_lost(self._heartbeat.lost)
-            return self._seen
+    def _absent(self) -> str:
+        place = self.place
+        if self.board is None:
+            return f"fewer than {place.min_nodes} node(s) joined the rendezvous"
         try:
-            found = self.channel.abort() or self.channel.failure(self.round)
-            if found is None and self.node_rank == 0:
-                self.lost = self.channel.lost_nodes()
-                if self.lost:
-                    found = self._lost_node(self.lost[0])
-        except ChannelLost as exc:
-            found = self.store_lost(str(exc))
-        self._seen = found
-        return found
+            missing = self.board.missing()
+        except StoreLost:
+            missing = []
+        names = ", ".join(f"node {n} ({place.hosts[n]})" for n in missing) or "some nodes"
+        return f"{names} did not join"
 
-    def publish_rank_failure(self, stream: RankStream) -> JobFailure:
-        """A rank of this node failed: publish it (first failure of the attempt wins) and, on node 0, blame
-        a node that vanished when the rank only lost its connection to it."""
-        mine = JobFailure("rank", self.node_rank, self.host, stream.who, f"exited with {stream.exit}",
-                          exit_status(stream.returncode), rank=stream.rank, tail=stream.text())
+    def _rank(self, info: RendezvousInfo) -> tuple[int, int]:
+        """Static jobs: the hostfile's node rank, once every node's command line is known to match."""
+        if self.place.node_rank is None:
+            return info.rank, info.world_size
+        if self.board is not None:
+            problem = self.board.check_job()
+            if problem is not None:
+                raise LaunchError(problem)
+        return self.place.node_rank, len(self.place.hosts)
+
+    def _fresh_store(self, store: Store, rank: int) -> RendezvousStoreInfo:
+        """Each attempt's ranks meet in a new store on a free port of the first node, announced in this round
+        of the rendezvous: nothing a dead rank published is found by its successor."""
+        port = None
+        if rank == 0:
+            self._ranks_store = TCPStore(self.place.rank0_addr or "0.0.0.0", 0, is_master=True,
+                                         wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            port = self._ranks_store.port
+        # this round's store (torch prefixes it by round): the same on every node, whatever each one counts
+        return RendezvousStoreInfo.build(rank, PrefixStore("deepshard/ranks", store), self.place.rank0_addr,
+                                         server_port=port)
+
+
+def open_rendezvous(place: Place, fingerprint: str, is_host: bool | None) -> JobRendezvous:
+    """torch's c10d handler for ``place`` (node 0 serving its store when ``is_host``; None: torch decides by
+    the endpoint's name, for elastic jobs), wrapped; static multi-node jobs also get their board."""
+    params = RendezvousParameters("c10d", place.endpoint, RUN_ID, place.min_nodes, place.max_nodes,
+                                  local_addr=None, join_timeout=int(place.join_timeout_s), last_call_timeout=2,
+                                  read_timeout=STORE_TIMEOUT_S,
+                                  **({} if is_host is None else {"is_host": is_host}))
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the ranks' store is this module's
+    client = None if is_host is not False else _reach(place)
+    try:
+        inner = get_rendezvous_handler(params)
+    except Exception as exc:  # torch raises RendezvousConnectionError or RuntimeError with the cause inside
+        cause = exc.__cause__ or exc
+        raise RendezvousFailed(_cannot_open(place, is_host, str(cause).splitlines()[0] if str(cause) else
+                                            type(cause).__name__)) from exc
+    board = None
+    if place.node_rank is not None and len(place.hosts) > 1:
+        store = PrefixStore(f"deepshard/{RUN_ID}", client or _reach(place))
+        board = JobBoard(store, place.node_rank, place.hosts)
+        board.register(fingerprint)
+    return JobRendezvous(inner, place, board)
+
+
+def _cannot_open(place: Place, is_host: bool | None, detail: str) -> str:
+    if is_host:
+        return (f"node 0 cannot serve the rendezvous store at {place.endpoint} ({detail}); the port must be free: "
+                "pick another --master_port")
+    return (f"cannot reach the rendezvous store at {place.endpoint} within {place.join_timeout_s:.0f} s ({detail}); "
+            "start node 0 with the same command, check --master_addr / --master_port, and that the port is open "
+            "between the nodes")
+
+
+def _reach(place: Place) -> TCPStore:
+    """A client of node 0's rendezvous store, tried in short attempts until the join timeout (so Ctrl-C is
+    honoured while node 0 is not up yet)."""
+    host, _, port = place.endpoint.rpartition(":")
+    deadline = time.monotonic() + place.join_timeout_s
+    while True:
+        attempt = max(0.1, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
         try:
-            winner = self.channel.publish_failure(self.round, mine)
-        except ChannelLost as exc:
-            self._seen = self.store_lost(str(exc))
-            return self._seen
-        if self.node_rank == 0 and winner.kind == "rank" and any(m in winner.tail.lower() for m in _PEER_GONE):
-            winner = self._blame_lost_node(winner)
-        self._seen, self.mine = winner, mine
-        return winner
-
-    def _blame_lost_node(self, failure: JobFailure) -> JobFailure:
-        deadline = time.monotonic() + self.heartbeat_timeout_s + 2 * WATCH_INTERVAL_S + 1.0
-        try:
-            while time.monotonic() < deadline:
-                lost = self.channel.lost_nodes()
-                if lost:
-                    self.lost = lost
-                    return self._lost_node(lost[0], f"; {failure.who} on host {failure.host} then lost its "
-                                                    "connection to that node's ranks")
-                time.sleep(0.2)
-        except ChannelLost:
-            pass
-        return failure
-
-    def abort(self, what: str, code: int) -> None:
-        """This agent was signalled: stop the other nodes too."""
-        if self.multi_node and self.channel is not None:
-            self._abort_with(JobFailure("abort", self.node_rank, self.host, "the node agent", what, code,
-                                        restartable=False))
-
-    def report(self, failure: JobFailure | None, own_failed: bool, job: Any, attempt: int, restarting: bool) -> None:
-        """Node 0 prints the job's failure with the rank's output; the failing node (unless all nodes share
-        one terminal) its own; every node says what it does next."""
-        mine = self.mine if own_failed else None
-        if failure is None:
-            return
-        own = mine is not None and failure.kind == "rank" and failure.node == self.node_rank
-        if self.node_rank != 0 and mine is not None and not job.report_on_node0:
-            print(format_job_failure(mine, full=True), file=sys.stderr, flush=True)
-        wanted = self.node_rank == 0 or (failure.kind == "lost" and failure.node == 0) or (
-            not job.report_on_node0 and not own)
-        if wanted and not (self.node_rank != 0 and own):
-            print(format_job_failure(failure, full=self.node_rank == 0), file=sys.stderr, flush=True)
-        ending = (f"restarting every rank (restart {attempt + 1} of {job.max_restarts})" if restarting
-                  else f"exiting with code {failure.exit_code}")
-        world = len(self.hosts)
-        print(f"deepshard: node {self.node_rank} ({self.host}) stopped its {self.local_ranks} rank(s) on {world} "
-              f"nodes; {ending}", file=sys.stderr, flush=True)
-        self.mine = None
-
-    def close(self) -> None:
-        """End of the job: node 0 waits (briefly) for the others to leave before its store goes away."""
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if not self.multi_node or self.channel is None:
-            return
-        try:
-            if self.node_rank == 0:
-                self.channel.wait_exited(EXIT_WAIT_S, skip=self.lost)
-            else:
-                self.channel.mark_exited()
-        except ChannelLost:
-            pass
-
-
-class ElasticRendezvous:
-    """``--elastic_training``: torch's c10d rendezvous (node ranks by arrival, min..max nodes), with the few
-    hooks :class:`~deepshard.launcher.agent.NodeAgent` calls; everything else is torch's handler."""
-
-    multi_node = False
-    where = ""
-
-    def __init__(self, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, environ: Mapping[str, str],
-                 local_addr: str | None = None) -> None:
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-        self.join_timeout_s = env_seconds(environ, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
-        params = RendezvousParameters("c10d", endpoint, run_id, min_nodes, max_nodes, local_addr,
-                                      join_timeout=int(self.join_timeout_s), last_call_timeout=2)
-        self._inner: RendezvousHandler = get_rendezvous_handler(params)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def abort(self, what: str, code: int) -> None:
-        """Signalled: torch's agent already stopped this node's ranks; the rendezvous stays open for the others."""
-
-    def close(self) -> None:
-        self._inner.shutdown()
+            store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=attempt))
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline:
+                raise RendezvousFailed(_cannot_open(place, False, str(exc).splitlines()[0])) from exc
+            continue
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return store

@@ -14,13 +14,16 @@ Optimizers (the type is matched case-insensitively, as DeepSpeed does for its ow
   case-insensitive).
 - ``OneBitAdam`` -> :class:`deepshard.compression.OneBitAdam` (1-bit compressed momentum after
   ``freeze_step``; ZeRO stage 0).
-- ZeroOneAdam, OneBitLamb, MuAdam, MuAdamW, MuSGD (and Muon when torch has none): a ValueError that
+- ZeroOneAdam, OneBitLamb, MuAdam, MuAdamW, MuSGD (and Muon when torch has none): a ConfigError that
   names alternatives.
 
 Schedulers: DeepSpeed's names (case-sensitive, as in DeepSpeed) from
 :mod:`deepshard.optim.lr_schedules`, else ``torch.optim.lr_scheduler.<type>`` with the params
 passed through. Every parameter name is checked against the constructor's signature first, so a
 typo is an error that lists the accepted names instead of a TypeError deep inside torch.
+
+Every refusal here is a :class:`~deepshard.config.ConfigError` (a ``ValueError``): a mistake in the config,
+the same on every rank, which the launcher prints once, in one line, without a traceback.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from deepshard.config.base import ConfigError
 from deepshard.optim.lamb import Lamb
 from deepshard.optim.lion import Lion
 from deepshard.optim.lr_schedules import (VALID_LR_SCHEDULES, LRRangeTest, LRSchedulerLike,
@@ -87,21 +91,21 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None,
         model_params: parameters or parameter-group dicts, as for any torch optimizer.
 
     Raises:
-        ValueError: unsupported or unknown type (with the closest names), a parameter the
+        ConfigError: unsupported or unknown type (with the closest names), a parameter the
             optimizer does not accept (with the accepted ones), ``max_grad_norm``, or an
             unresolved ``"auto"``.
     """
     if not isinstance(type_name, str) or not type_name:
-        raise ValueError(f"optimizer.type must be a non-empty string, got {type_name!r}")
+        raise ConfigError(f"optimizer.type must be a non-empty string, got {type_name!r}")
     params = dict(params or {})
     _reject_auto(params, "optimizer")
     if "max_grad_norm" in params:
-        raise ValueError("optimizer.params.max_grad_norm is not supported (as in DeepSpeed); "
+        raise ConfigError("optimizer.params.max_grad_norm is not supported (as in DeepSpeed); "
                          "use the top-level config key 'gradient_clipping' instead")
     key = type_name.lower()
     if key in _UNSUPPORTED and not (key == "muon" and hasattr(torch.optim, "Muon")):
         label, alternatives = _UNSUPPORTED[key]
-        raise ValueError(f"optimizer type '{type_name}' (DeepSpeed's {label}) is not supported "
+        raise ConfigError(f"optimizer type '{type_name}' (DeepSpeed's {label}) is not supported "
                          f"by deepshard; use {alternatives}")
     if key in ("adam", "adamw"):
         cls = _adam_class(key, params)
@@ -135,11 +139,11 @@ def build_scheduler(type_name: str, params: dict[str, Any] | None,
         optimizer: the optimizer whose lrs the schedule drives.
 
     Raises:
-        ValueError: unknown type (listing VALID_LR_SCHEDULES and the closest name), a parameter
+        ConfigError: unknown type (listing VALID_LR_SCHEDULES and the closest name), a parameter
             the scheduler does not accept or a missing required one, or an unresolved "auto".
     """
     if not isinstance(type_name, str) or not type_name:
-        raise ValueError(f"scheduler.type must be a non-empty string, got {type_name!r}")
+        raise ConfigError(f"scheduler.type must be a non-empty string, got {type_name!r}")
     params = dict(params or {})
     _reject_auto(params, "scheduler")
     cls = _SCHEDULERS.get(type_name) or _torch_scheduler_class(type_name)
@@ -152,7 +156,7 @@ def _reject_auto(params: dict[str, Any], section: str) -> None:
     """An ``"auto"`` left in the params means the integration that fills it did not run."""
     for name, value in params.items():
         if isinstance(value, str) and value == "auto":
-            raise ValueError(f"{section}.params.{name} is \"auto\"; \"auto\" is resolved by the "
+            raise ConfigError(f"{section}.params.{name} is \"auto\"; \"auto\" is resolved by the "
                              "HF Trainer / Accelerate integration, so give a value when using "
                              "the config directly")
 
@@ -177,7 +181,7 @@ def _drop_deepspeed_only(type_name: str, params: dict[str, Any],
             continue
         required = dropped[name]
         if required is not None and value != required:
-            raise ValueError(f"optimizer '{type_name}': {name}={value!r} is not supported; "
+            raise ConfigError(f"optimizer '{type_name}': {name}={value!r} is not supported; "
                              f"deepshard always uses {name}={required!r} (remove the key)")
         logger.debug("optimizer '%s': dropping DeepSpeed-only param %s=%r", type_name, name,
                      value)
@@ -204,13 +208,13 @@ def _torch_optimizer_class(type_name: str) -> type[torch.optim.Optimizer]:
     if type_name.lower() in by_lower:
         return by_lower[type_name.lower()]
     valid = ["Adam", "AdamW", "Lamb", "Lion"] + sorted(set(classes) - {"Adam", "AdamW"})
-    raise ValueError(f"unknown optimizer type {_quote_with_hint(type_name, valid)}. "
+    raise ConfigError(f"unknown optimizer type {_quote_with_hint(type_name, valid)}. "
                      f"Valid types: {', '.join(valid)} (case-insensitive), or pass your own "
                      "optimizer as initialize(optimizer=...)")
 
 
 def _torch_scheduler_class(type_name: str) -> type:
-    """``torch.optim.lr_scheduler.<type_name>`` or a ValueError with the closest name."""
+    """``torch.optim.lr_scheduler.<type_name>`` or a ConfigError with the closest name."""
     module = torch.optim.lr_scheduler
     base_types = (module.LRScheduler, module.ReduceLROnPlateau)
     torch_names = sorted(
@@ -220,7 +224,7 @@ def _torch_scheduler_class(type_name: str) -> type:
     if type_name in torch_names:
         return getattr(module, type_name)
     named = _quote_with_hint(type_name, VALID_LR_SCHEDULES + torch_names)
-    raise ValueError(f"unknown scheduler type {named}. DeepSpeed schedules "
+    raise ConfigError(f"unknown scheduler type {named}. DeepSpeed schedules "
                      f"(VALID_LR_SCHEDULES): {', '.join(VALID_LR_SCHEDULES)}; or a "
                      f"torch.optim.lr_scheduler class: {', '.join(torch_names)} "
                      "(names are case-sensitive)")
@@ -248,7 +252,7 @@ def _quote_with_hint(name: str, candidates: list[str]) -> str:
 
 def _check_params(cls: type, label: str, params: dict[str, Any], skip: tuple[str, ...],
                   prefix: str, also_accepted: list[str] | None = None) -> None:
-    """Raise a ValueError for a key ``cls`` does not take, or a required one that is missing."""
+    """Raise a ConfigError for a key ``cls`` does not take, or a required one that is missing."""
     signature = inspect.signature(cls)
     fields = [p for p in signature.parameters.values() if p.name not in skip]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in fields):
@@ -258,10 +262,10 @@ def _check_params(cls: type, label: str, params: dict[str, Any], skip: tuple[str
     unknown = [name for name in params if name not in accepted]
     if unknown:
         described = ", ".join(_quote_with_hint(name, accepted) for name in unknown)
-        raise ValueError(f"{label} ({cls.__module__}.{cls.__qualname__}) does not accept "
+        raise ConfigError(f"{label} ({cls.__module__}.{cls.__qualname__}) does not accept "
                          f"{prefix} {described}; accepted: {', '.join(accepted)}")
     missing = [p.name for p in named
                if p.default is inspect.Parameter.empty and p.name not in params]
     if missing:
-        raise ValueError(f"{label} requires {prefix} {', '.join(repr(n) for n in missing)}; "
+        raise ConfigError(f"{label} requires {prefix} {', '.join(repr(n) for n in missing)}; "
                          f"accepted: {', '.join(accepted)}")

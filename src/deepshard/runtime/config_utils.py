@@ -1,14 +1,17 @@
 """``deepspeed.runtime.config_utils`` under deepshard: the helpers DeepSpeed users call to read config
-dictionaries and print them. ``DeepSpeedConfigModel`` (DeepSpeed's pydantic base class) is not provided:
-deepshard's config sections are its own dataclasses (:mod:`deepshard.config`)."""
+dictionaries and print them, and DeepSpeed's pydantic base class ``DeepSpeedConfigModel``
+(:mod:`deepshard.runtime.config_model`)."""
 from __future__ import annotations
 
 import collections
 import json
 from typing import Any
 
-__all__ = ["DeepSpeedConfigObject", "ScientificNotationEncoder", "dict_raise_error_on_duplicate_keys",
-           "get_dict_param", "get_list_param", "get_scalar_param", "pp_int"]
+from deepshard.runtime.config_model import DeepSpeedConfigModel, get_config_default
+
+__all__ = ["DeepSpeedConfigModel", "DeepSpeedConfigObject", "ScientificNotationEncoder",
+           "dict_raise_error_on_duplicate_keys", "get_config_default", "get_dict_param", "get_list_param",
+           "get_scalar_param", "pp_int"]
 
 
 def get_scalar_param(param_dict: dict[str, Any], param_name: str, param_default_value: Any) -> Any:

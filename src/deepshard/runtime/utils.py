@@ -3,6 +3,8 @@
 - :func:`set_random_seed` seeds Python's ``random``, numpy and torch (every device) in this process.
 - :func:`move_to_device` moves tensors, also inside lists, tuples and dicts, to a device.
 - :func:`see_memory_usage` prints this process's accelerator and host memory (rank 0 only) when forced.
+- :func:`partition_uniform` / :func:`partition_balanced` cut layers into pipeline stages
+  (:mod:`deepshard.runtime.partitioning`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from typing import Any, Callable, Optional
 import psutil
 import torch
 
-__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
+from deepshard.runtime.partitioning import partition_balanced, partition_uniform, prefix_sum_inc
+
+__all__ = ["move_to_device", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage",
+           "set_random_seed"]
 
 
 def set_random_seed(seed: int) -> None:
@@ -67,3 +72,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     vm = psutil.virtual_memory()
     print(f"CPU Virtual Memory:  used = {(vm.total - vm.available) / gb:.2f} GB, percent = {vm.percent}%")
     acc.reset_peak_memory_stats()
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed names this module does not provide: an AttributeError that says why and what to use."""
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute(__name__, name)

@@ -8,7 +8,7 @@ from deepshard.utils.logging import logger
 if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
     import torch
 
-__all__ = ["RepeatingLoader", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
+__all__ = ["OnDevice", "RepeatingLoader", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
            "get_z3_leaf_modules"]
 
@@ -55,7 +55,13 @@ def __getattr__(name: str) -> Any:
         from deepshard.data import RepeatingLoader
 
         return RepeatingLoader
-    raise AttributeError(f"module 'deepshard.utils' has no attribute '{name}'")
+    if name == "OnDevice":
+        from deepshard.utils.init_on_device import OnDevice
+
+        return OnDevice
+    from deepshard.compat.aliases import missing_attribute
+
+    raise missing_attribute(__name__, name)
 
 
 def _strategy_of(param: "torch.nn.Parameter"):  # noqa: ANN202 - returns a ZeroStrategy or None

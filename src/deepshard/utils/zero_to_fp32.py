@@ -28,12 +28,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deepshard.utils.checkpoint_files import get_model_state_files, get_optim_files
 from deepshard.utils.logging import logger
 
 if TYPE_CHECKING:  # torch is imported lazily so ``--help`` is instant
     import torch
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+           "get_model_state_files", "get_optim_files",
            "load_state_dict_from_zero_checkpoint", "main"]
 
 PROG = "deepshard_zero_to_fp32"

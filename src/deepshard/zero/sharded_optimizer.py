@@ -17,11 +17,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from deepshard.checkpoint.fragments import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
 from deepshard.comm.group import CommGroup
+from deepshard.placement import identities, norm_weight, saved_slice
+from deepshard.shard_state import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
-from deepshard.placement import identities, norm_weight, saved_slice
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 

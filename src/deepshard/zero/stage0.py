@@ -8,20 +8,16 @@ updates fp32 master weights that are copied back into the module after each step
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from deepshard.checkpoint.fragments import (FragmentRecord, export_param_groups, load_full_state,
-                                            restore_param_groups, save_rank_fragments, slice_state)
-from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
-                                               module_shapes, param_aliases)
-from deepshard.checkpoint.layout import module_splits
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
+from deepshard.placement import expert_of, identities, local_part, norm_weight, saved_slice
 from deepshard.precision.cast import cast_module
+from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
+                                   slice_state)
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
-from deepshard.placement import expert_of, identities, local_part, norm_weight, saved_slice
+from deepshard.zero.module_values import load_module_values, module_extra_state
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -138,14 +134,14 @@ class Stage0Strategy(ZeroStrategy):
                 return m
         return p
 
-    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
+    def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
         # every replica holds the same states: the first data-parallel rank writes them whole, and the first
         # rank of each expert-data-parallel group the experts it holds (under their global names)
         first = self.ctx.comm.rank == 0
         mine = [p for p in self.params if self.ctx.reduction_group(p).rank == 0] if self.split_experts else \
             (self.params if first else [])
         if not mine:
-            return []
+            return None
         records = []
         for p in mine:
             target = self._master_or_param(p)
@@ -156,17 +152,12 @@ class Stage0Strategy(ZeroStrategy):
         if self.optimizer is not None and first:
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
                                                           for p in self.params})
-        return save_rank_fragments(directory, rank, records, module_shapes(self.module), groups,
-                                   param_aliases(self.module),
-                                   module_extra_state(self.module, exclude_frozen) if first else None,
-                                   {"zero_stage": 0, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)},
-                                   splits=module_splits(self.module))
+        return ShardState(records, groups, module_extra_state(self.module, exclude_frozen) if first else None,
+                          {"zero_stage": 0, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
-    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict, directory)
+    def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        load_module_values(self.module, full)
         for p in self.params:
             name = self.names[id(p)]
             if name in full.params and self.masters is not None:

@@ -10,37 +10,36 @@ After the update each bucket is rebuilt on every rank with one all-gather of the
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
-from deepshard.checkpoint.module_state import (frozen_param_names, load_module_from_full, module_extra_state,
-                                               module_shapes, param_aliases)
-from deepshard.checkpoint.layout import module_splits
 from deepshard.precision.cast import cast_module
+from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
+from deepshard.zero.module_values import load_module_values, module_extra_state
+from deepshard.zero.optimizer_guard import guard
 from deepshard.zero.offload.factory import make_shard_states
-from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
+from deepshard.zero.offload.policy import NoOffload
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm  # noqa: F401 (re-exported)
-from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
 class Stage12Strategy(ZeroStrategy):
-    """Partitioned optimizer state (stage 1) and gradients (stage 2)."""
+    """Partitioned optimizer state (stage 1) and gradients (stage 2): the code both share; the stages are
+    :class:`Stage1Strategy` and :class:`Stage2Strategy`."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 ctx: StrategyContext, stage: int, optimizer_offload: OffloadPolicy | None = None) -> None:
-        """``optimizer_offload`` places the master weights and optimizer state (default: on the device)."""
-        super().__init__(module, optimizer, ctx)
+                 ctx: StrategyContext) -> None:
+        """``ctx.optimizer_offload`` places the master weights and optimizer state (default: on the device)."""
+        stage = self.stage
         if stage not in (1, 2):
-            raise ValueError(f"Stage12Strategy handles ZeRO stages 1 and 2, not {stage}")
-        self.stage = stage
+            raise TypeError(f"{type(self).__name__} is not a ZeRO stage: build Stage1Strategy or Stage2Strategy")
+        super().__init__(module, optimizer, ctx)
         comm, policy = ctx.comm, ctx.precision
         names = param_names(module)
         self.params = list(reversed(trainable_params(module)))  # launch order: roughly backward's
@@ -64,7 +63,7 @@ class Stage12Strategy(ZeroStrategy):
             predivide = float(comm.size)
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
                                    policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms)
-        self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
+        self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
         for lo, hi, off in self._owned:  # masters from the fp32 values, before the module was cast
@@ -76,6 +75,7 @@ class Stage12Strategy(ZeroStrategy):
         self.opt_shard.set_grad_sources([self._grad_view(f) for f in self.opt_shard.fragments])
         if optimizer is not None:
             self.opt_shard.bind(optimizer, stage)
+            guard(optimizer, self)  # a direct optimizer.step() would update nothing: say so
 
     # -------------------------------------------------------------------------------- construction
     @torch.no_grad()
@@ -149,19 +149,14 @@ class Stage12Strategy(ZeroStrategy):
         self.reducer.zero_()
 
     # --------------------------------------------------------------------------------- checkpoints
-    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        records = self.opt_shard.records()
-        return save_rank_fragments(directory, rank, records, module_shapes(self.module),
-                                   self.opt_shard.param_groups_for_save(self.optimizer), param_aliases(self.module),
-                                   module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
-                                   {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size,
-                                    "frozen_params": frozen_param_names(self.module)},
-                                   splits=module_splits(self.module))
+    def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
+        return ShardState(self.opt_shard.records(), self.opt_shard.param_groups_for_save(self.optimizer),
+                          module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
+                          {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
-    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        load_module_from_full(self.module, full, strict, directory)
+    def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        load_module_values(self.module, full)
         self.opt_shard.load(full, self.optimizer, load_optimizer_states)
 
     # ---------------------------------------------------------------------------------- accounting
@@ -204,3 +199,16 @@ class Stage12Strategy(ZeroStrategy):
     def close(self) -> None:
         """Release offloaded state (swap files, staging buffers). Safe to call twice."""
         self.states.close()
+
+
+class Stage1Strategy(Stage12Strategy):
+    """ZeRO stage 1: the optimizer state (and fp32 masters) partitioned; whole gradients reduced."""
+
+    stage = 1
+
+
+class Stage2Strategy(Stage12Strategy):
+    """ZeRO stage 2: gradients partitioned too, reduce-scattered as backward produces them."""
+
+    stage = 2
+    capabilities = Capabilities(no_sync=False)

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from deepshard.comm.group import CommGroup
-from deepshard.precision.policy import PrecisionPolicy
 from deepshard.placement import claim, expert_of, owner_of as placement_owner, release
+from deepshard.precision.policy import PrecisionPolicy
+from deepshard.shard_state import FullState, ShardState
+from deepshard.zero.offload.policy import OffloadPolicy
 
 
 @dataclass(frozen=True)
@@ -43,28 +44,22 @@ class Capabilities:
     """Leaves whole gradients local for a compressed-communication optimizer (OneBitAdam) to average."""
     step_in_backward: bool = False
     """Can apply each update during backward (``optimizer_step_in_backward``)."""
-
-
-def strategy_class(stage: int) -> type["ZeroStrategy"]:
-    """The strategy class of ZeRO ``stage`` (0-3): the one table of stages."""
-    if stage == 0:
-        from deepshard.zero.stage0 import Stage0Strategy
-
-        return Stage0Strategy
-    if stage in (1, 2):
-        from deepshard.zero.stage12 import Stage12Strategy
-
-        return Stage12Strategy
-    if stage == 3:
-        from deepshard.zero.stage3.strategy import Stage3Strategy
-
-        return Stage3Strategy
-    raise ValueError(f"zero_optimization.stage={stage!r}: use 0, 1, 2 or 3")
+    no_sync: bool = True
+    """Can skip the gradient reduction of a backward (``engine.no_sync()``): stages 2 and 3 cannot, they
+    partition gradients as backward produces them."""
+    expert_parallel: bool = True
+    """Shards and reduces the experts of MoE layers with ``ep_size`` > 1 over their expert-data-parallel
+    group (every stage does; DeepSpeed refuses native MoE under ZeRO-3 altogether)."""
+    partitioned_parameters: bool = False
+    """Each rank holds only a shard of every parameter between uses (stage 3): a 16-bit save must
+    gather them (``stage3_gather_16bit_weights_on_model_save``), a forward that reads a parameter outside
+    its module's call sees an empty placeholder, and ``engine.compile()`` cannot compile around the hooks."""
 
 
 @dataclass
 class StrategyContext:
-    """What a strategy needs from the engine, passed explicitly (no global state)."""
+    """Everything a strategy is built from besides the module and the optimizer, passed explicitly (no
+    global state): every stage takes ``(module, optimizer, ctx)``."""
 
     comm: CommGroup
     precision: PrecisionPolicy
@@ -76,6 +71,13 @@ class StrategyContext:
     model_parallel: CommGroup | None = None
     """The ranks of one data-parallel replica (pipeline x tensor): the gradient norm and the overflow
     flag are combined here after ``comm`` (the data-parallel group). None: no model parallelism."""
+    optimizer_offload: OffloadPolicy | None = None
+    """Where the master weights and optimizer state live (None: on the device). Stages 1-3."""
+    param_offload: OffloadPolicy | None = None
+    """Where the parameter shard lives between uses (None: on the device). Stage 3."""
+    step_in_backward: bool = False
+    """Apply each update during backward (``optimizer_step_in_backward``; ``deepshard.plan`` has checked
+    that nothing needs every gradient first). Stage 3."""
     experts: Mapping[str, CommGroup] = field(default_factory=dict)
     """The expert-data-parallel group of each expert-parallel group name (``ep_size_<P>``): a parameter
     whose placement names one (``placement.expert_of``) is reduced and sharded there, not over ``comm``,
@@ -193,14 +195,22 @@ class ZeroStrategy(ABC):
 
     # ------------------------------------------------------------------------------- checkpoints
     @abstractmethod
-    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
-        """Write this rank's share of model and optimizer state into ``directory``; return file names.
-        ``exclude_frozen`` leaves out parameters with ``requires_grad=False``."""
+    def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
+        """This rank's share of model and optimizer state as plain data (``deepshard.shard_state``) for
+        ``checkpoint/`` to write; None when this rank writes none. ``exclude_frozen`` leaves out
+        parameters with ``requires_grad=False``. Every rank calls it (stage 3 gathers frozen weights)."""
 
     @abstractmethod
-    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        """Restore model (and optionally optimizer) state from a checkpoint directory written by any
-        stage and any process count."""
+    def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        """Take this rank's slices of ``full``: a checkpoint ``checkpoint/`` read from any stage, any process
+        count and any format, its names already checked against the module."""
+
+    def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+        """The module's whole state dict in its compute dtype, on CPU. Every rank holds it whole here; a
+        stage that partitions parameters gathers them (a collective: every rank calls it; {} off rank 0)."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+                if not (exclude_frozen and k in frozen)}
 
     def require_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer, or the error that says how to give one."""

@@ -54,4 +54,6 @@ checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameter
 print(json.dumps({"rank": engine.global_rank, "world": engine.dp_world_size, "restart": restart,
                   "start_step": start_step, "steps": engine.global_steps, "checksum": checksum,
                   "local_rank": args.local_rank, "cross_rank": os.environ.get("CROSS_RANK"),
+                  "node": {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                                          "CROSS_SIZE")},
                   "cores": sorted(os.sched_getaffinity(0))}), flush=True)

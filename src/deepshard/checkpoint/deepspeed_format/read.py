@@ -20,8 +20,8 @@ from deepshard.checkpoint.deepspeed_format import detect
 from deepshard.checkpoint.deepspeed_format.allowlist import DeepSpeedRecord, DynamicLossScalerRecord
 from deepshard.checkpoint.deepspeed_format.flat import numel_of, split_zero12, split_zero3
 from deepshard.checkpoint.deepspeed_format.safe_load import load_pt
-from deepshard.checkpoint.fragments import FullState
 from deepshard.checkpoint.io import CheckpointError
+from deepshard.shard_state import FullState
 
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",

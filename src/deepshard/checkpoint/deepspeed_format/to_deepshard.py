@@ -13,8 +13,9 @@ import torch
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.deepspeed_format.read import EngineRecord, read_engine_record, read_full_state
 from deepshard.checkpoint.engine_checkpoint import ENGINE_JSON, ENGINE_TENSORS, FORMAT_VERSION
-from deepshard.checkpoint.fragments import FragmentRecord, FullState, save_rank_fragments, slice_state
+from deepshard.checkpoint.fragments import save_rank_fragments
 from deepshard.checkpoint.state import flatten_state
+from deepshard.shard_state import FragmentRecord, FullState, slice_state
 
 Progress = Callable[[Iterable[Any], str], Iterable[Any]]
 

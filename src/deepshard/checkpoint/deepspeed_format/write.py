@@ -23,8 +23,9 @@ from deepshard.checkpoint.deepspeed_format.allowlist import (DynamicLossScalerRe
                                                              LossScalerRecord, ZeroStage)
 from deepshard.checkpoint.deepspeed_format.flat import join_zero3, join_zero12, numel_of
 from deepshard.checkpoint.deepspeed_format.pickle_names import save_pt
-from deepshard.checkpoint.fragments import FullState, load_full_state
+from deepshard.checkpoint.reader import load_full_state
 from deepshard.checkpoint.state import unflatten_state
+from deepshard.shard_state import FullState
 
 DS_VERSION = "0.19.8"
 ZERO12_ALIGN = 2  # DeepSpeed pads a ZeRO 1-2 group to a multiple of 2 x dp elements

@@ -5,6 +5,12 @@ hold their full values. With ``modifier_rank=r``, the values rank r leaves at ex
 (and are written back into the shards, fp32 masters included); with ``modifier_rank=None`` changes are
 discarded. Parameters that are not partitioned (ZeRO stages 0-2, or plain tensors) are left alone, as
 DeepSpeed does.
+
+Inside backward (a custom autograd function that reads a weight directly, as TRL's fused LM-head loss
+does in its forward and again in its backward) the gathered values are kept at exit: the gradient the
+function returns is accumulated into the parameter after the function returns, which needs the full
+shape, and the reduction releases the group once its gradients are reduced (the end of backward, for
+frozen ones).
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
+from deepshard.zero.stage3.hooks import in_backward
 from deepshard.zero.stage3.init import _InitGather, is_init_partitioned
 
 
@@ -69,7 +76,7 @@ class GatheredParameters:
                 g.write_full([p.data for p in g.params])
                 strategy.after_external_update(g)
             g.users -= 1
-            if g.users == 0:
+            if g.users == 0 and not in_backward():
                 g.reshard()
         self._groups.clear()
         self._init_gathers.clear()

@@ -23,13 +23,14 @@ HINT = ("under ZeRO-3 a parameter outside its own module's call is an empty plac
 
 
 @contextlib.contextmanager
-def explain_sharded_parameter_errors(stage: int) -> Iterator[None]:
-    """At ZeRO stage 3, re-raise a shape error of the forward as a RuntimeError that adds :data:`HINT`
-    (the original error is chained); anything else passes through unchanged, a collective's failure
-    (:class:`CollectiveTimeout`, which names sizes too) included."""
+def explain_sharded_parameter_errors(partitioned: bool) -> Iterator[None]:
+    """When parameters are partitioned (ZeRO stage 3: the strategy's ``capabilities``), re-raise a shape
+    error of the forward as a RuntimeError that adds :data:`HINT` (the original error is chained); anything
+    else passes through unchanged, a collective's failure (:class:`CollectiveTimeout`, which names sizes
+    too) included."""
     try:
         yield
     except RuntimeError as exc:
-        if stage != 3 or isinstance(exc, CollectiveTimeout) or not any(word in str(exc) for word in SHAPE_WORDS):
+        if not partitioned or isinstance(exc, CollectiveTimeout) or not any(word in str(exc) for word in SHAPE_WORDS):
             raise
         raise RuntimeError(f"{exc}\n(deepshard) {HINT}") from exc

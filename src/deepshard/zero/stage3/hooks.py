@@ -70,7 +70,7 @@ class Stage3Hooks:
 
     # ----------------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
-        if _in_backward():
+        if in_backward():
             self._pre_recompute(groups, module)
             return
         for g in groups:
@@ -93,7 +93,7 @@ class Stage3Hooks:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
-        if _in_backward():
+        if in_backward():
             self._post_recompute(module)
             return
         for g in groups:
@@ -112,12 +112,16 @@ class Stage3Hooks:
         self._recomputed.setdefault(id(module), []).append(mine)
 
     def _post_recompute(self, module: torch.nn.Module) -> None:
-        """Release what ``module``'s recompute gathered (unless something else uses it now)."""
+        """Release what ``module``'s recompute gathered (unless something else uses it now). Frozen groups
+        stay: no gradient reduction releases them later, backward would gather them again at once (and keep
+        them to the end of backward, as it keeps every frozen group it gathers), and PyTorch's
+        non-reentrant checkpoint compares a parameter it saved itself with its recomputed shape after the
+        recompute (a released one reads as ``[0]``: "Recomputed values ... have different metadata")."""
         stack = self._recomputed.get(id(module))
         if not stack:
             return
         for g in stack.pop():
-            if g.users == 0:
+            if g.users == 0 and g.requires_grad:
                 g.reshard()
 
     def end_backward(self) -> None:
@@ -199,7 +203,7 @@ class Stage3Hooks:
         self.handles.clear()
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread: a module forward then is
     activation checkpointing's recompute (reentrant or not)."""
     return torch._C._current_graph_task_id() != -1

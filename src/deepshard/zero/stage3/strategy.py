@@ -12,22 +12,18 @@ release it after; gradients are reduce-scattered group by group (``reduce.py``).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
-from deepshard.checkpoint.fragments import load_full_state, save_rank_fragments
-from deepshard.checkpoint.layout import module_splits
-from deepshard.checkpoint.matching import check_names
-from deepshard.checkpoint.module_state import (checkpoint_names_vs_model, frozen_param_names, module_shapes,
-                                               param_aliases)
 from deepshard.placement import local_part, saved_name
 from deepshard.precision.cast import cast_buffers
+from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.offload.factory import make_grad_shard, make_param_store, make_shard_states
 from deepshard.zero.offload.grad_store import GradShard
 from deepshard.zero.offload.param_store import ParamStore
-from deepshard.zero.offload.policy import NoOffload, OffloadPolicy
+from deepshard.zero.offload.policy import NoOffload
+from deepshard.zero.optimizer_guard import guard
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
@@ -61,16 +57,17 @@ class Stage3Strategy(ZeroStrategy):
     are this class's own (sharded groups, hooks, reduce-scatter)."""
 
     stage = 3
-    capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True)
+    capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True, no_sync=False,
+                                partitioned_parameters=True)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 ctx: StrategyContext, optimizer_offload: OffloadPolicy | None = None,
-                 param_offload: OffloadPolicy | None = None, step_in_backward: bool = False) -> None:
-        """``optimizer_offload`` places the master weights and optimizer state, ``param_offload`` the
-        parameter shard between uses (default for both: on the device). ``step_in_backward``: update
-        each group as soon as its gradient is reduced and keep no gradient shard (the caller has
-        checked that nothing needs every gradient first: ``deepshard.plan``)."""
+                 ctx: StrategyContext) -> None:
+        """``ctx.optimizer_offload`` places the master weights and optimizer state, ``ctx.param_offload``
+        the parameter shard between uses (default for both: on the device). ``ctx.step_in_backward``:
+        update each group as soon as its gradient is reduced and keep no gradient shard (the plan check
+        has made sure that nothing needs every gradient first: ``deepshard.plan``)."""
         super().__init__(module, optimizer, ctx)
+        step_in_backward = ctx.step_in_backward
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = comm.watchdog
@@ -83,7 +80,7 @@ class Stage3Strategy(ZeroStrategy):
         self.names = [n for _, _, ns in trainable for n in ns]
         self.layout = self._layout(trainable)
         self.frozen_layout = self._layout(frozen) if frozen else None
-        param_offload = param_offload or NoOffload()
+        param_offload = ctx.param_offload or NoOffload()
         self.param_store = make_param_store(param_offload, self.layout.shard_numel, policy.param_dtype, ctx.device,
                                             comm.rank)
         frozen_numel = self.frozen_layout.shard_numel if self.frozen_layout is not None else 0
@@ -91,7 +88,7 @@ class Stage3Strategy(ZeroStrategy):
                                              policy.param_dtype, ctx.device, comm.rank)
         store = self.param_store
         values = (lambda f: store.view(f.shard_start, f.numel)) if store.resident else None
-        self.states: ShardStates = make_shard_states(optimizer_offload or NoOffload(), StatesSpec(
+        self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
             comm.rank, store.fp32_file()))
         cast_buffers(module, policy.buffer_dtype)
@@ -128,6 +125,7 @@ class Stage3Strategy(ZeroStrategy):
             self._pieces_of_group[self.layout.slots[f.slot].bucket].append(i)
         if optimizer is not None:
             self.opt_shard.bind(optimizer, 3)
+            guard(optimizer, self)  # a direct optimizer.step() would update nothing: say so
         self._attach_deepspeed_surface()
 
     # -------------------------------------------------------------------------------- construction
@@ -314,22 +312,16 @@ class Stage3Strategy(ZeroStrategy):
                 extra[name] = b.detach()
         return extra if rank == 0 else None
 
-    def save(self, directory: Path, rank: int, exclude_frozen: bool = False) -> list[str]:
+    def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
         extra = self.gathered_module_extra(self.ctx.comm.rank, exclude_frozen)
-        return save_rank_fragments(directory, rank, self.opt_shard.records(), module_shapes(self.module),
-                                   self.opt_shard.param_groups_for_save(self.optimizer), param_aliases(self.module),
-                                   extra, {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
-                                           "frozen_params": frozen_param_names(self.module)},
-                                   splits=module_splits(self.module))
+        return ShardState(self.opt_shard.records(), self.opt_shard.param_groups_for_save(self.optimizer), extra,
+                          {"zero_stage": 3, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
-    def load(self, directory: Path, load_optimizer_states: bool, strict: bool) -> None:
-        full = load_full_state(directory, with_optimizer=load_optimizer_states, module=self.module)
-        names = {id(p): saved_name(p, n) for n, p in self.module.named_parameters()}
-        missing, unexpected = checkpoint_names_vs_model(self.module, full)
-        check_names([saved_name(p, n) for n, p in self.module.state_dict(keep_vars=True).items()], missing, unexpected,
-                    strict, directory)
-        absent = set(missing)
+    def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        names = {id(p): saved_name(p, n) for n, p in self.module.named_parameters()}  # experts: global names
+        stored = [saved_name(v, k) for k, v in self.module.state_dict(keep_vars=True).items()]
+        absent = {k for k in stored if not full.has(k)}  # non-strict loads
         for g in self.groups + self.frozen_groups:
             values = []
             current = self._current_values(g) if any(names[id(p)] in absent for p in g.params) else None

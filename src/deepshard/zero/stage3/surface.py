@@ -64,7 +64,7 @@ def external_registry(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
 
 def groups_of(params: Iterable[torch.nn.Parameter]) -> list[ShardedGroup]:
     """The distinct ZeRO-3 groups holding ``params`` (parameters no stage-3 strategy holds are skipped)."""
-    from deepshard.zero.placement import owner_of
+    from deepshard.zero.strategy import owner_of
 
     out: dict[int, ShardedGroup] = {}
     for p in params:

@@ -24,6 +24,20 @@ import torch
 KINDS = ("cpu", "cuda")
 
 
+def _positive_env_int(name: str, default: int) -> int:
+    """``int(os.environ[name])`` when it is a positive integer, else ``default`` (unset, empty or 0);
+    anything else is an error naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer; set it to the number of processes on this "
+                         "node, or unset it") from None
+    return value if value > 0 else default
+
+
 @dataclass(frozen=True)
 class DeviceAccelerator:
     """One process's device. ``kind`` is ``"cpu"`` or ``"cuda"``; ``index`` the CUDA device index."""
@@ -65,8 +79,12 @@ class DeviceAccelerator:
         return f"cuda:{torch.cuda.current_device()}" if self.kind == "cuda" else "cpu"
 
     def device_count(self) -> int:
-        """CUDA devices visible, or 1 on CPU (the process's one device)."""
-        return torch.cuda.device_count() if self.kind == "cuda" else 1
+        """CUDA devices visible; on CPU the ``LOCAL_SIZE`` environment variable (the processes a launcher
+        starts on this node, each with its own "device"), else 1. DeepSpeed's CPU accelerator counts the same
+        way, and code (its unit tests among it) compares this count with the processes it is about to start."""
+        if self.kind == "cuda":
+            return torch.cuda.device_count()
+        return _positive_env_int("LOCAL_SIZE", default=1)
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self.kind == "cuda" else True
@@ -196,8 +214,15 @@ class DeviceAccelerator:
 
     # -------------------------------------------------------------------------------- tensors
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy of a host tensor when a CUDA device will read it; unchanged on CPU."""
-        return tensor.pin_memory() if self.kind == "cuda" else tensor
+        """Page-locked copy of a host tensor when a CUDA device will read it (counted by
+        :mod:`deepshard.utils.pin_memory_tracker`); unchanged on CPU."""
+        if self.kind != "cuda":
+            return tensor
+        from deepshard.utils.pin_memory_tracker import track_pinned_memory
+
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_pinned()) if self.kind == "cuda" else False

@@ -1,0 +1,94 @@
+"""The report of a failed attempt on one machine: ranks that left early, the ranks' one-line errors, which rank
+failed first with its traceback and last output, what happened to the others, then their output since."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Collection
+
+from deepshard.launcher import rank_errors
+from deepshard.launcher.output import fold_noise
+from deepshard.launcher.rank_streams import RankStream, RankStreams
+
+
+def early_exits(streams: RankStreams, failed: RankStream) -> str | None:
+    """A line naming the ranks that exited 0 before ``failed`` failed (they left the others waiting in their
+    next collective), or None."""
+    early = [s for s in streams.streams.values() if s is not failed and s.returncode == 0
+             and s.ended_at is not None and failed.ended_at is not None and s.ended_at <= failed.ended_at]
+    if not early:
+        return None
+    names = ", ".join(s.name for s in early)
+    lead = max(failed.ended_at - s.ended_at for s in early)  # type: ignore[operator]
+    verb = "was" if len(early) == 1 else "were"
+    return (f"deepshard: {names} exited 0 while the others were still running ({lead:.1f}s before "
+            f"{failed.name} failed): {names} {verb} done while the others still expected it in their "
+            "collectives. Every rank must run the same number of steps (and call save_checkpoint) alike; "
+            "look for a rank-dependent loop bound, break or early return")
+
+
+def others_outcome(streams: RankStreams, failed: RankStream, stopped: Collection[int]) -> str:
+    """What became of the other ranks: ``; stopped the other 2 ranks`` (running when ``failed`` failed;
+    ``stopped`` holds their local ranks), ``; the other 1 rank failed too`` (on its own), both, or nothing."""
+    others = [s for s in streams.streams.values() if s is not failed]
+    groups = (([s for s in others if s.local_rank not in stopped and s.returncode not in (None, 0)], "{} failed too"),
+              ([s for s in others if s.local_rank in stopped], "stopped {}"))
+    parts = []
+    for group, text in groups:
+        if group:
+            noun = "rank" if len(group) == 1 else "ranks"
+            whom = f"the other {len(group)} {noun}" if len(group) == len(others) else f"{len(group)} other {noun}"
+            parts.append(text.format(whom))
+    return "".join(f"; {part}" for part in parts)
+
+
+def report_local(failed: RankStream, streams: RankStreams, stopped: Collection[int]) -> None:
+    """One node's report: early exits, the ranks' one-line errors, then who failed and its last output."""
+    early = early_exits(streams, failed)
+    if early is not None:
+        print(early, file=sys.stderr, flush=True)
+    errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
+    if errors:
+        print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
+    reported = any(failed.rank in ranks for ranks in errors.values())
+    lines = [f"deepshard: {failed.who} exited with {failed.exit}{others_outcome(streams, failed, stopped)}"]
+    tail, trace = failed.text(), error_file_traceback(failed.error_file)
+    if trace and not reported:
+        lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
+    if not reported and not (trace and trace.strip().splitlines()[-1] in tail):
+        lines += ([f"----- last output of rank {failed.rank} -----", tail] if tail else
+                  [f"(rank {failed.rank} printed nothing)"])
+    if not reported and (tail or trace):
+        lines.append(f"----- end of rank {failed.rank} output -----")
+    if failed.log_path:
+        lines.append(f"full log of rank {failed.rank}: {failed.log_path}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def error_file_traceback(path: str) -> str | None:
+    """The traceback a rank wrote to torch's elastic error file (``@record``, or deepshard's rank entry)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            message = json.load(handle).get("message", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    trace = message.get("extraInfo", {}).get("py_callstack")
+    return trace if isinstance(trace, str) and trace.strip() else None
+
+
+def report_held(streams: RankStreams, failed: RankStream | None) -> None:
+    """The other ranks' output since the failure, after the report, their connection noise folded."""
+    for stream in streams.streams.values():
+        if stream is failed or not stream.held:
+            continue
+        text, folded = fold_noise(bytes(stream.held).decode("utf-8", errors="replace"))
+        stream.held.clear()
+        if text:
+            print(f"----- {stream.name}'s output after the failure -----\n{text}", file=sys.stderr, flush=True)
+        if folded:
+            where = f" (in {stream.log_path})" if stream.log_path else ""
+            print(f"deepshard: folded {folded} lines of {stream.name}'s lost-connection fallout{where}",
+                  file=sys.stderr, flush=True)

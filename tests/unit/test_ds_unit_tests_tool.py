@@ -1,0 +1,127 @@
+"""tools/ds_unit_tests (the runner of DeepSpeed's own unit tests and the table made from its results), on a
+small stand-in for a DeepSpeed checkout: outcomes and world sizes per test id, the shim reaching the test
+process, and the counts and reasons of the generated table."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "ds_unit_tests"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"ds_unit_tests_{name}", TOOL / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("report")
+runner = _load("runner")
+
+TEST_FILE = '''
+import os
+import pytest
+
+
+class FakeDistributed:
+    is_dist_test = True
+    world_size = 2
+
+
+def test_imports_deepspeed():
+    import deepspeed
+    assert "deepshard" in deepspeed.__version__
+
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+
+@pytest.mark.skip(reason="not on this machine")
+def test_skips():
+    pass
+
+
+def test_sees_local_size():
+    assert os.environ["LOCAL_SIZE"] == "2" and os.environ["DS_ACCELERATOR"] == "cpu"
+
+
+class TestWorld(FakeDistributed):
+    def test_two(self):
+        pass
+
+    @pytest.mark.world_size(1)
+    def test_one(self):
+        pass
+'''
+
+
+@pytest.fixture()
+def checkout(tmp_path: Path) -> Path:
+    unit = tmp_path / "ds" / "tests" / "unit" / "sub"
+    unit.mkdir(parents=True)
+    (unit.parent / "__init__.py").write_text("")
+    (unit / "__init__.py").write_text("")
+    (unit.parents[1] / "pytest.ini").write_text("[pytest]\nmarkers =\n    world_size: w\n")
+    (unit / "test_fake.py").write_text(TEST_FILE)
+    return tmp_path / "ds"
+
+
+def test_runner_records_each_side_and_report_counts_them(checkout: Path, tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    # the "deepspeed" side here is this venv without the shim: `import deepspeed` fails there
+    runner.main(["--checkout", str(checkout), "--files", "sub/test_*.py", "--results", str(results),
+                 "--ds-python", sys.executable, "--timeout", "120"])
+    data = json.loads(results.read_text())
+    sides = data["files"]["sub/test_fake.py"]
+    shard = {k.split("::", 1)[1]: v for k, v in sides["deepshard"]["tests"].items()}
+    ds = {k.split("::", 1)[1]: v for k, v in sides["deepspeed"]["tests"].items()}
+    assert shard["test_imports_deepspeed"]["outcome"] == "passed"
+    assert ds["test_imports_deepspeed"]["outcome"] == "failed"
+    assert "No module named 'deepspeed'" in ds["test_imports_deepspeed"]["why"]
+    assert shard["test_fails"]["outcome"] == "failed" and "one is not two" in shard["test_fails"]["why"]
+    assert shard["test_skips"] == {"outcome": "skipped", "why": "not on this machine", "ws": [1],
+                                   "seconds": shard["test_skips"]["seconds"]}
+    assert shard["test_sees_local_size"]["outcome"] == "passed"
+    assert shard["TestWorld::test_two"]["ws"] == [2] and shard["TestWorld::test_one"]["ws"] == [1]
+
+    reasons = tmp_path / "reasons.tsv"
+    reasons.write_text("# pattern\treason\nsub/test_fake.py::test_fa*\tthe stand-in fails on purpose\n")
+    out = tmp_path / "compat.md"
+    report.main(["--results", str(results), "--reasons", str(reasons), "--out", str(out)])
+    text = out.read_text()
+    # passing on the "deepspeed" side: sees_local_size (ws 1), test_one (ws 1), test_two (ws 2); all pass on ours
+    assert "| `sub/test_fake.py` | 6 | 2 / 1 | 2 / 1 | 100% |" in text
+    assert "**Overall: 3 of the 3 tests that pass on DeepSpeed pass on deepshard (100%).**" in text
+
+
+def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
+    def entry(outcome: str, why: str = "", ws: int = 1) -> dict:
+        return {"outcome": outcome, "why": why, "ws": [ws], "seconds": 0.0}
+
+    results = {"meta": {"checkout_commit": "edaa7221abc", "local_size": 2}, "files": {
+        "a/test_x.py": {
+            "deepspeed": {"tests": {"unit/a/test_x.py::t1": entry("passed"), "unit/a/test_x.py::t2": entry("passed"),
+                                    "unit/a/test_x.py::t3": entry("passed", ws=2),
+                                    "unit/a/test_x.py::t4": entry("skipped", "no fp16")}},
+            "deepshard": {"tests": {"unit/a/test_x.py::t1": entry("passed"),
+                                    "unit/a/test_x.py::t2": entry("failed", "AssertionError: 3 != 4"),
+                                    "unit/a/test_x.py::t3": entry("error", "private engine method", ws=2)},
+                          "collect_errors": []}},
+        "moe/test_y.py": {"deepspeed": {"tests": {"unit/moe/test_y.py::m": entry("passed")}}}}}
+    text = report.render(results, [("a/test_x.py::t3", "calls DeepSpeed's private _foo"),
+                                   ("moe/*", "pending: mixture-of-experts")])
+    assert "| `a/test_x.py` | 4 | 2 / 1 | 1 / 0 | 33% |" in text
+    assert "| `moe/test_y.py` | 1 | 1 / 0 | pending | - |" in text
+    assert "| `t2` | failed | AssertionError: 3 != 4 |" in text
+    assert "| `t3` | error | calls DeepSpeed's private _foo |" in text
+    assert "Not judged: pending: mixture-of-experts" in text
+    assert "**Overall: 1 of the 3 tests that pass on DeepSpeed pass on deepshard (33%).**" in text

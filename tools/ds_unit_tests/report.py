@@ -1,0 +1,161 @@
+"""docs/compatibility.md from the conformance results (``tools/ds_unit_tests/results.json``, written by
+``runner.py``): per DeepSpeed test file, how many tests pass on DeepSpeed 0.19.8's CPU path and how many of
+those pass on deepshard, at world size 1 and 2, and for each one that does not, why.
+
+The why is the curated sentence of ``reasons.tsv`` (``pattern<TAB>reason``; the first fnmatch pattern over
+``file::test`` wins) where someone has looked at the test, else the first line of deepshard's failure.
+
+    python tools/ds_unit_tests/report.py [--results R.json] [--out docs/compatibility.md]
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@dataclass
+class FileRow:
+    """The counts of one test file; ``ws`` 1 is every test that runs in one process (plain pytest tests
+    and DistributedTest at world size 1), 2 every test that spawns two."""
+
+    name: str
+    collected: int = 0
+    ds_pass: dict[int, int] = field(default_factory=lambda: {1: 0, 2: 0})
+    shard_pass: dict[int, int] = field(default_factory=lambda: {1: 0, 2: 0})
+    gaps: list[tuple[str, str, str]] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ds_total(self) -> int:
+        return sum(self.ds_pass.values())
+
+    @property
+    def shard_total(self) -> int:
+        return sum(self.shard_pass.values())
+
+
+def load_reasons(path: Path) -> list[tuple[str, str]]:
+    """``(pattern, reason)`` pairs of ``reasons.tsv`` in file order."""
+    if not path.exists():
+        return []
+    pairs = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            pattern, _, reason = line.partition("\t")
+            if not reason:
+                raise SystemExit(f"{path}: line {line!r} has no tab between pattern and reason")
+            pairs.append((pattern.strip(), reason.strip()))
+    return pairs
+
+
+def reason_for(test: str, reasons: list[tuple[str, str]], fallback: str) -> str:
+    for pattern, reason in reasons:
+        if fnmatch.fnmatchcase(test, pattern):
+            return reason
+    return fallback
+
+
+def _bucket(ws: list[int]) -> int:
+    return 2 if max(ws) >= 2 else 1
+
+
+def file_row(name: str, sides: dict[str, Any], reasons: list[tuple[str, str]]) -> FileRow:
+    """The counts and the gaps (passing on DeepSpeed, not on deepshard) of one file."""
+    row = FileRow(name)
+    ds = sides.get("deepspeed", {}).get("tests", {})
+    shard_side = sides.get("deepshard")
+    shard = shard_side.get("tests", {}) if shard_side else {}
+    row.collected = len(ds)
+    shard_collect = "; ".join(shard_side.get("collect_errors", [])) if shard_side else ""
+    for test_id, entry in sorted(ds.items()):
+        if entry["outcome"] != "passed":
+            continue
+        bucket = _bucket(entry["ws"])
+        row.ds_pass[bucket] += 1
+        ours = shard.get(test_id)
+        if ours is not None and ours["outcome"] == "passed":
+            row.shard_pass[bucket] += 1
+            continue
+        short = test_id.removeprefix("unit/")
+        if shard_side is None:
+            outcome, why = "not run", "not run on deepshard yet"
+        elif ours is None:
+            outcome, why = "not collected", shard_collect or "not collected"
+        else:
+            outcome, why = ours["outcome"], ours["why"] or ours["outcome"]
+        row.gaps.append((short.split("::", 1)[1], outcome, reason_for(short, reasons, why)))
+    if shard_side is None:
+        row.note = reason_for(name + "::*", reasons, "not run on deepshard yet")
+    return row
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.0f}%" if whole else "-"
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(results: dict[str, Any], reasons: list[tuple[str, str]]) -> str:
+    rows = [file_row(name, sides, reasons) for name, sides in sorted(results["files"].items())]
+    judged = [r for r in rows if not r.note]
+    ds_total = sum(r.ds_total for r in judged)
+    shard_total = sum(r.shard_total for r in judged)
+    meta = results.get("meta", {})
+    out = [
+        "# DeepSpeed's own unit tests on deepshard",
+        "",
+        "DeepSpeed's unit tests (`tests/unit` of deepspeedai/DeepSpeed at "
+        f"`{meta.get('checkout_commit', 'unknown')[:8]}`, close to 0.19.8), unmodified, run on DeepSpeed 0.19.8's "
+        "CPU path (`DS_ACCELERATOR=cpu`) and on deepshard through `deepshard.compat.install()` (`import deepspeed` "
+        f"is deepshard), with `LOCAL_SIZE={meta.get('local_size', 2)}` so both CPU accelerators count two devices: "
+        "tests DeepSpeed runs at world size 1 and 2 run, larger ones skip on both. A test counts for deepshard when "
+        "it passes on DeepSpeed and on deepshard.",
+        "",
+        "Generated by `tools/ds_unit_tests/report.py` from `tools/ds_unit_tests/results.json`; rerun "
+        "`tools/ds_unit_tests/runner.py --checkout <DeepSpeed checkout>` to refresh it (it needs DeepSpeed's "
+        "test dependencies, `pytest` and `hjson`, in both environments).",
+        "",
+        f"**Overall: {shard_total} of the {ds_total} tests that pass on DeepSpeed pass on deepshard "
+        f"({_pct(shard_total, ds_total)}).**",
+        "",
+        "| file | collected | pass on DeepSpeed (ws 1 / ws 2) | pass on deepshard (ws 1 / ws 2) | share |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        shard_cell = "pending" if r.note else f"{r.shard_pass[1]} / {r.shard_pass[2]}"
+        out.append(f"| `{r.name}` | {r.collected} | {r.ds_pass[1]} / {r.ds_pass[2]} | {shard_cell} | "
+                   f"{'-' if r.note else _pct(r.shard_total, r.ds_total)} |")
+    out += ["", "## Passing on DeepSpeed, not on deepshard", ""]
+    for r in rows:
+        if r.note:
+            out += [f"### `{r.name}`", "", f"Not judged: {_escape(r.note)}", ""]
+        elif r.gaps:
+            out += [f"### `{r.name}`", "", "| test | on deepshard | why |", "|---|---|---|"]
+            out += [f"| `{_escape(t)}` | {o} | {_escape(w)} |" for t, o, w in r.gaps]
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=HERE / "results.json")
+    parser.add_argument("--reasons", type=Path, default=HERE / "reasons.tsv")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "compatibility.md")
+    args = parser.parse_args(argv)
+    text = render(json.loads(args.results.read_text()), load_reasons(args.reasons))
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
