@@ -5,7 +5,6 @@ test_moe_vectors.py."""
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import pytest
