@@ -171,7 +171,7 @@ class CommGroup:
         """Sum ``tensor`` in place over the group."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0)
+        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_reduce", tensor))
 
@@ -182,7 +182,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_gather"), output.numel(), output.element_size())
+        self.logger.record(self._label("all_gather"), output.numel(), output.element_size(), group_size=self.size)
         if self.pairwise_for(output):
             return self._pairwise_gather(output, shard, key, async_op)
         work = _all_gather(output, shard, group=self.group, async_op=True)
@@ -195,7 +195,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
-            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size())
+            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size(), group_size=self.size)
             return self._pairwise_gather(buffer, mine, 0, async_op)
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
@@ -218,7 +218,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(data)
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size())
+        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size(), group_size=self.size)
         what = self._what("all_to_all", data)
         if self.pairwise_for(data):
             tag = self._next_tag(0, data.numel() * data.element_size())
@@ -232,7 +232,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size())
+        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size(), group_size=self.size)
         if self.pairwise_for(full):
             link = self._shm_for(full)
             tag = self._next_tag(0, full.numel() * full.element_size())
@@ -257,7 +257,7 @@ class CommGroup:
         if self.size == 1:  # the result is the padded concatenation itself
             flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
-        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size())
+        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size(), group_size=self.size)
         what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         if self.pairwise_for(pieces[0]):
             link = self._shm_for(pieces[0])
@@ -279,7 +279,7 @@ class CommGroup:
         """Broadcast from group rank ``src``."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size())
+        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size(), group_size=self.size)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
@@ -294,7 +294,7 @@ class CommGroup:
         if self.size == 1:
             return
         if label is not None:
-            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0)
+            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
         if self.pairwise_for(tensor):
             tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
             work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)

@@ -25,12 +25,16 @@ class OpStats:
 
 @dataclass
 class CommsLogger:
-    """Per-op counters. ``enabled`` only affects verbose printing; counting is always on (it is cheap)."""
+    """Per-op counters. ``enabled`` only affects verbose printing; counting is always on (it is cheap).
+
+    ``by_group`` counts the same calls per ``(op, group size)``: what a step costs at a given grid
+    (``deepshard dryrun`` prints it, and compares it with a real run's)."""
 
     enabled: bool = False
     verbose: bool = False
     ops: dict[str, OpStats] = field(default_factory=dict)
     name: str = "comm"
+    by_group: dict[tuple[str, int], OpStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _LIVE.add(self)
@@ -38,16 +42,19 @@ class CommsLogger:
     def __hash__(self) -> int:
         return id(self)
 
-    def record(self, op: str, elements: int, element_size: int, volume_factor: float = 1.0) -> None:
-        stats = self.ops.setdefault(op, OpStats())
-        stats.calls += 1
-        stats.elements += elements
-        stats.bytes += elements * element_size
-        stats.volume_elements += int(elements * volume_factor)
-        stats.volume_bytes += int(elements * element_size * volume_factor)
+    def record(self, op: str, elements: int, element_size: int, volume_factor: float = 1.0,
+               group_size: int = 0) -> None:
+        """Count one collective of ``elements`` elements (``group_size``: the ranks taking part; 0 unknown)."""
+        for stats in (self.ops.setdefault(op, OpStats()), self.by_group.setdefault((op, group_size), OpStats())):
+            stats.calls += 1
+            stats.elements += elements
+            stats.bytes += elements * element_size
+            stats.volume_elements += int(elements * volume_factor)
+            stats.volume_bytes += int(elements * element_size * volume_factor)
 
     def reset(self) -> None:
         self.ops.clear()
+        self.by_group.clear()
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.ops.values())

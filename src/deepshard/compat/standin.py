@@ -68,7 +68,8 @@ def status(directory: Path) -> str:
     target = directory / PTH_NAME
     real = real_deepspeed()
     if real:
-        return f"'import deepspeed' is the real DeepSpeed ({real}); the stand-in is {'on' if target.exists() else 'off'}"
+        state = "on" if target.exists() else "off"
+        return f"'import deepspeed' is the real DeepSpeed ({real}); the stand-in is {state}"
     if target.exists():
         return f"'import deepspeed' is deepshard ({target})"
     found = importlib.util.find_spec("deepspeed") is not None

@@ -60,6 +60,7 @@ class JobWatch:
         self.groups: dict[int, int] = {}  # local rank -> the process group torch started its shim in
         self.running_at_signal: int | None = None
         self._watch: RankWatch | None = None
+        self._saved: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------- an attempt starts and runs
@@ -152,11 +153,17 @@ class JobWatch:
 
     def install_signal_handlers(self) -> None:
         """Ours rather than torch's (it sets its own at every start): both raise ``SignalException``; ours first
-        counts the ranks that were running."""
+        counts the ranks that were running. The ones before the first call come back with
+        :meth:`restore_signal_handlers`."""
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED_SIGNALS:
                 if signal.getsignal(sig) != self._on_signal:
+                    self._saved.setdefault(sig, signal.getsignal(sig))
                     signal.signal(sig, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.running_at_signal = sum(1 for s in self.streams.streams.values() if s.running)
@@ -257,8 +264,9 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     except SignalException as exc:
         shut = link is not None  # an elastic job goes on without this node (torch's agent does the same)
         running = watch.running_at_signal or 0
-        print(f"deepshard: {where}received {exc.sigval.name}; forwarding it to {running} running "
-              f"{'rank' if running == 1 else 'ranks'}", file=sys.stderr, flush=True)
+        told = f"forwarding it to {running} running {'rank' if running == 1 else 'ranks'}" if running else \
+            "no rank was running"
+        print(f"deepshard: {where}received {exc.sigval.name}; {told}", file=sys.stderr, flush=True)
         if link is not None:
             link.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
         return 128 + exc.sigval
@@ -282,6 +290,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
     finally:
         streams.cleanup()
         _close(rdzv, link, shut)
+        watch.restore_signal_handlers()
 
 
 def _close(rdzv: JobRendezvous, link: JobLink | None, shut: bool) -> None:

@@ -36,6 +36,8 @@ COMMANDS: dict[str, Command] = {
                        "deepshard.checkpoint.convert_cli:main"),
     "verify": Command("check every file of a checkpoint against its manifest (sizes and sha256)",
                       "deepshard.checkpoint.verify:main"),
+    "dryrun": Command("run a script as one rank of an N-rank job in one process (figures per rank, no data moved)",
+                      "deepshard.dryrun.cli:main"),
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
                                "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
 }

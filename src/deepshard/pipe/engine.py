@@ -97,7 +97,8 @@ class PipelineEngine(EngineCore):
         self.num_stages, self.stage_id = dims.pp, coord.pp
         self.num_chunks = self.module.num_chunks
         self.link = StageLink(self.stage_id, self.global_rank, self.device,
-                              watchdog=self.topology.pp.watchdog if self.device.type == "cpu" else None)
+                              watchdog=self.topology.pp.watchdog if self.device.type == "cpu" else None,
+                              logger=self.comms_logger)
         self._data_iter: Iterator[Any] | None = None
         self._batch_fn: Callable[[Any], Any] | None = None
         self._plans: dict[tuple[str, int, bool], tuple[list[Action], dict[int, int]]] = {}

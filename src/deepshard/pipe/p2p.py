@@ -108,9 +108,11 @@ class StageLink:
     message naming this stage, the peer, what was expected and each rank's position."""
 
     def __init__(self, stage: int, rank: int, device: torch.device, post_ahead: bool | None = None,
-                 watchdog: Any = None) -> None:
+                 watchdog: Any = None, logger: Any = None) -> None:
         self.stage, self.rank, self.device = stage, rank, device
         self.watchdog = watchdog
+        self.logger = logger
+        """The engine's comms logger: each message's payload is counted as ``pp:send`` (a pair of ranks)."""
         self.post_ahead = device.type == "cpu" if post_ahead is None else post_ahead
         self._pending: list[tuple[Any, list[torch.Tensor], int]] = []
         self._last_sent: dict[int, Shapes] = {}
@@ -174,6 +176,9 @@ class StageLink:
         throwaway = ([torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in posted]
                      if posted is not None and posted != shapes else [])
         works = [dist.isend(header, dst)] + [dist.isend(t, dst) for t in throwaway + payload]
+        if self.logger is not None:
+            for t in payload:
+                self.logger.record("pp:send", t.numel(), t.element_size(), group_size=2)
         self._last_sent[dst] = shapes
         if len(self._pending) >= 8:  # drop the buffers of completed sends now and then, not on every send
             self._pending = [p for p in self._pending if not all(x.is_completed() for x in p[0])]

@@ -95,7 +95,8 @@ class RingPass:
         """Post the receive of a tensor shaped like ``send`` and send ``send`` (kept alive until ``finish``)."""
         send = send.contiguous()
         self._recv = torch.empty_like(send)
-        self.comm.logger.record(self.comm._label("ring_send"), send.numel(), send.element_size())
+        self.comm.logger.record(self.comm._label("ring_send"), send.numel(), send.element_size(),
+                                group_size=self.comm.size)
         self._works = [dist.irecv(self._recv, self.prev, group=self.comm.group, tag=RING_TAG),
                        dist.isend(send, self.next, group=self.comm.group, tag=RING_TAG)]
         self._send = send
