@@ -18,7 +18,8 @@ def _config(stage: int, micro: int, gas: int = 1, dtype: str = "fp32", clip: flo
             bucket: int = 500) -> dict[str, Any]:
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
                            "optimizer": optimizer_config(), "gradient_clipping": clip,
-                           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+                           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                                 "stage3_gather_16bit_weights_on_model_save": True}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
