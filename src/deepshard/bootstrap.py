@@ -18,6 +18,7 @@ from deepshard.grid import build_topology
 from deepshard.parallelize import parallelize
 from deepshard.parts import OptimizerArg
 from deepshard.utils.logging import set_log_level_from_string
+from deepshard.utils.z3_leaf_module import apply_zero_leaf_module_config
 from deepshard.utils.teardown import settle_backend_threads_at_exit
 
 
@@ -54,6 +55,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
         set_log_level_from_string(cfg.log_level)  # the config's log_level sets deepshard's logger, as DeepSpeed's
     check_same_on_every_rank(cfg, topology.world)  # before the first collective that depends on it
     warn_unused_pipeline(cfg, model)
+    apply_zero_leaf_module_config(model, cfg.zero_optimization.leaf_module)  # ZeRO-3 reads the marks
     engine = parallelize(model, cfg, get_accelerator(), topology, optimizer, model_parameters, lr_scheduler, mpu=mpu)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

@@ -17,6 +17,7 @@ from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
 from deepshard.engine_client_calls import EngineClientCalls
+from deepshard.engine_ds_names import EngineDeepSpeedNames
 from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
 from deepshard.profiling.engine_tools import EngineTools
 from deepshard.step import StepRunner, TrainState
@@ -39,7 +40,7 @@ class _StateField:
         setattr(engine.state, self.name, int(value))
 
 
-class EngineCore(EngineAccessors, EngineClientCalls, torch.nn.Module):
+class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch.nn.Module):
     """What every engine ``deepshard.initialize`` returns shares (DeepSpeed's ``DeepSpeedEngine`` contract
     minus the training calls): the module, the config accessors (``deepshard.engine_accessors``), the counters, the one step path
     (``self.runner``, ``deepshard.step.StepRunner``), reporting, checkpoints, ``destroy``. The two engines
@@ -234,8 +235,8 @@ class EngineCore(EngineAccessors, EngineClientCalls, torch.nn.Module):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this process holds per category (parameters, gradients, master_weights,
-        optimizer_state, buffers, comm_buckets; gathered_parameters under ZeRO-3; offloaded and
-        offload_buffers with offload) and ``total``, the resident sum (offloaded bytes excluded)."""
+        optimizer_state, buffers, comm_buckets; gathered_parameters under ZeRO-3, secondary_parameters with
+        hpZ; offloaded and offload_buffers with offload) and ``total``, the resident sum (offloaded bytes excluded)."""
         report = dict(self._strategy().memory_report())
         # 'total' is what this process holds in memory: bytes offloaded to disk are reported apart
         report["total"] = sum(v for k, v in report.items() if k != "offloaded")

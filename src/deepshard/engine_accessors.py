@@ -6,8 +6,8 @@ answers the same questions from deepshard's validated config (``deepshard.config
 
 - :data:`CONFIG_READS`: methods that return one config value, as ``name -> (dotted path, type)``;
 - :data:`DISABLED_FEATURES`: methods about features deepshard does not implement and whose config sections it
-  refuses to turn on (random-LTD, curriculum learning, data efficiency, DeepCompile passes, ZenFlow, ZeRO++
-  quantisation): they return what DeepSpeed returns while the feature is off;
+  refuses to turn on (random-LTD, curriculum learning, data efficiency, DeepCompile passes, ZenFlow): they
+  return what DeepSpeed returns while the feature is off;
 - the methods below, whose answer is derived (offload devices, ZeRO stage tests, dtypes, batch info).
 
 Where DeepSpeed returns a config object, the engine returns deepshard's section object for the same section
@@ -76,6 +76,10 @@ CONFIG_READS: dict[str, tuple[str, Any]] = {
     "zero_log_trace_cache_warnings": ("zero_optimization.log_trace_cache_warnings", bool),
     "is_sanity_checks_enabled": ("zero_optimization.enable_sanity_checks", bool),
     "zero_save_muon_momentum_buffer_in_memory": ("zero_optimization.save_muon_momentum_buffer_in_memory", bool),
+    "zero_hpz_partition_size": ("zero_optimization.zero_hpz_partition_size", int),
+    "zero_quantized_weights": ("zero_optimization.zero_quantized_weights", bool),
+    "zero_quantized_nontrainable_weights": ("zero_optimization.zero_quantized_nontrainable_weights", bool),
+    "zero_quantized_gradients": ("zero_optimization.zero_quantized_gradients", bool),
     "zero_offload_optimizer": ("zero_optimization.offload_optimizer", "Optional[OffloadOptimizerConfig]"),
     "zero_offload_param": ("zero_optimization.offload_param", "Optional[OffloadParamConfig]"),
 }
@@ -95,10 +99,6 @@ DISABLED_FEATURES: dict[str, Any] = {
     "compile_autotp": False,
     "zenflow_config": None,
     "zero_legacy_stage1": False,
-    "zero_hpz_partition_size": 1,
-    "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
     "zero_parameter_alignment": False,
     "zero_nvme_offload_optimizer": False,
     "optimizer_legacy_fusion": False,

@@ -100,7 +100,9 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     backpropagates the same global loss, as ``deepshard.sp.loss`` computes it). The plan check
     (``deepshard.plan``) has refused what it cannot hold."""
     optimizer_offload, param_offload = offload_policies(cfg, accelerator)
-    ctx = StrategyContext(comm=topology.seq_dp, model_parallel=topology.model_parallel, precision=precision,
+    zero_groups = build_zero_groups(topology, cfg)
+    ctx = StrategyContext(comm=zero_groups.shard if zero_groups is not None else topology.seq_dp,
+                          zero_groups=zero_groups, model_parallel=topology.model_parallel, precision=precision,
                           experts={name: groups.edp for name, groups in topology.experts.items()},
                           zero_config=cfg.zero_optimization, device=accelerator.device,
                           gradient_predivide_factor=float(cfg.gradient_predivide_factor),
@@ -109,6 +111,23 @@ def build_strategy(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
                           optimizer_offload=optimizer_offload, param_offload=param_offload,
                           step_in_backward=bool(cfg.zero_optimization.optimizer_step_in_backward))
     return strategy_class(cfg.zero_optimization.stage)(model, optimizer, ctx)
+
+
+def build_zero_groups(topology: Topology, cfg: DeepShardConfig) -> Any:
+    """MiCS / hybrid sharding and ZeRO++'s groups (``deepshard.zero.hierarchy``; a collective), or None when
+    the config asks for none of them: the strategy then shards over ``topology.seq_dp``."""
+    from deepshard.zero.hierarchy import ZeroPlusPlus, build
+
+    settings = ZeroPlusPlus.from_config(cfg.zero_optimization)
+    if not settings.any:
+        return None
+    groups = build(topology, settings)
+    if topology.rank == 0:
+        logger.info("ZeRO groups: sharded over %d rank(s) x %d replica(s)%s%s%s; %s", groups.shard.size,
+                    groups.replica.size, f", hpZ secondary shards over {groups.hpz.size}" if groups.hpz else "",
+                    ", quantized weights (qwZ)" if settings.quantized_weights else "",
+                    ", quantized gradients (qgZ)" if settings.quantized_gradients else "", topology.nodes.describe())
+    return groups
 
 
 def offload_policies(cfg: DeepShardConfig, accelerator: Accelerator) -> tuple[OffloadPolicy, OffloadPolicy]:

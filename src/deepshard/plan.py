@@ -74,6 +74,8 @@ class Plan:
     """The attention's key/value heads (``heads`` without grouped-query attention)."""
     expert_parallel: tuple[int, ...] = ()
     """The ``ep_size`` of each of the model's MoE layers (``deepshard.moe``), distinct, in module order."""
+    zeropp: Any = None
+    """MiCS / hybrid sharding and ZeRO++ (``deepshard.zero.hierarchy.ZeroPlusPlus``), or None: plain ZeRO."""
 
     @property
     def caps(self) -> Capabilities:
@@ -111,7 +113,15 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
                 clipping=float(cfg.gradient_clipping or 0.0), optimizer_offload=opt_policy.moves_states,
                 param_offload=param_policy.moves_states, step_in_backward=bool(zero.optimizer_step_in_backward),
                 compressed_optimizer=_compressed_name(cfg, optimizer),
-                fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32)
+                fp32_accumulation=accum is not None and dtype_from_name(accum) == torch.float32,
+                zeropp=_zeropp(zero))
+
+
+def _zeropp(zero: Any) -> Any:
+    from deepshard.zero.hierarchy import ZeroPlusPlus
+
+    settings = ZeroPlusPlus.from_config(zero)
+    return settings if settings.any else None
 
 
 def _expert_parallel_sizes(model: Any, autoep_section: Any) -> tuple[int, ...]:
@@ -302,7 +312,52 @@ def _expert_rules(plan: Plan) -> list[Conflict]:
     return out
 
 
+def _hierarchy_rules(plan: Plan) -> list[Conflict]:
+    """MiCS / hybrid sharding and ZeRO++ (``deepshard.zero.hierarchy``): the stage each needs, and the shapes."""
+    z = plan.zeropp
+    if z is None:
+        return []
+    out: list[Conflict] = []
+    replicas = plan.dims.dp * plan.dims.sp
+    if z.hybrid and plan.stage == 0:
+        out.append(Conflict(f"zero_optimization.mics_shard_size={z.mics_shard_size} with zero_optimization.stage=0",
+                            "hybrid sharding partitions the optimizer states (stages 1-2) or everything (stage 3) "
+                            "over groups of mics_shard_size ranks; stage 0 partitions nothing",
+                            "set zero_optimization.stage to 1, 2 or 3, or remove mics_shard_size"))
+    if z.hybrid and replicas % z.mics_shard_size:
+        out.append(Conflict(f"zero_optimization.mics_shard_size={z.mics_shard_size} on {replicas} data-parallel ranks "
+                            f"({plan.dims})", "the shard groups are blocks of mics_shard_size ranks",
+                            f"use a divisor of {replicas}, e.g. the number of ranks per machine"))
+    stage3_only = [key for key, on in (("zero_hpz_partition_size", z.hpz_partition_size > 1),
+                                       ("zero_quantized_weights", z.quantized_weights),
+                                       ("zero_quantized_nontrainable_weights", z.quantized_nontrainable_weights)) if on]
+    if stage3_only and plan.stage != 3:
+        out.append(Conflict(f"zero_optimization.{' and '.join(stage3_only)} with zero_optimization.stage={plan.stage}",
+                            "they act on ZeRO-3's parameter gathers, and below stage 3 every rank holds the whole "
+                            "parameters (DeepSpeed ignores them there without a word)",
+                            "set zero_optimization.stage to 3, or remove them"))
+    if z.quantized_gradients and plan.stage == 0:
+        out.append(Conflict("zero_optimization.zero_quantized_gradients with zero_optimization.stage=0",
+                            "it quantizes the reduce-scatter of partitioned gradients; stage 0 all-reduces whole ones",
+                            "set zero_optimization.stage to 1, 2 or 3"))
+    shard = z.mics_shard_size if z.hybrid else replicas
+    if z.hpz_partition_size > 1 and z.hybrid:
+        out.append(Conflict(f"zero_optimization.zero_hpz_partition_size={z.hpz_partition_size} with "
+                            f"mics_shard_size={z.mics_shard_size}", "hybrid sharding already keeps every gather "
+                            "inside its shard group: hpZ's secondary shard would copy what the shard holds",
+                            "use one of the two (mics_shard_size = ranks per machine gathers inside the machine)"))
+    elif z.hpz_partition_size > 1 and shard % z.hpz_partition_size:
+        out.append(Conflict(f"zero_optimization.zero_hpz_partition_size={z.hpz_partition_size} on {shard} ranks",
+                            "the secondary shards are cut over blocks of zero_hpz_partition_size ranks",
+                            f"use a divisor of {shard}, e.g. the number of ranks per machine"))
+    if (z.hybrid or z.quantized_gradients) and any(p > 1 for p in plan.expert_parallel):
+        out.append(Conflict("MoE layers with ep_size > 1 and mics_shard_size / zero_quantized_gradients",
+                            "experts are sharded and reduced over their expert-data-parallel group, which hybrid "
+                            "sharding and qgZ's node hierarchy do not split", "use ep_size=1, or plain ZeRO"))
+    return out
+
+
 RULES: tuple[Callable[[Plan], list[Conflict]], ...] = (
     _pipeline_rules, _precision_rules, _offload_rules, _compression_rules, _step_in_backward_rules,
-    _sequence_rules, _expert_rules)
+    _sequence_rules, _expert_rules, _hierarchy_rules)
 """Every rule, in the order conflicts are reported."""

@@ -32,14 +32,21 @@ further, per expert-parallel size ``P`` (``ParallelDims.expert_group_ranks``, De
 all-to-all; each rank holds ``1/P`` of a layer's experts) and the *expert-data-parallel* groups stride
 by ``P`` (the ranks holding the same experts: expert gradients are reduced and ZeRO-sharded there).
 ``Topology.with_experts`` adds them, named ``ep_size_<P>`` as DeepSpeed names them.
+
+Node awareness: ``Topology.nodes`` (``deepshard.comm.nodes.NodeMap``) says which ranks share a machine,
+read from the launcher's environment when the topology is built; every group of the topology knows it
+(its comms logger splits bytes into intra-node and inter-node), and the hierarchical ZeRO groups
+(``deepshard.zero_groups``: MiCS / hybrid sharding, ZeRO++'s hpZ and qgZ) are cut along it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping, Optional, Sequence
 
+import deepshard.comm.nodes as node_map
 from deepshard.comm.group import CommGroup
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.nodes import NodeMap
 
 Axis = Literal["pp", "dp", "tp", "model_parallel", "sp", "seq_dp"]
 AXES: tuple[Axis, ...] = ("dp", "tp", "pp", "model_parallel", "sp", "seq_dp")
@@ -254,7 +261,8 @@ class Topology:
         rank = dist.get_rank() if initialized else 0
         dims.check_world(world_size)
         logger = logger if logger is not None else CommsLogger()
-        world = CommGroup(group=None, logger=logger, name="world")
+        nodes = node_map.detect(world_size, _gather_keys if initialized and world_size > 1 else None)
+        world = CommGroup(group=None, logger=logger, name="world", nodes=nodes)
         mine: dict[str, CommGroup] = {}
         for axis in AXES:
             if axis == "seq_dp" and dims.sp == 1:
@@ -288,12 +296,14 @@ class Topology:
                 continue
             ep_lists, edp_lists = self.dims.expert_group_ranks(size, data_before_expert)
             distributed = dist.is_available() and dist.is_initialized()
+            nodes = self.world.nodes
             if size == 1:  # every rank holds every expert: nothing to exchange, reduced like the dense weights
-                ep = (new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise) if distributed else None)
+                ep = (new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise, nodes) if distributed
+                      else None)
                 edp = self.seq_dp
             else:
-                edp = new_groups(edp_lists, self.rank, logger, "edp", self.world.pairwise)
-                ep = new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise)
+                edp = new_groups(edp_lists, self.rank, logger, "edp", self.world.pairwise, nodes)
+                ep = new_groups(ep_lists, self.rank, logger, "ep", self.world.pairwise, nodes)
             ep = ep if ep is not None else CommGroup.single(logger=logger, name="ep")
             if edp is None:  # unreachable: expert_group_ranks puts every rank in one group of each list
                 raise TopologyError(f"rank {self.rank} is in no expert-data-parallel group of {edp_lists}")
@@ -301,6 +311,11 @@ class Topology:
             mine_edp = next(ranks for ranks in edp_lists if self.rank in ranks)
             found[name] = ExpertGroups(name, size, ep, edp, tuple(mine), tuple(mine_edp))
         return replace(self, experts=found)
+
+    @property
+    def nodes(self) -> NodeMap:
+        """Which ranks share a machine (``deepshard.comm.nodes``)."""
+        return self.world.nodes
 
     @property
     def is_data_parallel_only(self) -> bool:
@@ -319,16 +334,17 @@ def _axis_group(dims: ParallelDims, axis: Axis, rank: int, world: CommGroup, log
     if size == 1:
         return CommGroup.single(logger=logger, name=axis)
     if size == dims.world_size:
-        return CommGroup(group=None, logger=logger, name=axis, pairwise=world.pairwise)
-    own = new_groups(all_ranks, rank, logger=logger, name=axis, pairwise=world.pairwise)
+        return CommGroup(group=None, logger=logger, name=axis, pairwise=world.pairwise, nodes=world.nodes)
+    own = new_groups(all_ranks, rank, logger=logger, name=axis, pairwise=world.pairwise, nodes=world.nodes)
     assert own is not None  # every rank is in exactly one group of each axis
     return own
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]], rank: int, logger: CommsLogger, name: str,
-               pairwise: Optional[bool] = None) -> Optional[CommGroup]:
+               pairwise: Optional[bool] = None, nodes: Optional[NodeMap] = None) -> Optional[CommGroup]:
     """Create one process group per rank list (collective: every rank calls it with the same lists, in the
     same order) and return this rank's as a counted ``CommGroup`` (None when ``rank`` is in none).
+    ``nodes``: which ranks share a machine (None: from the environment).
 
     The only caller of ``dist.new_group`` in deepshard: the grid's axes and the pipeline's tied-weight
     groups come through here."""
@@ -338,8 +354,17 @@ def new_groups(rank_lists: Sequence[Sequence[int]], rank: int, logger: CommsLogg
     for ranks in rank_lists:
         group = dist.new_group(ranks=list(ranks))
         if rank in ranks:
-            own = CommGroup(group=group, logger=logger, name=name, pairwise=pairwise)
+            own = CommGroup(group=group, logger=logger, name=name, pairwise=pairwise, nodes=nodes)
     return own
+
+
+def _gather_keys(key: str) -> list[str]:
+    """Every rank's ``key`` in rank order (a collective over the world: ``deepshard.comm.nodes.detect``)."""
+    import torch.distributed as dist
+
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, key)
+    return [str(k) for k in out]
 
 
 def ranks_of(group: CommGroup) -> Sequence[int]:

@@ -149,7 +149,12 @@ def _ops_and_device() -> dict[str, Any]:
 
     with deepspeed.OnDevice(dtype=torch.half, device="meta"):
         layer = torch.nn.Linear(3, 4)
+    from deepspeed.utils.torch import required_torch_version
+
+    versions = [required_torch_version(min_version=a, max_version=b) for a, b in (
+        (1.9, None), ("2.1", None), (None, "1.13"), (99, None), (None, 99), ("2.13", "2.13"), (2.0, 3.0))]
     return {"ops": [deepspeed.ops.__compatible_ops__[b.NAME] for b in (CPUAdamBuilder, FusedAdamBuilder)],
+            "torch_versions": versions,
             "on_device": [str(layer.weight.device), str(layer.weight.dtype), str(torch.get_default_dtype())],
             "version": [deepspeed.__version_major__, deepspeed.__version_minor__]}
 
@@ -215,9 +220,38 @@ def _config_model() -> dict[str, Any]:
         "default": get_config_default(Conf, "c")}
 
 
+def _engine_precision() -> dict[str, Any]:
+    """The engine's mixed-precision resolution, validation and cast, on stand-in engines."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def engine(param: Any = None, buffer: Any = None, fp16: bool = False, bf16: bool = False) -> Any:
+        return SimpleNamespace(_config=SimpleNamespace(param_dtype=param, buffer_dtype=buffer),
+                               fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: bf16)
+
+    combos = [(p, f, b) for p in (None, "fp16", "bf16", "fp32") for f, b in ((False, False), (True, False),
+                                                                            (False, True))]
+    checks = [_call(lambda p=p, f=f, b=b: DeepSpeedEngine._assert_valid_mixed_precision_config(engine(p, None, f, b))
+                    or "ok") for p, f, b in combos]
+    dtypes = [[str(d) for d in DeepSpeedEngine._mixed_precision_dtypes(engine(None, buf, f, b))]
+              for buf in (None, "bf16", "fp32") for f, b in ((False, False), (True, False), (False, True))]
+    casts = []
+    for param_dtype, buffer_dtype, zero_init in ((torch.bfloat16, None, False), (torch.bfloat16, torch.float16, False),
+                                                 (torch.bfloat16, None, True), (None, torch.bfloat16, False)):
+        module = torch.nn.Linear(2, 2)
+        module.register_buffer("freq", torch.ones(2))
+        DeepSpeedEngine._cast_module_mixed_precision(SimpleNamespace(module=module), param_dtype, buffer_dtype,
+                                                     zero_init)
+        casts.append([str(module.weight.dtype), str(module.freq.dtype)])
+    return {"checks": checks, "dtypes": dtypes, "casts": casts}
+
+
 def run() -> dict[str, Any]:
     """Every case, by name."""
-    return {"comms_logger": _comms_logger(), "runners": _runners(), "config_model": _config_model(), "numa": _numa(), "partitions": _partitions(), "launcher": _launcher(), "files": _files(),
+    return {"engine_precision": _engine_precision(), "comms_logger": _comms_logger(), "runners": _runners(), "config_model": _config_model(), "numa": _numa(), "partitions": _partitions(), "launcher": _launcher(), "files": _files(),
             "numbers": _numbers(), "tracker": _tracker(), "configs": _configs(), "config_object": _config_object(),
             "ops": _ops_and_device()}
 

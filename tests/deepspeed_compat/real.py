@@ -1,17 +1,12 @@
-"""Where the real DeepSpeed 0.19.8 lives for the tests that compare with it (its own venv, made by
-``make deepspeed-venv``, or ``DEEPSHARD_DEEPSPEED_PYTHON``), and running a snippet under it."""
+"""Running a snippet under the real DeepSpeed 0.19.8 (its own venv, made by ``make deepspeed-venv``, or
+``DEEPSHARD_DEEPSPEED_PYTHON``); where it lives and how its processes start are in ``ds_support``."""
 from __future__ import annotations
-
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-DS_VENV = REPO / ".venv-deepspeed"
-DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DS_VENV / "bin" / "python"))
-DS_READY = "DEEPSHARD_DEEPSPEED_PYTHON" in os.environ or (DS_VENV / ".installed").exists()
+from tests.deepspeed_compat.ds_support import DS_PYTHON, DS_READY, REPO, run_in_deepspeed
+
+__all__ = ["DS_PYTHON", "REPO", "needs_deepspeed", "run_deepspeed"]
 
 needs_deepspeed = pytest.mark.skipif(
     not DS_READY, reason="needs the real DeepSpeed 0.19.8: make deepspeed-venv (needs the package index), or "
@@ -20,9 +15,4 @@ needs_deepspeed = pytest.mark.skipif(
 
 def run_deepspeed(code: str, timeout: float = 300.0) -> str:
     """``code`` run by DeepSpeed's python on its CPU accelerator; its stdout (stderr too in the error)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(DS_PYTHON), "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"DeepSpeed's python failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc.stdout
+    return run_in_deepspeed(["-c", code], f"the snippet {code[:60]!r}...", timeout=timeout)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.deepspeed_compat.ds_support import REPO, refused_dtypes, require_deepspeed
+from tests.deepspeed_compat.ds_support import refused_dtypes, require_deepspeed, run_in_deepspeed
 from tests.deepspeed_compat.scenarios import load_and_train, save_then_resume
 from tests.multiproc.harness import run_world
 
@@ -30,13 +30,8 @@ FP32_TOL = 1e-5   # measured: 0 (bit-identical losses) at every layout; the marg
 BF16_TOL = 1e-3   # measured: 0 at the writer's dp, 6e-8 at dp 1 and 1.2e-7 at dp 4 (fp32 loss of bf16 outputs)
 
 
-def _deepspeed(args: list[str], timeout: float = 1200) -> None:
-    python = require_deepspeed()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(python), str(WORKER), "--library", "deepspeed", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"DeepSpeed run {args} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+def _deepspeed(args: list[str], timeout: float = 600) -> None:
+    run_in_deepspeed([str(WORKER), "--library", "deepspeed", *args], f"ds_worker.py {' '.join(args)}", timeout)
 
 
 @pytest.fixture(scope="session")

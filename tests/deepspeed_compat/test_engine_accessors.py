@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.deepspeed_compat.accessor_worker import ACCESSORS, CASES, PROPERTIES, case_config
-from tests.deepspeed_compat.ds_support import HALF_DTYPES, REPO, refused_dtypes, require_deepspeed
+from tests.deepspeed_compat.ds_support import HALF_DTYPES, REPO, refused_dtypes, require_deepspeed, run_in_deepspeed
 
 WORKER = Path(__file__).with_name("accessor_worker.py")
 
@@ -39,14 +39,18 @@ DEFAULTS_DIFFER = {
 SETS_STAGE3_KEYS = "zero3_offload_param"
 
 
-def _run(python: str, library: str, cases: list[str]) -> dict[str, Any]:
+def _run(library: str, cases: list[str]) -> dict[str, Any]:
     """Every case's answers under ``library`` (one process builds the engines)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([python, str(WORKER), "--library", library, "--case", *cases], env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"{library} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    args = [str(WORKER), "--library", library, "--case", *cases]
+    if library == "deepspeed":
+        out = run_in_deepspeed(args, "accessor_worker.py", timeout=300)
+    else:
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise AssertionError(f"{library} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        out = proc.stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def half_dtype(case: str) -> str | None:
@@ -64,7 +68,7 @@ def answers() -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     cases = [case for case in CASES if case not in skipped]
     if not cases:
         return {}, {}, skipped
-    return _run(str(python), "deepspeed", cases), _run(sys.executable, "deepshard", cases), skipped
+    return _run("deepspeed", cases), _run("deepshard", cases), skipped
 
 
 def _unwrap(value: Any) -> Any:

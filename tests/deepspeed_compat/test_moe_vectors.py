@@ -6,8 +6,6 @@ same random draws in the same order)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -15,13 +13,10 @@ from typing import Iterator
 import pytest
 import torch
 
+from tests.deepspeed_compat.ds_support import require_deepspeed, run_in_deepspeed
 from tests.deepspeed_compat.moe_vectors import CASES, run_case
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("moe_vectors.py")
-DS_VENV = REPO / ".venv-deepspeed"
-DS_PYTHON = Path(os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DS_VENV / "bin" / "python"))
-DS_READY = "DEEPSHARD_DEEPSPEED_PYTHON" in os.environ or (DS_VENV / ".installed").exists()
 
 
 @pytest.fixture()
@@ -40,15 +35,9 @@ def shim() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def deepspeed_vectors(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    if not (DS_READY and DS_PYTHON.exists()):
-        pytest.skip(f"DeepSpeed 0.19.8 is not installed at {DS_PYTHON}: build it with `make deepspeed-venv`, or "
-                    "point DEEPSHARD_DEEPSPEED_PYTHON at a python that has it")
+    require_deepspeed()
     root = tmp_path_factory.mktemp("moe_vectors")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
-    proc = subprocess.run([str(DS_PYTHON), str(SCRIPT), str(root / "ds.json")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"DeepSpeed's MoE layer run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    run_in_deepspeed([str(SCRIPT), str(root / "ds.json")], "DeepSpeed's MoE layer run (moe_vectors.py)", timeout=300)
     return json.loads((root / "ds.json").read_text())
 
 

@@ -43,6 +43,9 @@ class Cell:
     """``sequence_parallel_size`` (more than 1 only with the attention models ``attn*``)."""
     sp_mode: str = "ulysses"
     """``sequence_parallel.mode``: ulysses, ring or hybrid (hybrid: Ulysses pairs, a ring over them)."""
+    zeropp: str = "none"
+    """Hierarchical ZeRO (``ZEROPP_KEYS``): none, hybrid (MiCS shard groups of half the data-parallel ranks),
+    hpz (secondary shards over 2 ranks), zeropp (hpZ + qwZ + qgZ)."""
 
     @property
     def world(self) -> int:
@@ -53,6 +56,7 @@ class Cell:
         base = (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-z{self.zero}-{self.precision}-gas{self.gas}-"
                 f"off_{self.offload}-{self.model}")
         base += f"-sp{self.sp}_{self.sp_mode}" if self.sp > 1 else ""
+        base += f"-zpp_{self.zeropp}" if self.zeropp != "none" else ""
         return base + (f"-reload{''.join(map(str, self.reload))}" if self.reload else "")
 
 
@@ -133,13 +137,52 @@ checks the local heads); refused with pp, and with tp where the heads do not div
 (``attn_mqa``: one key/value head)."""
 
 
+ZEROPP_CELLS: list[Cell] = [
+    Cell(1, 1, 4, 3, "fp32", 1, "none", "tied", zeropp="hybrid"),
+    Cell(1, 2, 2, 2, "bf16", 3, "optimizer", "autotp", zeropp="hybrid"),
+    Cell(1, 1, 2, 3, "fp16", 1, "optimizer", "tied", zeropp="hpz"),
+    Cell(1, 1, 4, 3, "bf16", 3, "params", "plain", zeropp="zeropp"),
+    Cell(1, 2, 2, 3, "fp32", 1, "none", "megatron", zeropp="zeropp"),
+    Cell(1, 1, 2, 0, "fp32", 1, "none", "plain", zeropp="hybrid"),
+    Cell(1, 1, 2, 2, "fp32", 1, "none", "plain", zeropp="hpz"),
+]
+"""Hybrid sharding and ZeRO++ (not an all-pairs axis: each needs 2 or more data-parallel ranks, and the
+quantized cells a tolerance of their own): with tensor parallelism (automatic and the user's), the three
+precisions, accumulation and both offloads; refused at stage 0 (hybrid) and below stage 3 (hpZ)."""
+
+ZEROPP_TOLERANCE = 0.2
+"""Relative error allowed for the quantized cells (``zeropp``: 8-bit weights, 4-bit gradients in two hops on
+the 4-rank cells) against the fp32 reference over the matrix's 3 steps: the parameters' worst element moves by
+about a tenth of the update (0.11 measured; ``test_zeropp.py`` allows the same 0.2). A wrong sum or scale
+moves them by the whole update."""
+
+
+def zeropp_keys(cell: Cell) -> dict[str, object]:
+    """The ``zero_optimization`` keys of ``cell.zeropp``. On one data-parallel rank (a checkpoint reloaded on
+    another grid) hpZ is off: a secondary shard over 1 rank is the primary one."""
+    replicas = cell.dp * cell.sp
+    if cell.zeropp == "hybrid":
+        return {"mics_shard_size": max(replicas // 2, 1)}
+    if cell.zeropp == "hpz":
+        return {"zero_hpz_partition_size": min(2, replicas)}
+    if cell.zeropp == "zeropp":
+        return {"zero_hpz_partition_size": min(2, replicas), "zero_quantized_weights": True,
+                "zero_quantized_gradients": True}
+    return {}
+
+
+ZEROPP_NODE_SIZE = 2
+"""The zeropp cells' ranks are faked as machines of 2 (``DEEPSHARD_NODE_SIZE``): on 4 ranks the hierarchical
+collectives take their two hops."""
+
+
 def cells() -> list[Cell]:
     """Every cell of the matrix in a fixed order: all-pairs rows over the valid cells (every pair of
-    values that can meet does, in a valid cell), the bug cells, the refused cells, then the
-    sequence-parallel cells."""
+    values that can meet does, in a valid cell), the bug cells, the refused cells, the
+    sequence-parallel cells, then the hybrid sharding / ZeRO++ cells."""
     rows = [Cell(**row) for row in all_pairs(AXES, allowed)]
     seen = {c.id for c in rows}
-    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS + SP_CELLS if c.id not in seen]
+    extra = [c for c in EXTRA_CELLS + REFUSED_CELLS + SP_CELLS + ZEROPP_CELLS if c.id not in seen]
     return rows + extra
 
 
@@ -158,6 +201,10 @@ REFUSALS: list[tuple[str, str, str, str]] = [
     ("sp-tp-heads", "sp = 2 with tp = 2 on attention whose head counts tp does not divide (model attn_mqa: "
      "4 query heads, 1 key/value head)", "each tensor-parallel rank must hold whole heads",
      "each tensor-parallel rank must hold whole query and key/value heads; use a tp size dividing both"),
+    ("hybrid-zero0", "zeropp = hybrid (mics_shard_size) with zero = 0", "stage 0 partitions nothing",
+     "hybrid sharding partitions the optimizer states (ZeRO 1-2) or everything (ZeRO 3) over its shard groups"),
+    ("hpz-below-3", "zeropp = hpz or zeropp (zero_hpz_partition_size, zero_quantized_weights) with zero 0-2",
+     "they act on ZeRO-3's parameter gathers", "below ZeRO-3 every rank holds the whole parameters"),
 ]
 """The expected refusals, in one place: a plan check that lists every conflict keeps these substrings."""
 
@@ -175,6 +222,11 @@ def rules_broken(row: dict) -> list[str]:
         out.append("sp-pipeline")
     if row.get("sp", 1) > 1 and row.get("tp", 1) > 1 and row.get("model") == "attn_mqa":
         out.append("sp-tp-heads")
+    if row.get("zeropp") == "hybrid" and row.get("zero") == 0:
+        out.append("hybrid-zero0")
+    hpz_on = row.get("zeropp") == "hpz" and row.get("dp", 1) * row.get("sp", 1) > 1
+    if (hpz_on or row.get("zeropp") == "zeropp") and row.get("zero", 3) < 3:
+        out.append("hpz-below-3")
     return out
 
 
@@ -187,7 +239,7 @@ def allowed(row: dict) -> bool:
 def refusals(cell: Cell) -> list[str]:
     """The rule names ``cell`` breaks (empty: it must train)."""
     return rules_broken({"pp": cell.pp, "tp": cell.tp, "dp": cell.dp, "zero": cell.zero, "offload": cell.offload,
-                         "model": cell.model, "sp": cell.sp})
+                         "model": cell.model, "sp": cell.sp, "zeropp": cell.zeropp})
 
 
 def refusal_substrings(cell: Cell) -> list[str]:
@@ -296,6 +348,14 @@ def markdown_table() -> str:
                              f"{f' gas {c.gas}' if c.gas > 1 else ''}"
                              f"{f' offload {c.offload}' if c.offload != 'none' else ''}"
                              f"{' megatron' if c.model == 'attn_megatron' else ''}" for c in sp_valid) + " |")
+    z_valid = [c for c in ZEROPP_CELLS if not refusals(c)]
+    lines.append(f"| hierarchical ZeRO | none; in {len(z_valid)} cells of their own: hybrid (`mics_shard_size` = half the "
+                 "data-parallel ranks), hpz (`zero_hpz_partition_size` 2), zeropp (hpZ + `zero_quantized_weights` + "
+                 f"`zero_quantized_gradients`; compared within {ZEROPP_TOLERANCE}): "
+                 + "; ".join(f"{c.zeropp} with {'tp=2 x ' if c.tp > 1 else ''}dp={c.dp} ZeRO {c.zero} {c.precision}"
+                             f"{f' gas {c.gas}' if c.gas > 1 else ''}"
+                             f"{f' offload {c.offload}' if c.offload != 'none' else ''} {c.model}" for c in z_valid)
+                 + " |")
     lines += ["", "| combination | result |", "| --- | --- |"]
     for _, where, _, reason in REFUSALS:
         lines.append(f"| {where} | refused: {reason} |")

@@ -1,12 +1,21 @@
-"""The one multi-process test harness: spawn N ranks on gloo, collect results, surface tracebacks.
+"""The one multi-process test harness: start N ranks on gloo, collect results, surface tracebacks.
 
 On a GPU machine ``pytest --device cuda`` runs the same worlds on CUDA (``tests/multiproc/device.py``).
 
-``run_world(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (spawn), each with the
-launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), calls
-``fn(rank, world_size, *args)`` and returns the list of per-rank return values. Any rank's exception is
-re-raised here with that rank's traceback; a world that does not finish within ``timeout`` seconds is
-killed and reported as a hang naming the ranks that did not finish.
+``run_world(fn, world_size, *args)`` starts ``world_size`` rank processes, each with the launcher's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port) over the caller's
+``os.environ``, in the caller's working directory and ``sys.path``, calls ``fn(rank, world_size, *args)``
+and returns the list of per-rank return values. Any rank's exception is re-raised here with that rank's
+traceback; a world that does not finish within ``timeout`` seconds is killed and reported as a hang
+naming the ranks that did not finish.
+
+Every rank is a fresh process, forked from one server per pytest session that imported torch, deepshard
+and the scenario modules once (multiprocessing's forkserver, ``tests/multiproc/rank_preload.py``): a
+world of 2 costs a few hundredths of a CPU second to start instead of ~3.6 s for two spawned
+interpreters, and no state passes from one world to the next. ``run_world(..., fresh=True)`` spawns
+new interpreters instead, for a check that must see a process that imported nothing yet (what an import
+pulls in, the memory an interpreter starts with); ``DEEPSHARD_TEST_SPAWN=1`` spawns every world, to rule
+the forkserver out when a failure looks like it.
 """
 from __future__ import annotations
 
@@ -15,8 +24,24 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
+
+SPAWN_ENV = "DEEPSHARD_TEST_SPAWN"  # "1": every world spawns fresh interpreters (no forkserver)
+PRELOAD = "tests.multiproc.rank_preload"
+
+
+@dataclass
+class WorldStats:
+    """How many worlds and rank processes this pytest process started (read by ``tests/timing.py``)."""
+
+    worlds: int = 0
+    ranks: int = 0
+
+
+STATS = WorldStats()
 
 
 def free_port() -> int:
@@ -26,7 +51,10 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-            results: Any) -> None:
+            results: Any, environ: dict[str, str]) -> None:
+    # the caller's environment as it is now (a forked rank would otherwise have the forkserver's)
+    os.environ.clear()
+    os.environ.update(environ)
     from tests.multiproc.device import device_kind, to_host, world_backend
 
     kind = device_kind()
@@ -62,17 +90,35 @@ class WorldError(AssertionError):
     """A rank failed or the world hung."""
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    ctx = mp.get_context("spawn")
+def _context(fresh: bool) -> Any:
+    """Forkserver with the preloaded server, or spawn (``fresh``, ``DEEPSHARD_TEST_SPAWN=1``, CUDA runs)."""
+    from tests.multiproc.device import device_kind
+
+    if fresh or os.environ.get(SPAWN_ENV) == "1" or device_kind() == "cuda" or \
+            "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])
+    return ctx
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              fresh: bool = False) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on each of ``world_size`` ranks; their return values in rank order.
+
+    ``fresh=True`` spawns new interpreters rather than forking warm ones (see the module docstring)."""
+    ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, environ), daemon=True)
              for r in range(world_size)]
+    STATS.worlds += 1
+    STATS.ranks += world_size
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
 
     deadline = time.monotonic() + timeout
     try:

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiproc.combinations import Cell, cells, refusal_substrings, reload_cell
+from deepshard.comm.nodes import NODE_SIZE_VAR
+from tests.multiproc.combinations import (ZEROPP_NODE_SIZE, Cell, cells, refusal_substrings, reload_cell,
+                                          zeropp_keys)
 
 VOCAB, HIDDEN, FFN, SEQ, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 16, 4, 4, 2, 2
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
@@ -282,6 +284,7 @@ def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(directory, "swap")}
     if cell.offload == "params":
         zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(directory, "swap")}
+    zero.update(zeropp_keys(cell))
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
                            "gradient_clipping": CLIP, "zero_optimization": zero,
                            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}}
@@ -457,8 +460,12 @@ def matrix_world(rank: int, world: int, directory: str, only: Optional[list[str]
         if cell.world != world or (only is not None and cell.id not in only):
             continue
         where = os.path.join(directory, cell.id)
+        if cell.zeropp != "none":
+            os.environ[NODE_SIZE_VAR] = str(ZEROPP_NODE_SIZE)
         try:
             out[cell.id] = run_cell(cell, where)
         except Exception as err:  # noqa: BLE001 - one cell's failure is that cell's result
             out[cell.id] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-4)}"}
+        finally:
+            os.environ.pop(NODE_SIZE_VAR, None)
     return out

@@ -223,3 +223,40 @@ def step_in_backward_world(rank: int, world: int, dtype: str) -> dict[str, Any]:
                          extra={"zero_optimization": zero})
     out["plain_norm"] = engines[-1].get_global_grad_norm()
     return out
+
+
+class RankRoutedBlock(torch.nn.Module):
+    """A mixture-of-experts-like block: each rank's tokens go through one expert chosen by the rank, so on
+    any rank the other expert gets no gradient (the case ZeRO-3 leaf modules exist for)."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden) for _ in range(2)])
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.head(torch.relu(self.experts[expert](x))).pow(2).mean()
+
+
+def leaf_routed_world(rank: int, world: int) -> dict[str, Any]:
+    """Two steps of ZeRO-3 on a rank-routed leaf block; the full parameters after them."""
+    import deepshard
+    from deepshard.utils import set_z3_leaf_modules
+
+    model = RankRoutedBlock()
+    set_z3_leaf_modules(model, [RankRoutedBlock])
+    cfg = {**z3_config(1, 1), "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        engine.backward(engine(x, rank % 2))
+        engine.step()
+    with deepshard.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def gathered_and_leaf_world(rank: int, world: int) -> dict[str, Any]:
+    """One world for GatheredParameters and the leaf-module case (each spawned world costs seconds)."""
+    return {"gathered": gathered_parameters(rank, world), "leaf": leaf_routed_world(rank, world)}

@@ -10,8 +10,8 @@ import torch
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_token_batches, reference_transformer, rel_err
-from tests.multiproc.scenarios_stage3 import (accounting, gathered_parameters, init_memory, save_models,
-                                              transformer_oracle, watchdog)
+from tests.multiproc.scenarios_stage3 import (RankRoutedBlock, accounting, gathered_and_leaf_world, init_memory,
+                                              save_models, transformer_oracle, watchdog)
 
 FP32_RTOL = 1e-6
 
@@ -82,8 +82,13 @@ def test_comms_volume_is_three_psi_per_step(acct: dict[str, Any]) -> None:
     assert abs(gathered + scattered - 3 * psi - 2 * frozen) <= 0.02 * 3 * psi
 
 
-def test_gathered_parameters_with_modifier_rank() -> None:
-    for out in run_world(gathered_parameters, 2):
+@pytest.fixture(scope="module")
+def gathered_and_leaf() -> list[dict[str, Any]]:
+    return run_world(gathered_and_leaf_world, 2)
+
+
+def test_gathered_parameters_with_modifier_rank(gathered_and_leaf: list[dict[str, Any]]) -> None:
+    for out in (o["gathered"] for o in gathered_and_leaf):
         assert out["outside_shape"] == (0,) and out["inside_shape"] == (16, 16)
         assert out["after_modifier"] == pytest.approx(0.25)
         assert out["after_none"] == pytest.approx(0.25)  # the change without modifier_rank was discarded
@@ -110,7 +115,9 @@ def test_save_16bit_model_gathers_the_full_model(tmp_path: Path, gather: bool) -
 
 
 def test_zero_init_never_materializes_the_full_model() -> None:
-    for out in run_world(init_memory, 2):
+    # fresh interpreters: a rank forked from the preloaded server faults in the shared libraries' pages as it
+    # first runs them, which would count in the resident-set peak this measures
+    for out in run_world(init_memory, 2, fresh=True):
         assert out["same_output"] is True
         assert out["held"] == out["full_bytes"] // 2
         # peak growth during construction: the shard plus about one layer, far from the full model
@@ -190,3 +197,21 @@ def test_optimizer_step_in_backward_refuses_what_needs_every_gradient(change: di
     config.update(change)
     with pytest.raises(ConfigError, match="optimizer_step_in_backward=true cannot be used: .*" + needle):
         deepshard.initialize(model=make_model(), config=config)
+
+
+def test_leaf_module_whose_children_run_on_some_ranks_only(gathered_and_leaf: list[dict[str, Any]]) -> None:
+    """A leaf block routing each rank's tokens to a different expert: ZeRO-3 reduces the leaf's gradients at
+    the end of backward (the other expert's as zeros), equal to one process averaging both ranks' losses."""
+    world = len(gathered_and_leaf)
+    out = [o["leaf"] for o in gathered_and_leaf]
+    model = RankRoutedBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        losses = [model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)), r % 2)
+                  for r in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+    for rank_out in out:
+        for name, value in model.named_parameters():
+            assert torch.allclose(rank_out[name], value.detach(), rtol=1e-5, atol=1e-7), name

@@ -268,10 +268,24 @@ def test_sequence_parallel_keys() -> None:
 
 
 def test_unimplemented_zero_features_warn(warnings_logged: list[str]) -> None:
-    load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+    load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, "legacy_stage1": True,
                                                               "zero_hpz_partition_size": 1}}, 1)
-    assert warnings_logged == ["zero_optimization.zero_quantized_weights is not implemented by deepshard "
+    assert warnings_logged == ["zero_optimization.legacy_stage1 is not implemented by deepshard "
                                "and is ignored"]
+
+
+def test_zeropp_and_mics_keys_are_read_not_ignored(warnings_logged: list[str]) -> None:
+    """ZeRO++ and MiCS have their behaviour (deepshard.zero.hierarchy): no 'ignored' warning; LoCo is refused."""
+    cfg = load_config({"train_batch_size": 1, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+        "zero_quantized_nontrainable_weights": True, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}}, 1)
+    zero = cfg.zero_optimization
+    assert (zero.zero_quantized_weights, zero.zero_quantized_gradients, zero.zero_hpz_partition_size,
+            zero.mics_shard_size, zero.mics_hierarchical_params_gather) == (True, True, 2, 2, True)
+    assert warnings_logged == []
+    with pytest.raises(ConfigError, match="zeropp_loco_param .* is not implemented: DeepSpeed 0.19.8 removed it"):
+        load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                                  "zeropp_loco_param": {"err_beta": 0.8}}}, 1)
 
 
 def test_every_unimplemented_key_is_a_root_field() -> None:

@@ -99,7 +99,7 @@ def test_runner_records_each_side_and_report_counts_them(checkout: Path, tmp_pat
     report.main(["--results", str(results), "--reasons", str(reasons), "--out", str(out)])
     text = out.read_text()
     # passing on the "deepspeed" side: sees_local_size (ws 1), test_one (ws 1), test_two (ws 2); all pass on ours
-    assert "| `sub/test_fake.py` | 6 | 2 / 1 | 2 / 1 | 100% |" in text
+    assert "| `sub/test_fake.py` | 6 | 2 / 1 | 2 / 1 | 100% |  |" in text
     assert "**Overall: 3 of the 3 tests that pass on DeepSpeed pass on deepshard (100%).**" in text
 
 
@@ -111,7 +111,8 @@ def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
         "a/test_x.py": {
             "deepspeed": {"tests": {"unit/a/test_x.py::t1": entry("passed"), "unit/a/test_x.py::t2": entry("passed"),
                                     "unit/a/test_x.py::t3": entry("passed", ws=2),
-                                    "unit/a/test_x.py::t4": entry("skipped", "no fp16")}},
+                                    "unit/a/test_x.py::t4": entry("skipped", "no fp16"),
+                                    "unit/a/test_x.py::t5": entry("not run")}},
             "deepshard": {"tests": {"unit/a/test_x.py::t1": entry("passed"),
                                     "unit/a/test_x.py::t2": entry("failed", "AssertionError: 3 != 4"),
                                     "unit/a/test_x.py::t3": entry("error", "private engine method", ws=2)},
@@ -119,8 +120,8 @@ def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
         "moe/test_y.py": {"deepspeed": {"tests": {"unit/moe/test_y.py::m": entry("passed")}}}}}
     text = report.render(results, [("a/test_x.py::t3", "calls DeepSpeed's private _foo"),
                                    ("moe/*", "pending: mixture-of-experts")])
-    assert "| `a/test_x.py` | 4 | 2 / 1 | 1 / 0 | 33% |" in text
-    assert "| `moe/test_y.py` | 1 | 1 / 0 | pending | - |" in text
+    assert "| `a/test_x.py` | 5 | 2 / 1 | 1 / 0 | 33% | 1 |" in text
+    assert "| `moe/test_y.py` | 1 | 1 / 0 | pending | - |  |" in text
     assert "| `t2` | failed | AssertionError: 3 != 4 |" in text
     assert "| `t3` | error | calls DeepSpeed's private _foo |" in text
     assert "Not judged: pending: mixture-of-experts" in text

@@ -31,6 +31,8 @@ class FileRow:
     shard_pass: dict[int, int] = field(default_factory=lambda: {1: 0, 2: 0})
     gaps: list[tuple[str, str, str]] = field(default_factory=list)
     note: str = ""
+    ds_unfinished: int = 0
+    """Tests DeepSpeed's run did not reach (its file was cut short by a hang or the time limit): unjudged."""
 
     @property
     def ds_total(self) -> int:
@@ -75,6 +77,7 @@ def file_row(name: str, sides: dict[str, Any], reasons: list[tuple[str, str]]) -
     row.collected = len(ds)
     shard_collect = "; ".join(shard_side.get("collect_errors", [])) if shard_side else ""
     for test_id, entry in sorted(ds.items()):
+        row.ds_unfinished += entry["outcome"] == "not run"
         if entry["outcome"] != "passed":
             continue
         bucket = _bucket(entry["ws"])
@@ -127,13 +130,16 @@ def render(results: dict[str, Any], reasons: list[tuple[str, str]]) -> str:
         f"**Overall: {shard_total} of the {ds_total} tests that pass on DeepSpeed pass on deepshard "
         f"({_pct(shard_total, ds_total)}).**",
         "",
-        "| file | collected | pass on DeepSpeed (ws 1 / ws 2) | pass on deepshard (ws 1 / ws 2) | share |",
-        "|---|---:|---:|---:|---:|",
+        "`unfinished` counts the tests DeepSpeed's own run did not reach (a hang, or the time limit, cut its file "
+        "short); they are not judged.",
+        "",
+        "| file | collected | pass on DeepSpeed (ws 1 / ws 2) | pass on deepshard (ws 1 / ws 2) | share | unfinished |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         shard_cell = "pending" if r.note else f"{r.shard_pass[1]} / {r.shard_pass[2]}"
         out.append(f"| `{r.name}` | {r.collected} | {r.ds_pass[1]} / {r.ds_pass[2]} | {shard_cell} | "
-                   f"{'-' if r.note else _pct(r.shard_total, r.ds_total)} |")
+                   f"{'-' if r.note else _pct(r.shard_total, r.ds_total)} | {r.ds_unfinished or ''} |")
     out += ["", "## Passing on DeepSpeed, not on deepshard", ""]
     for r in rows:
         if r.note:

@@ -71,8 +71,8 @@ def side_env(side: str, local_size: int, extra_path: str, per_test_timeout: int,
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     if side == "deepshard":
         env["DEEPSHARD_DS_UNIT_SHIM"] = "1"
-    if preload:
-        env["DS_UNIT_FORKSERVER_PRELOAD"] = "torch,deepspeed,deepspeed.comm,deepspeed.accelerator"
+    if preload:  # torch only: forking after deepspeed's import (which starts threads) deadlocks workers
+        env["DS_UNIT_FORKSERVER_PRELOAD"] = "torch"
     return env
 
 
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               str(REPO / ".venv-deepspeed/bin/python")))
     parser.add_argument("--ds-pythonpath", default="", help="extra PYTHONPATH for DeepSpeed's side (its pytest)")
     parser.add_argument("--deepshard-python", default=sys.executable)
+    parser.add_argument("--checkout-label", help="the checkout's commit, where it is not a git repository")
     parser.add_argument("--no-preload", action="store_true",
                         help="workers import torch and deepspeed themselves (slower; for checking the preload)")
     args = parser.parse_args(argv)
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
              if not any(fnmatch.fnmatch(f, pattern) for pattern in args.exclude)]
     sides = SIDES if args.side == "both" else (args.side,)
     results = load_results(args.results)
-    results["meta"].update(checkout_commit=_checkout_commit(args.checkout), local_size=args.local_size)
+    results["meta"].update(checkout_commit=args.checkout_label or _checkout_commit(args.checkout),
+                           local_size=args.local_size)
     with tempfile.TemporaryDirectory(prefix="ds-unit-") as work:
         tests_dir = Path(work) / "tests"
         shutil.copytree(args.checkout / "tests", tests_dir)  # their files are read, never edited

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 import deepshard.comm.pairwise as pairwise
 import deepshard.comm.shm as shared_memory
+import deepshard.comm.nodes as node_map
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.nodes import NodeMap
 from deepshard.comm.settings import mode_from, slot_bytes_from
 from deepshard.comm.watchdog import Watchdog
 
@@ -73,12 +75,17 @@ class CommGroup:
 
     ``shm``: run those pairwise reduce-scatters and all-gathers through shared memory when every rank of
     the group is on this host (``comm/shm.py``); None (the default) reads ``DEEPSHARD_SHM`` (auto, 1 or
-    0; auto uses it wherever it can). Groups spanning hosts keep TCP.
+    0; auto uses it wherever it can). Groups spanning hosts keep TCP, and so do groups spanning the nodes
+    of ``nodes`` (faked nodes on one host, network namespaces): their traffic must take the links between
+    nodes, as it would between machines.
+
+    ``nodes``: which ranks share a machine (``comm/nodes.py``); None reads the launcher's environment
+    (one node when it says nothing). The logger splits this group's bytes by it.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, logger: Optional[CommsLogger] = None,
                  pairwise: Optional[bool] = None, name: str = "world", solo: bool = False,
-                 shm: Optional[bool] = None) -> None:
+                 shm: Optional[bool] = None, nodes: Optional[NodeMap] = None) -> None:
         self.group = group
         self.name = name
         self.logger = logger if logger is not None else CommsLogger()
@@ -97,7 +104,12 @@ class CommGroup:
             self.peers = [0]
         self.pairwise = (self.backend == "gloo") if pairwise is None else bool(pairwise)
         self._seq = 0  # tags of the pairwise collectives: the same sequence on every rank
-        self.shm = mode_from(shm, os.environ) is not False
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.nodes = nodes if nodes is not None else (node_map.from_env(world) or NodeMap.single(world))
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.shares = self.nodes.shares(me, self.peers)
+        """``(intra, inter)``: the fractions of a collective's volume on links within / between nodes."""
+        self.shm = mode_from(shm, os.environ) is not False and self.nodes.same_node(self.peers)
         self._shm_link: Optional[shared_memory.ShmTransport] = None
         self._watchdog: Optional[Watchdog] = None
         self.progress: Any = None
@@ -135,6 +147,11 @@ class CommGroup:
         """This rank alone (an axis of size 1): collectives are local copies or no-ops."""
         return cls(group=None, logger=logger, name=name, solo=True)
 
+    def _record(self, op: str, elements: int, element_size: int, volume_factor: float = 1.0) -> None:
+        """Count a collective under ``op`` (``_label``), split by link (``shares``)."""
+        self.logger.record(self._label(op), elements, element_size, volume_factor, group_size=self.size,
+                           shares=self.shares)
+
     def _label(self, op: str) -> str:
         """The comms logger's key: tensor- and pipeline-parallel traffic is counted apart from data
         parallel (``tp:all_reduce``); the world and dp groups keep the plain names."""
@@ -171,7 +188,7 @@ class CommGroup:
         """Sum ``tensor`` in place over the group."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_reduce"), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
+        self._record("all_reduce", tensor.numel(), tensor.element_size(), 2.0)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what("all_reduce", tensor))
 
@@ -182,7 +199,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_gather"), output.numel(), output.element_size(), group_size=self.size)
+        self._record("all_gather", output.numel(), output.element_size())
         if self.pairwise_for(output):
             return self._pairwise_gather(output, shard, key, async_op)
         work = _all_gather(output, shard, group=self.group, async_op=True)
@@ -195,7 +212,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
         if self.pairwise_for(buffer):
-            self.logger.record(self._label("all_gather"), buffer.numel(), buffer.element_size(), group_size=self.size)
+            self._record("all_gather", buffer.numel(), buffer.element_size())
             return self._pairwise_gather(buffer, mine, 0, async_op)
         if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
             mine = mine.clone()
@@ -218,7 +235,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(data)
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("all_to_all"), data.numel(), data.element_size(), group_size=self.size)
+        self._record("all_to_all", data.numel(), data.element_size())
         what = self._what("all_to_all", data)
         if self.pairwise_for(data):
             tag = self._next_tag(0, data.numel() * data.element_size())
@@ -232,7 +249,7 @@ class CommGroup:
         if self.size == 1:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("reduce_scatter"), full.numel(), full.element_size(), group_size=self.size)
+        self._record("reduce_scatter", full.numel(), full.element_size())
         if self.pairwise_for(full):
             link = self._shm_for(full)
             tag = self._next_tag(0, full.numel() * full.element_size())
@@ -257,7 +274,7 @@ class CommGroup:
         if self.size == 1:  # the result is the padded concatenation itself
             flat = _padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
-        self.logger.record(self._label("reduce_scatter"), chunk * self.size, pieces[0].element_size(), group_size=self.size)
+        self._record("reduce_scatter", chunk * self.size, pieces[0].element_size())
         what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
         if self.pairwise_for(pieces[0]):
             link = self._shm_for(pieces[0])
@@ -279,7 +296,7 @@ class CommGroup:
         """Broadcast from group rank ``src``."""
         if self.size == 1:
             return _DoneWork() if async_op else None
-        self.logger.record(self._label("broadcast"), tensor.numel(), tensor.element_size(), group_size=self.size)
+        self._record("broadcast", tensor.numel(), tensor.element_size())
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
         return self._settle(work, async_op, self._what(f"broadcast from rank {src}", tensor))
@@ -294,7 +311,7 @@ class CommGroup:
         if self.size == 1:
             return
         if label is not None:
-            self.logger.record(self._label(label), tensor.numel(), tensor.element_size(), 2.0, group_size=self.size)
+            self._record(label, tensor.numel(), tensor.element_size(), 2.0)
         if self.pairwise_for(tensor):
             tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
             work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)

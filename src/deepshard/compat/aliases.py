@@ -24,6 +24,12 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.pipe": "deepshard.pipe",
     "deepspeed.runtime.pipe.topology": "deepshard.pipe.grid",
     "deepspeed.runtime.pipe.schedule": "deepshard.pipe.instructions",
+    "deepspeed.utils.torch": "deepshard.utils.torch_version",
+    "deepspeed.runtime.base_optimizer": "deepshard.compat.ds_optimizers",
+    "deepspeed.runtime.bf16_optimizer": "deepshard.compat.ds_optimizers",
+    "deepspeed.runtime.fp16": "deepshard.precision",
+    "deepspeed.runtime.fp16.fused_optimizer": "deepshard.compat.ds_optimizers",
+    "deepspeed.runtime.fp16.unfused_optimizer": "deepshard.compat.ds_optimizers",
     "deepspeed.runtime.sequence_parallel": "deepshard.sp",
     "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sp.hf",
     "deepspeed.sequence": "deepshard.sp",
@@ -35,6 +41,8 @@ RENAMED: dict[str, str] = {
 MISSING: dict[str, str] = {
     "deepspeed.moe.mappings": "the token drop/gather around the all-to-all for experts under Megatron-style tensor "
                               "parallelism (deepshard's MoE layers run without an mpu)",
+    "deepspeed.runtime.torch_autocast": "training under torch.autocast (the config's torch_autocast section); "
+                                        "train in 16 bits with the bf16 / fp16 sections instead",
     "deepspeed.runtime.data_pipeline": "the data-efficiency pipeline (curriculum learning, random-LTD, data "
                                        "sampling); feed your own DataLoader",
     "deepspeed.runtime.domino": "Domino tensor-parallel overlap (deepshard's tensor parallelism is "

@@ -1,9 +1,13 @@
-"""``deepspeed.checkpoint.utils``: helpers Accelerate calls when it saves a model's state dict."""
+"""``deepspeed.checkpoint.utils``: helpers Accelerate calls when it saves a model's state dict, and the file
+names of DeepSpeed's checkpoint layout (:mod:`deepshard.checkpoint.deepspeed_format.names`)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from deepshard.checkpoint.deepspeed_format.names import (get_layer_ckpt_name_for_rank, get_model_ckpt_name_for_rank,
+                                                         get_zero_ckpt_name_for_rank)
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
@@ -18,4 +22,5 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     return item
 
 
-__all__ = ["clone_tensors_for_torch_save"]
+__all__ = ["clone_tensors_for_torch_save", "get_layer_ckpt_name_for_rank", "get_model_ckpt_name_for_rank",
+           "get_zero_ckpt_name_for_rank"]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from deepshard.config.base import ConfigError, dtype_from_name
+from deepshard.precision.policy import param_dtype_problem
 from deepshard.utils.logging import logger
 
 _CHECKPOINT_DEFAULTS: dict[str, Any] = {"use_node_local_storage": False, "serialization": True,
@@ -33,10 +34,9 @@ def refused(cfg: Any) -> list[str]:
             "amp.enabled is true, but NVIDIA Apex AMP is not supported (training would silently stay in "
             "fp32); use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} instead")
     model_dtype = cfg.model_dtype
-    param = cfg.data_types.param_dtype
-    if param is not None and dtype_from_name(param) != model_dtype:
-        problems.append(f"data_types.param_dtype is {param!r}, but the parameters train in {model_dtype} (set by the "
-                        "fp16 / bf16 sections); remove the key or set it to that dtype")
+    param_problem = param_dtype_problem(cfg.data_types.param_dtype, cfg.fp16.enabled, cfg.bf16.enabled)
+    if param_problem is not None:
+        problems.append(param_problem)
     accum = cfg.data_types.grad_accum_dtype
     if accum is not None and dtype_from_name(accum) not in (model_dtype, torch.float32) \
             and cfg.gradient_accumulation_steps > 1:

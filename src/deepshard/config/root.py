@@ -210,6 +210,16 @@ class DeepShardConfig(Section):
         return self._raw
 
     @property
+    def param_dtype(self) -> Optional[str]:
+        """``data_types.param_dtype`` (DeepSpeed's flat name)."""
+        return self.data_types.param_dtype
+
+    @property
+    def buffer_dtype(self) -> Optional[str]:
+        """``data_types.buffer_dtype`` (DeepSpeed's flat name)."""
+        return self.data_types.buffer_dtype
+
+    @property
     def fp16_enabled(self) -> bool:
         return self.fp16.enabled
 

@@ -22,15 +22,8 @@ from deepshard.utils.logging import logger
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
-# ZeRO++ / MiCS / ZenFlow features deepshard does not implement: key -> value meaning "off".
+# ZenFlow / legacy stage 1, which deepshard does not implement: key -> value meaning "off".
 ZERO_UNIMPLEMENTED: dict[str, Any] = {
-    "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False,
-    "zero_hpz_partition_size": 1,
-    "zeropp_loco_param": None,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
     "zenflow": None,
     "legacy_stage1": False,
 }
@@ -90,14 +83,39 @@ class OffloadOptimizerConfig(Section):
         return self.pipeline_read or self.pipeline_write
 
 
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+"""Hugging Face mixture-of-experts blocks that are ZeRO-3 leaves by default (as in DeepSpeed 0.19.8)."""
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
 class LeafModuleConfig(Section):
-    """Modules ZeRO-3 gathers as a whole instead of hooking their children (MoE blocks)."""
+    """Modules ZeRO-3 gathers as a whole instead of hooking their children (MoE blocks): by class (plain or
+    fully qualified name), by module name, or by name suffix. A single string counts as a one-item list;
+    repeats are dropped."""
 
     section_path: ClassVar[str] = "zero_optimization.leaf_module"
 
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        for key in ("classes", "names", "name_suffixes"):
+            if isinstance(data.get(key), str):
+                data[key] = [data[key]]
+        return data
+
+    @model_validator(mode="after")
+    def _drop_repeats(self) -> "LeafModuleConfig":
+        for key in ("classes", "names", "name_suffixes"):
+            object.__setattr__(self, key, list(dict.fromkeys(getattr(self, key))))
+        return self
 
 
 class ZeroConfig(Section):
@@ -148,14 +166,22 @@ class ZeroConfig(Section):
     allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
     partition_stream_chunk_size: Count = Field(0, ge=0, alias="stage3_partition_stream_chunk_size")
 
-    # ZeRO++ / MiCS (accepted; see ZERO_UNIMPLEMENTED)
+    # ZeRO++ and MiCS / hybrid sharding (deepshard.zero.hierarchy; what combines is the plan check's)
     zero_hpz_partition_size: Count = Field(1, ge=0)
+    """hpZ: ranks per secondary parameter shard (ZeRO-3): backward's gathers stay inside such a block (the
+    ranks of one machine). 0 and 1: off."""
     zero_quantized_weights: bool = False
+    """qwZ: ZeRO-3 parameter gathers send 8-bit blocks."""
     zero_quantized_nontrainable_weights: bool = False
+    """Frozen parameters' gathers send 8-bit blocks too (ZeRO-3)."""
     zero_quantized_gradients: bool = False
+    """qgZ: gradients are reduce-scattered as 4-bit blocks by two all-to-alls, inside machines then across."""
     zeropp_loco_param: Optional[dict[str, Any]] = None
+    """LoCo-ZeRO++ error feedback: removed from DeepSpeed (0.19.8 rejects the key) and not implemented."""
     mics_shard_size: int = -1
+    """MiCS / hybrid sharding: shard over groups of this many ranks, replicate across the groups (-1, 0: off)."""
     mics_hierarchical_params_gather: bool = False
+    """MiCS: a shard group spanning machines gathers across them first, then inside each."""
 
     # other
     memory_efficient_linear: bool = True
@@ -205,6 +231,11 @@ class ZeroConfig(Section):
             logger.warning("zero_optimization.elastic_checkpoint has no effect at stage 3: deepshard "
                            "checkpoints load on any data-parallel size")
         self._warn_unimplemented()
+        if self.zeropp_loco_param is not None:
+            raise exact_error(
+                "zero_optimization.zeropp_loco_param (LoCo-ZeRO++ error feedback for quantized gradients) is not "
+                "implemented: DeepSpeed 0.19.8 removed it too and rejects the key. Remove it; "
+                "zero_quantized_gradients works without it")
         return self
 
     def _warn_unimplemented(self) -> None:

@@ -18,6 +18,23 @@ from typing import Any, Optional, Sequence
 from deepshard.topology import ParallelDims, Topology
 
 
+def prime_factors(n: int) -> list[int]:
+    """The prime factors of ``n`` in ascending order, with multiplicity (``12`` -> ``[2, 2, 3]``; ``1`` ->
+    ``[]``); ways to split ``n`` ranks over axes."""
+    if n <= 0:
+        raise ValueError(f"prime factors are defined for positive integers, got {n}")
+    factors, d = [], 2
+    while d * d <= n:
+        while n % d == 0:
+            factors.append(d)
+            n //= d
+        d += 1
+    return factors + ([n] if n > 1 else [])
+
+
+_prime_factors = prime_factors  # DeepSpeed's name (deepspeed.runtime.pipe.topology._prime_factors)
+
+
 class ProcessTopology:
     """Named axes of given sizes mapped to global ranks, the last axis fastest (row-major)."""
 

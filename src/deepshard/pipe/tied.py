@@ -53,7 +53,8 @@ def build_tied_weights(module: PipelineModule, topology: Topology) -> TiedWeight
             continue
         rank_lists = [[dims.rank(Coord(pp=s, dp=dp, tp=tp)) for s in stages]
                       for dp in range(dims.dp) for tp in range(dims.tp)]
-        group = new_groups(rank_lists, topology.rank, logger=topology.world.logger, name="pp")
+        group = new_groups(rank_lists, topology.rank, logger=topology.world.logger, name="pp",
+                           nodes=topology.world.nodes)
         if group is not None:
             tied.groups[key] = group
     return tied

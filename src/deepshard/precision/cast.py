@@ -36,3 +36,12 @@ def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype:
     """Parameters to ``param_dtype``, buffers to ``buffer_dtype`` (None: kept)."""
     cast_parameters(module, param_dtype)
     cast_buffers(module, buffer_dtype)
+
+
+def cast_for_training(module: torch.nn.Module, param_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None,
+                      params_already_placed: bool = False) -> None:
+    """Parameters to ``param_dtype`` (None, or parameters ZeRO-3's ``Init`` already built in their dtype:
+    left alone), floating-point buffers to ``buffer_dtype`` (None: kept)."""
+    if param_dtype is not None and not params_already_placed:
+        cast_parameters(module, param_dtype)
+    cast_buffers(module, buffer_dtype)

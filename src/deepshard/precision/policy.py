@@ -39,3 +39,44 @@ class PrecisionPolicy:
         if isinstance(value, dict):
             return {k: self.cast_inputs(v) for k, v in value.items()}
         return value
+
+
+class ParamDtypeConflict(ValueError, AssertionError):
+    """``data_types.param_dtype`` names another dtype than the one fp16/bf16 train in (an AssertionError too:
+    DeepSpeed asserts here)."""
+
+
+def training_dtype(fp16: bool, bf16: bool) -> torch.dtype:
+    """The dtype the model's parameters train in: fp16, bf16, else fp32."""
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
+def mixed_precision_dtypes(buffer_dtype: str | None, fp16: bool, bf16: bool) -> tuple[torch.dtype | None,
+                                                                                     torch.dtype | None]:
+    """``(param_dtype, buffer_dtype)`` the module is cast to: the 16-bit training dtype (None in fp32
+    training: nothing to cast) and ``data_types.buffer_dtype`` (None: buffers keep their own dtypes)."""
+    from deepshard.config.base import dtype_from_name
+
+    param = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+    return param, (dtype_from_name(buffer_dtype) if buffer_dtype is not None else None)
+
+
+def param_dtype_problem(param_dtype: str | None, fp16: bool, bf16: bool) -> str | None:
+    """What is wrong with ``data_types.param_dtype`` given the fp16/bf16 flags (it must name the dtype they
+    train in), or None."""
+    if param_dtype is None:
+        return None
+    from deepshard.config.base import dtype_from_name
+
+    trained = training_dtype(fp16, bf16)
+    if dtype_from_name(param_dtype) == trained:
+        return None
+    return (f"data_types.param_dtype is {param_dtype!r}, but the parameters train in {trained} (set by the fp16 / bf16 "
+            "sections); remove the key or set it to that dtype")
+
+
+def check_param_dtype(param_dtype: str | None, fp16: bool, bf16: bool) -> None:
+    """Raise :class:`ParamDtypeConflict` when :func:`param_dtype_problem` finds one."""
+    problem = param_dtype_problem(param_dtype, fp16, bf16)
+    if problem is not None:
+        raise ParamDtypeConflict(problem)

@@ -29,7 +29,9 @@ def build_sp_groups(topology: Topology, mode: Mode = "ulysses", ulysses_size: Op
     sp_lists = topology.dims.group_ranks("sp")
     ulysses_lists = [g[i:i + u] for g in sp_lists for i in range(0, len(g), u)]
     ring_lists = [g[i::u] for g in sp_lists for i in range(u)]
-    mine_u = new_groups(ulysses_lists, topology.rank, logger, "sp_ulysses", pairwise=topology.world.pairwise)
-    mine_r = new_groups(ring_lists, topology.rank, logger, "sp_ring", pairwise=topology.world.pairwise)
+    mine_u = new_groups(ulysses_lists, topology.rank, logger, "sp_ulysses", pairwise=topology.world.pairwise,
+                        nodes=topology.world.nodes)
+    mine_r = new_groups(ring_lists, topology.rank, logger, "sp_ring", pairwise=topology.world.pairwise,
+                        nodes=topology.world.nodes)
     assert mine_u is not None and mine_r is not None
     return SPGroups(sp=sp, ulysses=mine_u, ring=mine_r)

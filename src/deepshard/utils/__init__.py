@@ -3,51 +3,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deepshard.utils.logging import logger
+from deepshard.utils.logging import log_dist, logger, set_log_level_from_string
+from deepshard.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                            set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
+                                            unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
     import torch
 
-__all__ = ["OnDevice", "RepeatingLoader", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
+__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", "set_log_level_from_string", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
-           "get_z3_leaf_modules"]
-
-
-def set_z3_leaf_modules(model: "torch.nn.Module", leaf_module_classes: list) -> list:
-    """Mark every submodule of ``model`` whose class is in ``leaf_module_classes`` (classes or class names)
-    as a ZeRO-3 leaf: its whole subtree is gathered at once around its forward (for modules that read
-    their children's parameters directly, or mixture-of-experts layers that call only some experts).
-    Call it before ``deepshard.initialize``. Returns the modules marked."""
-    marked = []
-    for m in model.modules():
-        if any((isinstance(c, str) and type(m).__name__ == c) or (isinstance(c, type) and isinstance(m, c))
-               for c in leaf_module_classes):
-            m._z3_leaf = True
-            marked.append(m)
-    if not marked:
-        raise ValueError(f"no submodule of {type(model).__name__} is an instance of {leaf_module_classes}")
-    return marked
-
-
-def unset_z3_leaf_modules(model: "torch.nn.Module", leaf_module_classes: list) -> list:
-    """Undo ``set_z3_leaf_modules`` for those classes."""
-    marked = []
-    for m in model.modules():
-        if getattr(m, "_z3_leaf", False) and any(
-                (isinstance(c, str) and type(m).__name__ == c) or (isinstance(c, type) and isinstance(m, c))
-                for c in leaf_module_classes):
-            m._z3_leaf = False
-            marked.append(m)
-    return marked
-
-
-def z3_leaf_module(model: "torch.nn.Module") -> bool:
-    """Whether ``model`` is a ZeRO-3 leaf."""
-    return bool(getattr(model, "_z3_leaf", False))
-
-
-def get_z3_leaf_modules(model: "torch.nn.Module") -> list:
-    return [m for m in model.modules() if z3_leaf_module(m)]
+           "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "z3_leaf_parameter"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
 from deepshard.zero.partition import FlatLayout
 
@@ -24,15 +25,18 @@ from deepshard.zero.partition import FlatLayout
 class _OrderedLauncher:
     """Shared machinery: readiness per bucket, in-order launch, the averaging factor. ``domains[d]`` is
     the group a bucket of domain ``d`` is reduced over (domain 0: ``comm``; others: experts'
-    expert-data-parallel groups); every sum is divided by ``comm.size`` (``averaging_factor``)."""
+    expert-data-parallel groups); every sum is divided by ``comm.size`` (``averaging_factor``). Domain 0 goes
+    through ``grad_reduce`` (``zero/grad_comm.py``: with hybrid sharding, a reduce-scatter over ``comm``, the
+    shard group, then an all-reduce across the replicas; the sum then runs over ``grad_reduce.world`` ranks)."""
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup,
                  comm_dtype: torch.dtype | None, predivide: float, average: bool, max_in_flight: int,
-                 domains: list[CommGroup] | None = None) -> None:
+                 domains: list[CommGroup] | None = None, grad_reduce: GradReduce | None = None) -> None:
         self.layout, self.params, self.comm = layout, params, comm
         self.domains = [comm] + list(domains or [])[1:]
+        self.grad_reduce = grad_reduce if grad_reduce is not None else GradReduce(comm)
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = averaging_factor(predivide, comm.size, average)
+        self.post = averaging_factor(predivide, self.grad_reduce.world, average)
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.slot_of = {id(params[s.param_index]): i for i, s in enumerate(layout.slots)}
         self.members: list[list[int]] = [[] for _ in layout.buckets]
@@ -69,7 +73,7 @@ class _OrderedLauncher:
         self.next_launch += 1
 
     def begin_backward(self, reduce: bool) -> None:
-        self.active = reduce and self.comm.size > 1
+        self.active = reduce and self.grad_reduce.world > 1
         self.next_launch = 0
         for r in self.ready:
             r.clear()
@@ -96,8 +100,9 @@ class Stage1Reducer(_OrderedLauncher):
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
-                 max_in_flight: int = 2, domains: list[CommGroup] | None = None) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains)
+                 max_in_flight: int = 2, domains: list[CommGroup] | None = None,
+                 grad_reduce: GradReduce | None = None) -> None:
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains, grad_reduce)
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
         self._bind()
@@ -139,7 +144,10 @@ class Stage1Reducer(_OrderedLauncher):
             out = self.flat_grad[lo:hi]
         else:
             out = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
-        work = comm.reduce_scatter_tensor(out, send, async_op=True)
+        if bucket.domain == 0:
+            work = self.grad_reduce.start_tensor(out, send)
+        else:
+            work = comm.reduce_scatter_tensor(out, send, async_op=True)
         self.in_flight.add(InFlight(index, work, out, [send]))
 
     def _finish(self, item: InFlight) -> None:
@@ -169,8 +177,9 @@ class Stage2Reducer(_OrderedLauncher):
 
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
-                 max_in_flight: int = 2, domains: list[CommGroup] | None = None) -> None:
-        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains)
+                 max_in_flight: int = 2, domains: list[CommGroup] | None = None,
+                 grad_reduce: GradReduce | None = None) -> None:
+        super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains, grad_reduce)
         self.dtype, self.device = dtype, device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         for p in params:
@@ -195,7 +204,9 @@ class Stage2Reducer(_OrderedLauncher):
             pieces.append(grad_piece(p.grad, slot.numel, self.dtype, self.device, self.comm_dtype, self.predivide))
             p.grad = None
         bucket = self.layout.buckets[index]
-        self.in_flight.add(InFlight(index, self.comm_of(index).reduce_scatter_pieces(pieces, bucket.chunk), held=pieces))
+        work = (self.grad_reduce.start_pieces(pieces, bucket.chunk) if bucket.domain == 0
+                else self.comm_of(index).reduce_scatter_pieces(pieces, bucket.chunk))
+        self.in_flight.add(InFlight(index, work, held=pieces))
 
     def _finish(self, item: InFlight) -> None:
         item.work.wait()

@@ -59,10 +59,12 @@ class Stage12Strategy(ZeroStrategy):
         flat32 = self._build_flat_params(module)
         reducer_cls = Stage1Reducer if stage == 1 else Stage2Reducer
         predivide = ctx.gradient_predivide_factor
+        grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
-            predivide = float(comm.size)
+            predivide = float(grad_reduce.world)
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
-                                   policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms)
+                                   policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms,
+                                   grad_reduce=grad_reduce)
         self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
@@ -150,6 +152,8 @@ class Stage12Strategy(ZeroStrategy):
 
     # --------------------------------------------------------------------------------- checkpoints
     def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
+        if self.ctx.replica_rank != 0:  # hybrid sharding: replica 0 of each shard writes it
+            return None
         return ShardState(self.opt_shard.records(), self.opt_shard.param_groups_for_save(self.optimizer),
                           module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                           {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})

@@ -26,6 +26,7 @@ from deepshard.comm.group import CommGroup
 from deepshard.placement import claim, expert_of, owner_of as placement_owner, release
 from deepshard.precision.policy import PrecisionPolicy
 from deepshard.shard_state import FullState, ShardState
+from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.offload.policy import OffloadPolicy
 
 
@@ -78,10 +79,23 @@ class StrategyContext:
     step_in_backward: bool = False
     """Apply each update during backward (``optimizer_step_in_backward``; ``deepshard.plan`` has checked
     that nothing needs every gradient first). Stage 3."""
+    zero_groups: Any = None
+    """The hierarchical groups of MiCS / hybrid sharding and ZeRO++ (``deepshard.zero.hierarchy.ZeroGroups``;
+    ``comm`` is then their shard group), or None: plain ZeRO over ``comm``."""
     experts: Mapping[str, CommGroup] = field(default_factory=dict)
     """The expert-data-parallel group of each expert-parallel group name (``ep_size_<P>``): a parameter
     whose placement names one (``placement.expert_of``) is reduced and sharded there, not over ``comm``,
     its sum still divided by ``comm.size`` (``reduction_group``)."""
+
+    def grad_reduce(self) -> GradReduce:
+        """How the dense parameters' gradients are reduced (``zero/grad_comm.py``): over ``comm``, and across
+        the replicas of hybrid sharding, quantized under qgZ."""
+        return self.zero_groups.grad_reduce() if self.zero_groups is not None else GradReduce(self.comm)
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica under hybrid sharding (0 without): only replica 0 writes the shard to a checkpoint."""
+        return self.zero_groups.replica.rank if self.zero_groups is not None else 0
 
     def reduction_group(self, param: torch.Tensor) -> CommGroup:
         """The group ``param``'s gradient is summed over (and its ZeRO state sharded over): its experts'

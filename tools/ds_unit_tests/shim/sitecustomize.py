@@ -11,9 +11,10 @@ if os.environ.get("DEEPSHARD_DS_UNIT_SHIM") == "1":
 
 _PRELOAD = [name for name in os.environ.get("DS_UNIT_FORKSERVER_PRELOAD", "").split(",") if name]
 if _PRELOAD:
-    # DeepSpeed's DistributedTest starts every test's workers from a forkserver; with the heavy imports done
-    # once in the forkserver each worker is a fork instead of a fresh interpreter importing torch and
-    # deepspeed (the same for both sides; the tests are not changed)
+    # DeepSpeed's DistributedTest starts every test's workers from a forkserver; with torch imported once in
+    # the forkserver each worker is a fork instead of a fresh interpreter importing it (the same for both
+    # sides; the tests are not changed). Only torch: a forkserver that has imported deepspeed (whose import
+    # starts threads) forks workers that deadlock in their first parallel kernel.
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(_PRELOAD)

@@ -8,8 +8,9 @@ While SHARDED each parameter's ``.data`` is an empty placeholder (``ds_shape`` h
 in DeepSpeed) and the group keeps only this rank's chunk of its flat, padded values, reached through a
 *shard source* (``deepshard.zero.offload.param_store``: a view of the strategy's flat shard, or, with
 parameter offload, a range of a swap file read in on demand). ``unshard`` re-allocates the group's full
-buffer, acquires the chunk and all-gathers the chunks into the buffer with one collective; the
-parameters then become views of that buffer, and the chunk is released once the gather is done. ``reshard`` frees
+buffer, acquires the chunk and all-gathers the chunks into the buffer with one collective (plain,
+hierarchical, quantized, or from hpZ's secondary shard: ``param_gather.ParamGather``); the parameters
+then become views of that buffer, and the chunk is released once the gather is done. ``reshard`` frees
 the buffer's storage (``untyped_storage().resize_(0)``), which also frees it for any view autograd saved
 during forward; backward gathers it again into the same storage before those views are read.
 """
@@ -23,6 +24,7 @@ import torch
 from deepshard.comm.group import CommGroup
 from deepshard.utils.hugepages import advise_huge_pages
 from deepshard.zero.offload.param_store import ShardSource
+from deepshard.zero.stage3.param_gather import ParamGather
 from deepshard.zero.stage3.param_status import ZeroParamStatus, set_status
 
 
@@ -38,7 +40,7 @@ class ShardedGroup:
 
     def __init__(self, index: int, module_name: str, params: list[torch.nn.Parameter],
                  shapes: list[tuple[int, ...]], source: ShardSource, comm: CommGroup, device: torch.device,
-                 waiter: Callable[[Any, str], None] | None = None) -> None:
+                 waiter: Callable[[Any, str], None] | None = None, gather: ParamGather | None = None) -> None:
         self.index, self.module_name = index, module_name
         self.params, self.shapes = params, shapes
         self.numels = [int(torch.Size(s).numel()) for s in shapes]
@@ -55,7 +57,12 @@ class ShardedGroup:
         self.persistent = False
         self.users = 0
         self._work: Any = None
+        self._from_primary = False
         self._waiter = waiter
+        self.gather = gather if gather is not None else ParamGather(comm)
+        self.secondary: torch.Tensor | None = None
+        """hpZ's secondary shard: this rank's part of the last gathered values in its hpZ group."""
+        self.secondary_valid = False
         self.requires_grad = any(p.requires_grad for p in params)
         for p, shape in zip(params, shapes):
             p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
@@ -71,8 +78,7 @@ class ShardedGroup:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
         advise_huge_pages(self.full)  # written whole by the gather: 2 MiB faults instead of 4 KiB ones
-        self._work = self.comm.all_gather_into_tensor(self.full, self.source.acquire(), async_op=True,
-                                                      key=2 * self.index + 1)
+        self._work, self._from_primary = self.gather.start(self, key=2 * self.index + 1)
         self.state = GroupState.GATHERING
         set_status(self.params, ZeroParamStatus.INFLIGHT)
         if not async_op:
@@ -88,7 +94,9 @@ class ShardedGroup:
             else:
                 self._work.wait()
             self._work = None
-            self.source.release()
+            if self._from_primary:
+                self.source.release()
+                self.gather.landed(self, True)
             offset = 0
             for p, shape, n in zip(self.params, self.shapes, self.numels):
                 p.data = self.full[offset:offset + n].view(shape)
@@ -121,13 +129,43 @@ class ShardedGroup:
         if self.state is GroupState.SHARDED:
             self.source.prefetch()
 
+    def invalidate_secondary(self) -> None:
+        """The primary shard changed (an update, a load): hpZ's secondary shard no longer matches it."""
+        self.secondary_valid = False
+
     def refresh(self) -> None:
         """Re-gather after the shard changed (an optimizer step) if the full values are held."""
+        self.invalidate_secondary()
         if self.state is not GroupState.SHARDED:
             self.reshard(force=True)
             self.unshard(async_op=False)
 
     # ---------------------------------------------------------------------------------- helpers
+    @torch.no_grad()
+    def read_values(self) -> list[torch.Tensor]:
+        """Copies of the parameters' full values, exact (a collective: every rank calls it for the same
+        group). Quantized gathers (qwZ) give approximations to compute with; a checkpoint, a 16-bit save or
+        a load's merge needs the values themselves, gathered here in full precision."""
+        if self.gather.quantized and not self.persistent:
+            full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            work = self.comm.all_gather_into_tensor(full, self.source.acquire(), async_op=True)
+            if self._waiter is not None:
+                self._waiter(work, f"all_gather of parameter group {self.index} ({self.module_name}), exact")
+            else:
+                work.wait()
+            self.source.release()
+            out, offset = [], 0
+            for shape, n in zip(self.shapes, self.numels):
+                out.append(full[offset:offset + n].view(shape).clone())
+                offset += n
+            return out
+        was = self.state
+        self.unshard(async_op=False)
+        values = [p.detach().clone() for p in self.params]
+        if was is GroupState.SHARDED:
+            self.reshard()
+        return values
+
     @torch.no_grad()
     def write_full(self, values: list[torch.Tensor]) -> None:
         """Set this rank's chunk from full per-parameter values (used by loading and GatheredParameters)."""
@@ -138,6 +176,7 @@ class ShardedGroup:
             offset += n
         r = self.comm.rank
         self.source.write(flat[r * self.chunk:(r + 1) * self.chunk])
+        self.invalidate_secondary()
         if self.state is GroupState.GATHERED:
             self.full.copy_(flat)
 

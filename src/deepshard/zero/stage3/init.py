@@ -38,9 +38,11 @@ def is_init_partitioned(p: torch.Tensor) -> bool:
 
 
 def full_value(p: torch.nn.Parameter, comm: CommGroup) -> torch.Tensor:
-    """The full value of ``p``: its data, or gathered from its zero.Init shard (a collective then)."""
+    """The full value of ``p``: its data, or gathered from its zero.Init shard (a collective then, over the
+    group zero.Init partitioned it over: the world, where ``comm`` may be a hybrid-sharding shard group)."""
     if not is_init_partitioned(p):
         return p.detach()
+    comm = p.ds_comm  # type: ignore[attr-defined]
     shard = p.ds_tensor  # type: ignore[attr-defined]
     out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into_tensor(out, shard)

@@ -4,8 +4,11 @@ shard as soon as backward has produced all of them (straight from ``.grad``, see
 
 Groups are launched in the order backward completes them, which is the same on every rank (the same
 graph runs everywhere); groups that got no gradient are launched at the end of backward in index
-order. At most ``max_in_flight`` groups are staged at once, so a process holds its gradient shard plus a
-few groups' gradients, never the full gradient.
+order. So are the groups of *leaf* modules (``set_z3_leaf_modules``): a leaf's children may run on some
+ranks and not others (a mixture-of-experts block routing tokens to different experts), so when their
+gradients are complete differs between ranks; the end of backward is the one point all ranks share. At
+most ``max_in_flight`` groups are staged at once, so a process holds its gradient shard plus a few
+groups' gradients, never the full gradient.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.grad_reducers import grad_piece
 from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
 from deepshard.zero.stage3.group import ShardedGroup
@@ -24,16 +28,21 @@ class Stage3Reducer:
                  accumulate: Callable[[int, torch.Tensor, float], None], comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  waiter: Callable[[Any, str], None], max_in_flight: int = 2,
                  on_reduced: Callable[[int, torch.Tensor], None] | None = None,
-                 on_release: Callable[[ShardedGroup], None] | None = None) -> None:
+                 on_release: Callable[[ShardedGroup], None] | None = None,
+                 grad_reduce: GradReduce | None = None, deferred: set[int] | None = None) -> None:
         """``accumulate(shard offset, reduced chunk, factor)`` adds factor x chunk into the gradient shard;
         ``on_reduced(group index, averaged chunk)``, when given, takes each group's reduced chunk instead
-        (an optimizer step in backward)."""
+        (an optimizer step in backward). ``grad_reduce``: how a group's gradients are reduced (default: a
+        reduce-scatter over ``comm``; hybrid sharding and qgZ: ``zero/grad_comm.py``). ``deferred``: indices
+        of groups reduced at the end of backward only (leaf modules' groups)."""
         self.groups, self.offsets, self.comm = groups, shard_offsets, comm
+        self.grad_reduce = grad_reduce if grad_reduce is not None else GradReduce(comm)
         self.on_reduced = on_reduced
         self.on_release = on_release
+        self.deferred = deferred or set()
         self.accumulate = accumulate
         self.comm_dtype, self.predivide = comm_dtype, predivide
-        self.post = averaging_factor(predivide, comm.size, average)
+        self.post = averaging_factor(predivide, self.grad_reduce.world, average)
         self.waiter = waiter
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
@@ -50,7 +59,7 @@ class Stage3Reducer:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         gi = self.group_of[id(p)]
         self.ready[gi] += 1
-        if self.ready[gi] == self.expected[gi] and gi not in self.launched:
+        if self.ready[gi] == self.expected[gi] and gi not in self.launched and gi not in self.deferred:
             self._launch(gi)
             group = self.groups[gi]
             if group.users == 0:
@@ -67,8 +76,10 @@ class Stage3Reducer:
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        # over the group's own comm: an expert's group is reduced over its expert-data-parallel ranks
-        work = group.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        if group.comm is self.comm:
+            work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        else:  # an expert's group: over its own expert-data-parallel ranks (averaged over all, as DeepSpeed does)
+            work = group.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2)
         self.in_flight.add(InFlight(gi, work, held=pieces))
         self.launched.add(gi)
 

@@ -32,6 +32,7 @@ from deepshard.zero.stage3 import hook_surface, surface
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
+from deepshard.zero.stage3.param_gather import ParamGather, param_gathers
 from deepshard.zero.stage3.reduce import Stage3Reducer
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
@@ -92,8 +93,9 @@ class Stage3Strategy(ZeroStrategy):
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights, values,
             comm.rank, store.fp32_file()))
         cast_buffers(module, policy.buffer_dtype)
-        self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states)
-        self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None)
+        self.gather, frozen_gather = param_gathers(comm, ctx.zero_groups)
+        self.groups = self._build_groups(trainable, self.layout, self.param_store, self.states, self.gather)
+        self.frozen_groups = (self._build_groups(frozen, self.frozen_layout, self.frozen_store, None, frozen_gather)
                               if frozen else [])
         threshold = int(zcfg.stage3_param_persistence_threshold)
         for g in self.groups + self.frozen_groups:
@@ -105,12 +107,14 @@ class Stage3Strategy(ZeroStrategy):
             [(off, g.chunk) for off, g in zip(offsets, self.groups)], NORM_CHUNK)
         self._fused_sq = torch.zeros(1, dtype=torch.float32, device=ctx.device)  # sum of squares, step in backward
         predivide = ctx.gradient_predivide_factor
+        grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
-            predivide = float(comm.size)
+            predivide = float(grad_reduce.world)
         self.reducer = Stage3Reducer(self.groups, offsets, comm, self.grads.accumulate, policy.comm_dtype, predivide,
                                      ctx.average_gradients, self.watchdog.wait,
                                      on_reduced=self._step_group if step_in_backward else None,
-                                     on_release=lambda g: self.hooks.after_release(g))
+                                     on_release=lambda g: self.hooks.after_release(g), grad_reduce=grad_reduce,
+                                     deferred=self._leaf_group_indices(module))
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
                                  before_backward=self.reducer.finish_in_flight)
@@ -172,7 +176,7 @@ class Stage3Strategy(ZeroStrategy):
 
     @torch.no_grad()
     def _build_groups(self, discovered: list[tuple[str, list[torch.nn.Parameter], list[str]]], layout: FlatLayout,
-                      store: ParamStore, states: ShardStates | None) -> list[ShardedGroup]:
+                      store: ParamStore, states: ShardStates | None, gather: ParamGather) -> list[ShardedGroup]:
         """One group at a time: take each parameter's full fp32 value (gathering it if zero.Init
         partitioned it), keep this rank's chunk (in ``store``; its fp32 masters in ``states``), drop the
         full value. Peak memory: one group."""
@@ -196,11 +200,19 @@ class Stage3Strategy(ZeroStrategy):
                 for name in ("ds_tensor", "ds_comm"):
                     p.__dict__.pop(name, None)
             groups.append(ShardedGroup(len(groups), mod_name, params, shapes, store.source(off, bucket.chunk),
-                                       comm, self.ctx.device, comm.watchdog.wait))
+                                       comm, self.ctx.device, self.watchdog.wait,
+                                       gather if comm is self.ctx.comm else None))  # experts: plain, over their group
         store.flush()
         if states is not None:
             states.flush()
         return groups
+
+    def _leaf_group_indices(self, module: torch.nn.Module) -> set[int]:
+        """The trainable groups holding parameters of leaf modules' subtrees (their reduction waits for the
+        end of backward: see ``reduce.py``)."""
+        group_of = {id(p): gi for gi, g in enumerate(self.groups) for p in g.params}  # the reducer's numbering
+        return {group_of[id(p)] for m in module.modules() if is_z3_leaf(m) for p in m.parameters()
+                if id(p) in group_of}
 
     def _groups_by_module(self, module: torch.nn.Module) -> dict[int, list[ShardedGroup]]:
         """The groups each module's forward needs: its own parameters and registered external ones; a
@@ -238,6 +250,7 @@ class Stage3Strategy(ZeroStrategy):
         """Step in backward: update group ``gi``'s pieces from its averaged, reduced chunk."""
         self.require_optimizer()
         self._fused_sq += squared_norm([chunk], chunk.device)
+        self.groups[gi].invalidate_secondary()
         indices = self._pieces_of_group[gi]
         if not indices:
             return
@@ -280,6 +293,7 @@ class Stage3Strategy(ZeroStrategy):
         """Parameters are gathered lazily by the hooks; only groups held gathered are refreshed."""
         self.param_store.flush()
         for g in self.groups:
+            g.invalidate_secondary()
             if g.state is not GroupState.SHARDED:
                 g.refresh()
 
@@ -299,13 +313,10 @@ class Stage3Strategy(ZeroStrategy):
         extra: dict[str, torch.Tensor] = {}
         frozen_names = {id(p): n for n, p in self.module.named_parameters() if not p.requires_grad}
         for g in self.frozen_groups:
-            was = g.state
-            g.unshard(async_op=False)
+            values = g.read_values()
             if not exclude_frozen:
-                for p in g.params:
-                    extra[frozen_names[id(p)]] = p.detach().clone()
-            if was is GroupState.SHARDED:
-                g.reshard()
+                for p, value in zip(g.params, values):
+                    extra[frozen_names[id(p)]] = value
         persistent = set(self.module.state_dict(keep_vars=True))  # non-persistent buffers are not state
         for name, b in self.module.named_buffers():
             if name in persistent:
@@ -314,8 +325,12 @@ class Stage3Strategy(ZeroStrategy):
 
     def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
         extra = self.gathered_module_extra(self.ctx.comm.rank, exclude_frozen)
+        if self.ctx.replica_rank != 0:  # hybrid sharding: replica 0 of each shard writes it
+            return None
         return ShardState(self.opt_shard.records(), self.opt_shard.param_groups_for_save(self.optimizer), extra,
-                          {"zero_stage": 3, "dp_world_size": self.ctx.comm.size})
+                          {"zero_stage": 3, "dp_world_size": self.ctx.comm.size,
+                           **({"zero_groups": self.ctx.zero_groups.describe()} if self.ctx.zero_groups is not None
+                              else {})})
 
     @torch.no_grad()
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
@@ -344,12 +359,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def _current_values(self, group: Any) -> list[torch.Tensor]:
         """The full values of a group's parameters (a collective: every rank calls it for the same group)."""
-        was = group.state
-        group.unshard(async_op=False)
-        values = [p.detach().clone() for p in group.params]
-        if was is GroupState.SHARDED:
-            group.reshard()
-        return values
+        return group.read_values()
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, Any]:
@@ -363,6 +373,8 @@ class Stage3Strategy(ZeroStrategy):
             "buffers": tensor_bytes(self.module.buffers()),
             "gathered_parameters": live,
             "comm_buckets": self.reducer.scratch_bytes(),
+            **({"secondary_parameters": self.gather.secondary_bytes(self.groups + self.frozen_groups)}
+               if self.gather.hpz is not None else {}),
             "offloaded": placed["offloaded"] + shard["offloaded"] + frozen["offloaded"],
             "offload_buffers": placed["offload_buffers"],
         }
@@ -370,12 +382,8 @@ class Stage3Strategy(ZeroStrategy):
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         if not param.requires_grad:
             g = next(g for g in self.frozen_groups if any(q is param for q in g.params))
-            was = g.state
-            g.unshard(async_op=False)
-            value = param.detach().float().clone()
-            if was is GroupState.SHARDED:
-                g.reshard()
-            return value
+            values = g.read_values()
+            return next(v for q, v in zip(g.params, values) if q is param).float()
         return self.opt_shard.full_value(param, _full_shape(param))
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -401,13 +409,10 @@ class Stage3Strategy(ZeroStrategy):
         for g in self.groups + self.frozen_groups:
             if exclude_frozen and not g.requires_grad:
                 continue
-            was = g.state
-            g.unshard(async_op=False)
+            values = g.read_values()
             if g.comm.rank == 0 and (rank == 0 or g.comm is not self.ctx.comm):
-                for p in g.params:
-                    by_param[id(p)] = p.detach().cpu().clone()
-            if was is GroupState.SHARDED:
-                g.reshard()
+                for p, value in zip(g.params, values):
+                    by_param[id(p)] = value.cpu()
         out = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             if id(value) in by_param:
