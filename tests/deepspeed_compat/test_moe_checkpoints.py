@@ -8,15 +8,13 @@ expert under its global id."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.deepspeed_compat.ds_support import REPO, require_deepspeed
+from tests.deepspeed_compat.ds_support import run_in_deepspeed
 from tests.multiproc.harness import run_world
 
 WORKER = Path(__file__).with_name("moe_ckpt_worker.py")
@@ -28,15 +26,11 @@ CASES = [("z2->z2 ep2", "z2", 2, 2), ("z2->z0 ep1", "z2", 0, 1), ("z2->z3 ep2", 
 
 @pytest.fixture(scope="module")
 def ds_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    python = require_deepspeed()
     root = tmp_path_factory.mktemp("deepspeed_moe")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(python), str(WORKER), "--library", "deepspeed", "--stage", "0", "2", "--ep", "2",
-                           "--save", str(root), "--steps", "3", "--then", "3"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"DeepSpeed's MoE run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return root, json.loads(proc.stdout.strip().splitlines()[-1])
+    args = ["--library", "deepspeed", "--stage", "0", "2", "--ep", "2", "--save", str(root), "--steps", "3",
+            "--then", "3"]
+    out = run_in_deepspeed([str(WORKER), *args], "the MoE checkpoint run", timeout=900)
+    return root, json.loads(out.strip().splitlines()[-1])
 
 
 def load_moe_cases(rank: int, world: int, root: str, cases: list[tuple[str, str, int, int]]) -> dict[str, Any]:

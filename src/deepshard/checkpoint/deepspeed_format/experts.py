@@ -179,5 +179,5 @@ def _hparams(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["EXPERT_OPTIM", "read_stage0_optimizer", "MoeLayer", "expert_weights", "global_name", "group_ep_size", "layer_ep_sizes",
-           "local_names", "moe_layers"]
+__all__ = ["EXPERT_OPTIM", "MoeLayer", "expert_weights", "global_name", "group_ep_size", "layer_ep_sizes",
+           "local_names", "moe_layers", "read_stage0_optimizer"]

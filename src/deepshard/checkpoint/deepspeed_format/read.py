@@ -177,7 +177,7 @@ def _base_state(osd: dict[str, Any], stage: int) -> dict[str, Any]:
 
 def _ep_group_values(osds: list[dict[str, Any]], g: int, shapes: Any, stage: int, where: str, with_optimizer: bool,
                      layers: list[moe.MoeLayer], ep_size: int | None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, tuple[int, ...]]]:
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, tuple]]:
     """``_group_values`` plus each tensor's shape, by name; an ``ep_size_<P>`` group of an MoE checkpoint is
     partitioned over each expert-parallel rank's expert-data-parallel ranks (``e, e + P, ...``) and its names
     are that rank's local experts: read per expert-parallel rank, renamed to global expert ids."""
