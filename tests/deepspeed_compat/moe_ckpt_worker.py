@@ -88,8 +88,12 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     for stage in args.stage:  # one world, one engine after the other
         save = None if not args.save else args.save if len(args.stage) == 1 else f"{args.save}/z{stage}"
         results[f"z{stage}"] = train(deepspeed, rank, args.dp, stage, args.ep, args.load, save, args.steps, args.then)
+    for spec in args.resume:  # then resume other directories, each at its own stage and ep size
+        label, rest = spec.split("=", 1)
+        directory, stage, ep = rest.rsplit(":", 2)
+        results[label] = train(deepspeed, rank, args.dp, int(stage), int(ep), directory, None, args.steps)
     if rank == 0:
-        print(json.dumps(results if len(args.stage) > 1 else results[f"z{args.stage[0]}"]), flush=True)
+        print(json.dumps(results if len(results) > 1 else results[f"z{args.stage[0]}"]), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
@@ -149,6 +153,8 @@ def main() -> None:
     p.add_argument("--load")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--then", type=int, default=0, help="steps after saving (a resume's reference)")
+    p.add_argument("--resume", nargs="*", default=[], metavar="LABEL=DIR:STAGE:EP",
+                   help="after the --stage runs: fresh engines load these directories and train --steps")
     args = p.parse_args()
     if args.library == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
