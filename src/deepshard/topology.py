@@ -7,9 +7,9 @@ neighbours (one node), sequence-parallel peers next, and a pipeline neighbour is
     rank = pipe * (dp * sp * tp) + data * (sp * tp) + seq * tp + model
 
 ``ParallelDims`` is the arithmetic alone (unit-tested with no process group). ``Topology`` holds one
-``CommGroup`` per axis for this rank; ``Topology.build`` creates every group of every axis on every rank,
-in one fixed order, through :func:`new_groups`, the only caller of ``dist.new_group`` in deepshard
-(torch requires every rank to take part in every ``new_group`` call, in the same order).
+``CommGroup`` per axis for this rank; ``Topology.build`` creates, on every rank and in one fixed order,
+this rank's group of each axis only, through :func:`own_group`, the only caller of ``dist.new_group`` in
+deepshard (only a group's members create it: one group creation per axis per rank at any world size).
 
 Groups:
 
@@ -183,11 +183,17 @@ class ParallelDims:
         return ep_groups, edp_groups
 
     def peers(self, rank: int, axis: Axis) -> list[int]:
-        """The global ranks of ``rank``'s group along ``axis``."""
-        for ranks in self.group_ranks(axis):
-            if rank in ranks:
-                return ranks
-        raise TopologyError(f"rank {rank} is outside {self}")  # unreachable for a valid rank
+        """The global ranks of ``rank``'s group along ``axis``, sorted (from its coordinate: the work of one
+        group, not of the whole grid)."""
+        c = self.coord(rank)
+        varying = {"dp": ("dp",), "sp": ("sp",), "tp": ("tp",), "pp": ("pp",), "seq_dp": ("dp", "sp"),
+                    "model_parallel": ("pp", "tp")}.get(axis)
+        if varying is None:
+            raise TopologyError(f"unknown axis {axis!r}; use one of {AXES}")
+        ranges = {name: range(getattr(self, name)) if name in varying else [getattr(c, name)]
+                  for name in ("pp", "dp", "sp", "tp")}
+        return sorted(self.rank(Coord(pp=p, dp=d, tp=t, sp=q))
+                      for p in ranges["pp"] for d in ranges["dp"] for q in ranges["sp"] for t in ranges["tp"])
 
     def stage_rank(self, rank: int, stage: int) -> int:
         """The rank holding pipeline ``stage`` with ``rank``'s data, sequence and tensor coordinates."""
@@ -327,35 +333,51 @@ class Topology:
 
 
 def _axis_group(dims: ParallelDims, axis: Axis, rank: int, world: CommGroup, logger: CommsLogger) -> CommGroup:
-    """Create all of ``axis``'s groups (every rank takes part in every ``new_group``) and return this
-    rank's, as a counted ``CommGroup``."""
-    all_ranks = dims.group_ranks(axis)
-    size = len(all_ranks[0])
-    if size == 1:
+    """This rank's group along ``axis``, as a counted ``CommGroup`` (only its members create it)."""
+    mine = dims.peers(rank, axis)
+    if len(mine) == 1:
         return CommGroup.single(logger=logger, name=axis)
-    if size == dims.world_size:
+    if len(mine) == dims.world_size:
         return CommGroup(group=None, logger=logger, name=axis, pairwise=world.pairwise, nodes=world.nodes)
-    own = new_groups(all_ranks, rank, logger=logger, name=axis, pairwise=world.pairwise, nodes=world.nodes)
-    assert own is not None  # every rank is in exactly one group of each axis
+    own = own_group(mine, rank, logger=logger, name=axis, nodes=world.nodes)  # its transport chosen by its own size
+    if own is None:  # unreachable: peers() holds rank
+        raise TopologyError(f"rank {rank} is not in its own {axis} group {mine}")
     return own
+
+
+def own_group(mine: Optional[Sequence[int]], rank: int, logger: CommsLogger, name: str,
+              pairwise: Optional[bool] = None, nodes: Optional[NodeMap] = None) -> Optional[CommGroup]:
+    """Create this rank's group ``mine`` (its sorted global ranks; None: this rank is in none of this
+    call's groups) and return it as a counted ``CommGroup`` (None for None). ``nodes``: which ranks share
+    a machine (None: from the environment).
+
+    The only caller of ``dist.new_group`` in deepshard (the grid's axes, the pipeline's tied-weight groups,
+    sequence- and expert-parallel groups). Only the members of a group create it (torch's
+    ``use_local_synchronization``): a rank takes part in one group creation per call, whatever the world
+    size, instead of every group of every rank (N calls, each a barrier of the whole world through the
+    store: O(N^2) store operations at start-up for Megatron-style grids). Collective in one sense still:
+    every rank makes this call, in the same order, and a rank in no group creates a group of itself,
+    because torch names a locally synchronized group by its ranks and by how many groups this process
+    created before, which must therefore be the same on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return CommGroup.single(logger=logger, name=name) if mine is not None else None
+    ranks = sorted(int(r) for r in mine) if mine is not None else [rank]
+    if rank not in ranks:
+        raise TopologyError(f"rank {rank} asked to create the {name} group {ranks}, which it is not in")
+    group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+    if mine is None:
+        return None
+    return CommGroup(group=group, logger=logger, name=name, pairwise=pairwise, nodes=nodes)
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]], rank: int, logger: CommsLogger, name: str,
                pairwise: Optional[bool] = None, nodes: Optional[NodeMap] = None) -> Optional[CommGroup]:
-    """Create one process group per rank list (collective: every rank calls it with the same lists, in the
-    same order) and return this rank's as a counted ``CommGroup`` (None when ``rank`` is in none).
-    ``nodes``: which ranks share a machine (None: from the environment).
-
-    The only caller of ``dist.new_group`` in deepshard: the grid's axes and the pipeline's tied-weight
-    groups come through here."""
-    import torch.distributed as dist
-
-    own: Optional[CommGroup] = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks=list(ranks))
-        if rank in ranks:
-            own = CommGroup(group=group, logger=logger, name=name, pairwise=pairwise, nodes=nodes)
-    return own
+    """This rank's group among ``rank_lists`` (disjoint lists; every rank calls it with the same lists, in
+    the same order), created by :func:`own_group`; None when ``rank`` is in none."""
+    mine = next((list(ranks) for ranks in rank_lists if rank in ranks), None)
+    return own_group(mine, rank, logger, name, pairwise, nodes)
 
 
 def _gather_keys(key: str) -> list[str]:

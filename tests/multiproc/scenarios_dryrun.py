@@ -94,7 +94,11 @@ def real_world(rank: int, world: int, names: list[str], tmp: str, memory: bool =
 
 def dry_ranks(names: list[str], world: int, ranks: list[int], memory: bool = True) -> dict[str, list[dict[str, Any]]]:
     """Each rank of ``ranks`` dry-run alone for each workload, one after the other in this process."""
+    import torch
+
     from deepshard.dryrun.runner import run_callable
+
+    torch.set_num_threads(1)  # as the real world's processes run: several threads on a shared machine are far slower
 
     out: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:

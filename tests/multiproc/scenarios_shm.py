@@ -23,20 +23,27 @@ def _pieces(r: int, dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
 
 
 def _reference_rs(rank: int, size: int, dtype: torch.dtype, chunk: int, salt: int) -> torch.Tensor:
-    """Chunk ``rank`` of the sum in the pairwise order: rank r-1's, then this rank's, then r-2, r-3, ...
-    (16-bit over more than two ranks summed in fp32)."""
+    """Chunk ``rank`` of the sum in the canonical order, whichever rank owns the chunk: a binary tree over
+    the ranks, each span split after its largest power of two (4 ranks: ``(c0 + c1) + (c2 + c3)``; 3:
+    ``(c0 + c1) + c2``); 16-bit over more than two ranks summed in fp32, rounded once."""
+    wide = size > 2 and dtype.itemsize < 4
+
     def padded(r: int) -> torch.Tensor:
         flat = torch.zeros(size * chunk, dtype=dtype)
         cat = torch.cat(_pieces(r, dtype, salt))
         flat[:cat.numel()] = cat
-        return flat[rank * chunk:(rank + 1) * chunk]
-    wide = size > 2 and dtype.itemsize < 4
-    acc = padded((rank - 1) % size).clone()
-    acc = acc.float() if wide else acc
-    acc.add_(padded(rank))
-    for k in range(2, size):
-        acc.add_(padded((rank - k) % size))
-    return acc.to(dtype)
+        own = flat[rank * chunk:(rank + 1) * chunk]
+        return own.float() if wide else own
+
+    def tree(lo: int, hi: int) -> torch.Tensor:
+        if hi - lo == 1:
+            return padded(lo)
+        half = 1
+        while half * 2 < hi - lo:
+            half *= 2
+        return tree(lo, lo + half) + tree(lo + half, hi)
+
+    return tree(0, size).to(dtype)
 
 
 def _compare(mem: CommGroup, tcp: CommGroup, dtype: torch.dtype, salt: int) -> dict[str, bool]:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from deepshard.zero.grad_norm import LIMBS
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_batches, make_model, micro_slice, reference_run, rel_err
 from tests.multiproc.scenarios_zero12 import GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world
@@ -46,8 +47,9 @@ def test_comms_volume_is_two_psi_per_step(acct: dict[Any, Any], stage: int) -> N
     psi = r["psi"]
     moved = r["comms"]["reduce_scatter"]["volume_elements"] + r["comms"]["all_gather"]["volume_elements"]
     assert abs(moved - 2 * psi) <= 0.02 * 2 * psi, (moved, 2 * psi, r["comms"])
-    assert "all_reduce" not in r["comms"]  # no full-gradient all-reduce: only the grad-norm scalar
-    assert r["comms"]["all_reduce(scalar)"]["elements"] == 1
+    assert "all_reduce" not in r["comms"]  # no full-gradient all-reduce: only the grad norm's small ones
+    assert r["comms"]["all_reduce(scalar)"]["elements"] == LIMBS  # the exact sum of squares (int64 limbs)
+    assert r["comms"]["all_reduce(max)"]["elements"] == 1  # the largest element, which sets its scale
 
 
 def _reference_state_after(steps: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -97,3 +97,15 @@ def test_single_process_topology_needs_no_process_group() -> None:
         assert group.size == 1 and group.rank == 0
     assert topo.world.logger is topo.tp.logger  # one logger, traffic labelled per group
     assert topo.tp._label("all_reduce") == "tp:all_reduce" and topo.dp._label("all_reduce") == "all_reduce"
+
+
+def test_peers_is_the_group_holding_the_rank_without_building_the_grid() -> None:
+    """``peers`` computes one rank's group from its coordinate (what ``Topology.build`` creates); it must be
+    the group ``group_ranks`` lists for that rank, on every axis of several grids."""
+    from deepshard.topology import AXES, ParallelDims
+
+    for dims in (ParallelDims(pp=2, dp=3, tp=2), ParallelDims(pp=3, dp=2, tp=1, sp=2), ParallelDims(dp=5)):
+        for axis in AXES:
+            groups = dims.group_ranks(axis)
+            for rank in range(dims.world_size):
+                assert dims.peers(rank, axis) == next(g for g in groups if rank in g), (dims, axis, rank)

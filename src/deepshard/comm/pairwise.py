@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from deepshard.comm.tree_sum import OwnChunk, tree_sum
 from deepshard.utils.hugepages import advise_huge_pages
 
 TAG_MODULUS = 1 << 30  # gloo tags are non-negative 32-bit values
@@ -141,8 +142,8 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
     """Sum, over the ranks, the concatenation of the 1-D contiguous ``pieces`` zero-padded to
     ``N * chunk`` elements; after ``wait()`` the work's ``result`` holds chunk ``rank`` of the sum (a
     fresh tensor, or ``output`` when given). Uses tags ``tag .. tag + len(pieces) - 1``; the pieces must
-    stay unchanged until ``wait()`` returns. 16-bit chunks from more than two ranks are summed in fp32
-    and rounded once."""
+    stay unchanged until ``wait()`` returns. The contributions are added in the canonical tree over ranks
+    (``tree_sum.py``), 16-bit ones from more than two ranks in fp32, rounded once."""
     size = len(peers)
     numels = [t.numel() for t in pieces]
     if sum(numels) > size * chunk:
@@ -164,13 +165,14 @@ def reduce_scatter_pieces(pieces: list[torch.Tensor], chunk: int, rank: int, pee
             at += n
 
     def finish() -> torch.Tensor:
-        acc = incoming[0] if size == 2 or dtype.itemsize >= 4 else incoming[0].float()
-        at = 0
+        wide = size > 2 and dtype.itemsize < 4
+        own, at = [], 0
         for i, off, n in mine:
-            acc[at:at + n].add_(pieces[i][off:off + n])
+            own.append((at, pieces[i][off:off + n]))
             at += n
-        for k in range(1, size - 1):
-            acc.add_(incoming[k])
+        rows = {src: incoming[k] for k, (_, src) in enumerate(_exchange(rank, size))}
+        acc = tree_sum(size, rank, rows.__getitem__, OwnChunk(own), not wide,
+                       lambda: torch.empty(chunk, dtype=torch.float32, device=device), lambda t: None)
         if output is not None:
             return output.copy_(acc.reshape(output.shape))
         return acc if acc.dtype == dtype else acc.to(dtype)

@@ -49,8 +49,8 @@ process ids) over pairwise TCP, under the same deadline; only when every rank is
 pairwise TCP forms for its life (one log line). Each rank unlinks its own file once all have mapped it,
 so nothing stays in ``/dev/shm`` past the rendezvous, whatever happens to the processes later.
 
-Results are bit-identical to ``pairwise``: the same summation order (the chunk from rank ``r - 1``, this
-rank's own, then ranks ``r - 2, r - 3, ...``), 16-bit chunks from more than two ranks summed in fp32.
+Results are bit-identical to ``pairwise``: the same summation order (the canonical tree over ranks of
+``tree_sum.py``), 16-bit chunks from more than two ranks summed in fp32.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 import deepshard.comm.pairwise as pairwise
+from deepshard.comm.tree_sum import OwnChunk, tree_sum
 from deepshard.comm.pairwise import CollectiveWork, piece_ranges
 from deepshard.comm.settings import DEFAULT_SLOT_BYTES
 from deepshard.comm.watchdog import CollectiveTimeout, WaitLimit
@@ -211,6 +212,7 @@ class ShmRing:
         if not direct:
             advise_huge_pages(acc)
         per_round = self.slot_bytes // ((self.size - 1) * dtype.itemsize)
+        temps: list[torch.Tensor] = []
         with self._outboxes():
             for lo in range(0, chunk, per_round):
                 n = min(per_round, chunk - lo)
@@ -218,7 +220,7 @@ class ShmRing:
                 self._fill(slot, pieces, numels, chunk, lo, n, per_round)
                 self._publish(t, fingerprint)
                 self._await_peers(t, fingerprint, deadline, what)
-                self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide)
+                self._sum(acc[lo:lo + n], t, pieces, numels, chunk, lo, per_round, wide, temps)
                 self._read_done(t)
         if output is not None:
             return output if direct else output.copy_(acc.reshape(output.shape))
@@ -246,25 +248,29 @@ class ShmRing:
                 block[at:].zero_()
 
     def _sum(self, acc: torch.Tensor, t: int, pieces: list[torch.Tensor], numels: list[int], chunk: int,
-             lo: int, per_round: int, wide: bool) -> None:
-        """``acc`` = the block from rank ``r - 1`` + this rank's own elements + the blocks from ranks
-        ``r - 2, r - 3, ...`` (the pairwise order). ``acc`` may be this rank's own elements (in-place
-        reduce-scatter): each element is read before it is written."""
+             lo: int, per_round: int, wide: bool, temps: list[torch.Tensor]) -> None:
+        """``acc`` = the canonical sum (``tree_sum.py``) of the blocks from the other ranks and this rank's own
+        elements. ``acc`` may be this rank's own elements (in-place reduce-scatter): the sum is taken in
+        ``temps`` (reused across rounds) and copied in at the end."""
         n, dtype = acc.numel(), pieces[0].dtype
-        first = self._block((self.rank - 1) % self.size, t, 1, n, per_round, dtype)
-        at = 0
+        own, at = [], 0
         begin = self.rank * chunk + lo
         for i, off, m in piece_ranges(numels, begin, begin + n):
-            if wide:  # widen first, then add: as pairwise's fp32 accumulator
-                acc[at:at + m].copy_(first[at:at + m])
-                acc[at:at + m].add_(pieces[i][off:off + m])
-            else:
-                torch.add(first[at:at + m], pieces[i][off:off + m], out=acc[at:at + m])
+            own.append((at, pieces[i][off:off + m]))
             at += m
-        if at < n:  # the zero padding of the last chunk
-            acc[at:].copy_(first[at:])
-        for k in range(2, self.size):
-            acc.add_(self._block((self.rank - k) % self.size, t, k, n, per_round, dtype))
+        free = list(temps)
+
+        def temp() -> torch.Tensor:
+            if not free:
+                temps.append(torch.empty(per_round, dtype=torch.float32 if wide else dtype))
+                free.append(temps[-1])
+            return free.pop()[:n]
+
+        def block(r: int) -> torch.Tensor:
+            return self._block(r, t, (self.rank - r) % self.size, n, per_round, dtype)
+
+        result = tree_sum(self.size, self.rank, block, OwnChunk(own), False, temp, lambda x: None)
+        acc.copy_(result)
 
 
 def _alive(pid: int) -> bool:

@@ -7,6 +7,7 @@ from the cause. One exchange at start-up turns that into an error naming the key
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 from deepshard.comm.group import CommGroup
@@ -35,14 +36,29 @@ def disagreements(values: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def fingerprint(values: dict[str, Any]) -> int:
+    """A 31-bit digest of ``values`` (the same values give the same digest on every rank)."""
+    return zlib.crc32(repr(sorted(values.items())).encode("utf-8")) & 0x7FFFFFFF
+
+
 def check_same_on_every_rank(cfg: Any, world: CommGroup) -> None:
-    """Raise the same :class:`ConfigError` on every rank when the ranks' configs disagree on a shared value."""
+    """Raise the same :class:`ConfigError` on every rank when the ranks' configs disagree on a shared value.
+
+    One all-reduce of two numbers (the largest and the smallest digest) at any world size; the values
+    themselves are gathered from every rank only when the digests differ, to name who has what."""
     if world.size == 1:
         return
+    import torch
     import torch.distributed as dist
 
+    mine = shared_values(cfg)
+    digest = float(fingerprint(mine))
+    bounds = torch.tensor([digest, -digest], dtype=torch.float64, device=world._device())
+    world.all_reduce_control(bounds, "the config agreement at initialize", op="max")
+    if bounds[0].item() == -bounds[1].item():
+        return
     gathered: list[Any] = [None] * world.size
-    dist.all_gather_object(gathered, shared_values(cfg), group=world.group)
+    dist.all_gather_object(gathered, mine, group=world.group)
     lines = disagreements(gathered)
     if lines:
         raise ConfigError("the ranks were given different configs; every rank (every pipeline stage) must run "

@@ -39,7 +39,9 @@ class Collective:
 
 @dataclass
 class StepWindow:
-    """One optimizer step of one engine: its collectives and the CPU / wall time it took."""
+    """One optimizer step of one engine: its collectives and the time it took: ``cpu_s`` is the CPU time of
+    the thread that trains (compute and the Python issuing collectives; not a backend's own threads, not
+    time spent waiting for peers), ``wall_s`` the elapsed time."""
 
     engine: int
     step: int
@@ -141,7 +143,7 @@ class Observer:
     def _adopt(self, engine: Any, init_s: float) -> None:
         seen = EngineSeen(engine, init_s, dict(engine.memory_report()))
         seen.last = _snapshot(engine.comms_logger.by_group)
-        seen.cpu_mark, seen.wall_mark = time.process_time(), time.perf_counter()
+        seen.cpu_mark, seen.wall_mark = time.thread_time(), time.perf_counter()
         self.engines.append(seen)
         index = len(self.engines) - 1
         for name in ("step", "train_batch"):  # a step ends in one or the other, by engine kind
@@ -201,11 +203,11 @@ class Observer:
 
     def _close_window(self, index: int, seen: EngineSeen) -> None:
         now = _snapshot(seen.engine.comms_logger.by_group)
-        cpu, wall = time.process_time(), time.perf_counter()
+        cpu, wall = time.thread_time(), time.perf_counter()
         self.steps.append(StepWindow(index, int(seen.engine.global_steps), cpu - seen.cpu_mark, wall - seen.wall_mark,
                                      _delta(now, seen.last)))
         seen.states = dict(seen.engine.memory_report())
-        seen.last, seen.cpu_mark, seen.wall_mark = now, time.process_time(), time.perf_counter()
+        seen.last, seen.cpu_mark, seen.wall_mark = now, time.thread_time(), time.perf_counter()
         if self.max_steps and index == 0 and sum(1 for s in self.steps if s.engine == 0) >= self.max_steps:
             raise StopDryRun()
 
@@ -213,7 +215,7 @@ class Observer:
         """Start every engine's next step window now (after the script's own set-up between steps)."""
         for seen in self.engines:
             seen.last = _snapshot(seen.engine.comms_logger.by_group)
-            seen.cpu_mark, seen.wall_mark = time.process_time(), time.perf_counter()
+            seen.cpu_mark, seen.wall_mark = time.thread_time(), time.perf_counter()
 
     # --------------------------------------------------------------------------------- checkpoints
     def _scratch_for(self, save_dir: Any) -> Path:

@@ -38,6 +38,8 @@ COMMANDS: dict[str, Command] = {
                       "deepshard.checkpoint.verify:main"),
     "dryrun": Command("run a script as one rank of an N-rank job in one process (figures per rank, no data moved)",
                       "deepshard.dryrun.cli:main"),
+    "plan": Command("the DeepSpeed config that fits a memory per rank best, found by dry runs",
+                    "deepshard.dryrun.plan_cli:main"),
     "estimate_memory": Command("estimate the peak memory of one process for a config and a model",
                                "deepshard.profiling.estimate_cli:main", ("deepshard_estimate_memory",)),
 }

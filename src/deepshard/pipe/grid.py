@@ -15,7 +15,7 @@ import itertools
 from collections import namedtuple
 from typing import Any, Optional, Sequence
 
-from deepshard.topology import ParallelDims, Topology
+from deepshard.topology import ParallelDims, Topology, own_group
 
 
 def prime_factors(n: int) -> list[int]:
@@ -161,16 +161,27 @@ class PipelineParallelGrid:
         self.stage_id, self.data_parallel_id = coord.pp, coord.dp
         self.is_first_stage = coord.pp == 0
         self.is_last_stage = coord.pp == dims.pp - 1
+        self._singleton = self._make_singleton()
+
+    def _make_singleton(self) -> Any:
+        """This rank's own group, for the axes of size 1; made here, when every rank builds its grid (see
+        ``topology.own_group``: the ranks must create the same number of groups), not when one rank asks."""
+        import torch.distributed as dist
+
+        sizes = [getattr(self.grid_topology, name).size for name in ("pp", "dp", "model_parallel", "tp")]
+        if 1 not in sizes or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return own_group([self.global_rank], self.global_rank, self.grid_topology.world.logger, "single").group
 
     def _torch_group(self, name: str) -> Any:
-        """The torch process group of axis ``name`` (a size-1 axis: this rank's own group, made on demand
-        with local synchronisation, so no other rank needs to take part)."""
+        """The torch process group of axis ``name`` (a size-1 axis: this rank's own group)."""
         import torch.distributed as dist
 
         comm = getattr(self.grid_topology, name)
         if comm.size == 1:
             if self._singleton is None:
-                self._singleton = dist.new_group([self.global_rank], use_local_synchronization=True)
+                raise RuntimeError(f"the {name} axis has one rank but no process group was made for it: "
+                                   "build the grid after torch.distributed.init_process_group")
             return self._singleton
         return comm.group if comm.group is not None else dist.group.WORLD
 

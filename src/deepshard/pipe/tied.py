@@ -11,7 +11,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.pipe.module import PipelineModule
-from deepshard.topology import Coord, Topology, new_groups
+from deepshard.topology import Coord, Topology, own_group
 from deepshard.placement import mark_tied
 
 
@@ -43,7 +43,8 @@ class TiedWeights:
 
 
 def build_tied_weights(module: PipelineModule, topology: Topology) -> TiedWeights:
-    """Create the tied groups (collective: every rank, same order) and mark the tied parameters."""
+    """Create this rank's tied groups (every rank calls it, same order: see ``topology.own_group``) and mark
+    the tied parameters."""
     dims = topology.dims
     tied = TiedWeights(module)
     for key, stages in sorted(module.tied_stages().items()):
@@ -51,10 +52,10 @@ def build_tied_weights(module: PipelineModule, topology: Topology) -> TiedWeight
             mark_tied(p, len(stages))
         if len(stages) < 2:
             continue
-        rank_lists = [[dims.rank(Coord(pp=s, dp=dp, tp=tp)) for s in stages]
-                      for dp in range(dims.dp) for tp in range(dims.tp)]
-        group = new_groups(rank_lists, topology.rank, logger=topology.world.logger, name="pp",
-                           nodes=topology.world.nodes)
+        c = topology.coord  # this rank's copy of the key is tied with the same (dp, sp, tp) on the other stages
+        mine = [dims.rank(Coord(pp=s, dp=c.dp, tp=c.tp, sp=c.sp)) for s in stages] if c.pp in stages else None
+        group = own_group(mine, topology.rank, logger=topology.world.logger, name="pp",
+                          nodes=topology.world.nodes)
         if group is not None:
             tied.groups[key] = group
     return tied

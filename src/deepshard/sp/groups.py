@@ -1,5 +1,5 @@
 """The sequence-parallel sub-groups of a grid: Ulysses (consecutive sp ranks) and ring (strided), for the
-three modes. Created collectively through ``topology.new_groups`` (every rank, same order)."""
+three modes. Created through ``topology.new_groups`` (every rank, same order; each creates its own groups only)."""
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -26,9 +26,9 @@ def build_sp_groups(topology: Topology, mode: Mode = "ulysses", ulysses_size: Op
     if u < 2 or sp.size % u != 0 or u == sp.size:
         raise ValueError(f"hybrid sequence parallelism needs ulysses_size, a divisor of sp={sp.size} strictly "
                          f"between 1 and {sp.size}; got {ulysses_size!r}")
-    sp_lists = topology.dims.group_ranks("sp")
-    ulysses_lists = [g[i:i + u] for g in sp_lists for i in range(0, len(g), u)]
-    ring_lists = [g[i::u] for g in sp_lists for i in range(u)]
+    g = topology.dims.peers(topology.rank, "sp")  # this rank's sp group: only its own splits are created
+    ulysses_lists = [g[i:i + u] for i in range(0, len(g), u)]
+    ring_lists = [g[i::u] for i in range(u)]
     mine_u = new_groups(ulysses_lists, topology.rank, logger, "sp_ulysses", pairwise=topology.world.pairwise,
                         nodes=topology.world.nodes)
     mine_r = new_groups(ring_lists, topology.rank, logger, "sp_ring", pairwise=topology.world.pairwise,

@@ -45,6 +45,7 @@ class GradBucket:
     comm_buffer: torch.Tensor | None = None
     comm: Optional[CommGroup] = None
     """The group this bucket is summed over (None: the reducer's own)."""
+    gathered: bool = False  # canonical form: the reduce-scatter is done, the all-gather is in flight
 
     @property
     def numel(self) -> int:
@@ -82,9 +83,15 @@ class BucketedAllReduce:
     def __init__(self, params: list[torch.nn.Parameter], comm: CommGroup, bucket_elements: int,
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
                  average: bool = True, overlap: bool = True,
-                 group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None) -> None:
+                 group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None,
+                 canonical: bool = False) -> None:
+        """``canonical``: all-reduce as a reduce-scatter in the canonical order (``comm/tree_sum.py``) and an
+        all-gather of the same chunks, the reduction stages 1-3 perform, so that every stage sums each
+        element alike; the averaging is applied after the sum, to this rank's chunk. Buffers are then
+        padded to a multiple of their group's size. Otherwise the backend's all-reduce."""
         self.comm = comm
         self.overlap = overlap
+        self.canonical = canonical
         self._stale = False  # after zero_(): the buffers hold old values and every .grad is None
         self.comm_dtype = comm_dtype
         self.predivide = predivide
@@ -97,8 +104,9 @@ class BucketedAllReduce:
         self._in_backward = False
         self._fold = 0.0  # the factor the hooks' copies scale by in this backward; 0.0: not folding
         for index, plan in enumerate(plan_buckets(list(reversed(params)), bucket_elements, group_of)):
-            bucket = self._make_bucket(index, plan)
-            bucket.comm = group_of(plan[0]) if group_of is not None else None
+            group = group_of(plan[0]) if group_of is not None else None
+            bucket = self._make_bucket(index, plan, (group or comm).size if canonical else 1)
+            bucket.comm = group
             self.buckets.append(bucket)
         for b in self.buckets:
             for slot, p in enumerate(b.params):
@@ -106,9 +114,10 @@ class BucketedAllReduce:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     @staticmethod
-    def _make_bucket(index: int, params: list[torch.nn.Parameter]) -> GradBucket:
+    def _make_bucket(index: int, params: list[torch.nn.Parameter], multiple: int = 1) -> GradBucket:
         total = sum(p.numel() for p in params)
-        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        padded = -(-total // multiple) * multiple
+        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
             view = buffer[offset:offset + p.numel()].view_as(p)
@@ -130,7 +139,8 @@ class BucketedAllReduce:
         post = averaging_factor(self.predivide, self.comm.size, self.average)
         # fold the averaging into the copies only when every gradient of this backward arrives fresh
         # (after zero_()) and is reduced as it is: no pre-division, no cast for the collective
-        foldable = reduce and self._stale and self.predivide == 1.0 and self.comm_dtype is None
+        foldable = (reduce and self._stale and self.predivide == 1.0 and self.comm_dtype is None
+                    and not self.canonical)
         self._fold = post if foldable and post != 1.0 else 0.0
         if not self._stale:  # accumulating: .grad must be the views autograd adds into
             self._restore_views()
@@ -203,7 +213,28 @@ class BucketedAllReduce:
             tensor = bucket.comm_buffer
         if self.predivide != 1.0:
             tensor.div_(self.predivide)
-        bucket.work = (bucket.comm or self.comm).all_reduce(tensor, async_op=True)
+        group = bucket.comm or self.comm
+        if self.canonical and group.size > 1:
+            bucket.work = group.reduce_scatter_tensor(self._own_chunk(tensor, group), tensor, async_op=True)
+        else:
+            bucket.work = group.all_reduce(tensor, async_op=True)
+
+    @staticmethod
+    def _own_chunk(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return tensor.view(group.size, -1)[group.rank]
+
+    def _gather(self, bucket: GradBucket, post: float) -> None:
+        """Canonical form, once a bucket's reduce-scatter is done: average this rank's chunk (in the
+        gradient's dtype, as stages 1-3 do) and start the all-gather that gives every rank every chunk."""
+        group = bucket.comm or self.comm
+        if group.size == 1:
+            return
+        bucket.work.wait()
+        tensor = bucket.comm_buffer if bucket.comm_buffer is not None else bucket.buffer
+        if post != 1.0 and bucket.comm_buffer is None:
+            self._own_chunk(tensor, group).mul_(post)
+        bucket.work = group.all_gather_inplace(tensor, async_op=True)
+        bucket.gathered = True
 
     def end_backward(self) -> None:
         """Launch the buckets not launched yet (parameters that got no gradient), in order, then wait
@@ -223,14 +254,19 @@ class BucketedAllReduce:
             self._next_launch += 1
         post = 1.0 if folded else averaging_factor(self.predivide, self.comm.size, self.average)
         self._fold = 0.0
+        if self.canonical:
+            for bucket in self.buckets:
+                self._gather(bucket, post)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+            scaled = bucket.gathered and bucket.comm_buffer is None
+            bucket.gathered = False
             if bucket.comm_buffer is not None:
                 bucket.buffer.copy_(bucket.comm_buffer)
                 bucket.comm_buffer = None
-            if post != 1.0:
+            if post != 1.0 and not scaled:
                 bucket.buffer.mul_(post)
         self.reduce_enabled = False
 

@@ -18,7 +18,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.zero.grad_comm import GradReduce
-from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
+from deepshard.zero.in_flight import InFlight, InFlightQueue, averaged, averaging_factor
 from deepshard.zero.partition import FlatLayout
 
 
@@ -212,7 +212,7 @@ class Stage2Reducer(_OrderedLauncher):
         item.work.wait()
         bucket = self.layout.buckets[item.index]
         off = self.layout.shard_offset(bucket)
-        self.shard[off:off + bucket.chunk].add_(item.work.result, alpha=self.post)
+        self.shard[off:off + bucket.chunk].add_(averaged(item.work.result, self.dtype, self.post))
 
     def end_backward(self) -> None:
         super().end_backward()

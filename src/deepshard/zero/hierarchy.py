@@ -195,7 +195,7 @@ def _hierarchy(topology: Topology, shard: CommGroup, shard_lists: list[list[int]
 
 
 def _group(topology: Topology, rank_lists: list[list[int]], name: str) -> CommGroup:
-    """This rank's group of ``rank_lists`` (every rank creates all of them, in order): a local group when
+    """This rank's group of ``rank_lists`` (every rank calls it, in order; each creates its own): a local group when
     they are single ranks, the world group when one list holds every rank."""
     logger_ = topology.world.logger
     if all(len(r) == 1 for r in rank_lists):

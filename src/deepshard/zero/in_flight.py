@@ -17,6 +17,15 @@ def averaging_factor(predivide: float, world: int, average: bool) -> float:
     return (predivide / world) if average else predivide
 
 
+def averaged(chunk: torch.Tensor, dtype: torch.dtype, factor: float) -> torch.Tensor:
+    """A reduced chunk in the gradient's ``dtype``, times the averaging ``factor``: converted first, then
+    multiplied (in place: the chunk is the collective's fresh result), the arithmetic every stage applies to
+    its reduced gradient, so each element gets the same bits at every stage. (``add_(x, alpha=f)`` would
+    not do: on 16-bit tensors torch rounds ``alpha`` to 16 bits first.)"""
+    out = chunk if chunk.dtype == dtype else chunk.to(dtype)
+    return out.mul_(factor) if factor != 1.0 else out
+
+
 @dataclass
 class InFlight:
     index: int                   # the bucket or group

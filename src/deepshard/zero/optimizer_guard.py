@@ -5,7 +5,8 @@ Those stages rebind the optimizer's param groups to this rank's shard pieces, so
 their gradients only inside ``engine.step()``). deepshard makes the mistake loud instead: the returned
 optimizer's ``step()`` raises and says to call ``engine.step()``; its ``zero_grad()`` clears the
 accumulated gradients, as DeepSpeed's ZeRO optimizers do. The strategy itself steps through
-``real_step``. At stage 0 the optimizer holds the real parameters and is left as it is.
+``real_step`` (``optim/whole_vectors.py`` for torch's fused host Adam). At stage 0 the optimizer holds the real
+parameters and is left as it is.
 """
 from __future__ import annotations
 

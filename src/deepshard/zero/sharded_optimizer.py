@@ -18,10 +18,12 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from deepshard.comm.group import CommGroup
-from deepshard.placement import identities, norm_weight, saved_slice
+from deepshard.placement import identities, saved_slice
 from deepshard.shard_state import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
+from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.offload.states import ShardStates
 from deepshard.zero.partition import FlatLayout
+from deepshard.zero.strategy import sources_by_copies
 
 NORM_CHUNK = 1 << 22  # elements squared at a time: the norm's scratch stays a few MB, not a shard's size
 
@@ -78,14 +80,11 @@ class ShardedOptimizer:
         """The update of every piece from its gradient times ``grad_multiplier`` (unscale x clip)."""
         self.states.step(self.grad_src, grad_multiplier, publish)
 
-    def local_grad_sq(self, module: torch.nn.Module) -> torch.Tensor:
-        """This rank's sum of squared gradient elements, each piece weighted by its parameter's placement
-        (``1 / copies``: a replicated or tied parameter counts once over the model-parallel group)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f, g in zip(self.fragments, self.grad_src):  # the pieces' own tensors carry no placement
-            param = self.params[self.layout.slots[f.slot].param_index]
-            total += norm_weight(param) * squared_norm([g], self.device).reshape(())
-        return total
+    def norm_sources(self, module: torch.nn.Module) -> dict[int, list[Pieces]]:
+        """The pieces' gradients keyed by their parameter's copies over the model-parallel group (a
+        replicated or tied parameter counts once in the norm)."""
+        params = [self.params[self.layout.slots[f.slot].param_index] for f in self.fragments]  # (experts: the
+        return sources_by_copies(params, lambda idx: (self.grad_src[i] for i in idx), True)  # names are global)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def records(self) -> list[FragmentRecord]:

@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
-from deepshard.placement import expert_of, identities, local_part, norm_weight, saved_slice
+from deepshard.optim.kernels import fuse_host_adam
+from deepshard.optim.whole_vectors import step_whole_vectors, uses_fused_host_kernel
+from deepshard.placement import expert_of, identities, local_part, saved_slice
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
                                    slice_state)
 from deepshard.zero.buckets import BucketedAllReduce
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
+from deepshard.zero.grad_norm import Pieces, exact_norm
 from deepshard.zero.module_values import load_module_values, module_extra_state
-from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
+from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy, sources_by_copies
 
 
 class Stage0Strategy(ZeroStrategy):
@@ -41,6 +44,10 @@ class Stage0Strategy(ZeroStrategy):
             self.masters = MasterWeights(self.params, policy.master_dtype)
             if optimizer is not None:
                 self.masters.swap_into(optimizer)
+        if optimizer is not None and ctx.device.type == "cpu":
+            # the kernel stages 1-3 step their shards with on the host, so that every stage computes the same
+            # update bit for bit (torch's for-loop and fused Adam differ in the last place)
+            fuse_host_adam(optimizer, "zero_optimization")
         cast_module(module, policy.param_dtype, policy.buffer_dtype)
         predivide = ctx.gradient_predivide_factor
         if ctx.prescale_gradients and predivide == 1.0:
@@ -51,7 +58,8 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer = BucketedAllReduce(
             self.params, ctx.comm, int(ctx.zero_config.reduce_bucket_size),
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
-            overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None)
+            overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None,
+            canonical=ctx.comm.pairwise and ctx.device.type == "cpu")
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
@@ -67,57 +75,59 @@ class Stage0Strategy(ZeroStrategy):
     # ---------------------------------------------------------------------------------------- step
     grads_sharded = False
 
+    def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
+        return sources_by_copies(self.params, lambda idx: self.reducer.grads_of([self.params[i] for i in idx]),
+                                 by_copies)
+
     def global_grad_norm(self, loss_scale: float) -> float:
-        grads = self.reducer.grads()
-        if not grads:
-            return 0.0
         if self.split_experts:
             return self._norm_with_experts() / loss_scale
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        if self._local_gradients():
-            # each rank holds its own gradient: the root mean square of the ranks' norms, an upper bound of
-            # the averaged gradient's norm (so clipping is never weaker) and inf on every rank if on any
-            total = (self.ctx.comm.all_reduce_sum_scalar(total.pow(2)) / self.ctx.comm.size).sqrt()
-        return total.item() / loss_scale
+        if not self._local_gradients():
+            return super().global_grad_norm(loss_scale)
+        # each rank holds its own gradient: the root mean square of the ranks' norms, an upper bound of the
+        # averaged gradient's norm (so clipping is never weaker) and inf on every rank if on any
+        comm = self.ctx.comm
+        return exact_norm(self.norm_sources(False), [comm] if comm.size > 1 else [], self.ctx.device,
+                          self._norm_scratch(), divisor=comm.size) / loss_scale
 
     def _norm_with_experts(self) -> float:
         """The norm of the whole model's gradient when experts are split over expert-parallel ranks: the
-        dense gradients (the same on every rank) plus every expert's once. Each rank's expert squares are
-        divided by its expert-data-parallel size (the replicas of the same experts) and summed over the
-        data-parallel group. (DeepSpeed's stage 0 averages the ranks' own norms instead, so its clipping
+        dense gradients (the same on every rank) plus every expert's once. Summed exactly over the
+        data-parallel group (``zero/grad_norm.py``), each rank's dense squares counted as one of
+        ``comm.size`` copies and its expert squares as one of its expert-data-parallel size (the replicas
+        of the same experts). (DeepSpeed's stage 0 averages the ranks' own norms instead, so its clipping
         depends on ep_size; this is the norm its ZeRO 1/2 and bf16 paths take: docs/moe.md.)"""
-        dense_sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        expert_sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for p, g in zip(self.params, self.reducer.grads_of(self.params)):
-            sq = g.float().pow(2).sum()
-            if expert_of(p) is None:
-                dense_sq += sq
-            else:
-                expert_sq += sq / self.ctx.reduction_group(p).size
-        total = dense_sq + self.ctx.comm.all_reduce_sum_scalar(expert_sq)
-        return float(total.sqrt().item())
+        comm = self.ctx.comm
+        keys: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params):
+            keys.setdefault(comm.size if expert_of(p) is None else self.ctx.reduction_group(p).size, []).append(i)
+        sources: dict[int, list[Pieces]] = {
+            c: [lambda idx=idx: self.reducer.grads_of([self.params[i] for i in idx])] for c, idx in keys.items()}
+        return exact_norm(sources, [comm] if comm.size > 1 else [], self.ctx.device, self._norm_scratch(),
+                          copies_max=max(keys))
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): the gradient hooks go."""
         self.reducer.remove_hooks()
 
-    def local_grad_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for p, g in zip(self.params, self.reducer.grads_of(self.params)):
-            total += norm_weight(p) * g.float().pow(2).sum()
-        return total
-
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
         if self.masters is not None:
             self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
-            self.optimizer.step()
+            self._optimizer_step()
             self.masters.clear_grads()
             self.masters.publish()
         else:
             if grad_multiplier != 1.0:
                 torch._foreach_mul_(self.reducer.grads(), grad_multiplier)
+            self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        """torch's fused host Adam steps whole vectors only (``optim/whole_vectors.py``), so each element's
+        update is the one stages 1-3 compute on their shard pieces; any other optimizer steps as it is."""
+        if uses_fused_host_kernel(self.optimizer):
+            step_whole_vectors(self.optimizer)
+        else:
             self.optimizer.step()
 
     def zero_grad(self) -> None:

@@ -25,7 +25,8 @@ from deepshard.zero.offload.policy import NoOffload
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout, Fragment
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
-from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm  # noqa: F401 (re-exported)
+from deepshard.zero.grad_norm import Pieces
+from deepshard.zero.sharded_optimizer import ShardedOptimizer
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 
 
@@ -118,13 +119,10 @@ class Stage12Strategy(ZeroStrategy):
         self.reducer.end_backward()
 
     # ---------------------------------------------------------------------------------------- step
-    def global_grad_norm(self, loss_scale: float) -> float:
-        local = squared_norm(self._grad_shards(), self.ctx.device)
-        total = self.ctx.comm.all_reduce_sum_scalar(local)
-        return float(total.sqrt().item()) / loss_scale
-
-    def local_grad_sq(self) -> torch.Tensor:
-        return self.opt_shard.local_grad_sq(self.module)
+    def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
+        if not by_copies:
+            return {1: [self._grad_shards]}
+        return self.opt_shard.norm_sources(self.module)
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from deepshard.comm.group import CommGroup
-from deepshard.placement import claim, expert_of, owner_of as placement_owner, release
+from deepshard.placement import claim, expert_of, norm_weight, owner_of as placement_owner, release
 from deepshard.precision.policy import PrecisionPolicy
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.grad_comm import GradReduce
+from deepshard.zero.grad_norm import NormScratch, Pieces, exact_norm
 from deepshard.zero.offload.policy import OffloadPolicy
 
 
@@ -127,6 +128,22 @@ class StrategyContext:
         return index, groups
 
 
+def copies_of(param: torch.Tensor) -> int:
+    """How many model-parallel ranks hold ``param`` (1 unless replicated over tensor-parallel ranks or tied
+    across pipeline stages)."""
+    return max(1, round(1.0 / norm_weight(param)))
+
+
+def sources_by_copies(params: list[torch.nn.Parameter], grads: Callable[[list[int]], Iterable[torch.Tensor]],
+                      by_copies: bool) -> dict[int, list[Pieces]]:
+    """Gradient sources keyed by copies: ``grads(indices)`` yields the gradients of ``params[i]`` for
+    ``i`` in ``indices`` (read when the norm asks for them). One key, 1, when ``by_copies`` is False."""
+    keys: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        keys.setdefault(copies_of(p) if by_copies else 1, []).append(i)
+    return {c: [lambda idx=idx: grads(idx)] for c, idx in keys.items()}
+
+
 def owner_of(param: torch.Tensor) -> "ZeroStrategy | None":
     """The strategy that manages ``param``, if any (kept on the parameter: ``placement.py``)."""
     found = placement_owner(param)
@@ -164,27 +181,35 @@ class ZeroStrategy(ABC):
     """True when this rank holds 1/dp of the reduced gradient (stages 1-3): its sum of squares is summed
     over the data-parallel group; False when every dp rank holds all of it (stage 0)."""
 
-    @abstractmethod
-    def global_grad_norm(self, loss_scale: float) -> float:
-        """The L2 norm of the full (unscaled, reduced) gradient over the data-parallel group; inf/nan on
-        overflow. With model parallelism, the engine calls ``model_grad_norm`` instead."""
+    def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
+        """This rank's reduced gradient tensors, keyed by how many model-parallel ranks hold a copy of each
+        (``placement.py``: a replicated or tied parameter counts once in the norm); all under key 1 when
+        ``by_copies`` is False (no model parallelism)."""
+        raise NotImplementedError(f"{type(self).__name__} does not compute a gradient norm")
 
-    def local_grad_sq(self) -> torch.Tensor:
-        """This rank's sum of squared gradient elements, each parameter weighted by
-        ``1 / copies`` (``placement.py``) so a replicated or tied parameter counts once."""
-        raise NotImplementedError(f"{type(self).__name__} does not support model parallelism")
+    def global_grad_norm(self, loss_scale: float) -> float:
+        """The L2 norm of the full (unscaled, reduced) gradient over the data-parallel group; inf on
+        overflow. The same bits at every stage and shard layout (``zero/grad_norm.py``). With model
+        parallelism, the engine calls ``model_grad_norm`` instead."""
+        groups = [self.ctx.comm] if self.grads_sharded and self.ctx.comm.size > 1 else []
+        return exact_norm(self.norm_sources(False), groups, self.ctx.device, self._norm_scratch()) / loss_scale
 
     def model_grad_norm(self, loss_scale: float) -> float:
         """The norm of the whole model's gradient: summed over dp, then over the model-parallel group
-        (``ctx.model_parallel``). Without model parallelism this is ``global_grad_norm``."""
+        (``ctx.model_parallel``), each element weighted by ``1 / copies``. Without model parallelism this
+        is ``global_grad_norm``."""
         mp = self.ctx.model_parallel
         if mp is None or mp.size == 1:
             return self.global_grad_norm(loss_scale)
-        sq = self.local_grad_sq().float().reshape(1)
-        if self.grads_sharded:
-            sq = self.ctx.comm.all_reduce_sum_scalar(sq)
-        sq = mp.all_reduce_sum_scalar(sq)
-        return float(sq.sqrt().item()) / loss_scale
+        groups = ([self.ctx.comm] if self.grads_sharded and self.ctx.comm.size > 1 else []) + [mp]
+        return exact_norm(self.norm_sources(True), groups, self.ctx.device, self._norm_scratch(),
+                          copies_max=mp.size) / loss_scale
+
+    def _norm_scratch(self) -> NormScratch:
+        scratch = getattr(self, "_norm_buffers", None)
+        if scratch is None:
+            scratch = self._norm_buffers = NormScratch()
+        return scratch
 
     @abstractmethod
     def step(self, grad_multiplier: float) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from deepshard.optim.kernels import fuse_host_adam
-from deepshard.zero.optimizer_guard import real_step
+from deepshard.optim.whole_vectors import step_whole_vectors
 
 from deepshard.zero.partition import Fragment
 
@@ -150,7 +150,7 @@ class ResidentStates(ShardStates):
                 fp.grad = src
         if not mixed and multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
-        real_step(self.optimizer)  # type: ignore[arg-type]
+        step_whole_vectors(self.optimizer)  # type: ignore[arg-type]
         if mixed:
             for fp in self.params:
                 fp.grad = None
@@ -163,7 +163,7 @@ class ResidentStates(ShardStates):
         for fp, src in zip(params, grads):
             g = src.to(torch.float32) if src.dtype != torch.float32 else src
             fp.grad = g.mul_(multiplier) if multiplier != 1.0 else g
-        real_step(self.optimizer)  # type: ignore[arg-type]
+        step_whole_vectors(self.optimizer)  # type: ignore[arg-type]
         for fp in params:
             fp.grad = None
         if self.masters is not None:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from deepshard.zero.optimizer_guard import real_step
+from deepshard.optim.whole_vectors import step_whole_vectors
 
 from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
@@ -308,7 +308,7 @@ class SubGroupStates(ShardStates):
             self._set_staged_grads(slot, multiplier)
         else:
             self._set_grads(slot.sg, grads, multiplier)
-        real_step(opt)  # type: ignore[arg-type]
+        step_whole_vectors(opt)  # type: ignore[arg-type]
         self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
         if self.has_masters and not self.masters_in_params:  # (shared: updated in the parameter shard)
             publish(slot.sg.start, slot.tensors[MASTER])

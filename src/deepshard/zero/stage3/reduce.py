@@ -19,7 +19,7 @@ import torch
 from deepshard.comm.group import CommGroup
 from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.grad_reducers import grad_piece
-from deepshard.zero.in_flight import InFlight, InFlightQueue, averaging_factor
+from deepshard.zero.in_flight import InFlight, InFlightQueue, averaged, averaging_factor
 from deepshard.zero.stage3.group import ShardedGroup
 
 
@@ -90,7 +90,7 @@ class Stage3Reducer:
             chunk = item.work.result
             self.on_reduced(item.index, chunk.mul_(self.post) if self.post != 1.0 else chunk)
             return
-        self.accumulate(self.offsets[item.index], item.work.result, self.post)
+        self.accumulate(self.offsets[item.index], averaged(item.work.result, group.dtype, self.post), 1.0)
 
     def finish_in_flight(self) -> None:
         """Complete the reduce-scatters in flight (a module's backward is about to produce more

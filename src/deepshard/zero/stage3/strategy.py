@@ -27,6 +27,7 @@ from deepshard.zero.optimizer_guard import guard
 from deepshard.zero.offload.states import ShardStates, StatesSpec
 from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
+from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm
 from deepshard.zero.stage3 import hook_surface, surface
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
@@ -269,13 +270,21 @@ class Stage3Strategy(ZeroStrategy):
     def _grad_shards(self) -> Iterable[torch.Tensor]:
         return self.grads.norm_sources()
 
+    def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
+        if not by_copies:
+            return {1: [self._grad_shards]}
+        return self.opt_shard.norm_sources(self.module)
+
     def global_grad_norm(self, loss_scale: float) -> float:
-        local = self._fused_sq if self.steps_in_backward else squared_norm(self._grad_shards(), self.ctx.device)
-        total = self.ctx.comm.all_reduce_sum_scalar(local)
+        if not self.steps_in_backward:
+            return super().global_grad_norm(loss_scale)
+        # the update was applied group by group in backward: the norm is only reported, from the sums of
+        # squares taken as each group's chunk came in
+        total = self.ctx.comm.all_reduce_sum_scalar(self._fused_sq)
         return float(total.sqrt().item()) / loss_scale
 
-    def local_grad_sq(self) -> torch.Tensor:
-        return self.opt_shard.local_grad_sq(self.module)
+    def model_grad_norm(self, loss_scale: float) -> float:
+        return self.global_grad_norm(loss_scale) if self.steps_in_backward else super().model_grad_norm(loss_scale)
 
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:

@@ -1,0 +1,97 @@
+"""Per-rank bodies of tests/multiproc/test_determinism.py: the same training run at every ZeRO stage (and
+with optimizer offload), whose parameters, losses and gradient norms must agree bit for bit, and the
+reduced gradient against the canonical sum computed here from each rank's own gradient."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.multiproc.models import make_token_batches, make_transformer
+
+MICRO = 2
+STEPS = 4
+CLIP = 0.05  # below the gradient norm: clipping is active in every step
+VARIANTS: list[tuple[int, str]] = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+"""(ZeRO stage, offload_optimizer device) of every run."""
+
+
+def config(stage: int, world: int, dtype: str, offload: str, gas: int = 1,
+           deterministic: bool = False) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 40}
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+        "train_batch_size": MICRO * gas * world, "gradient_clipping": CLIP, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "weight_decay": 0.01}},
+        "zero_optimization": zero}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if deterministic:
+        cfg["deterministic"] = True
+    return cfg
+
+
+def atom(batch: tuple[torch.Tensor, torch.Tensor], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of a global batch."""
+    x, y = batch
+    return x[index * MICRO:(index + 1) * MICRO], y[index * MICRO:(index + 1) * MICRO]
+
+
+def train(rank: int, world: int, stage: int, dtype: str, offload: str) -> dict[str, Any]:
+    """``STEPS`` steps on the tied, twice-called transformer; every rank returns what it saw."""
+    import deepshard
+    from deepshard.utils import safe_get_full_fp32_param
+
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=config(stage, world, dtype, offload))
+    losses, norms = [], []
+    for batch in make_token_batches(STEPS, MICRO * world):
+        loss = engine(*atom(batch, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+        norms.append(engine.get_global_grad_norm())
+    params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def canonical_sum(values: list[torch.Tensor]) -> torch.Tensor:
+    """The canonical order over ranks, written out: split after the largest power of two below the span."""
+    if len(values) == 1:
+        return values[0].clone()
+    half = 1
+    while half * 2 < len(values):
+        half *= 2
+    return canonical_sum(values[:half]) + canonical_sum(values[half:])
+
+
+def reduced_gradient(rank: int, world: int, stage: int) -> bool:
+    """After one backward, every parameter's reduced gradient is ``canonical_sum(per-rank gradients) / world``,
+    the per-rank gradients computed here in one process from each rank's micro-batch."""
+    import deepshard
+    from deepshard.utils import safe_get_full_grad
+
+    batch = make_token_batches(1, MICRO * world)[0]
+    engine, *_ = deepshard.initialize(model=make_transformer(), config=config(stage, world, "fp32", "none"))
+    engine.backward(engine(*atom(batch, rank)))
+    got = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    engine.destroy()
+    local = []
+    for r in range(world):
+        model = make_transformer()
+        model(*atom(batch, r)).backward()
+        local.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    factor = 1.0 / world
+    return all(torch.equal(got[n], canonical_sum([g[n] for g in local]).mul_(factor)) for n in got)
+
+
+def stage_world(rank: int, world: int) -> dict[str, Any]:
+    """Every variant in fp32 and bf16, and the reduced-gradient check at stages 0 and 3 (rank 0 keeps
+    the results)."""
+    out: dict[str, Any] = {"reduced": {s: reduced_gradient(rank, world, s) for s in (0, 3)}}
+    for dtype in ("fp32", "bf16"):
+        for stage, offload in VARIANTS:
+            out[(dtype, stage, offload)] = train(rank, world, stage, dtype, offload)
+    return out if rank == 0 else {"reduced": out["reduced"]}
