@@ -249,9 +249,20 @@ def _engine_precision() -> dict[str, Any]:
     return {"checks": checks, "dtypes": dtypes, "casts": casts}
 
 
+def _expert_ranks() -> list[Any]:
+    """DeepSpeed's expert-parallel layout of a world: ranks only, no process group."""
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    cases = [(16, 2, 4, 1, False), (16, 2, 4, 1, True), (16, 1, 2, 2, True), (32, 2, 2, 2, False),
+             (24, 2, 3, 2, True), (8, 1, 8, 1, False), (12, 2, 4, 1, False), (12, 5, 1, 1, False)]
+    return [_call(lambda c=c: _get_expert_parallel_ranks(*c)) for c in cases]
+
+
 def run() -> dict[str, Any]:
     """Every case, by name."""
-    return {"engine_precision": _engine_precision(), "comms_logger": _comms_logger(), "runners": _runners(), "config_model": _config_model(), "numa": _numa(), "partitions": _partitions(), "launcher": _launcher(), "files": _files(),
+    return {"engine_precision": _engine_precision(), "comms_logger": _comms_logger(), "runners": _runners(),
+            "config_model": _config_model(), "numa": _numa(), "partitions": _partitions(), "launcher": _launcher(),
+            "files": _files(), "expert_ranks": _expert_ranks(),
             "numbers": _numbers(), "tracker": _tracker(), "configs": _configs(), "config_object": _config_object(),
             "ops": _ops_and_device()}
 

@@ -116,7 +116,7 @@ def test_accelerate_recipe_under_deepshard_launch_and_one_import(tmp_path: Path)
                               env=_env(RECIPE_OUT=str(launched)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)]
     # the one-import form under the plain launcher, with the variables Accelerate's launcher would set
-    from deepshard.launcher import accelerate_config as ac
+    from deepshard.accelerate import launch_config as ac
 
     from_yaml = ac.plan(ac.read_config_file(config), {}, "x.py", []).env
     procs.append(subprocess.Popen([*_deepshard(), "--num_gpus", "2", "--master_port", str(_free_port()),

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from deepshard.launcher import accelerate_config as ac
-from deepshard.launcher.accelerate_cli import build_launch_parser, config_main, _flags
+from deepshard.accelerate import launch_config as ac
+from deepshard.accelerate.cli import build_launch_parser, config_main, _flags
 from deepshard.launcher.options import LaunchError
 
 YAML = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "DEEPSPEED",
@@ -152,7 +152,7 @@ def test_a_bad_accelerate_file_is_one_line_naming_the_file_and_line(tmp_path: Pa
     """Raw yaml.ParserError / ScannerError / UnicodeDecodeError / 'dictionary update sequence' tracebacks
     before, and an empty file started one process; now `deepshard launch` exits 2 with one line."""
     pytest.importorskip("yaml", reason="reading YAML needs PyYAML (the accelerate extra)")
-    from deepshard.launcher.accelerate_cli import launch_main
+    from deepshard.accelerate.cli import launch_main
 
     path = tmp_path / "c.yaml"
     path.write_bytes(content)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.launcher import accelerate_config as ac
-from deepshard.launcher import cli, commands, rank_errors
-from deepshard.launcher.accelerate_cli import build_launch_parser, config_main
+from deepshard.accelerate import launch_config as ac
+from deepshard import commands
+from deepshard.launcher import cli, rank_errors
+from deepshard.accelerate.cli import build_launch_parser, config_main
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.rank_entry import COMPAT_RUN, KEEP_DEEPSPEED, REPLACE_ENV, route_ranks
+from deepshard.compat.run import COMPAT_RUN, KEEP_DEEPSPEED, REPLACE_ENV, route_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 

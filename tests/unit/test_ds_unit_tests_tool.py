@@ -126,3 +126,7 @@ def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
     assert "| `t3` | error | calls DeepSpeed's private _foo |" in text
     assert "Not judged: pending: mixture-of-experts" in text
     assert "**Overall: 1 of the 3 tests that pass on DeepSpeed pass on deepshard (33%).**" in text
+    assert "Not run yet" not in text
+    partial = report.render(results, [], ["a/test_*.py", "moe/test_*.py", "comm/test_*.py", "launcher/test_*.py"])
+    assert "do not cover (the overall figure above does not count them): `comm/test_*.py`, `launcher/test_*.py`." \
+        in partial

@@ -407,7 +407,7 @@ def test_a_routed_script_gets_local_rank_right_after_its_path(tmp_path: Path) ->
     """The launcher starts ``deepshard.compat.run --local_rank=N [flags] script args``; the script sees
     ``[script, --local_rank=N, args]``, DeepSpeed's order."""
     from deepshard.compat.run import main as run_main
-    from deepshard.launcher.rank_entry import KEEP_DEEPSPEED
+    from deepshard.compat.run import KEEP_DEEPSPEED
 
     script, seen = tmp_path / "s.py", tmp_path / "argv.json"
     script.write_text(f"import json, sys\njson.dump(sys.argv, open({str(seen)!r}, 'w'))\n")

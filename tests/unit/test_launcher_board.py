@@ -18,13 +18,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeoutError
 
 from deepshard.launcher.board import JobBoard, JobFailure
-from deepshard.launcher.link import JobLink, format_job_failure
+from deepshard.launcher.board import JobLink, format_job_failure
 from deepshard.launcher.local import TORCH_SETS, LocalLaunch
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import Output
-from deepshard.launcher.rank_streams import RankStream, RankStreams
-from deepshard.launcher.rank_watch import OUTPUT_ENV, STATUS_ENV, RankWatch, shim_argv
+from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, RankWatch, shim_argv
 from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, Watchdog, open_rendezvous
 from deepshard.launcher.report import others_outcome
 

@@ -50,7 +50,7 @@ def test_a_port_in_use_is_refused_naming_the_flag_and_a_free_port(script: str,
 
 def test_deepshard_launch_names_its_own_port_flag(tmp_path: Path, script: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`deepshard launch` takes --main_process_port and rejects --master_port: its port error says so."""
-    from deepshard.launcher.accelerate_cli import launch_main
+    from deepshard.accelerate.cli import launch_main
 
     config = tmp_path / "accelerate.json"
     config.write_text('{"distributed_type": "DEEPSPEED", "num_processes": 1, "use_cpu": true}')

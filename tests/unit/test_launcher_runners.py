@@ -11,7 +11,7 @@ from deepshard.launcher.cli import parse_args
 from deepshard.launcher.hostfile import decode_world_info, encode_world_info
 from deepshard.launcher.multinode import check_ssh, plan_mpi, plan_pdsh, plan_ssh, process_flags
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.runners import (
+from deepshard.launcher.multinode import (
     hydra_command,
     node_agent_argv,
     openmpi_command,

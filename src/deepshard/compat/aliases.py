@@ -35,6 +35,7 @@ RENAMED: dict[str, str] = {
     "deepspeed.sequence": "deepshard.sp",
     "deepspeed.sequence.layer": "deepshard.sp.ulysses",
     "deepspeed.moe.sharded_moe": "deepshard.moe.sharded_moe",
+    "deepspeed.launcher.multinode_runner": "deepshard.compat.multinode_runner",
 }
 """DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
 

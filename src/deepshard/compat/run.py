@@ -1,7 +1,7 @@
 """``python -m deepshard.compat.run [--keep_deepspeed] [-m] TARGET [ARGS...]``: run a script (or, with
 ``-m``, a module) as ``__main__`` with ``import deepspeed`` resolving to deepshard. The ``deepshard``
-launcher and ``deepshard launch`` start every Python rank this way, so the user's script (Accelerate, the
-Trainer, a DeepSpeed script) needs no change.
+launcher and ``deepshard launch`` start every Python rank this way (:func:`route_ranks` is the launcher's side),
+so the user's script (Accelerate, the Trainer, a DeepSpeed script) needs no change.
 
 A real DeepSpeed installed next to deepshard is shadowed only with ``DEEPSHARD_REPLACE_DEEPSPEED=1``
 (``--replace_deepspeed`` on either launcher); the launcher passes ``--keep_deepspeed`` otherwise, and the
@@ -15,13 +15,44 @@ written to torch's elastic error file (``TORCHELASTIC_ERROR_FILE``) before the r
 """
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
+from collections.abc import MutableMapping
 
-from deepshard.compat import install
-from deepshard.launcher.rank_entry import KEEP_DEEPSPEED
+from deepshard.compat import REPLACE_ENV, install, installed_deepspeed, is_installed
 from deepshard.launcher.rank_errors import VERBOSE_ENV, report
+from deepshard.utils.logging import logger
+
+COMPAT_RUN = "deepshard.compat.run"
+KEEP_DEEPSPEED = "--keep_deepspeed"
+
+
+def real_deepspeed() -> str | None:
+    """Where a real DeepSpeed is importable from in this environment, or None (nothing is imported)."""
+    return None if is_installed() else installed_deepspeed()  # installed: this process answers it: look past
+
+
+def route_ranks(args: argparse.Namespace, real: str | None, environ: MutableMapping[str, str]) -> argparse.Namespace:
+    """The launcher's side: ``args`` (its parsed command line) with the user's script run through this module
+    (``--no_python`` and a launch already routed here are left as they are). ``real`` is :func:`real_deepspeed`'s
+    answer; with ``--replace_deepspeed`` the ranks are told (``environ``) to shadow it."""
+    if args.no_python or (args.module and args.user_script == COMPAT_RUN):
+        return args
+    head: list[str] = []
+    if real is not None and not args.replace_deepspeed:
+        logger.info("DeepSpeed is installed (%s): the script's `import deepspeed` runs DeepSpeed itself; "
+                    "pass --replace_deepspeed to run deepshard in its place", real)
+        head.append(KEEP_DEEPSPEED)
+    elif real is not None:
+        logger.info("`import deepspeed` in the script runs deepshard in place of the DeepSpeed installed at "
+                    "%s (--replace_deepspeed)", real)
+        environ[REPLACE_ENV] = "1"
+    if args.module:
+        head.append("-m")
+    return argparse.Namespace(**{**vars(args), "module": True, "user_script": COMPAT_RUN,
+                                 "user_args": [*head, args.user_script, *args.user_args]})
 
 
 def _run(args: list[str], as_module: bool) -> None:

@@ -1,6 +1,6 @@
 """One node's ranks under torch's elastic agent (the engine ``torchrun`` runs on), driven through its public
-interface: ``LocalElasticAgent(...).run()`` with deepshard's ``LogsSpecs`` (:mod:`.rank_streams`), rank shim
-(:mod:`.rank_watch`) and rendezvous handler (:mod:`.rendezvous`), whose calls reach :class:`JobWatch`."""
+interface: ``LocalElasticAgent(...).run()`` with deepshard's ``LogsSpecs`` and rank shim (:mod:`.rank_streams`) and
+rendezvous handler (:mod:`.rendezvous`), whose calls reach :class:`JobWatch`."""
 from __future__ import annotations
 
 import logging
@@ -17,13 +17,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from deepshard.launcher.board import JobFailure, StoreLost
-from deepshard.launcher.link import JobLink
+from deepshard.launcher.board import JobFailure, JobLink, StoreLost
 from deepshard.launcher.local import AgentJob
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status
-from deepshard.launcher.rank_streams import RankStream, RankStreams
-from deepshard.launcher.rank_watch import STATUS_ENV, RankWatch, shim_argv
+from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, signal_group
+from deepshard.launcher.rank_streams import STATUS_ENV, RankStream, RankStreams, RankWatch, shim_argv
 from deepshard.launcher.rendezvous import JobRendezvous, RendezvousFailed
 from deepshard.launcher.report import report_held, report_local
 from deepshard.utils.logging import logger
@@ -63,18 +61,16 @@ class JobWatch:
         self._saved: dict[int, Any] = {}
         self._lock = threading.Lock()
 
-    # ---------------------------------------------------------------------- an attempt starts and runs
-
     def begin(self, envs: dict[int, dict[str, str]]) -> None:
         """torch is about to start an attempt's ranks (``LogsSpecs.reify``): watch them through the shim."""
         with self._lock:
-            self.attempt = self.streams.attempt
+            self.attempt = attempt = self.streams.attempt
             self.restart_count = int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
             self.first, self.stopped, self.job_failure, self.stopping, self.groups = None, set(), None, False, {}
         self.streams.out.release()
         if self.link is not None:
             self.link.new_attempt()
-        path, attempt = self.streams.path(f"attempt{self.attempt}-status.pipe"), self.attempt
+        path = self.streams.path(f"attempt{attempt}-status.pipe")
         self._watch = RankWatch(path, lambda local, pid, group: self._started(attempt, local, pid, group),
                                 lambda local, pid, code: self._exited(attempt, local, pid, code))
         for env in envs.values():
@@ -82,9 +78,9 @@ class JobWatch:
 
     def _started(self, attempt: int, local_rank: int, pid: int, group: int) -> None:
         with self._lock:
+            streams = self.streams.streams
             if attempt != self.attempt:
                 return
-            streams = self.streams.streams
             streams[local_rank].pid, self.groups[local_rank] = pid, group
             self.streams.opened(local_rank)
             if any(s.pid is None for s in streams.values()):
@@ -116,7 +112,7 @@ class JobWatch:
         running = [s.local_rank for s in self.streams.streams.values() if s.running]
         self.stopped |= set(running)
         for local_rank in running:
-            _signal(self.groups.get(local_rank), signal.SIGTERM)
+            signal_group(self.groups.get(local_rank), signal.SIGTERM)
         timer = threading.Timer(GRACE_S, self._kill, args=(self.attempt, running))
         timer.daemon = True
         timer.start()
@@ -125,7 +121,7 @@ class JobWatch:
         with self._lock:
             for local_rank in local_ranks:
                 if attempt == self.attempt and self.streams.streams[local_rank].running:
-                    _signal(self.groups.get(local_rank), signal.SIGKILL)
+                    signal_group(self.groups.get(local_rank), signal.SIGKILL)
 
     def tick(self, force: bool = False) -> bool:
         """torch's agent looks at the job (main thread, every monitor interval while the ranks run); True while
@@ -169,8 +165,6 @@ class JobWatch:
         self.running_at_signal = sum(1 for s in self.streams.streams.values() if s.running)
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    # ---------------------------------------------------------------------- an attempt ends
-
     def attempt_ended(self, restarting: bool) -> None:
         """Every rank of the attempt is gone: drain their output and report (raises ``JobStopped`` where the job
         must end instead of restarting)."""
@@ -184,17 +178,18 @@ class JobWatch:
             raise JobStopped(stop)
 
     def report(self, restarting: bool) -> None:
-        """Print this attempt's failure, then the other ranks' output since."""
+        """Print this attempt's failure (the failing rank's own last words first), then the other ranks' output
+        since: as it is on a multi-node job (the report names the job's failure), folded on one machine."""
         first, out = self.first, self.streams.out
-        if first is not None and first.held:  # the failing rank's own last words, where they belong
+        if first is not None and first.held:
             out.write_now(bytes(first.held))
             first.held.clear()
-        if self.link is not None:  # then the ranks' own words, as they are: the report names the job's failure
+        if self.link is not None:
             if self.job_failure is not None:
-                self.job_failure = self.link.blame(self.job_failure)
+                self.job_failure = failure = self.link.blame(self.job_failure)
                 ending = (f"restarting every rank (restart {self.restart_count + 1} of {self.job.max_restarts})"
-                          if restarting else f"exiting with code {self.job_failure.exit_code}")
-                self.link.report(self.job_failure, self.job.nproc, ending)
+                          if restarting else f"exiting with code {failure.exit_code}")
+                self.link.report(failure, self.job.nproc, ending)
             out.release()
             out.flush_stale(list(self.streams.streams.values()), 0.0)
             return
@@ -218,24 +213,12 @@ class JobWatch:
             self.first = self.streams.mark_exited(failure.local_rank, failure.exitcode)
 
 
-def _signal(group: int | None, sig: int) -> None:
-    try:
-        if group is not None:
-            os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _torch_logs() -> None:
-    level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
-    logging.getLogger("torch.distributed.elastic").setLevel(level)  # deepshard reports starts and stops
-
-
 def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
               on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's exit
     code, 1 for a rank killed by a signal or a lost node, 128+N for signal N, 2 for mismatched nodes)."""
-    _torch_logs()
+    level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(level)  # deepshard reports starts and stops
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
     streams = RankStreams(Output(), job.log_dir)
     watch = JobWatch(job, streams, link, on_started)
@@ -246,15 +229,20 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
                       args=tuple(args), max_restarts=job.max_restarts, monitor_interval=MONITOR_INTERVAL_S)
     barrier_s = EXIT_BARRIER_S if link is not None else rdzv.place.join_timeout_s
     agent = LocalElasticAgent(spec, streams, exit_barrier_timeout=barrier_s, shutdown_timeout=GRACE_S)
-    where = f"node {link.node_rank} ({link.host}): " if link is not None else ""
-    shut = True
+    where, shut = (f"node {link.node_rank} ({link.host}): " if link is not None else ""), True
+
+    def say(message: str, code: int) -> int:
+        print(f"deepshard: {where}{message}", file=sys.stderr, flush=True)
+        return code
+
     try:
         watch.install_signal_handlers()
         result = agent.run()
-        if result is not None and result.is_failed():
-            watch.take_failures(result.failures)
+        failures = result.failures if result is not None and result.is_failed() else None
+        if failures is not None:
+            watch.take_failures(failures)
         watch.attempt_ended(restarting=False)
-        if result is not None and result.is_failed():
+        if failures is not None:
             return watch.exit_code()
         found = link.await_others(watch.attempt) if link is not None else None
         if link is None or found is None:
@@ -266,27 +254,21 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
         running = watch.running_at_signal or 0
         told = f"forwarding it to {running} running {'rank' if running == 1 else 'ranks'}" if running else \
             "no rank was running"
-        print(f"deepshard: {where}received {exc.sigval.name}; {told}", file=sys.stderr, flush=True)
+        code = say(f"received {exc.sigval.name}; {told}", 128 + exc.sigval)
         if link is not None:
-            link.abort(f"received {exc.sigval.name}", 128 + exc.sigval)
-        return 128 + exc.sigval
+            link.abort(f"received {exc.sigval.name}", code)
+        return code
     except JobStopped as exc:
         return exc.failure.exit_code
     except LaunchError as exc:
-        print(f"deepshard: {where}error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return say(f"error: {exc}", 2)
     except (RendezvousFailed, StoreLost) as exc:
-        print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)
-        return 1
+        return say(str(exc), 1)
     except DistError as exc:  # a store wait of torch's agent ran out (a node went away while they met)
-        print(f"deepshard: {where}attempt {watch.attempt + 1}: {str(exc).splitlines()[0]}", file=sys.stderr,
-              flush=True)
-        return 1
+        return say(f"attempt {watch.attempt + 1}: {str(exc).splitlines()[0]}", 1)
     except RendezvousError as exc:  # torch's rendezvous lost its store while the ranks ran
         cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
-        print(f"deepshard: {where}the rendezvous store at {rdzv.place.endpoint} (node 0's agent) stopped answering: "
-              f"{exc}{cause}", file=sys.stderr, flush=True)
-        return 1
+        return say(f"the rendezvous store at {rdzv.place.endpoint} (node 0's agent) stopped answering: {exc}{cause}", 1)
     finally:
         streams.cleanup()
         _close(rdzv, link, shut)

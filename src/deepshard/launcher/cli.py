@@ -10,10 +10,11 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from deepshard.commands import add_command_list, find_command, run_command
+from deepshard.compat.run import real_deepspeed, route_ranks
 from deepshard.launcher import multinode, node, rank_errors
-from deepshard.launcher.commands import add_command_list, find_command, run_command
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
-from deepshard.launcher.hostfile import assign_ranks, parse_node_spec, read_hostfile, resolve_resources
+from deepshard.launcher.hostfile import parse_node_spec, read_hostfile, resolve_resources
 from deepshard.launcher.local import AgentJob, detect_cuda_devices
 from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
@@ -25,16 +26,18 @@ from deepshard.launcher.options import (
     add_process_args,
     add_resource_args,
     add_script_args,
+    check_port_free,
+    free_port,
+    prepare_log_dir,
 )
-from deepshard.launcher.preflight import check_port_free, free_port, prepare_log_dir
-from deepshard.launcher.rank_entry import real_deepspeed, route_ranks
 from deepshard.utils.logging import logger
 from deepshard.utils.progress import PROGRESS_ENV
 
 LOCAL_HOST = "localhost"
+Runner = Callable[[Callable[[list[int]], None] | None], int]  # runs the planned launch; gets the pids callback
 
-__all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_parser", "help_parser", "launch",
-           "launch_mode", "main", "parse_args", "plan_launch", "select_nodes"]
+__all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_parser", "launch", "launch_mode", "main",
+           "parse_args", "plan_launch", "select_nodes"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch a training script on this machine or on the hosts of a hostfile.",
         epilog="example: deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json")
     parser.add_argument("--version", action="version", version=f"deepshard {__version__}")
-    add_resource_args(parser)
-    add_multi_node_args(parser)
-    add_process_args(parser)
-    add_script_args(parser)
+    for add in (add_resource_args, add_multi_node_args, add_process_args, add_script_args):
+        add(parser)
     return parser
 
 
@@ -64,56 +65,26 @@ def local_hostnames() -> set[str]:
 
 def _localize_spec(spec: str, names: set[str]) -> str:
     """Rewrite this machine's aliases in a node spec to ``localhost`` (runs without a hostfile)."""
-    if not spec:
-        return spec
-    parts = []
-    for host, slots in parse_node_spec(spec).items():
-        host = LOCAL_HOST if host in names else host
-        parts.append(host if slots is None else f"{host}:{','.join(map(str, slots))}")
-    return "@".join(parts)
+    parts = [(LOCAL_HOST if host in names else host, slots) for host, slots in parse_node_spec(spec).items()]
+    return "@".join(host if slots is None else f"{host}:{','.join(map(str, slots))}" for host, slots in parts)
 
 
-def _cpu_slot_count(args: argparse.Namespace, include: str) -> int:
-    """Slots of this machine without a hostfile on CPU, where a slot is a process."""
-    if args.num_gpus > 0:
-        return args.num_gpus
-    wanted = parse_node_spec(include).get(LOCAL_HOST) if include else None
-    if wanted:
-        return max(wanted) + 1
-    return 1
-
-
-def _say_cpu_default(args: argparse.Namespace, hostfile: dict[str, int] | None,
-                     cuda_devices: list[str] | None) -> None:
-    if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
-        logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
-
-
-def _resources(args: argparse.Namespace, hostfile: dict[str, int] | None,
-               cuda_devices: list[str] | None, names: set[str]) -> tuple[dict[str, int], str, str]:
-    """Hosts and slot counts to select from, and the include/exclude specs to apply."""
+def _resources(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_devices: list[str] | None,
+               names: set[str]) -> tuple[dict[str, int], str, str]:
+    """Hosts and slot counts to select from, and the include/exclude specs to apply. Without a hostfile on CPU a
+    slot is a process: ``--num_gpus`` of them, else as many as ``--include`` names, else one."""
     if hostfile is not None:
         return dict(hostfile), args.include, args.exclude
     if args.num_nodes > 1:
         raise LaunchError(f"--num_nodes {args.num_nodes} needs a hostfile listing the nodes, but "
                           f"{args.hostfile} does not exist; pass -H/--hostfile or drop --num_nodes")
-    include, exclude = _localize_spec(args.include, names), _localize_spec(args.exclude, names)
+    include = _localize_spec(args.include, names) if args.include else ""
+    exclude = _localize_spec(args.exclude, names) if args.exclude else ""
     if cuda_devices is not None:
         return {LOCAL_HOST: len(cuda_devices)}, include, exclude
-    return {LOCAL_HOST: _cpu_slot_count(args, include)}, include, exclude
-
-
-def _single_node(active: dict[str, list[int]], names: set[str]) -> str:
-    hosts = list(active)
-    if len(hosts) > 1:
-        raise LaunchError(f"this selection spans {len(hosts)} nodes ({', '.join(hosts)}): a multi-node "
-                          "launch (see launch_mode), not a single-machine plan")
-    host = hosts[0]
-    if host not in names:
-        logger.warning("the selection names only host %r, which is not this machine (%s); "
-                       "running its %d slots here, as DeepSpeed does for a single node",
-                       host, socket.gethostname(), len(active[host]))
-    return host
+    wanted = parse_node_spec(include).get(LOCAL_HOST) if include else None
+    slots = args.num_gpus if args.num_gpus > 0 else max(wanted) + 1 if wanted else 1
+    return {LOCAL_HOST: slots}, include, exclude
 
 
 def _check_supported(args: argparse.Namespace) -> None:
@@ -155,41 +126,38 @@ def launch_mode(args: argparse.Namespace, active: dict[str, list[int]], pdsh_ava
     if args.node_rank >= 0:
         raise LaunchError(f"--node_rank {args.node_rank} only applies with --no_ssh (run the same command on "
                           "every node); without it the launcher starts every node itself")
-    if args.launcher == "pdsh":
-        if pdsh_available:
-            return "pdsh"
+    if args.launcher == "pdsh" and not pdsh_available:
         logger.info("pdsh is not installed; starting the nodes with ssh")
         return "ssh"
     return args.launcher
 
 
-def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
-                cuda_devices: list[str] | None, available_cores: Sequence[int],
-                names: set[str]) -> AgentJob:
-    """A single-machine launch as torch's agent will run it (pure: nothing is started or read from the system
-    here). A selection of several nodes raises (see :func:`launch_mode`)."""
-    return node.node_agent_job(local_job(args, hostfile, cuda_devices, names), environ, available_cores, environ)
-
-
-def _write_pid_file(path: str, pids: list[int]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(str(pid) for pid in [os.getpid(), *pids]) + "\n")
-
-
 def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_devices: list[str] | None,
               names: set[str]) -> node.NodeJob:
-    """A one-machine launch as a one-node job for torch's agent."""
+    """A one-machine launch as a one-node job for torch's agent (a selection of several nodes raises)."""
     active = select_nodes(args, hostfile, cuda_devices, names)
     if args.force_multi:
         raise LaunchError("--force_multi asks for a multi-node launch, not a single-machine plan")
-    host = _single_node(active, names)
+    if len(active) > 1:
+        raise LaunchError(f"this selection spans {len(active)} nodes ({', '.join(active)}): a multi-node "
+                          "launch (see launch_mode), not a single-machine plan")
+    (host, slots), = active.items()
+    if host not in names:
+        logger.warning("the selection names only host %r, which is not this machine (%s); running its %d slots "
+                       "here, as DeepSpeed does for a single node", host, socket.gethostname(), len(slots))
     for flag in ("launcher_args", "no_ssh_check", "ssh_port", "venv_script"):
         if getattr(args, flag) not in (None, "", False):
             logger.info("--%s only matters for multi-node launch; ignored for this single-node run", flag)
-    slots = [slot for _, _, slot, _ in assign_ranks({host: active[host]})]
     launch = node.launch_from_args(args, cuda_devices, args.master_addr or "127.0.0.1")
     return node.NodeJob({host: slots}, 0, launch, args.max_restarts, args.enable_each_rank_log,
                         elastic=node.elastic_range(args, 1))
+
+
+def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
+                cuda_devices: list[str] | None, available_cores: Sequence[int], names: set[str]) -> AgentJob:
+    """A single-machine launch as torch's agent will run it (pure: nothing is started or read from the system
+    here). A selection of several nodes raises (see :func:`launch_mode`)."""
+    return node.node_agent_job(local_job(args, hostfile, cuda_devices, names), environ, available_cores, environ)
 
 
 def _with_port(args: argparse.Namespace, mode: str, flag: str = "--master_port") -> argparse.Namespace:
@@ -205,9 +173,8 @@ def _with_port(args: argparse.Namespace, mode: str, flag: str = "--master_port")
     return argparse.Namespace(**{**vars(args), "master_port": port})
 
 
-def _prepare(args: argparse.Namespace,
-             port_flag: str = "--master_port") -> tuple[str, Callable[[Callable[[list[int]], None] | None], int]]:
-    """Check and plan everything before a process starts; returns the mode and a runner. Errors about the port
+def _prepare(args: argparse.Namespace, port_flag: str = "--master_port") -> Runner:
+    """Check and plan everything before a process starts; returns the launch's runner. Errors about the port
     name ``port_flag``, the flag of the command the user typed."""
     if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
         raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
@@ -215,41 +182,38 @@ def _prepare(args: argparse.Namespace,
     hostfile = read_hostfile(args.hostfile)
     if hostfile is None and args.hostfile != DEFAULT_HOSTFILE:
         logger.warning("hostfile %s not found; launching on this machine only", args.hostfile)
-    cuda_devices = detect_cuda_devices(os.environ)
-    names = local_hostnames()
+    cuda_devices, names = detect_cuda_devices(os.environ), local_hostnames()
     active = select_nodes(args, hostfile, cuda_devices, names)
-    _say_cpu_default(args, hostfile, cuda_devices)
+    if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
+        logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
     if args.no_ssh:
         args = node.with_node_rank(args, os.environ)  # `srun deepshard --no_ssh ...`: one per node
     mode = launch_mode(args, active, shutil.which("pdsh") is not None)
-    cores = sorted(os.sched_getaffinity(0))
     args = _with_port(route_ranks(args, real_deepspeed(), os.environ), mode, port_flag)
+    master_addr, cores = args.master_addr or next(iter(active)), sorted(os.sched_getaffinity(0))
     if mode == "local":
-        job = local_job(args, hostfile, cuda_devices, names)
-        node.node_agent_job(job, os.environ, cores)  # errors surface now
+        job, env = local_job(args, hostfile, cuda_devices, names), os.environ
+    elif mode == "no_ssh":
+        job = node.job_from_args(argparse.Namespace(**{**vars(args), "master_addr": master_addr}), active,
+                                 os.environ)
+        env = {**os.environ, **read_env_files(env_file_paths(os.environ, os.path.expanduser("~"), os.getcwd()))}
+    else:
+        return _prepare_remote(args, mode, active, master_addr)
+    node.node_agent_job(job, env, cores)  # errors surface now
+    if mode == "local":
         check_port_free(args.master_addr or "127.0.0.1", args.master_port, port_flag)
         if args.enable_each_rank_log:
             prepare_log_dir(args.enable_each_rank_log)
-        return mode, lambda started: node.run_node(job, os.environ, cores, started)
-    master_addr = args.master_addr or next(iter(active))
-    if mode == "no_ssh":
-        job = node.job_from_args(argparse.Namespace(**{**vars(args), "master_addr": master_addr}), active,
-                                 os.environ)
-        base_env = {**os.environ, **read_env_files(env_file_paths(os.environ, os.path.expanduser("~"),
-                                                                  os.getcwd()))}
-        node.node_agent_job(job, base_env, cores)  # errors surface now
-        return mode, lambda started: node.run_node(job, base_env, cores, started)
-    return mode, _prepare_remote(args, mode, active, master_addr)
+    return lambda started: node.run_node(job, env, cores, started)
 
 
-def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[int]],
-                    master_addr: str) -> Callable[[Callable[[list[int]], None] | None], int]:
+def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[int]], master_addr: str) -> Runner:
     exports, cwd = job_exports(os.environ), os.getcwd()
     if mode in multinode.MPI_LAUNCHERS:
-        spec = multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)
-        logger.info("starting %d node agents with %s (master %s:%d)", len(active), spec.cmd[0], master_addr,
+        specs = [multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)]
+        logger.info("starting %d node agents with %s (master %s:%d)", len(active), specs[0].cmd[0], master_addr,
                     args.master_port)
-        return lambda started: multinode.run_agents([spec], started)
+        return lambda started: multinode.run_agents(specs, started)
     if not args.no_ssh_check:
         multinode.check_ssh(list(active), args.ssh_port, shlex.split(args.launcher_args))
     if mode == "pdsh":
@@ -261,23 +225,16 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
     return lambda started: multinode.run_agents(specs, started)
 
 
-def help_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    add_command_list(parser)
-    return parser
-
-
 def main(argv: list[str] | None = None, port_flag: str = "--master_port") -> int:
     """Entry point of the ``deepshard`` console script: a subcommand, else DeepSpeed's launcher; no arguments
     prints the help to stderr and returns 2. ``port_flag``: how errors name the port (``deepshard launch``
     passes its own ``--main_process_port``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv:
-        help_parser().print_help(sys.stderr)
-        return 2
-    if argv[0] in ("-h", "--help"):
-        help_parser().print_help()
-        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        parser = build_parser()
+        add_command_list(parser)
+        parser.print_help(sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     found = find_command(argv)
     if found is not None:
         return run_command(found[0], argv[1:])
@@ -298,27 +255,28 @@ def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master
         os.environ[rank_errors.VERBOSE_ENV] = "1"
     if sys.stderr.isatty():  # the ranks' output reaches a terminal through the launcher: rank 0 shows bars
         os.environ.setdefault(PROGRESS_ENV, "1")
-    if args.autotuning:  # trials through this launcher, then (run) the training: deepshard.autotuning
-        from deepshard.autotuning.tuner import main as autotune
-
-        try:
-            return autotune(args, argv, main)
-        except ValueError as exc:
-            return _error(exc)
     try:
-        _, run = _prepare(args, port_flag)
+        if args.autotuning:  # trials through this launcher, then (run) the training: deepshard.autotuning
+            from deepshard.autotuning.tuner import main as autotune
+
+            return autotune(args, argv, main)
+        run = _prepare(args, port_flag)
     except (LaunchError, ValueError) as exc:
         return _error(exc)
     pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepshard") if args.save_pid else None
-    on_started = (lambda pids: _write_pid_file(pid_file, pids)) if pid_file else None
     try:
         with rank_errors.error_dir(os.environ):
-            return run(on_started)
+            return run(None if pid_file is None else lambda pids: _write_pid_file(pid_file, pids))
     except (LaunchError, ValueError) as exc:
         return _error(exc)
     finally:
         if pid_file and os.path.exists(pid_file):
             os.remove(pid_file)
+
+
+def _write_pid_file(path: str, pids: list[int]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(str(pid) for pid in [os.getpid(), *pids]) + "\n")
 
 
 if __name__ == "__main__":

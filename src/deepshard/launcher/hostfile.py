@@ -94,39 +94,24 @@ def parse_node_spec(spec: str) -> dict[str, list[int] | None]:
     return result
 
 
-def _check_known(resources: dict[str, int], spec: dict[str, list[int] | None], flag: str) -> None:
+def _apply_spec(resources: dict[str, int], text: str, flag: str) -> dict[str, list[int]]:
+    """``--include`` (``flag``) keeps the hosts and slots ``text`` names, ``--exclude`` drops them."""
+    spec = parse_node_spec(text)
     for host, slots in spec.items():
         if host not in resources:
-            raise ValueError(
-                f"{flag} names host {host!r}, which is not in the hostfile (hosts: "
-                f"{', '.join(resources) or 'none'}); fix the name or add '{host} slots=N' to the hostfile")
+            raise ValueError(f"{flag} {text!r} names host {host!r}, which is not in the hostfile (hosts: "
+                             f"{', '.join(resources) or 'none'}); fix the name or add '{host} slots=N' to the hostfile")
         for slot in slots or []:
             if slot >= resources[host]:
-                raise ValueError(
-                    f"{flag} names slot {slot} of host {host!r}, which has {resources[host]} slots "
-                    f"(0..{resources[host] - 1}); pick slots in that range")
-
-
-def _apply_include(resources: dict[str, int], include: str) -> dict[str, list[int]]:
-    spec = parse_node_spec(include)
-    _check_known(resources, spec, f"--include {include!r}")
+                raise ValueError(f"{flag} {text!r} names slot {slot} of host {host!r}, which has {resources[host]} "
+                                 f"slots (0..{resources[host] - 1}); pick slots in that range")
     active: dict[str, list[int]] = {}
     for host, count in resources.items():
-        if host in spec:
-            chosen = spec[host]
-            active[host] = list(range(count)) if chosen is None else chosen
-    return active
-
-
-def _apply_exclude(resources: dict[str, int], exclude: str) -> dict[str, list[int]]:
-    spec = parse_node_spec(exclude)
-    _check_known(resources, spec, f"--exclude {exclude!r}")
-    active: dict[str, list[int]] = {}
-    for host, count in resources.items():
-        dropped = spec.get(host, [])
-        if dropped is None:
-            continue
-        kept = [slot for slot in range(count) if slot not in dropped]
+        named = spec.get(host, [])
+        if flag == "--include":
+            kept = list(range(count)) if named is None else named
+        else:
+            kept = [] if named is None else [slot for slot in range(count) if slot not in named]
         if kept:
             active[host] = kept
     return active
@@ -169,10 +154,8 @@ def resolve_resources(resources: dict[str, int], include: str = "", exclude: str
             f"{'--include ' + repr(include) if include else '--exclude ' + repr(exclude)}; "
             "either drop --num_nodes/--num_gpus or list the slots in the node spec, "
             "e.g. --include 'worker-0:0,1@worker-1:0,1'")
-    if include:
-        active = _apply_include(resources, include)
-    elif exclude:
-        active = _apply_exclude(resources, exclude)
+    if include or exclude:
+        active = _apply_spec(resources, include or exclude, "--include" if include else "--exclude")
     else:
         active = _apply_counts(resources, num_nodes, num_gpus)
     if not active:

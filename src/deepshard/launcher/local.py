@@ -1,32 +1,33 @@
-"""Single-machine launch: what each local rank runs (command, environment, CPU cores), as pure functions."""
+"""One machine's part of a launch: what each local rank runs (command, environment, CPU cores), as pure functions
+(a bad selection raises :class:`LaunchError` before anything starts)."""
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from deepshard.launcher.options import LaunchError
+
+TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
+"""Variables torch's agent (or the rank shim) sets itself, per rank and attempt: never copied into a job."""
+LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each rank's local rank there
 
 
 def detect_cuda_devices(environ: Mapping[str, str]) -> list[str] | None:
     """The visible CUDA device ids in slot order, or ``None`` on CPU (torch is imported only with a GPU driver)."""
     forced = environ.get("DEEPSHARD_ACCELERATOR") or environ.get("DS_ACCELERATOR")
-    if forced == "cpu":
-        return None
-    if forced != "cuda" and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
+    if forced == "cpu" or (forced != "cuda" and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))):
         return None
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         if forced == "cuda":
-            raise LaunchError("DEEPSHARD_ACCELERATOR=cuda but torch sees no CUDA device; "
-                             "unset it to run on CPU")
+            raise LaunchError("DEEPSHARD_ACCELERATOR=cuda but torch sees no CUDA device; unset it to run on CPU")
         return None
     count = torch.cuda.device_count()
-    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [item.strip() for item in visible.split(",") if item.strip()]
+    ids = [item.strip() for item in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if item.strip()]
     return ids[:count] if ids else [str(i) for i in range(count)]
 
 
@@ -36,39 +37,23 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
     """One rank's argv, ``python -u script --local_rank=N args`` (``-m``, bare with ``no_python``), with
     ``--local_rank`` right after the script, where DeepSpeed puts it."""
     if module and no_python:
-        raise ValueError("--module and --no_python cannot be combined: --module runs "
-                         "'python -m <module>', --no_python runs the program without python; pick one")
-    if no_python:
-        cmd = [user_script]
-    elif module:
-        cmd = [python, "-u", "-m", user_script]
-    else:
-        cmd = [python, "-u", user_script]
-    if not no_local_rank:
-        cmd.append(f"--local_rank={local_rank}")
-    cmd.extend(user_args)
-    return cmd
-
-
-# Variables torch's agent (or the rank shim) sets itself, per rank and attempt: never copied into a job.
-TORCH_SETS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "CROSS_RANK", "CROSS_SIZE", "DEEPSHARD_RESTART_COUNT"})
-LOCAL_RANK_MACRO = "${local_rank}"  # torch's agent puts each rank's local rank there
+        raise LaunchError("--module and --no_python cannot be combined: --module runs "
+                          "'python -m <module>', --no_python runs the program without python; pick one")
+    cmd = [user_script] if no_python else [python, "-u", *(["-m"] if module else []), user_script]
+    return [*cmd, *([] if no_local_rank else [f"--local_rank={local_rank}"]), *user_args]
 
 
 def parse_core_list(text: str) -> list[int]:
     """Parse ``--bind_core_list`` such as ``"0,3-5"`` into ``[0, 3, 4, 5]`` (order kept, no repeats)."""
     cores: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
+    for item in (item.strip() for item in text.split(",")):
         low, sep, high = item.partition("-")
         if not low.isdigit() or (sep and not high.isdigit()):
-            raise ValueError(f"--bind_core_list {text!r}: {item!r} is not a core number or range; "
-                             "expected e.g. '0,2-5'")
+            raise LaunchError(f"--bind_core_list {text!r}: {item!r} is not a core number or range; expected e.g. "
+                              "'0,2-5'")
         first, last = int(low), int(high) if sep else int(low)
         if last < first:
-            raise ValueError(f"--bind_core_list {text!r}: range {item!r} runs backwards; write "
-                             f"'{last}-{first}'")
+            raise LaunchError(f"--bind_core_list {text!r}: range {item!r} runs backwards; write '{last}-{first}'")
         cores.extend(core for core in range(first, last + 1) if core not in cores)
     return cores
 
@@ -77,8 +62,8 @@ def split_cores(cores: Sequence[int], nprocs: int) -> list[tuple[int, ...]]:
     """Give each of ``nprocs`` ranks an equal, disjoint block of ``cores`` (the remainder is unused)."""
     per_rank = len(cores) // nprocs
     if per_rank < 1:
-        raise ValueError(f"cannot bind {nprocs} ranks to {len(cores)} cores ({list(cores)}): each rank "
-                         "needs at least one core; launch fewer ranks or drop --bind_cores_to_rank")
+        raise LaunchError(f"cannot bind {nprocs} ranks to {len(cores)} cores ({list(cores)}): each rank "
+                          "needs at least one core; launch fewer ranks or drop --bind_cores_to_rank")
     return [tuple(cores[i * per_rank:(i + 1) * per_rank]) for i in range(nprocs)]
 
 
@@ -88,14 +73,14 @@ def omp_threads(base_env: Mapping[str, str], num_cores: int, nprocs: int,
     ``max(1, cores // nprocs)`` unless the user already set it (then ``None``: keep theirs)."""
     if bound_cores is not None:
         return bound_cores
-    if "OMP_NUM_THREADS" in base_env:
-        return None
-    return max(1, num_cores // max(nprocs, 1))
+    return None if "OMP_NUM_THREADS" in base_env else max(1, num_cores // max(nprocs, 1))
 
 
 @dataclass(frozen=True)
 class LocalLaunch:
-    """The inputs of a one-machine launch that do not vary per rank."""
+    """How every rank of a launch runs. ``visible_devices``: CUDA device ids by slot (slot i ->
+    ``visible_devices[i]``), ``None`` on CPU; ``core_list``: the cores to share among the ranks when binding
+    (``None``: every core this process may use)."""
 
     user_script: str
     user_args: list[str]
@@ -105,55 +90,50 @@ class LocalLaunch:
     no_python: bool = False
     no_local_rank: bool = False
     visible_devices: list[str] | None = None
-    """CUDA device ids by slot (slot i -> ``visible_devices[i]``); ``None`` on CPU."""
     bind_cores: bool = False
     core_list: list[int] | None = None
-    """Cores to share among the ranks when binding; ``None`` means every core this process may use."""
 
 
 @dataclass(frozen=True)
 class AgentJob:
-    """What one node's agent runs."""
+    """What one node's agent runs: one rank's command (:data:`LOCAL_RANK_MACRO` stands for its local rank), how many
+    ranks, the variables set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables),
+    each local rank's CPU cores (``--bind_cores_to_rank``), and the variables the user set themselves (an
+    ``OMP_NUM_THREADS`` of theirs wins over core binding)."""
 
-    argv: list[str]  # One rank's command; :data:`LOCAL_RANK_MACRO` stands for its local rank.
+    argv: list[str]
     nproc: int
     rank_env: dict[str, str] = field(default_factory=dict)
-    """Set for every rank (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``, env-file variables)."""
-    cores: list[tuple[int, ...]] | None = None  # CPU cores of each local rank (``--bind_cores_to_rank``).
+    cores: list[tuple[int, ...]] | None = None
     max_restarts: int = 0
     log_dir: str | None = None
-    report_on_node0: bool = False
-    """Every node's output reaches one terminal (ssh / pdsh): only node 0 prints the report."""
     user_env: frozenset[str] = frozenset()
-    """Variables the user set themselves (an ``OMP_NUM_THREADS`` of theirs wins over core binding)."""
 
 
 def plan_job(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str], available_cores: Sequence[int],
-             launcher_env: Mapping[str, str], python: str = sys.executable, **run: Any) -> AgentJob:
+             launcher_env: Mapping[str, str], python: str = sys.executable, max_restarts: int = 0,
+             log_dir: str | None = None) -> AgentJob:
     """The job torch's agent runs for this machine's ``slots``: one command with torch's local-rank macro, the
-    variables torch does not set (those of ``base_env`` the launcher lacks, devices, threads), each rank's
-    cores. Pure: a bad selection raises ``ValueError`` before anything starts."""
-    nprocs = len(slots)
+    variables torch does not set (those of ``base_env`` the launcher lacks, devices, threads), each rank's cores."""
     env = {k: v for k, v in base_env.items() if k not in TORCH_SETS and launcher_env.get(k) != v}
     env["PYTHONUNBUFFERED"] = "1"
-    if launch.visible_devices is not None:
-        missing = [s for s in slots if s >= len(launch.visible_devices)]
-        if missing:
-            raise ValueError(f"slots {missing} are selected but only {len(launch.visible_devices)} CUDA "
-                             f"devices are visible ({','.join(launch.visible_devices)}); select slots "
-                             f"below {len(launch.visible_devices)}")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.visible_devices[s] for s in slots)
+    devices = launch.visible_devices
+    if devices is not None:
+        if any(s >= len(devices) for s in slots):
+            raise LaunchError(f"slots {[s for s in slots if s >= len(devices)]} are selected but only {len(devices)} "
+                              f"CUDA devices are visible ({','.join(devices)}); select slots below {len(devices)}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[s] for s in slots)
     cores = None
     if launch.bind_cores:
         pool = list(launch.core_list) if launch.core_list is not None else list(available_cores)
         outside = [c for c in pool if c not in available_cores]
         if outside:
-            raise ValueError(f"--bind_core_list names cores {outside} this process may not run on; "
-                             f"usable cores: {sorted(available_cores)}")
-        cores = split_cores(pool, nprocs)
-    threads = omp_threads(base_env, len(available_cores), nprocs, len(cores[0]) if cores else None)
+            raise LaunchError(f"--bind_core_list names cores {outside} this process may not run on; "
+                              f"usable cores: {sorted(available_cores)}")
+        cores = split_cores(pool, len(slots))
+    threads = omp_threads(base_env, len(available_cores), len(slots), len(cores[0]) if cores else None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     argv = build_rank_command(launch.user_script, launch.user_args, LOCAL_RANK_MACRO, module=launch.module,
                               no_python=launch.no_python, no_local_rank=launch.no_local_rank, python=python)
-    return AgentJob(argv, nprocs, env, cores, user_env=frozenset({"OMP_NUM_THREADS"} & set(base_env)), **run)
+    return AgentJob(argv, len(slots), env, cores, max_restarts, log_dir, frozenset({"OMP_NUM_THREADS"} & set(base_env)))

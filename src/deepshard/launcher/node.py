@@ -19,8 +19,10 @@ JOIN_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class NodeJob:
-    """What one node's agent runs: the whole world (hosts and slots, in rank order), which node this
-    is, and how each rank runs."""
+    """What one node's agent runs: the whole world (hosts and slots, in rank order), which node this is, and how
+    each rank runs. ``report_on_node0``: started by ssh / pdsh, every node's output reaches one terminal, so only
+    node 0 prints the failure report (otherwise the failing node prints its own too). ``elastic``:
+    ``--elastic_training``'s fewest and most nodes of torch's c10d rendezvous (None: static node ranks)."""
 
     world: dict[str, list[int]]
     node_rank: int
@@ -29,10 +31,7 @@ class NodeJob:
     log_dir: str | None = None
     exit_on_stdin_close: bool = False
     report_on_node0: bool = False
-    """Started by ssh / pdsh: every node's output reaches one terminal, so only node 0 prints the
-    failure report (otherwise the failing node prints its own too)."""
     elastic: tuple[int, int] | None = None
-    """``--elastic_training``: the fewest and most nodes of torch's c10d rendezvous (None: static ranks)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < len(self.world):
@@ -59,11 +58,8 @@ class NodeJob:
 def node_agent_job(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
                    launcher_env: Mapping[str, str] = os.environ, python: str = sys.executable) -> AgentJob:
     """What torch's agent runs on this node (pure: the plan's errors surface before anything starts)."""
-    try:
-        return plan_job(job.launch, job.world[job.host], base_env, available_cores, launcher_env, python,
-                        max_restarts=job.max_restarts, log_dir=job.log_dir, report_on_node0=job.report_on_node0)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from exc
+    return plan_job(job.launch, job.world[job.host], base_env, available_cores, launcher_env, python,
+                    job.max_restarts, job.log_dir)
 
 
 def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
@@ -72,7 +68,7 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     on ``master_addr:master_port``; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
-    from deepshard.launcher.link import JobLink
+    from deepshard.launcher.board import JobLink
     from deepshard.launcher.rendezvous import Place, RendezvousFailed, open_rendezvous
 
     ajob = node_agent_job(job, base_env, available_cores)
@@ -132,7 +128,7 @@ def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] |
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The agent's own command line (written by the launcher; see :mod:`.runners`)."""
+    """The agent's own command line (written by the launcher; see :mod:`.multinode`)."""
     parser = argparse.ArgumentParser(prog="python -m deepshard.launcher.node",
                                      description="deepshard's per-node agent (started by the launcher)")
     parser.add_argument("--world_info", required=True, help="the selected hosts and slots (base64 JSON)")

@@ -1,7 +1,8 @@
-"""The ranks' output on its way to the launcher's terminal (used by torch's agent path, :mod:`.rank_streams`,
-and by the runner supervisor, :mod:`.supervisor`)."""
+"""The ranks' output on its way to the launcher's terminal, and how their ends are told and brought about (used by
+torch's agent path, :mod:`.rank_streams`, and by the runner supervisor, :mod:`.supervisor`)."""
 from __future__ import annotations
 
+import os
 import re
 import select
 import signal
@@ -120,6 +121,15 @@ def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None, hold: 
 def exit_status(returncode: int | None) -> int:
     """The code a launcher exits with for a process that ended with ``returncode`` (1 for a signal)."""
     return returncode if returncode and returncode > 0 else 1
+
+
+def signal_group(group: int | None, sig: int) -> None:
+    """``sig`` to a process group (a rank and whatever it started), which may be gone already."""
+    try:
+        if group is not None:
+            os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def output_block(name: str, rank: int | None, tail: str) -> list[str]:

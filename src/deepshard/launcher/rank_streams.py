@@ -1,20 +1,125 @@
-"""Where torch's elastic agent sends each rank's output: a named pipe per rank that the launcher reads."""
+"""Each rank's side channels to the launcher. torch's elastic agent starts deepshard's rank shim (:data:`RANK_SHIM`)
+for every rank; the shim sends the rank's output to a named pipe the launcher reads (:class:`RankStreams`, the
+``LogsSpecs`` torch's agent is given), runs the rank's command as its child, and writes ``start <local rank> <pid>
+<process group>`` when it starts and ``exit <local rank> <pid> <returncode>`` when it ends to a status pipe
+(:class:`RankWatch`). So the first failure holds the other ranks' output before their fallout arrives, and the other
+ranks are stopped at once, while torch's agent still starts, reaps and restarts the shims on its own schedule."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
-from deepshard.launcher.preflight import prepare_log_dir
+from deepshard.launcher.options import prepare_log_dir
 from deepshard.launcher.output import Output, describe_exit, pump
-from deepshard.launcher.rank_watch import OUTPUT_ENV
+
+STATUS_ENV = "DEEPSHARD_RANK_STATUS"
+OUTPUT_ENV = "DEEPSHARD_RANK_OUTPUT"
+"""The variables naming the shim's pipes in each rank's environment (it removes them before the command runs):
+the one it reports on, and the one it sends the rank's stdout and stderr to."""
+
+RANK_SHIM = """\
+import ctypes, json, os, signal, sys
+libc = ctypes.CDLL(None)
+libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the agent
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the agent died before the guard was set
+setup, env = json.loads(sys.argv[2]), os.environ
+local = int(env['LOCAL_RANK'])
+cores = setup['cores'][local] if setup['cores'] else None
+if cores:
+    os.sched_setaffinity(0, cores)
+env.update(setup['env'])
+if cores and not setup['own_omp']:
+    env['OMP_NUM_THREADS'] = str(len(cores))
+env['DEEPSHARD_RESTART_COUNT'] = env.get('TORCHELASTIC_RESTART_COUNT', '0')
+env['CROSS_RANK'], env['CROSS_SIZE'] = env.get('GROUP_RANK', '0'), env.get('GROUP_WORLD_SIZE', '1')
+status = os.open(env.pop('DEEPSHARD_RANK_STATUS'), os.O_WRONLY)
+output = os.open(env.pop('DEEPSHARD_RANK_OUTPUT'), os.O_WRONLY)
+os.dup2(output, 1)
+os.dup2(output, 2)
+os.close(output)
+shim = os.getpid()
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda sig, frame: None)  # they reach the rank through its process group: outlive it
+pid = os.fork()
+if pid == 0:
+    libc.prctl(1, signal.SIGKILL)  # the rank dies with this shim
+    if os.getppid() != shim:
+        os._exit(1)
+    os.close(status)
+    try:
+        os.execvp(sys.argv[3], sys.argv[3:])
+    except OSError as exc:
+        print(f'deepshard: cannot run {sys.argv[3]!r}: {exc}', file=sys.stderr, flush=True)
+        os._exit(127)
+os.write(status, f'start {local} {pid} {os.getpgid(0)}\\n'.encode())
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+os.write(status, f'exit {local} {pid} {code}\\n'.encode())
+if code < 0:  # end as the rank did: by its signal
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(shim, -code)
+os._exit(code)
+"""
+"""What torch's agent runs for each rank: it ties itself and the rank to the agent (Linux's
+``PR_SET_PDEATHSIG``: nothing outlives the agent), pins the rank's cores, sets deepshard's variables, sends the
+rank's output to its pipe, runs the command as its child, reports the rank's pid (and the process group torch
+started it in) and its exit, and ends as the rank did. The agent's signals go to the whole process group (torch's
+and deepshard's alike), so the rank gets each once, and the shim waits for the rank's exit to report it."""
+
+
+def shim_argv(command: Sequence[str], agent_pid: int, cores: Sequence[Sequence[int]] | None,
+              env: dict[str, str], own_omp: bool, python: str = sys.executable) -> tuple[str, list[str]]:
+    """torch's entrypoint and arguments for every rank: the shim, then the rank's command."""
+    setup = {"cores": [list(c) for c in cores] if cores else None, "env": env, "own_omp": own_omp}
+    return python, ["-c", RANK_SHIM, str(agent_pid), json.dumps(setup), *command]
+
+
+def open_fifo(path: str) -> tuple[int, int]:
+    """A named pipe at ``path``: (a blocking read end, a write end the launcher holds, so that the reader sees no
+    end-of-file before the ranks' shims open it)."""
+    os.mkfifo(path)
+    read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    write_fd = os.open(path, os.O_WRONLY)
+    os.set_blocking(read_fd, True)
+    return read_fd, write_fd
+
+
+class RankWatch:
+    """Watches one attempt's ranks through the shim's pipe at ``path``: ``on_start(local_rank, pid, pgid)``, then
+    ``on_exit(local_rank, pid, returncode)`` (``Popen``'s convention: ``-N`` for signal N)."""
+
+    def __init__(self, path: str, on_start: Callable[[int, int, int], None],
+                 on_exit: Callable[[int, int, int], None]) -> None:
+        self.path, self._on_start, self._on_exit = path, on_start, on_exit
+        read_fd, self._write_fd = open_fifo(path)
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), name="deepshard-rank-status", daemon=True)
+        self._reader.start()
+
+    def _read(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            pending = b""
+            while chunk := pipe.read(4096):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    what, *numbers = line.split()
+                    (self._on_start if what == b"start" else self._on_exit)(*(int(n) for n in numbers))
+
+    def close(self) -> None:
+        """The attempt is over (every shim gone): let the reader take the last reports and end."""
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+        self._reader.join(2.0)
 
 
 @dataclass
@@ -79,9 +184,12 @@ class RankStreams(LogsSpecs):
         for local_rank, env in sorted(envs.items()):
             rank, stem = int(env["RANK"]), os.path.join(self._tmp, f"attempt{self.attempt}-rank{env['RANK']}")
             log_path = os.path.join(self.log_dir, f"rank_{rank}.log") if self.log_dir is not None else None
-            stream = RankStream(rank, local_rank, log_path, f"{stem}-error.json")
-            self._open(stream, f"{stem}.pipe")
-            self.streams[local_rank] = stream
+            self.streams[local_rank] = stream = RankStream(rank, local_rank, log_path, f"{stem}-error.json")
+            read_fd, stream.write_fd = open_fifo(f"{stem}.pipe")
+            log = open(log_path, "wb") if log_path is not None else None  # noqa: SIM115 - the reader closes it
+            stream.reader = threading.Thread(target=pump, args=(os.fdopen(read_fd, "rb", buffering=0), stream,
+                                                                self.out, log), name=f"deepshard-out-{rank}", daemon=True)
+            stream.reader.start()
             dest.stdouts[local_rank] = dest.stderrs[local_rank] = ""  # torch's: none; the shim opens the pipe
             env[OUTPUT_ENV] = f"{stem}.pipe"
             dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = stream.error_file
@@ -92,17 +200,6 @@ class RankStreams(LogsSpecs):
     def path(self, name: str) -> str:
         """A path in this launch's scratch directory (removed at the end)."""
         return os.path.join(self._tmp, name)
-
-    def _open(self, stream: RankStream, path: str) -> None:
-        os.mkfifo(path)
-        read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        stream.write_fd = os.open(path, os.O_WRONLY)  # ours: no end-of-file before the rank writes
-        os.set_blocking(read_fd, True)
-        reader: BinaryIO = os.fdopen(read_fd, "rb", buffering=0)
-        log = open(stream.log_path, "wb") if stream.log_path is not None else None  # noqa: SIM115
-        stream.reader = threading.Thread(target=pump, args=(reader, stream, self.out, log),
-                                         name=f"deepshard-out-{stream.rank}", daemon=True)
-        stream.reader.start()
 
     def mark_exited(self, local_rank: int, returncode: int) -> RankStream:
         """``local_rank`` exited: stamp the time (failures then hold the others' output)."""

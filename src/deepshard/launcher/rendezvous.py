@@ -35,13 +35,13 @@ WATCHDOG_MARGIN_S = 30.0
 
 
 class AttemptHooks(Protocol):
-    """What the agent's side (:class:`~deepshard.launcher.agent.JobWatch`) does at the rendezvous' calls."""
+    """What the agent's side (:class:`~deepshard.launcher.agent.JobWatch`) does at the rendezvous' calls: look at
+    the job (every monitor interval, main thread), say how many waiting nodes count for a restart, and end an
+    attempt (it may raise to end the job instead of restarting)."""
 
-    def tick(self) -> bool: ...  # torch's agent looks at the job (every monitor interval, main thread)
-
-    def nodes_waiting(self, count: int) -> int: ...  # torch would restart for new nodes: how many count
-
-    def attempt_ended(self, restarting: bool) -> None: ...  # may raise to end the job instead of a restart
+    def tick(self) -> bool: ...
+    def nodes_waiting(self, count: int) -> int: ...
+    def attempt_ended(self, restarting: bool) -> None: ...
 
 
 class RendezvousFailed(RuntimeError):
@@ -76,14 +76,16 @@ def _give_up(message: str) -> None:
 @dataclass(frozen=True)
 class Place:
     """Where this node stands in the job: static jobs have hostfile node ranks (``node_rank``), elastic ones
-    take torch's (``node_rank`` None) and accept ``min_nodes..max_nodes``."""
+    take torch's (``node_rank`` None) and accept ``min_nodes..max_nodes``. ``endpoint``: ``master_addr:master_port``,
+    where node 0's agent serves the rendezvous store; ``rank0_addr``: how the ranks reach the first node (None:
+    its name, as torch does)."""
 
-    endpoint: str  # ``master_addr:master_port``: node 0's agent serves the rendezvous store there
+    endpoint: str
     hosts: list[str]
     node_rank: int | None
     min_nodes: int
     max_nodes: int
-    rank0_addr: str | None  # how the ranks reach the first node (None: its name, as torch does)
+    rank0_addr: str | None
     join_timeout_s: float
 
 
@@ -156,15 +158,13 @@ class JobRendezvous(RendezvousHandler):
                                    "ended the job") from None
 
     def _absent(self) -> str:
-        place = self.place
         if self.board is None:
-            return f"fewer than {place.min_nodes} node(s) joined the rendezvous"
+            return f"fewer than {self.place.min_nodes} node(s) joined the rendezvous"
         try:
             missing = self.board.missing()
         except StoreLost:
             missing = []
-        names = ", ".join(f"node {n} ({place.hosts[n]})" for n in missing) or "some nodes"
-        return f"{names} did not join"
+        return f"{', '.join(f'node {n} ({self.place.hosts[n]})' for n in missing) or 'some nodes'} did not join"
 
     def _rank(self, info: RendezvousInfo) -> tuple[int, int]:
         """Static jobs: the hostfile's node rank, once every node's command line is known to match."""

@@ -1,8 +1,7 @@
-"""Run the processes that start a multi-node job (``ssh`` per node, ``pdsh``, ``mpirun`` / ``srun``) and
-stop them together. The ranks themselves run under torch's elastic agent on each node (:mod:`.agent`)."""
+"""Run the processes that start a multi-node job (``ssh`` per node, ``pdsh``, ``mpirun`` / ``srun``) and stop them
+together. The ranks themselves run under torch's elastic agent on each node (:mod:`.agent`)."""
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_handlers
+from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_group, signal_handlers
 from deepshard.utils.logging import logger
 
 GRACE_S = 5.0
@@ -21,15 +20,15 @@ _POLL_S = 0.1
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process the supervisor starts (an ssh, pdsh, mpirun or srun command); ``rank`` is its index."""
+    """One process the supervisor starts (an ssh, pdsh, mpirun or srun command); ``rank`` is its index, ``label``
+    how reports name it (e.g. ``node 1 (ssh worker-1)``). ``stdin_pipe``: a stdin pipe the launcher holds open
+    (ssh: the remote side sees end-of-file when the launcher dies); otherwise stdin is ``/dev/null``."""
 
     rank: int
     cmd: list[str]
     env: dict[str, str]
-    label: str | None = None  # How reports name the process, e.g. ``node 1 (ssh worker-1)``.
+    label: str | None = None
     stdin_pipe: bool = False
-    """Give the process a stdin pipe the launcher holds open (ssh: the remote side sees EOF when the
-    launcher dies); otherwise stdin is ``/dev/null``."""
 
 
 @dataclass
@@ -37,17 +36,17 @@ class _Child:
     spec: ProcessSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
-    reader: threading.Thread | None = None
-    waiter: threading.Thread | None = None
+    threads: list[threading.Thread] = field(default_factory=list)  # its output's reader, its waiter
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """The first process of a group that exited non-zero."""
+    """The first process of a group that exited non-zero (``returncode`` as ``Popen`` has it: ``-N`` for signal
+    N)."""
 
     rank: int
     pid: int
-    returncode: int  # ``Popen.returncode``: the exit code, or ``-N`` for death by signal N.
+    returncode: int
     tail: str = ""
     label: str | None = None
 
@@ -69,16 +68,9 @@ class GroupResult:
     signal: int | None = None
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _wait(child: _Child, index: int, exits: queue.Queue) -> None:
     child.proc.wait()
-    _signal_group(child.proc.pid, signal.SIGTERM)  # orphaned helpers of a process that ended
+    signal_group(child.proc.pid, signal.SIGTERM)  # orphaned helpers of a process that ended
     exits.put(index)
 
 
@@ -86,17 +78,17 @@ def _start(specs: Sequence[ProcessSpec], out: Output, exits: queue.Queue) -> lis
     children: list[_Child] = []
     try:
         for index, spec in enumerate(specs):
-            stdin = subprocess.PIPE if spec.stdin_pipe else subprocess.DEVNULL
-            proc = subprocess.Popen(spec.cmd, env=spec.env, stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+            proc = subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.PIPE if spec.stdin_pipe else
+                                    subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                                    start_new_session=True)
             child = _Child(spec, proc)
-            child.reader = threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
-                                            name=f"deepshard-out-{spec.rank}", daemon=True)
-            child.waiter = threading.Thread(target=_wait, args=(child, index, exits),
-                                            name=f"deepshard-wait-{spec.rank}", daemon=True)
+            child.threads = [threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
+                                              name=f"deepshard-out-{spec.rank}", daemon=True),
+                             threading.Thread(target=_wait, args=(child, index, exits),
+                                              name=f"deepshard-wait-{spec.rank}", daemon=True)]
             children.append(child)
-            child.reader.start()
-            child.waiter.start()
+            for thread in child.threads:
+                thread.start()
     except OSError as exc:
         _stop(children, list(range(len(children))), signal.SIGTERM)
         failed = specs[len(children)]
@@ -109,31 +101,21 @@ def _stop(children: Sequence[_Child], indices: Sequence[int], sig: int, grace_s:
     ``grace_s``; reap all."""
     for i in indices:
         stdin = children[i].proc.stdin
-        if stdin is not None and not stdin.closed:
-            try:
+        try:
+            if stdin is not None:
                 stdin.close()
-            except OSError:
-                pass
-        _signal_group(children[i].proc.pid, sig)
+        except OSError:
+            pass
+        signal_group(children[i].proc.pid, sig)
     deadline = time.monotonic() + grace_s
     for i in indices:
-        children[i].waiter.join(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+        children[i].threads[1].join(max(0.0, deadline - time.monotonic()))
     for i in indices:
-        _signal_group(children[i].proc.pid, signal.SIGKILL)
+        signal_group(children[i].proc.pid, signal.SIGKILL)
     for i in indices:
-        children[i].waiter.join(2.0)  # type: ignore[union-attr]
+        children[i].threads[1].join(2.0)
     for child in children:
-        child.reader.join(2.0)  # type: ignore[union-attr]
-
-
-def _settle(exits: queue.Queue, running: set[int], settle_s: float, signals: list[int]) -> None:
-    """Let the still-running processes end on their own for up to ``settle_s`` seconds."""
-    deadline = time.monotonic() + settle_s
-    while running and time.monotonic() < deadline and not signals:
-        try:
-            running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
-        except queue.Empty:
-            continue
+        child.threads[0].join(2.0)
 
 
 def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], settle_s: float,
@@ -141,11 +123,10 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], s
     running = set(range(len(children)))
     while running:
         if signals:
-            sig = signals[0]
-            print(f"deepshard: received {signal.Signals(sig).name}; forwarding it to {len(running)} running "
+            print(f"deepshard: received {signal.Signals(signals[0]).name}; forwarding it to {len(running)} running "
                   f"{noun}s", file=sys.stderr, flush=True)
-            _stop(children, sorted(running), sig)
-            return GroupResult(128 + sig, signal=sig)
+            _stop(children, sorted(running), signals[0])
+            return GroupResult(128 + signals[0], signal=signals[0])
         try:
             index = exits.get(timeout=_POLL_S)
         except queue.Empty:
@@ -153,9 +134,14 @@ def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], s
         running.discard(index)
         child = children[index]
         if child.proc.returncode != 0:
-            _settle(exits, running, settle_s, signals)
+            deadline = time.monotonic() + settle_s  # the others may end on their own (their agents heard of it)
+            while running and time.monotonic() < deadline and not signals:
+                try:
+                    running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
+                except queue.Empty:
+                    pass
             _stop(children, sorted(running) + [index], signal.SIGTERM)
-            failure = RankFailure(child.spec.rank, child.proc.pid, child.proc.returncode,  # type: ignore[arg-type]
+            failure = RankFailure(child.spec.rank, child.proc.pid, child.proc.returncode,
                                   bytes(child.tail).decode("utf-8", errors="replace").rstrip(), child.spec.label)
             return GroupResult(failure.exit_code, failure=failure)
     _stop(children, [], signal.SIGTERM, 0.0)
@@ -168,11 +154,10 @@ def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int
     ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
     (forwarded); every process is reaped. ``on_started`` gets the pids once all started."""
     exits: queue.Queue = queue.Queue()
-    out = Output()
     signals: list[int] = []
     with signal_handlers(lambda signum, frame: signals.append(signum), (signal.SIGINT, signal.SIGTERM)):
         try:
-            children = _start(specs, out, exits)
+            children = _start(specs, Output(), exits)
         except RuntimeError as exc:
             print(f"deepshard: {exc}", file=sys.stderr, flush=True)
             return GroupResult(1)

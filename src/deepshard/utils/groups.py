@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from deepshard.topology import Topology
+from deepshard.topology import ParallelDims, Topology
 
 _REGISTERED: dict[str, Any] = {}  # the DeepSpeed API's process-wide state: one grid and its sp layout at most
 
@@ -134,6 +134,16 @@ def initialize(ep_size: int = 1, mpu: Any = None) -> None:
     """DeepSpeed's deprecated ``groups.initialize``: refused, as DeepSpeed refuses it."""
     raise RuntimeError("deepspeed.utils.groups.initialize is deprecated: pass ep_size to deepspeed.moe.layer.MoE "
                        "(the groups are made at deepspeed.initialize)")
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False
+                               ) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's layout of the expert-parallel and expert-data-parallel groups of a world (every group as
+    global ranks, no process group made): the grid's :meth:`~deepshard.topology.ParallelDims.expert_group_ranks`
+    on ``world_size`` ranks of ``pipeline_parallel_size_`` x data x ``tensor_parallel_size_``."""
+    dims = ParallelDims.for_world(world_size, pp=pipeline_parallel_size_, tp=tensor_parallel_size_)
+    return dims.expert_group_ranks(expert_parallel_size_, use_data_before_expert_parallel_)
 
 
 def _get_expert_parallel_group(group_name: str) -> Any:

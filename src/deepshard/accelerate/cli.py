@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepshard.launcher import accelerate_config as ac
+from deepshard.accelerate import launch_config as ac
 from deepshard.launcher.options import LaunchError
 
 _TOP_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",

@@ -1,4 +1,5 @@
-"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one."""
+"""The ``deepshard`` command's subcommands: what ``deepshard --help`` lists and how an argv picks one (with no
+subcommand, ``deepshard`` is the launcher, :mod:`deepshard.launcher.cli`, whose ``main`` dispatches through here)."""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ class Command:
 # Subcommands by name, in the order ``deepshard --help`` lists them.
 COMMANDS: dict[str, Command] = {
     "launch": Command("run a script written for Accelerate (reads its config file; `accelerate launch`)",
-                      "deepshard.launcher.accelerate_cli:launch_main"),
+                      "deepshard.accelerate.cli:launch_main"),
     "config": Command("write an Accelerate config file for deepshard (`accelerate config`)",
-                      "deepshard.launcher.accelerate_cli:config_main"),
+                      "deepshard.accelerate.cli:config_main"),
     "report": Command("print what this machine offers deepshard (`ds_report`)",
                       "deepshard.utils.env_report:main", ("ds_report_deepshard",)),
     "zero_to_fp32": Command("consolidate a ZeRO checkpoint into fp32 weights (`zero_to_fp32.py`)",

@@ -4,8 +4,8 @@ launcher runs for that backend (:mod:`deepshard.launcher.multinode` plans it: on
 through pdsh, mpirun or srun); ``PDSHRunner.get_cmd`` also returns the command that stops the job and the
 environment pdsh needs, as DeepSpeed's does.
 
-``args`` is a namespace from :func:`deepshard.launcher.runner.parse_args`; ``world_info_base64`` the token
-of :func:`deepshard.launcher.runner.encode_world_info`; ``active_resources`` ``{host: slots}``, slots as
+``args`` is a namespace from :func:`deepshard.compat.launcher_runner.parse_args`; ``world_info_base64`` the token
+of :func:`deepshard.compat.launcher_runner.encode_world_info`; ``active_resources`` ``{host: slots}``, slots as
 a count or a list.
 """
 from __future__ import annotations
