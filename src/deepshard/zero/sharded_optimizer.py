@@ -117,7 +117,7 @@ class ShardedOptimizer:
                 else None
 
         with_states = with_states and optimizer is not None
-        if with_states:
+        if with_states and optimizer is not None:
             names = {id(self.frag_params[i]): identities(self.params[self.layout.slots[f.slot].param_index], f.name)
                      for i, f in enumerate(self.fragments)}
             restore_param_groups(optimizer, full.param_groups, lambda t: names.get(id(t), set()))  # type: ignore[arg-type]
