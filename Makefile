@@ -36,9 +36,10 @@ $(DS_VENV)/.installed:
 
 deepspeed-venv: $(DS_VENV)/.installed
 
-# the inner loop (docs/testing.md): every unit test and one end-to-end run of a DeepSpeed script on 2 processes
+# the inner loop (docs/testing.md): every unit test, the comm API on 2 processes (the multi-process
+# harness) and one end-to-end run of a DeepSpeed script on 2 processes through the launcher
 test-quick: install
-	$(BIN)/python -m pytest -q -x tests/unit tests/e2e/test_deepspeed_script.py
+	$(BIN)/python -m pytest -q -x tests/unit tests/multiproc/test_comm_api.py tests/e2e/test_deepspeed_script.py
 
 # deepshard installed from this checkout with no extras (`pip install .`) in its own venv, then a real script end to end (~30 s after the first run)
 plain-install:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.multiproc.device import ENV, KINDS
 
-pytest_plugins = ["tests.timing"]  # the time per test file, printed at the end
+pytest_plugins = ["tests.timing", "tests.watchdog"]  # the time per test file, printed at the end; a time limit per test
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

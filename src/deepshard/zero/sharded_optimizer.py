@@ -110,8 +110,8 @@ class ShardedOptimizer:
             return slice_state(full, f.name, f.start, f.numel, self.frag_params[i]) if f.name in full.optim else None
 
         with_states = with_states and optimizer is not None
-        if with_states:
-            restore_param_groups(optimizer, full.param_groups)  # type: ignore[arg-type]
+        if with_states and optimizer is not None:
+            restore_param_groups(optimizer, full.param_groups)
         self.states.load(value, state if with_states else None)
 
     # ---------------------------------------------------------------------------------- full values

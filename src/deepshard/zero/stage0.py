@@ -8,6 +8,8 @@ updates fp32 master weights that are copied back into the module after each step
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
@@ -111,24 +113,25 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer.remove_hooks()
 
     def step(self, grad_multiplier: float) -> None:
-        self.require_optimizer()
+        optimizer = self.require_optimizer()
         if self.masters is not None:
             self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
-            self._optimizer_step()
+            self._optimizer_step(optimizer)
             self.masters.clear_grads()
             self.masters.publish()
         else:
             if grad_multiplier != 1.0:
                 torch._foreach_mul_(self.reducer.grads(), grad_multiplier)
-            self._optimizer_step()
+            self._optimizer_step(optimizer)
 
-    def _optimizer_step(self) -> None:
+    @staticmethod
+    def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         """torch's fused host Adam steps whole vectors only (``optim/whole_vectors.py``), so each element's
         update is the one stages 1-3 compute on their shard pieces; any other optimizer steps as it is."""
-        if uses_fused_host_kernel(self.optimizer):
-            step_whole_vectors(self.optimizer)
+        if uses_fused_host_kernel(optimizer):
+            step_whole_vectors(optimizer)
         else:
-            self.optimizer.step()
+            optimizer.step()
 
     def zero_grad(self) -> None:
         self.reducer.zero_()
@@ -211,11 +214,11 @@ def overlap_for(zero_config: object) -> bool:
     return True
 
 
-def tensor_bytes(tensors: object) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views count once)."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:  # type: ignore[attr-defined]
+    for t in tensors:
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
             continue

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepshard.checkpoint.deepspeed_format import detect
+import deepshard.checkpoint.deepspeed_format.detect as detect
 from deepshard.checkpoint.deepspeed_format.allowlist import DeepSpeedRecord, DynamicLossScalerRecord
 from deepshard.checkpoint.deepspeed_format.flat import numel_of, split_zero12, split_zero3
 from deepshard.checkpoint.deepspeed_format.safe_load import load_pt
