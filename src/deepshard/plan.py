@@ -315,7 +315,7 @@ def _hierarchy_rules(plan: Plan) -> list[Conflict]:
         return []
     out: list[Conflict] = []
     replicas = plan.dims.dp * plan.dims.sp
-    if z.hybrid and plan.stage == 0:
+    if z.hybrid and not plan.caps.partitioned_states:
         out.append(Conflict(f"zero_optimization.mics_shard_size={z.mics_shard_size} with zero_optimization.stage=0",
                             "hybrid sharding partitions the optimizer states (stages 1-2) or everything (stage 3) "
                             "over groups of mics_shard_size ranks; stage 0 partitions nothing",
@@ -327,12 +327,12 @@ def _hierarchy_rules(plan: Plan) -> list[Conflict]:
     stage3_only = [key for key, on in (("zero_hpz_partition_size", z.hpz_partition_size > 1),
                                        ("zero_quantized_weights", z.quantized_weights),
                                        ("zero_quantized_nontrainable_weights", z.quantized_nontrainable_weights)) if on]
-    if stage3_only and plan.stage != 3:
+    if stage3_only and not plan.caps.partitioned_parameters:
         out.append(Conflict(f"zero_optimization.{' and '.join(stage3_only)} with zero_optimization.stage={plan.stage}",
                             "they act on ZeRO-3's parameter gathers, and below stage 3 every rank holds the whole "
                             "parameters (DeepSpeed ignores them there without a word)",
                             "set zero_optimization.stage to 3, or remove them"))
-    if z.quantized_gradients and plan.stage == 0:
+    if z.quantized_gradients and not plan.caps.partitioned_states:
         out.append(Conflict("zero_optimization.zero_quantized_gradients with zero_optimization.stage=0",
                             "it quantizes the reduce-scatter of partitioned gradients; stage 0 all-reduces whole ones",
                             "set zero_optimization.stage to 1, 2 or 3"))

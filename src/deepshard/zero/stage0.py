@@ -30,7 +30,7 @@ class Stage0Strategy(ZeroStrategy):
     """Bucketed, overlapped all-reduce data parallelism (DDP semantics)."""
 
     stage = 0
-    capabilities = Capabilities(optimizer_offload=False, compressed_comm=True)
+    capabilities = Capabilities(optimizer_offload=False, compressed_comm=True, partitioned_states=False)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
