@@ -12,6 +12,7 @@ calls :func:`parallelize`; nothing else composes.
     compile              a torch.compile'd model trains its original module, compiled deepshard/compile.py
                          in place (unwrapped first, at initialize)
     experts              MoE layers' expert-parallel groups, experts' placements     deepshard/moe/parallel.py
+                         (AutoEP: Hugging Face MoE blocks' experts split over ranks)  deepshard/moe/autoep.py
     ZeRO wrapping        device, replicas made equal, precision, the strategy         deepshard/parts.py, zero/
                          (sharding and reducing over the replicas: dp x sp)
     optimizer            the user's or the config's, taken over by the strategy       deepshard/optim/
@@ -53,6 +54,7 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
                 lr_scheduler: Any = None, mpu: Any = None) -> "EngineCore":
     """Compose the run (collective: every rank calls it): see the module docstring for the order. ``mpu``:
     what the user passed to ``initialize`` (it may carry a sequence-parallel setup)."""
+    from deepshard.moe.autoep import AutoEPConfig, apply_autoep
     from deepshard.moe.parallel import attach_experts, broadcast_experts, expert_param_ids
     from deepshard.pipe.module import PipelineModule
     from deepshard.sp.engine_hooks import build_sequence_parallel
@@ -61,6 +63,9 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     plan = describe(cfg, model, topology.dims, optimizer, accelerator.kind)
     enforce(plan)  # nothing is built before this line
     topology = attach_experts(model, topology, bool(cfg.use_data_before_expert_parallelism))
+    autoep = AutoEPConfig(cfg.expert_parallel)
+    if autoep.enabled:  # Hugging Face MoE blocks' experts split over expert-parallel ranks
+        topology = apply_autoep(model, topology, autoep.size)
     stage = model if isinstance(model, PipelineModule) else None  # plan.pipeline
     tied = None
     if stage is not None:  # the stage's layers were built by the PipelineModule for this grid position

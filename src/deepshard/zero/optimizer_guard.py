@@ -5,8 +5,8 @@ Those stages rebind the optimizer's param groups to this rank's shard pieces, so
 their gradients only inside ``engine.step()``). deepshard makes the mistake loud instead: the returned
 optimizer's ``step()`` raises and says to call ``engine.step()``; its ``zero_grad()`` clears the
 accumulated gradients, as DeepSpeed's ZeRO optimizers do. The strategy itself steps through
-``real_step`` (``optim/whole_vectors.py`` for torch's fused host Adam). At stage 0 the optimizer holds the real
-parameters and is left as it is.
+``optim/whole_vectors.step_whole_vectors`` (the class's own ``step``, past the guard). At stage 0 the
+optimizer holds the real parameters and is left as it is.
 """
 from __future__ import annotations
 
@@ -22,11 +22,6 @@ class _Owner(Protocol):
     stage: int
 
     def zero_grad(self) -> None: ...
-
-
-def real_step(optimizer: torch.optim.Optimizer) -> Any:
-    """The optimizer's own update (its class's ``step``, with torch's hooks), bypassing the guard."""
-    return type(optimizer).step(optimizer)
 
 
 def guard(optimizer: torch.optim.Optimizer, strategy: _Owner) -> None:
