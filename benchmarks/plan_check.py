@@ -90,6 +90,7 @@ def predicted_peaks(model_path: str, base: dict[str, Any], rows: list[tuple], wo
     from deepshard.dryrun.plan_space import Space, config_for
     from deepshard.dryrun.runner import run_callable
 
+    _one_thread()
     model = load_model_file(model_path)
     space = Space(world, base["train_batch_size"])
     table = []
@@ -103,6 +104,23 @@ def predicted_peaks(model_path: str, base: dict[str, Any], rows: list[tuple], wo
                 row.append(f"{type(err).__name__}: {err}"[:300])
         table.append(row)
     return table
+
+
+def _one_thread() -> None:
+    """Run torch's ops on one thread, as each real rank does (several threads on a shared machine are far
+    slower, and the planner's dry runs compare with single-threaded ranks)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _search(model_path: str, *args: Any) -> Any:
+    """The planner's search, in a fresh process (its model file is loaded there: its functions do not pickle)."""
+    from deepshard.dryrun.plan_model import load_model_file
+    from deepshard.dryrun.planner import search
+
+    _one_thread()
+    return search(load_model_file(model_path), *args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +158,10 @@ def _check_pick(args: argparse.Namespace, base: dict[str, Any], budget: str) -> 
     from deepshard.dryrun.plan_cli import parse_bytes
     from deepshard.dryrun.plan_model import load_model_file
     from deepshard.dryrun.plan_space import Space
-    from deepshard.dryrun.planner import search
-
     memory = parse_bytes(budget)
     space = Space(args.world_size, base["train_batch_size"], micros=(1, 2, 4, 8), tps=(1, 2), pps=(1, 2))
     with mp.get_context("spawn").Pool(1) as pool:
-        plan = pool.apply(search, (load_model_file(args.model), base, space, memory))
+        plan = pool.apply(_search, (args.model, base, space, memory))
     if plan.pick is None:
         print(f"budget {budget}: nothing fits")
         return {"budget": memory, "pick": None}

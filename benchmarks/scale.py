@@ -119,6 +119,9 @@ def measure_sizes(mode: str, sizes: list[int], layouts: list[str], path: Path, f
     done = set() if force else _done(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if mode == "dry":
+        import torch
+
+        torch.set_num_threads(1)  # as each real rank runs
         run_dry(layouts[0], 2)  # warm-up: the first initialize in a process imports what it needs (seconds)
     for layout in layouts:
         for n in sizes:

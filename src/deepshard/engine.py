@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from deepshard.accelerator import DeviceAccelerator as DeviceKind
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
 from deepshard.engine_client_calls import EngineClientCalls
 from deepshard.engine_ds_names import EngineDeepSpeedNames
-from deepshard.precision import LossScaler, PrecisionPolicy, make_loss_scaler
+from deepshard.parts import EngineParts
+from deepshard.precision import LossScaler, make_loss_scaler
 from deepshard.profiling.engine_tools import EngineTools
 from deepshard.step import StepRunner, TrainState
-from deepshard.topology import Topology
 from deepshard.utils.logging import logger
+from deepshard.zero.released import ReleasedStrategy
 from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
 
@@ -51,38 +51,42 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
     Unknown attributes fall through to the wrapped ``module``.
     """
 
-    def __init__(self, module: torch.nn.Module, config: Any, accelerator: DeviceKind, topology: Topology,
-                 strategy: ZeroStrategy, optimizer: torch.optim.Optimizer | None = None,
-                 precision: PrecisionPolicy | None = None, lr_scheduler: Any = None, monitor: Any = None,
-                 local_rank: int = 0) -> None:
-        """Built complete by ``deepshard.initialize`` (``bootstrap.py``): every part is given here."""
+    def __init__(self, parts: EngineParts) -> None:
+        """Built complete by ``deepshard.initialize`` (``parallelize.py`` composes ``parts``); nothing is added
+        to an engine after this returns."""
         super().__init__()
-        self.module = module
+        topology, config = parts.topology, parts.config
+        self.module = parts.module
         self._config = config
-        self.accelerator = accelerator
+        self.accelerator = parts.accelerator
         self.topology = topology
         self.comm = topology.seq_dp  # the replicas (dp x sp): ZeRO and rank-0 duties; topology.dp reads the data
         self.comms_logger = topology.world.logger
         self.world_size = topology.dims.world_size
         self.global_rank = topology.rank
-        self.local_rank = local_rank
+        self.local_rank = parts.local_rank
         self.dp_world_size = topology.dp.size
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        self.optimizer = parts.optimizer
+        self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader: Any = None
-        self.strategy: ZeroStrategy | None = strategy
-        self.precision = precision if precision is not None else PrecisionPolicy()
+        self.strategy: ZeroStrategy = parts.strategy
+        self.precision = parts.precision
         self.loss_scaler: LossScaler = make_loss_scaler(config.fp16)
-        self.monitor = monitor
+        self.monitor = parts.monitor
         self.state = TrainState()
         for group in (topology.world, topology.dp, topology.tp, topology.pp, topology.model_parallel, topology.sp,
                       topology.seq_dp):
-            if group is not None:
-                group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
+            group.progress = self.state  # the watchdog's diagnoses name the step each rank is at
         self._last_loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's micro-batch losses
-        self.tools = EngineTools(config, accelerator.synchronize, topology.rank)
+        self.tools = EngineTools(config, parts.accelerator.synchronize, topology.rank)
         self.runner = StepRunner(self.state, self.loss_scaler, config, topology.rank)
+        # sequence parallelism, under DeepSpeed's engine names
+        self.sequence_parallel = parts.sequence_parallel
+        self.sequence_parallel_size = topology.dims.sp
+        self.seq_parallel_group = topology.sp.group if parts.sequence_parallel is not None else None
+        self.seq_data_parallel_group = topology.seq_dp.group
+        self.seq_dp_world_size = topology.seq_dp.size
 
     # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
     global_steps = _StateField("global_steps")
@@ -91,15 +95,16 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
     skipped_steps = _StateField("skipped_steps")
 
     # ------------------------------------------------------------------------------ attributes
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self._modules.get("module")
-            if module is not None and hasattr(module, name):
-                return getattr(module, name)
-            raise AttributeError(f"'{type(self).__name__}' object (and its module "
-                                 f"{type(module).__name__}) has no attribute '{name}'") from None
+    if not TYPE_CHECKING:  # type checkers see the engine's own methods only; the module's names at run time
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                module = self._modules.get("module")
+                if module is not None and hasattr(module, name):
+                    return getattr(module, name)
+                raise AttributeError(f"'{type(self).__name__}' object (and its module "
+                                     f"{type(module).__name__}) has no attribute '{name}'") from None
 
     @property
     def config(self) -> ConfigView:
@@ -177,18 +182,17 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
         """The ``FlopsProfiler`` while the ``flops_profiler`` section's profile step runs, else None."""
         return self.tools.flops_profiler
 
+    def get_sequence_parallel_group(self) -> Any:
+        """The torch process group of this rank's sequence-parallel peers (None without sequence parallelism)."""
+        return self.seq_parallel_group
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (``set_to_none`` is accepted for torch parity; what a cleared gradient reads as is the
         stage's: None at stage 0, as in DeepSpeed)."""
-        self._strategy().zero_grad()
+        self.strategy.zero_grad()
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         self.runner.boundary_step(self, lr_kwargs)
-
-    def _strategy(self) -> ZeroStrategy:
-        if self.strategy is None:
-            raise RuntimeError("the engine has no strategy: build it with deepshard.initialize()")
-        return self.strategy
 
     # ----------------------------------------------------------------------------- reporting
     def _loss_is_logged(self) -> bool:
@@ -237,7 +241,7 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
         """Bytes this process holds per category (parameters, gradients, master_weights,
         optimizer_state, buffers, comm_buckets; gathered_parameters under ZeRO-3, secondary_parameters with
         hpZ; offloaded and offload_buffers with offload) and ``total``, the resident sum (offloaded bytes excluded)."""
-        report = dict(self._strategy().memory_report())
+        report = dict(self.strategy.memory_report())
         # 'total' is what this process holds in memory: bytes offloaded to disk are reported apart
         report["total"] = sum(v for k, v in report.items() if k != "offloaded")
         return report
@@ -302,9 +306,9 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
         """Release what the engine holds (DeepSpeed's name): the strategy's hooks and files, the
         parameters' ownership, the monitors. The module keeps its current values; the engine is unusable
         afterwards. Safe to call twice."""
-        if self.strategy is not None:
+        if not isinstance(self.strategy, ReleasedStrategy):
             self.strategy.release()
-        self.strategy = None
+            self.strategy = ReleasedStrategy(self.strategy)
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
@@ -314,8 +318,8 @@ class DeepShardEngine(EngineCore):
     """Returned by ``deepshard.initialize`` for a plain model: DeepSpeed's ``forward`` / ``backward`` /
     ``step`` training calls over the shared core."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, parts: EngineParts) -> None:
+        super().__init__(parts)
         self._no_sync_depth = 0
         self._boundary_override: bool | None = None
 
@@ -334,7 +338,7 @@ class DeepShardEngine(EngineCore):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside skip the gradient reduction (local accumulation only)."""
-        if not self._strategy().capabilities.no_sync:
+        if not self.strategy.capabilities.no_sync:
             raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
                                "gradients are partitioned as they are produced; use gradient_accumulation_steps")
         self._no_sync_depth += 1
@@ -349,14 +353,14 @@ class DeepShardEngine(EngineCore):
         with self.tools.time("forward"):
             inputs = self.precision.cast_inputs(inputs)
             kwargs = self.precision.cast_inputs(kwargs)
-            with explain_sharded_parameter_errors(self._strategy().capabilities.partitioned_parameters):
+            with explain_sharded_parameter_errors(self.strategy.capabilities.partitioned_parameters):
                 return self.module(*inputs, **kwargs)
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """Compile the wrapped module in place (DeepSpeed's ``engine.compile``): names, hooks and
         checkpoints are unchanged. At ZeRO stage 3 pass ``torch.compile(model)`` to ``initialize``
         instead (see docs/compile-and-checkpointing.md)."""
-        if self._strategy().capabilities.partitioned_parameters:
+        if self.strategy.capabilities.partitioned_parameters:
             raise NotImplementedError(
                 "engine.compile() at ZeRO stage 3: the stage-3 hooks were set up for eager execution; "
                 "compile before initialize instead: deepshard.initialize(model=torch.compile(model), ...)")
@@ -369,7 +373,7 @@ class DeepShardEngine(EngineCore):
 
     def _prepare_backward(self) -> None:
         reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
-        self._strategy().begin_backward(reduce)
+        self.strategy.begin_backward(reduce)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
@@ -390,7 +394,7 @@ class DeepShardEngine(EngineCore):
             with self.tools.time("backward_inner"):
                 scaled.backward(retain_graph=retain_graph)
             with self.tools.time("backward_allreduce"):
-                self._strategy().end_backward()
+                self.strategy.end_backward()
         return loss
 
     def _record_loss(self, loss: torch.Tensor) -> None:
@@ -415,7 +419,7 @@ class DeepShardEngine(EngineCore):
                                "for the micro-step that should synchronize and step")
         boundary = self.is_gradient_accumulation_boundary()
         with self.tools.time("step"):
-            self._strategy().end_backward()
+            self.strategy.end_backward()
             self.state.step_applied = False
             if boundary:
                 self._take_model_step(lr_kwargs)

@@ -93,7 +93,7 @@ def topology_from_mpu(mpu: Any, logger: CommsLogger) -> Topology:
     mp_group = _mpu_call(mpu, "get_model_parallel_group") if pp_size > 1 else tp_group
     mp = wrap(mp_group, pp_size * tp_size, "model_parallel")
     dp = CommGroup(dp_group, logger, name="dp")
-    return Topology(dims=dims, rank=dist.get_rank(), coord=coord, world=world, dp=dp, tp=tp, pp=pp, model_parallel=mp)
+    return Topology.from_groups(dims, dist.get_rank(), world, dp, tp, pp, mp, coord=coord)
 
 
 def build_topology(config: dict[str, Any], model: Any = None, mpu: Any = None, mesh_param: Any = None) -> Topology:

@@ -1,9 +1,11 @@
 """The parts a run is built from, one builder each, called in order by ``deepshard.parallelize``: replicas
 made equal, the precision policy, the optimizer, the ZeRO strategy (from :data:`STRATEGIES`, the one table
-of stages), the LR scheduler, the monitors."""
+of stages), the LR scheduler, the monitors; and :class:`EngineParts`, all of them in one frozen record that
+the engine takes whole."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -20,7 +22,34 @@ from deepshard.zero.stage12 import Stage1Strategy, Stage2Strategy
 from deepshard.zero.stage3.strategy import Stage3Strategy
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
+if TYPE_CHECKING:
+    from deepshard.pipe.tied import TiedWeights
+    from deepshard.sp.api import SequenceParallel
+
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an engine is made of, built once by ``deepshard.parallelize`` and handed to the engine
+    whole: an engine is complete when its ``__init__`` returns, nothing is attached to it afterwards."""
+
+    module: torch.nn.Module
+    config: DeepShardConfig
+    accelerator: Accelerator
+    topology: Topology
+    strategy: ZeroStrategy
+    precision: PrecisionPolicy
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+    """The user's scheduler or the config's (anything with ``step`` / ``state_dict``), or None."""
+    monitor: Any = None
+    """The ``MonitorMaster`` of the config's monitors, or None."""
+    local_rank: int = 0
+    sequence_parallel: "SequenceParallel | None" = None
+    """The run's sequence parallelism (``sequence_parallel_size`` > 1), else None."""
+    tied: "TiedWeights | None" = None
+    """A pipeline's tied-weight groups across its stages (the pipeline engine's); None for a plain model."""
 
 STRATEGIES: dict[int, type[ZeroStrategy]] = {0: Stage0Strategy, 1: Stage1Strategy, 2: Stage2Strategy,
                                              3: Stage3Strategy}

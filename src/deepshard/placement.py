@@ -53,6 +53,14 @@ class ExpertShard:
     saved_name: str
     """The parameter's name with its layer's *global* expert id (``...deepspeed_experts.<G>...``): the name
     checkpoints store it under, the same for every layout."""
+    every_name: tuple[str, ...] = ()
+    """The same parameter's saved name in each of the layer's experts (other ranks hold the rest): what a
+    checkpoint of the whole model holds for it."""
+    offset: int = 0
+    """Where the parameter starts in the flattened tensor it is saved as (AutoEP: this rank's experts of a
+    fused ``[E, ...]`` parameter); 0 for a whole tensor."""
+    global_shape: Optional[tuple[int, ...]] = None
+    """The shape of the tensor it is saved as, when it is a slice of it (None: its own shape)."""
 
 
 @dataclass
@@ -121,15 +129,60 @@ def mark_tied(param: torch.Tensor, stages: int) -> None:
     record_of(param).tied_stages = int(stages)
 
 
-def mark_expert(param: torch.Tensor, group: str, saved_name: str) -> None:
-    """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``."""
-    record_of(param).expert = ExpertShard(group, saved_name)
+def mark_expert(param: torch.Tensor, group: str, saved_name: str, every_name: tuple[str, ...] = (), offset: int = 0,
+                global_shape: Optional[tuple[int, ...]] = None) -> None:
+    """Declare ``param`` an expert's, held by the expert-parallel group ``group``, saved as ``saved_name``
+    (``every_name``: its names in every expert of its layer; ``offset`` / ``global_shape``: the slice of a
+    larger saved tensor it is)."""
+    record_of(param).expert = ExpertShard(group, saved_name, tuple(every_name), int(offset), global_shape)
+
+
+def saved_names(module: torch.nn.Module) -> dict[str, str]:
+    """State-dict name -> the name a checkpoint stores it under, where they differ: the parameters of
+    experts split over expert-parallel ranks (their global expert id)."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        stored = saved_name(p, name)
+        if stored != name:
+            out[name] = stored
+    return out
+
+
+def saved_slice(param: torch.Tensor) -> tuple[int, Optional[tuple[int, ...]]]:
+    """``(offset, shape)`` of the saved tensor ``param`` is a slice of: ``(0, None)`` for a whole tensor."""
+    found = expert_of(param)
+    return (0, None) if found is None else (found.offset, found.global_shape)
+
+
+def local_part(value: torch.Tensor, param: torch.Tensor, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """``param``'s own part of a saved (whole) tensor ``value``, of ``param``'s shape (or ``shape``: a ZeRO-3
+    parameter's full shape while it is sharded)."""
+    offset, whole = saved_slice(param)
+    if whole is None:
+        return value
+    shape = tuple(param.shape) if shape is None else tuple(shape)
+    numel = int(torch.Size(shape).numel())
+    return value.reshape(-1)[offset:offset + numel].view(shape)
+
+
+def saved_name(param: torch.Tensor, name: str) -> str:
+    """The name checkpoints store ``param`` (called ``name`` in its module) under: its global expert name
+    for an expert split over expert-parallel ranks, else ``name``."""
+    found = placement_of(param)
+    return name if found is None or found.expert is None else found.expert.saved_name
 
 
 def expert_of(param: torch.Tensor) -> Optional[ExpertShard]:
     """``param``'s expert record (None: a dense parameter, or an expert every rank holds)."""
     found = placement_of(param)
     return None if found is None else found.expert
+
+
+def identities(param: torch.Tensor, name: str) -> set[str]:
+    """The names a checkpoint may list ``param`` (saved as ``name``) under in its optimizer groups: ``name``,
+    and for an expert its name in every expert of its layer (the writer may have held other experts)."""
+    found = expert_of(param)
+    return {name} | (set(found.every_name) if found is not None else set())
 
 
 def split_of(param: torch.Tensor) -> Optional[TensorSplit]:

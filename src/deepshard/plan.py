@@ -104,7 +104,7 @@ def describe(cfg: Any, model: Any, dims: ParallelDims, optimizer: Any = None,
     accum = cfg.data_types.grad_accum_dtype
     autotp = resolve_tp_config(model, cfg.tensor_parallel).enabled
     heads, kv_heads = attention_head_counts(model, module_attributes=autotp)
-    return Plan(expert_parallel=_expert_parallel_sizes(model),dims=dims, stage=int(zero.stage),
+    return Plan(expert_parallel=_expert_parallel_sizes(model, cfg.expert_parallel),dims=dims, stage=int(zero.stage),
                 pipeline=pipeline, num_chunks=int(getattr(model, "num_chunks", 1)) if pipeline else 1,
                 schedule=str(cfg.pipeline.schedule), autotp=autotp, heads=heads, kv_heads=kv_heads,
                 fp16=bool(cfg.fp16.enabled), model_dtype=cfg.model_dtype,
@@ -124,13 +124,18 @@ def _zeropp(zero: Any) -> Any:
     return settings if settings.any else None
 
 
-def _expert_parallel_sizes(model: Any) -> tuple[int, ...]:
+def _expert_parallel_sizes(model: Any, autoep_section: Any) -> tuple[int, ...]:
+    """The ep sizes of the model's MoE layers, then AutoEP's (the ``expert_parallel`` section)."""
+    from deepshard.moe.autoep import AutoEPConfig
     from deepshard.moe.parallel import moe_layers
 
     sizes: list[int] = []
     for _, layer in moe_layers(model) if hasattr(model, "named_modules") else []:
         if layer.ep_size not in sizes:
             sizes.append(layer.ep_size)
+    autoep = AutoEPConfig(autoep_section)
+    if autoep.enabled and autoep.size not in sizes:
+        sizes.append(autoep.size)
     return tuple(sizes)
 
 
@@ -298,9 +303,8 @@ def _expert_rules(plan: Plan) -> list[Conflict]:
                             "ranks backpropagate one shared loss", "use sequence_parallel_size 1 with MoE"))
     if not plan.caps.expert_parallel:
         out.append(Conflict(f"MoE layers with ep_size={split[0]} and zero_optimization.stage={plan.stage}",
-                            "ZeRO-3 does not shard expert parameters over their expert-data-parallel group yet "
-                            "(DeepSpeed refuses native MoE under ZeRO-3 altogether)",
-                            "use ZeRO stage 0, 1 or 2, or ep_size=1"))
+                            "this ZeRO stage does not shard expert parameters over their expert-data-parallel group",
+                            "use another ZeRO stage, or ep_size=1"))
     if plan.compressed_optimizer is not None:
         out.append(Conflict(f"optimizer {plan.compressed_optimizer} with MoE layers of ep_size={split[0]}",
                             "its compressed momentum exchange averages every parameter over all data-parallel "
@@ -315,7 +319,7 @@ def _hierarchy_rules(plan: Plan) -> list[Conflict]:
         return []
     out: list[Conflict] = []
     replicas = plan.dims.dp * plan.dims.sp
-    if z.hybrid and plan.stage == 0:
+    if z.hybrid and not plan.caps.partitioned_states:
         out.append(Conflict(f"zero_optimization.mics_shard_size={z.mics_shard_size} with zero_optimization.stage=0",
                             "hybrid sharding partitions the optimizer states (stages 1-2) or everything (stage 3) "
                             "over groups of mics_shard_size ranks; stage 0 partitions nothing",
@@ -327,12 +331,12 @@ def _hierarchy_rules(plan: Plan) -> list[Conflict]:
     stage3_only = [key for key, on in (("zero_hpz_partition_size", z.hpz_partition_size > 1),
                                        ("zero_quantized_weights", z.quantized_weights),
                                        ("zero_quantized_nontrainable_weights", z.quantized_nontrainable_weights)) if on]
-    if stage3_only and plan.stage != 3:
+    if stage3_only and not plan.caps.partitioned_parameters:
         out.append(Conflict(f"zero_optimization.{' and '.join(stage3_only)} with zero_optimization.stage={plan.stage}",
                             "they act on ZeRO-3's parameter gathers, and below stage 3 every rank holds the whole "
                             "parameters (DeepSpeed ignores them there without a word)",
                             "set zero_optimization.stage to 3, or remove them"))
-    if z.quantized_gradients and plan.stage == 0:
+    if z.quantized_gradients and not plan.caps.partitioned_states:
         out.append(Conflict("zero_optimization.zero_quantized_gradients with zero_optimization.stage=0",
                             "it quantizes the reduce-scatter of partitioned gradients; stage 0 all-reduces whole ones",
                             "set zero_optimization.stage to 1, 2 or 3"))

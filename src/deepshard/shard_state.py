@@ -10,7 +10,7 @@ checkpoint type and ``checkpoint/`` no strategy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,7 +73,7 @@ def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.
         kind = full.optim_kinds[name][key]
         if kind == "elementwise":
             piece = value.reshape(-1)[start:start + numel]
-            if numel == _numel(full.shapes[name]) and like.dim() > 1:
+            if numel == like.numel() and like.dim() > 1:  # a whole parameter (or a saved slice of one) keeps its shape
                 piece = piece.view(like.shape)
             out[key] = piece.to(device=like.device, dtype=like.dtype if piece.is_floating_point() else piece.dtype
                                 ).clone()
@@ -87,21 +87,42 @@ def slice_state(full: FullState, name: str, start: int, numel: int, like: torch.
     return out
 
 
-def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]] | None) -> None:
-    """Restore hyperparameters group by group (lr, betas, weight_decay, ...)."""
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]] | None,
+                         identify: Callable[[torch.Tensor], set[str]] | None = None) -> None:
+    """Restore hyperparameters group by group (lr, betas, weight_decay, ...). With another number of groups
+    than the checkpoint's (MoE layers at other expert-parallel sizes get other expert groups), each group
+    takes the hyperparameters of the saved group that lists most of its parameters, ``identify(p)`` giving
+    the names a parameter may be saved under (its structural keys ``name`` and ``moe`` stay its own)."""
     if saved is None:
         return
-    if len(saved) != len(optimizer.param_groups):
+    if len(saved) == len(optimizer.param_groups):
+        pairs = list(zip(optimizer.param_groups, saved))
+        keep: tuple[str, ...] = ()
+    elif identify is not None:
+        pairs = [(group, _best_saved_group(group, saved, identify)) for group in optimizer.param_groups]
+        keep = ("name", "moe")
+    else:
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved)} param groups but this optimizer has "
             f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
             "load_optimizer_states=False to restore the weights only")
-    for group, saved_group in zip(optimizer.param_groups, saved):
+    for group, saved_group in pairs:
         tuples = set(saved_group.get("__tuples__", []))
         for key, value in saved_group.items():
-            if key in ("params", "__tuples__"):
+            if key in ("params", "__tuples__") or key in keep:
                 continue
             group[key] = tuple(value) if key in tuples else value
+
+
+def _best_saved_group(group: dict[str, Any], saved: list[dict[str, Any]],
+                      identify: Callable[[torch.Tensor], set[str]]) -> dict[str, Any]:
+    names = set().union(*(identify(p) for p in group["params"])) if group["params"] else set()
+    overlap = [len(names & set(s.get("params", []))) for s in saved]
+    if not overlap or max(overlap) == 0:
+        raise ValueError(f"the checkpoint's {len(saved)} optimizer param groups list none of the parameters of a "
+                         f"group of this optimizer ({len(group['params'])} parameters); build the optimizer with "
+                         "the checkpoint's groups, or load with load_optimizer_states=False")
+    return saved[overlap.index(max(overlap))]
 
 
 def export_param_groups(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossS
     state.step_applied = False
     finite = math.isfinite(norm)
     if strategy.optimizer is not None:  # DeepSpeed's optimizers say it; Accelerate reads it (step_was_skipped)
-        strategy.optimizer.overflow = not finite  # type: ignore[attr-defined]
+        setattr(strategy.optimizer, "overflow", not finite)
     if not finite and strategy.steps_in_backward:
         logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
                        "was already applied during backward and cannot be skipped", rank, state.global_steps, norm)
@@ -101,7 +101,7 @@ class StepRunner:
 
     def boundary_step(self, engine: Any, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
         """The optimizer step at an accumulation boundary (clipping, overflow skip, LR schedule)."""
-        applied = optimizer_step(engine._strategy(), self.state, self.loss_scaler,
+        applied = optimizer_step(engine.strategy, self.state, self.loss_scaler,
                                  float(self.config.gradient_clipping or 0.0), engine.lr_scheduler,
                                  int(self.config.train_batch_size), self.rank, lr_kwargs)
         if self.autotune is not None:  # an autotuning trial: measure, and end the run at its last step

@@ -237,22 +237,12 @@ class Topology:
     tp: CommGroup
     pp: CommGroup
     model_parallel: CommGroup
-    sp: Optional[CommGroup] = None
-    """The sequence-parallel group (a one-rank group when sp is 1; never None after construction)."""
-    seq_dp: Optional[CommGroup] = None
+    sp: CommGroup
+    """The sequence-parallel group (a one-rank group when sp is 1)."""
+    seq_dp: CommGroup
     """dp x sp: where ZeRO shards and reduces (the ``dp`` group itself when sp is 1)."""
     experts: Mapping[str, ExpertGroups] = field(default_factory=dict)
     """Expert-parallel groups by name (``ep_size_<P>``), added by :meth:`with_experts`."""
-
-    def __post_init__(self) -> None:
-        if self.sp is None:
-            if self.dims.sp != 1:
-                raise TopologyError(f"{self.dims} needs its sequence-parallel group (sp=...)")
-            object.__setattr__(self, "sp", CommGroup.single(logger=self.world.logger, name="sp"))
-        if self.seq_dp is None:
-            if self.dims.sp != 1:
-                raise TopologyError(f"{self.dims} needs its data x sequence group (seq_dp=...)")
-            object.__setattr__(self, "seq_dp", self.dp)
 
     @classmethod
     def build(cls, dims: ParallelDims, logger: Optional[CommsLogger] = None) -> "Topology":
@@ -281,10 +271,17 @@ class Topology:
     @classmethod
     def from_groups(cls, dims: ParallelDims, rank: int, world: CommGroup, dp: CommGroup, tp: CommGroup,
                     pp: CommGroup, model_parallel: CommGroup, sp: Optional[CommGroup] = None,
-                    seq_dp: Optional[CommGroup] = None) -> "Topology":
-        """A topology over groups someone else made (a Megatron-style ``mpu``)."""
-        return cls(dims=dims, rank=rank, coord=dims.coord(rank), world=world, dp=dp, tp=tp, pp=pp,
-                   model_parallel=model_parallel, sp=sp, seq_dp=seq_dp)
+                    seq_dp: Optional[CommGroup] = None, coord: Optional[Coord] = None) -> "Topology":
+        """A topology over groups someone else made (a Megatron-style ``mpu``). Without sequence parallelism
+        ``sp`` is a one-rank group and ``seq_dp`` the ``dp`` group; ``coord`` defaults to the rank's place in
+        DeepSpeed's order."""
+        if (sp is None or seq_dp is None) and dims.sp != 1:
+            raise TopologyError(f"{dims} needs its sequence-parallel group (sp=...) and its data x sequence group "
+                                "(seq_dp=...)")
+        return cls(dims=dims, rank=rank, coord=coord if coord is not None else dims.coord(rank), world=world, dp=dp,
+                   tp=tp, pp=pp, model_parallel=model_parallel,
+                   sp=sp if sp is not None else CommGroup.single(logger=world.logger, name="sp"),
+                   seq_dp=seq_dp if seq_dp is not None else dp)
 
     def with_experts(self, ep_sizes: Sequence[int], data_before_expert: bool = False) -> "Topology":
         """This topology plus the expert-parallel and expert-data-parallel groups of each of ``ep_sizes``

@@ -79,21 +79,71 @@ def make_moe_model(rank: int, world: int, ep_size: int, seed: int = 0, **options
     return net
 
 
-def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int, clip: float, lr: float = 1e-2,
-                  **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int | list[int], clip: float,
+                  lr: float = 1e-2, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process PyTorch: every expert on one process; each step the mean of the losses of the
-    ``chunks`` micro-batches (ranks x accumulation steps) the global batch is cut into (an MoE layer's
-    capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    ``chunks`` micro-batches (ranks x accumulation steps; a list: per step) the global batch is cut into (an
+    MoE layer's capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    per_step = chunks if isinstance(chunks, list) else [chunks] * len(batches)
     model = _full(0, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
-    for x, y in batches:
-        micro = x.shape[0] // chunks
+    for (x, y), cut in zip(batches, per_step):
+        micro = x.shape[0] // cut
         loss = torch.stack([model(x[r * micro:(r + 1) * micro], y[r * micro:(r + 1) * micro])
-                            for r in range(chunks)]).mean()
+                            for r in range(cut)]).mean()
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tiny_moe_config(kind: str) -> Any:
+    """A tiny transformers MoE model's config (no download): 4 experts, top-2, 2 layers."""
+    import transformers
+
+    common = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_position_embeddings": 32}
+    if kind == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **common)
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(intermediate_size=32, moe_intermediate_size=24, num_experts=4,
+                                           num_experts_per_tok=2, shared_expert_intermediate_size=24, **common)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=24, num_experts=4,
+                                           num_experts_per_tok=2, head_dim=8, **common)
+    if kind == "olmoe":
+        return transformers.OlmoeConfig(intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common)
+    raise ValueError(kind)
+
+
+def make_hf_moe(kind: str, seed: int = 0) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_moe_config(kind)
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def token_batches(steps: int, batch: int, seed: int = 3, length: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (batch, length), generator=g) for _ in range(steps)]
+
+
+def reference_hf(kind: str, batches: list[torch.Tensor], clip: float = 1.0, lr: float = 1e-2
+                 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The dense run: one process, every expert, the whole batch, AdamW, torch's clipping."""
+    model = make_hf_moe(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

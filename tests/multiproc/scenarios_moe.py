@@ -18,7 +18,8 @@ def _config(stage: int, micro: int, gas: int = 1, dtype: str = "fp32", clip: flo
             bucket: int = 500) -> dict[str, Any]:
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
                            "optimizer": optimizer_config(), "gradient_clipping": clip,
-                           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+                           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                                 "stage3_gather_16bit_weights_on_model_save": True}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -77,3 +78,94 @@ def layout_and_accounting(rank: int, world: int) -> dict[str, Any]:
         "max": ds_groups._get_max_expert_size_name(),
     }
     return out
+
+
+def save_moe_world(rank: int, world: int, stage: int, ep: int, tmp: str) -> list[float]:
+    """3 steps, then a checkpoint and the 16-bit weights (``tmp``/ckpt, ``tmp``/weights)."""
+    micro = GLOBAL_BATCH // world
+    engine, *_ = deepshard.initialize(model=make_moe_model(rank, world, ep), config=_config(stage, micro))
+    losses = run_steps(engine, make_batches(6, GLOBAL_BATCH, seed=9)[:3], micro, 1, rank, world)
+    engine.save_checkpoint(f"{tmp}/ckpt", client_state={"by": world})
+    engine.save_16bit_model(f"{tmp}/weights", "model.safetensors")
+    return losses
+
+
+def resume_moe_world(rank: int, world: int, stage: int, ep: int, gas: int, tmp: str) -> dict[str, Any]:
+    """A model of other initial weights loads the checkpoint and trains the next 3 steps."""
+    micro = GLOBAL_BATCH // (world * gas)
+    engine, *_ = deepshard.initialize(model=make_moe_model(rank, world, ep, seed=77), config=_config(stage, micro, gas))
+    _, client = engine.load_checkpoint(f"{tmp}/ckpt")
+    losses = run_steps(engine, make_batches(6, GLOBAL_BATCH, seed=9)[3:], micro, gas, rank, world)
+    return {"losses": losses, "weights": global_expert_weights(engine), "client": client}
+
+
+def _autoep_config(stage: int, micro: int, ep: int, dtype: str = "fp32") -> dict[str, Any]:
+    cfg = _config(stage, micro, clip=1.0)
+    cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], steps: int = 3) -> dict[Any, Any]:
+    """Each (model kind, stage, ep, dtype): ``steps`` steps of the HF model with AutoEP; its losses and each
+    parameter as (offset in the saved tensor, fp32 value)."""
+    from deepshard.placement import saved_slice
+    from tests.multiproc.moe_models import make_hf_moe, token_batches
+
+    out: dict[Any, Any] = {}
+    batches = token_batches(steps, 4)
+    micro = 4 // world
+    for kind, stage, ep, dtype in cases:
+        engine, *_ = deepshard.initialize(model=make_hf_moe(kind), config=_autoep_config(stage, micro, ep, dtype))
+        losses = []
+        for ids in batches:
+            mine = ids[rank * micro:(rank + 1) * micro]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().float().reshape(1)
+            torch.distributed.all_reduce(total)
+            losses.append(float(total) / world)
+        weights = {name: (saved_slice(p)[0], engine.strategy.full_fp32_param(p))
+                   for name, p in engine.module.named_parameters()}
+        out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights,
+                                         "local_experts": engine.module.model.layers[0].mlp.experts.gate_up_proj.shape[0]}
+        engine.destroy()
+    return out
+
+
+def _hf_steps(engine: Any, batches: list, rank: int, world: int) -> list[float]:
+    micro = batches[0].shape[0] // world
+    losses = []
+    for ids in batches:
+        mine = ids[rank * micro:(rank + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        torch.distributed.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def autoep_save(rank: int, world: int, kind: str, stage: int, ep: int, tmp: str) -> list[float]:
+    """2 steps with AutoEP (ep 1: without), then a checkpoint and the 16-bit weights."""
+    from tests.multiproc.moe_models import make_hf_moe, token_batches
+
+    config = _autoep_config(stage, 4 // world, ep) if ep > 1 else _config(stage, 4 // world, clip=1.0)
+    engine, *_ = deepshard.initialize(model=make_hf_moe(kind), config=config)
+    losses = _hf_steps(engine, token_batches(3, 4)[:2], rank, world)
+    engine.save_checkpoint(f"{tmp}/ckpt")
+    engine.save_16bit_model(f"{tmp}/weights", "model.safetensors")
+    return losses
+
+
+def autoep_resume(rank: int, world: int, kind: str, stage: int, ep: int, tmp: str) -> list[float]:
+    """Another initial model loads the checkpoint (ep 1: the experts whole, no AutoEP) and takes step 3."""
+    from tests.multiproc.moe_models import make_hf_moe, token_batches
+
+    config = _autoep_config(stage, 4 // world, ep) if ep > 1 else _config(stage, 4 // world, clip=1.0)
+    engine, *_ = deepshard.initialize(model=make_hf_moe(kind, seed=5), config=config)
+    engine.load_checkpoint(f"{tmp}/ckpt")
+    return _hf_steps(engine, token_batches(3, 4)[2:], rank, world)

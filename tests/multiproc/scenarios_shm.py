@@ -86,8 +86,8 @@ def _all_cases(mem: CommGroup, tcp: CommGroup) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for salt, dtype_name in enumerate(DTYPES):
         res.update({f"{dtype_name}:{k}": v for k, v in _compare(mem, tcp, getattr(torch, dtype_name), 10 * salt).items()})
-    link = mem._shm_link
-    res["used_shm"] = link is not None and link.state == "shm" and tcp._shm_link is None
+    link = mem.transport.link
+    res["used_shm"] = link is not None and link.state == "shm" and tcp.transport.kind == "pairwise"
     res["paths"] = link.paths if link is not None else []
     return res
 
@@ -100,7 +100,7 @@ def _fallback(rank: int) -> dict[str, Any]:
         res = _compare(mem, tcp, torch.float32, 99)
     finally:
         del os.environ[shm.HOST_VAR]
-    res["fell_back"] = mem._shm_link is not None and mem._shm_link.state == "tcp"
+    res["fell_back"] = mem.transport.link is not None and mem.transport.link.state == "tcp"
     return res
 
 

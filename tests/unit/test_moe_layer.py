@@ -4,6 +4,7 @@ its experts' outputs). The same layer against DeepSpeed itself, vector by vector
 test_moe_vectors.py."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -109,6 +110,8 @@ def test_used_token_leaves_masked_tokens_unrouted() -> None:
 def test_capacity_arithmetic() -> None:
     assert capacity_for(8, 2, 1.0, 0) == 4 and capacity_for(8, 4, 1.0, 4) == 4 and capacity_for(9, 4, 1.0, 0) == 3
     assert capacity_for(24, 4, 2.0, 4) == 12 and capacity_for(10, 4, 0.5, 1) == 2
+    # DeepSpeed multiplies in float32: 35 / 3 * 1.2 is 14.0000000000000018 in double but 14.000001 in float32
+    assert capacity_for(35, 3, 1.2, 0) == 15 == math.ceil(float(torch.tensor(35 / 3) * torch.tensor(1.2)))
 
 
 def test_structure_names_and_expert_markers() -> None:

@@ -57,7 +57,6 @@ def _moe(ep: int) -> nn.Module:
     (4, ParallelDims(dp=2), {}, "ep_size=4 on 2 data-parallel replicas"),
     (2, ParallelDims(dp=2, tp=2), {}, "tensor parallelism"),
     (2, ParallelDims(dp=2, sp=2), {}, "sequence parallelism"),
-    (2, ParallelDims(dp=2), {"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
     (2, ParallelDims(dp=2), {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "OneBitAdam"),
 ])
 def test_plan_refuses_what_expert_parallelism_cannot_meet(ep: int, dims: ParallelDims, sections: dict,
@@ -66,6 +65,24 @@ def test_plan_refuses_what_expert_parallelism_cannot_meet(ep: int, dims: Paralle
     assert any(needle in m for m in messages), messages
 
 
-@pytest.mark.parametrize("ep, stage", [(1, 0), (2, 0), (2, 1), (2, 2), (1, 3)])
+@pytest.mark.parametrize("ep, stage", [(1, 0), (2, 0), (2, 1), (2, 2), (1, 3), (2, 3)])
 def test_plan_accepts_what_it_builds(ep: int, stage: int) -> None:
     assert _messages(_moe(ep), ParallelDims(dp=2), zero_optimization={"stage": stage}) == []
+
+
+def test_whole_state_dict_names_experts_by_global_id_in_model_order() -> None:
+    from deepshard.checkpoint.experts import whole_state_dict
+    from deepshard.comm.group import CommGroup
+    from deepshard.moe.parallel import _with_expert_id
+    from deepshard.placement import mark_expert
+
+    model = nn.Sequential(nn.Linear(8, 8), MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2), nn.Linear(8, 2))
+    for name, p in model[1].deepspeed_moe.experts.named_parameters(prefix="1.deepspeed_moe.experts"):
+        mark_expert(p, "ep_size_2", saved_expert_name(name, model[1], 1),
+                    tuple(_with_expert_id(name, g) for g in range(4)))  # as expert-parallel rank 1 sees them
+    state = whole_state_dict(model.state_dict(), model, CommGroup.single())
+    assert list(state) == ["0.weight", "0.bias", "1.deepspeed_moe.gate.wg.weight",
+                           "1.deepspeed_moe.experts.deepspeed_experts.2.weight",
+                           "1.deepspeed_moe.experts.deepspeed_experts.2.bias",
+                           "1.deepspeed_moe.experts.deepspeed_experts.3.weight",
+                           "1.deepspeed_moe.experts.deepspeed_experts.3.bias", "2.weight", "2.bias"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from deepshard.comm import settings, shm
+from deepshard.comm import settings, shm_ring
 
 
 def test_mode_reads_the_argument_then_the_variable() -> None:
@@ -41,16 +41,16 @@ def test_slot_size_in_mib_rounded_to_pages() -> None:
 
 
 def test_a_zombie_or_reaped_peer_is_not_alive() -> None:
-    assert shm._alive(os.getpid())
+    assert shm_ring._alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert shm._alive(child.pid)
+        assert shm_ring._alive(child.pid)
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while shm._alive(child.pid) and time.monotonic() < deadline:  # a zombie until reaped
+        while shm_ring._alive(child.pid) and time.monotonic() < deadline:  # a zombie until reaped
             time.sleep(0.01)
-        assert not shm._alive(child.pid)
+        assert not shm_ring._alive(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert not shm._alive(child.pid)
+    assert not shm_ring._alive(child.pid)

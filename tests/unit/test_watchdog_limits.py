@@ -12,7 +12,7 @@ from deepshard.distributed import default_timeout
 
 
 class _Comm:
-    rank, size, peers, group, progress = 0, 2, [0, 1], None, None
+    rank, size, peers, group, progress, backend = 0, 2, [0, 1], None, None, "gloo"
 
 
 class _Work:
@@ -42,7 +42,7 @@ def test_the_retired_watchdog_variable_is_refused_with_the_replacement() -> None
 
 
 def test_the_message_states_the_timeout_that_fired() -> None:
-    dog = Watchdog(_Comm(), WaitLimit(3.0, "DEEPSHARD_TIMEOUT=0.05 minutes"))  # type: ignore[arg-type]
+    dog = Watchdog(_Comm(), WaitLimit(3.0, "DEEPSHARD_TIMEOUT=0.05 minutes"))
     dog._store = None
     work = _Work()
     with pytest.raises(CollectiveTimeout, match=r"did not complete within 3s \(DEEPSHARD_TIMEOUT=0.05 minutes\)"):
@@ -60,7 +60,7 @@ class _NcclComm(_Comm):
 def test_nccl_waits_do_not_hold_the_host() -> None:
     """A timed wait on NCCL blocks the host until the GPU finishes (torch's WorkNCCL polls); the watchdog
     must make the plain, stream-ordered wait there, for collectives and transfers alike."""
-    dog = Watchdog(_NcclComm(), WaitLimit(3.0, "DEEPSHARD_TIMEOUT=0.05 minutes"))  # type: ignore[arg-type]
+    dog = Watchdog(_NcclComm(), WaitLimit(3.0, "DEEPSHARD_TIMEOUT=0.05 minutes"))
     dog._store = None
     for transfer in (False, True):
         work = _Work()
@@ -68,7 +68,7 @@ def test_nccl_waits_do_not_hold_the_host() -> None:
         dog.wait(work, "all_gather of 8 bfloat16 elements over 2 ranks", transfer=transfer)
         assert work.waited is None
     assert dog.sequence == 1
-    gloo = Watchdog(_Comm(), WaitLimit(3.0, "x"))  # type: ignore[arg-type]
+    gloo = Watchdog(_Comm(), WaitLimit(3.0, "x"))
     gloo._store = None
     work = _Work()
     with pytest.raises(CollectiveTimeout):

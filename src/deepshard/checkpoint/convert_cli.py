@@ -21,6 +21,8 @@ def build_parser(prog: str = "deepshard convert") -> argparse.ArgumentParser:
                         help="data-parallel size of the target job (default: the source's)")
     parser.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                         help="ZeRO stage of the target job (default: the source's; 1 for a stage-0 source to DeepSpeed)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="--to deepspeed of a mixture-of-experts model: the ep_size of the target job's MoE layers")
     parser.add_argument("--tag", default=None, help="tag of the source to convert (default: its 'latest'); "
                                                      "the target keeps the same tag")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -49,7 +51,7 @@ def _progress(quiet: bool) -> Any:
 
 
 def convert(src: Path, dst: Path, to: str, dp: int | None = None, stage: int | None = None, tag: str | None = None,
-            quiet: bool = True) -> Path:
+            quiet: bool = True, ep: int = 1) -> Path:
     """Convert; returns the written tag directory. Raises ``CheckpointError``/``ValueError`` with the cause."""
     from deepshard.checkpoint.deepspeed_format import is_deepspeed_tag
 
@@ -76,13 +78,13 @@ def convert(src: Path, dst: Path, to: str, dp: int | None = None, stage: int | N
     source = read_source(tag_dir)
     stage = stage if stage is not None else max(1, int(source.engine.get("zero_stage", 1)))
     dp = dp or int(source.engine.get("grid", {}).get("dp", source.engine.get("dp_world_size", 1)))
-    return write_deepspeed(source, dst, tag_name, dp, stage, _progress(quiet))
+    return write_deepspeed(source, dst, tag_name, dp, stage, _progress(quiet), ep)
 
 
 def main(argv: list[str] | None = None, prog: str = "deepshard convert") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
-        out = convert(args.src, args.dst, args.to, args.dp, args.stage, args.tag, quiet=args.quiet)
+        out = convert(args.src, args.dst, args.to, args.dp, args.stage, args.tag, quiet=args.quiet, ep=args.ep)
     except (ckpt_io.CheckpointError, ValueError, FileNotFoundError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -26,7 +26,6 @@ from deepshard.checkpoint.reader import ENGINE_JSON, ENGINE_TENSORS, rng_file
 from deepshard.checkpoint.rng_streams import stream_states
 from deepshard.checkpoint.state import flatten_state
 from deepshard.comm.group import CommGroup
-from deepshard.placement import expert_of
 from deepshard.precision import LossScaler, PrecisionPolicy
 from deepshard.step import TrainState
 from deepshard.topology import Topology
@@ -66,7 +65,6 @@ def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: st
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
     the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.state.global_steps}")
-    refuse_split_experts(engine, "save_checkpoint")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
     staging = ckpt_io.staging_path(save_dir, tag)
@@ -82,14 +80,6 @@ def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: st
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
-
-
-def refuse_split_experts(engine: "CheckpointedEngine", what: str) -> None:
-    """Checkpoints of experts split over expert-parallel ranks are not written yet (each rank holds other
-    experts under the same local names): refuse rather than save a wrong file."""
-    if any(expert_of(p) is not None for p in engine.module.parameters()):
-        raise NotImplementedError(f"{what} of a model whose MoE layers have ep_size > 1 is not supported yet; "
-                                  "train with ep_size=1 to checkpoint, or save the experts yourself")
 
 
 def _prepare_staging(save_dir: Path, tag: str) -> None:
@@ -209,8 +199,10 @@ def save_16bit_model(engine: "CheckpointedEngine", save_dir: Path, filename: str
         return False
     from deepshard.tp.consolidate import gather_tensor_parallel
 
-    refuse_split_experts(engine, "save_16bit_model")
+    from deepshard.checkpoint.experts import whole_state_dict
+
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    state = whole_state_dict(state, engine.module, engine.topology.world)  # every expert, by global id
     state = gather_tensor_parallel(state, engine.module, engine.topology.tp)  # whole tensors, not tp slices
     writer = engine.comm.rank == 0 and engine.topology.coord.tp == 0  # one per pipeline stage
     if writer and engine.topology.dims.pp > 1:

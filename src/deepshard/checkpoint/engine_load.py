@@ -13,7 +13,7 @@ from typing import Any, Optional
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.collective import agree_on_load
 from deepshard.checkpoint.deepspeed_format.detect import deepspeed_tag_dir
-from deepshard.checkpoint.engine_checkpoint import CheckpointedEngine, refuse_split_experts
+from deepshard.checkpoint.engine_checkpoint import CheckpointedEngine
 from deepshard.checkpoint.module_state import check_model_names
 from deepshard.checkpoint.reader import DeepShardTag, DeepSpeedTag, Resume, TagReader
 from deepshard.checkpoint.rng_streams import restore_streams
@@ -30,7 +30,6 @@ def load_engine_checkpoint(engine: CheckpointedEngine, load_dir: Path, tag: str 
     the weights checked against the model's names and handed to the strategy (every rank reads its own
     part; the ranks agree on the outcome), then the counters, the loss scaler, the LR scheduler and the RNG
     streams."""
-    refuse_split_experts(engine, "load_checkpoint")
     reader = _open_for_load(engine, load_dir, tag)
     if reader is None:
         return _nothing_to_load(engine.topology.rank, load_dir, tag)

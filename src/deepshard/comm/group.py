@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 import deepshard.comm.pairwise as pairwise
-import deepshard.comm.shm as shared_memory
 import deepshard.comm.nodes as node_map
 from deepshard.comm.logger import CommsLogger
 from deepshard.comm.nodes import NodeMap
 from deepshard.comm.settings import mode_from, slot_bytes_from
+from deepshard.comm.transport import Transport, choose_transport, padded_concat
 from deepshard.comm.watchdog import Watchdog
 
 Work = Optional[dist.Work]
@@ -30,26 +30,15 @@ PAIRWISE_MAX_RANKS = 64
 """The largest gloo group that uses the pairwise forms by default (see ``CommGroup``): a dry run of a tiny
 GPT at ZeRO-3 spent 0.03 s of CPU per step at 2 ranks and 10 s at 4,096 issuing the exchanges."""
 
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class _DoneWork:
     """Stands in for an async handle when nothing was sent (world size 1)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
         return True
-
-
-def _padded_concat(pieces: list[torch.Tensor], numel: int) -> torch.Tensor:
-    """The 1-D ``pieces`` end to end in a fresh zero-padded tensor of ``numel`` elements."""
-    flat = torch.zeros(numel, dtype=pieces[0].dtype, device=pieces[0].device)
-    torch.cat(pieces, out=flat[:sum(p.numel() for p in pieces)])
-    return flat
 
 
 class WatchedWork:
@@ -72,6 +61,8 @@ class WatchedWork:
 
 class CommGroup:
     """Collectives over ``group`` (None = the default world group), counted by ``logger``.
+
+    How the data moves is the group's ``transport``, chosen once here (``comm/transport.py``):
 
     ``pairwise``: run reduce-scatter and all-gather as direct ``isend``/``irecv`` exchanges
     (``comm/pairwise.py``) instead of the backend's own collectives. None (the default) chooses them
@@ -118,8 +109,11 @@ class CommGroup:
         self.shares = self.nodes.shares(me, self.peers)
         """``(intra, inter)``: the fractions of a collective's volume on links within / between nodes."""
         self.shm = mode_from(shm, os.environ) is not False and self.nodes.same_node(self.peers)
-        self._shm_link: Optional[shared_memory.ShmTransport] = None
+        """Whether the transport may use shared memory (asked for, and every peer on this rank's node)."""
         self._watchdog: Optional[Watchdog] = None
+        self.transport: Transport = choose_transport(
+            self.group, self.backend, self.rank, self.peers, self.pairwise, self.shm,
+            self._next_tag, self.name, lambda: slot_bytes_from(os.environ), lambda: self.watchdog.limit)
         self.progress: Any = None
         """What the watchdog reads the training step from (``global_steps``): the owning engine's state."""
 
@@ -166,20 +160,8 @@ class CommGroup:
         return op if self.name in ("world", "dp", "seq_dp", "single") else f"{self.name}:{op}"
 
     def pairwise_for(self, tensor: torch.Tensor) -> bool:
-        """Pairwise forms for host tensors only (gloo's point-to-point ops take CPU tensors)."""
-        return self.pairwise and tensor.device.type == "cpu"
-
-    def _shm_for(self, tensor: torch.Tensor) -> Optional[shared_memory.ShmTransport]:
-        """The shared-memory transport for a pairwise collective on ``tensor``, or None (TCP: not wanted, not
-        a host tensor on gloo, or the group's rendezvous found its ranks on several hosts)."""
-        if not (self.shm and self.backend == "gloo" and self.pairwise_for(tensor)):
-            return None
-        if self._shm_link is None:  # the rendezvous' tags: taken at the same collective on every rank
-            tags = [self._next_tag(-1 - i, 8 * self.size) for i in range(3)]
-            self._shm_link = shared_memory.ShmTransport(self.group, self.rank, self.peers, self.name,
-                                                        slot_bytes_from(os.environ),
-                                                        self.watchdog.limit, tags)
-        return self._shm_link if self._shm_link.queues else None
+        """Whether a collective on ``tensor`` runs as pairwise exchanges (whose result may land in its input)."""
+        return self.transport.pairwise_for(tensor)
 
     def _next_tag(self, key: int, nbytes: int, count: int = 1) -> int:
         """The tag (first of ``count``) of the next pairwise collective: the group's sequence number mixed
@@ -208,10 +190,8 @@ class CommGroup:
             output.copy_(shard.reshape(output.shape))
             return _DoneWork() if async_op else None
         self._record("all_gather", output.numel(), output.element_size())
-        if self.pairwise_for(output):
-            return self._pairwise_gather(output, shard, key, async_op)
-        work = _all_gather(output, shard, group=self.group, async_op=True)
-        return self._settle(work, async_op, self._what("all_gather", output))
+        what = self._what("all_gather", output)
+        return self._settle(self.transport.all_gather(output, shard, key, what), async_op, what)
 
     def all_gather_inplace(self, buffer: torch.Tensor, async_op: bool = False):
         """Fill every chunk of ``buffer`` (N equal chunks) from its rank; chunk ``rank`` already holds
@@ -219,23 +199,9 @@ class CommGroup:
         if self.size == 1:
             return _DoneWork() if async_op else None
         mine = buffer.reshape(self.size, -1)[self.rank]
-        if self.pairwise_for(buffer):
-            self._record("all_gather", buffer.numel(), buffer.element_size())
-            return self._pairwise_gather(buffer, mine, 0, async_op)
-        if self.backend != "nccl":  # in-place is NCCL's documented case; others get a private input
-            mine = mine.clone()
+        if not self.transport.pairwise_for(buffer) and self.backend != "nccl":
+            mine = mine.clone()  # in-place is NCCL's documented case; other native backends get a private input
         return self.all_gather_into_tensor(buffer, mine, async_op=async_op)
-
-    def _pairwise_gather(self, output: torch.Tensor, shard: torch.Tensor, key: int, async_op: bool) -> Any:
-        """The all-gather over shared memory (same host) or pairwise TCP exchanges."""
-        link = self._shm_for(output)
-        tag = self._next_tag(key, output.numel() * output.element_size())
-        what = self._what("all_gather", output)
-        if link is not None:
-            work = link.all_gather(output, shard, tag, what)
-        else:
-            work = pairwise.all_gather(output, shard, self.rank, self.peers, self.group, tag)
-        return self._settle(work, async_op, what)
 
     def all_to_all_single(self, output: torch.Tensor, data: torch.Tensor, async_op: bool = False):
         """Send row ``k`` of ``data`` (``size`` equal rows) to rank ``k``; receive rank ``k``'s row for this
@@ -245,12 +211,7 @@ class CommGroup:
             return _DoneWork() if async_op else None
         self._record("all_to_all", data.numel(), data.element_size())
         what = self._what("all_to_all", data)
-        if self.pairwise_for(data):
-            tag = self._next_tag(0, data.numel() * data.element_size())
-            return self._settle(pairwise.all_to_all(output, data, self.rank, self.peers, self.group, tag),
-                                async_op, what)
-        work = dist.all_to_all_single(output, data, group=self.group, async_op=True)
-        return self._settle(work, async_op, what)
+        return self._settle(self.transport.all_to_all(output, data, what), async_op, what)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Sum ``full`` over ranks and leave this rank's equal slice in ``output``."""
@@ -258,47 +219,25 @@ class CommGroup:
             output.copy_(full.reshape(output.shape))
             return _DoneWork() if async_op else None
         self._record("reduce_scatter", full.numel(), full.element_size())
-        if self.pairwise_for(full):
-            link = self._shm_for(full)
-            tag = self._next_tag(0, full.numel() * full.element_size())
-            what = self._what("reduce_scatter", full)
-            if link is not None:
-                work = link.reduce_scatter_tensor(output, full, tag, what)
-            else:
-                work = pairwise.reduce_scatter(output, full, self.rank, self.peers, self.group, tag)
-            return self._settle(work, async_op, what)
-        work = _reduce_scatter(output, full, group=self.group, async_op=True)
-        return self._settle(work, async_op, self._what("reduce_scatter", full))
+        what = self._what("reduce_scatter", full)
+        return self._settle(self.transport.reduce_scatter(output, full, what), async_op, what)
 
     def reduce_scatter_pieces(self, pieces: list[torch.Tensor], chunk: int, key: int = 0) -> Any:
         """Start reducing the concatenation of the 1-D ``pieces`` (zero-padded to ``size * chunk``); the
-        returned work's ``result`` is this rank's reduced chunk after ``wait()``. Pairwise backends send
-        the pieces as they are; others copy them into one staging buffer for the native collective."""
+        returned work's ``result`` is this rank's reduced chunk after ``wait()``. Pairwise transports send
+        the pieces as they are; torch's own collective gets them copied into one staging buffer."""
         if not pieces:
             raise ValueError("reduce_scatter_pieces needs at least one tensor")
-        dtype, device = pieces[0].dtype, pieces[0].device
+        dtype = pieces[0].dtype
         if any(p.dim() != 1 or not p.is_contiguous() or p.dtype != dtype for p in pieces):
             raise ValueError("reduce_scatter_pieces: pieces must be 1-D, contiguous and of one dtype")
         if self.size == 1:  # the result is the padded concatenation itself
-            flat = _padded_concat(pieces, chunk)
+            flat = padded_concat(pieces, chunk)
             return pairwise.CollectiveWork([], lambda: flat)
         self._record("reduce_scatter", chunk * self.size, pieces[0].element_size())
-        what = f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements over {self.size} ranks"
-        if self.pairwise_for(pieces[0]):
-            link = self._shm_for(pieces[0])
-            nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
-            tag = self._next_tag(key, nbytes, count=len(pieces))
-            if link is not None:
-                work = link.reduce_scatter_pieces(pieces, chunk, tag, what)
-            else:
-                work = pairwise.reduce_scatter_pieces(pieces, chunk, self.rank, self.peers, self.group, tag)
-        else:
-            staging = _padded_concat(pieces, chunk * self.size)
-            out = torch.empty(chunk, dtype=dtype, device=device)
-            native = _reduce_scatter(out, staging, group=self.group, async_op=True)
-            work = pairwise.CollectiveWork([native], lambda: out,
-                                           scratch_bytes=(staging.numel() + out.numel()) * out.element_size())
-        return self._settle(work, True, what)
+        what = (f"reduce_scatter of {chunk * self.size} {str(dtype).replace('torch.', '')} elements"
+                f" over {self.size} ranks")
+        return self._settle(self.transport.reduce_scatter_pieces(pieces, chunk, self.size, key, what), True, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from group rank ``src``."""
@@ -320,39 +259,7 @@ class CommGroup:
             return
         if label is not None:
             self._record(label, tensor.numel(), tensor.element_size(), 2.0)
-        if self.pairwise_for(tensor):
-            tag = self._next_tag(zlib.crc32(op.encode()) + 1, tensor.numel() * tensor.element_size())
-            link = self._shm_for(tensor)
-            if link is not None:  # an all-gather through shared memory, combined here: microseconds, not a TCP round
-                self._settle(self._shm_all_reduce_small(link, tensor, op, tag, what), False, what)
-                return
-            work = pairwise.all_reduce_small(tensor, op, self.rank, self.peers, self.group, tag)
-        else:
-            reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
-        self._settle(work, False, what)
-
-    def _shm_all_reduce_small(self, link: shared_memory.ShmTransport, tensor: torch.Tensor, op: str, tag: int,
-                              what: str) -> Any:
-        """``pairwise.all_reduce_small`` over shared memory: every rank's copy gathered, then combined in rank
-        order (the same bits as the TCP form)."""
-        if not tensor.is_contiguous():
-            raise ValueError("all_reduce_control: the tensor must be contiguous")
-        flat = tensor.reshape(-1)
-        copies = torch.empty((self.size, flat.numel()), dtype=flat.dtype, device=flat.device)
-        work = link.all_gather(copies, flat.clone(), tag, what)
-
-        def finish() -> torch.Tensor:
-            acc = copies[0].clone()
-            for r in range(1, self.size):
-                if op == "max":
-                    torch.maximum(acc, copies[r], out=acc)
-                else:
-                    acc.add_(copies[r])
-            flat.copy_(acc)
-            return tensor
-
-        return pairwise.CollectiveWork([work], finish)
+        self._settle(self.transport.all_reduce_small(tensor, op, what), False, what)
 
     def barrier(self, what: str = "barrier") -> None:
         """Wait for every rank (under the watchdog; ``what`` names the barrier in its diagnosis)."""

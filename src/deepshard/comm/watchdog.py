@@ -26,12 +26,10 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from deepshard.comm.settings import timeout_minutes
 
-if TYPE_CHECKING:
-    from deepshard.comm.group import CommGroup
 
 DEFAULT_TIMEOUT_S = 600.0
 GRACE_S = 5.0
@@ -40,6 +38,18 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
               "socket closed", "end of file", "connection abort")
 _MISMATCH = ("size doesn't match", "size does not match", "mismatch", "doesn't match expected")
 _GLOO_WAITED = re.compile(r"timed out waiting (\d+)\s*ms", re.IGNORECASE)
+
+
+class WatchedGroup(Protocol):
+    """What the watchdog reads of the group it guards (a ``CommGroup``)."""
+
+    group: Any
+    rank: int
+    size: int
+    peers: list[int]
+    backend: str
+    progress: Any
+    """Whatever counts the training steps (``global_steps``): the owning engine's state, or None."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -103,7 +113,7 @@ class Watchdog:
     """``wait(work, what)`` with the timeout of :func:`wait_limit` and a diagnosis; ``sequence`` counts the
     collectives waited on (in the order every rank issues them)."""
 
-    def __init__(self, comm: "CommGroup", limit: WaitLimit | None = None) -> None:
+    def __init__(self, comm: WatchedGroup, limit: WaitLimit | None = None) -> None:
         self.comm = comm
         self.limit = limit if limit is not None else wait_limit(comm.group)
         self.sequence = 0
@@ -123,7 +133,7 @@ class Watchdog:
         point-to-point transfer (not counted in the collective sequence)."""
         if not transfer:
             self.sequence += 1
-        if getattr(self.comm, "backend", None) == "nccl" or (not transfer and self.comm.size == 1):
+        if self.comm.backend == "nccl" or (not transfer and self.comm.size == 1):
             # NCCL: a plain wait orders the current stream after the collective and returns at once; a
             # timed one would hold the host until the device finished (polling every millisecond), so the
             # host could no longer queue work ahead of the GPU. NCCL's own watchdog bounds the wait with

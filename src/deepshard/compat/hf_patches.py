@@ -116,7 +116,7 @@ def patch_accelerate_state(module: types.ModuleType) -> None:
             return "gloo", multi_cpu
         return found
 
-    _prepare_backend._deepshard_adjusted = True  # type: ignore[attr-defined]
+    setattr(_prepare_backend, "_deepshard_adjusted", True)
     cls._prepare_backend = _prepare_backend
 
 
@@ -130,7 +130,7 @@ def patch_training_args(module: types.ModuleType) -> None:
     def is_torch_bf16_gpu_available(*args: Any, **kwargs: Any) -> bool:
         return True
 
-    is_torch_bf16_gpu_available._deepshard_adjusted = True  # type: ignore[attr-defined]
+    setattr(is_torch_bf16_gpu_available, "_deepshard_adjusted", True)
     module.is_torch_bf16_gpu_available = is_torch_bf16_gpu_available
 
 
@@ -148,7 +148,7 @@ def guard_main_process_first(module: types.ModuleType) -> None:
         with rank_ordered_section("accelerate's main_process_first()"):
             yield from original(self, is_main)
 
-    _goes_first._deepshard_adjusted = True  # type: ignore[attr-defined]
+    setattr(_goes_first, "_deepshard_adjusted", True)
     module.PartialState._goes_first = _goes_first
 
 

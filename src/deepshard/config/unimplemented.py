@@ -20,7 +20,7 @@ UNIMPLEMENTED_SCALARS: dict[str, Any] = {
 
 # Section keys (dicts): on when "enabled" is truthy, unless a rule below says otherwise.
 UNIMPLEMENTED_SECTIONS: tuple[str, ...] = (
-    "autotuning", "elasticity", "compile", "expert_parallel", "hybrid_engine",
+    "autotuning", "elasticity", "compile", "hybrid_engine",
     "compression_training", "data_efficiency", "curriculum_learning", "eigenvalue",
     "progressive_layer_drop", "sparse_attention", "nebula", "datastates", "weight_quantization",
     "quantize_training", "timers", "zenflow", "trackio",

@@ -24,6 +24,7 @@ Without token dropping it is the largest expert count, the maximum over the expe
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -64,9 +65,13 @@ def capacity_for(num_tokens: int, num_experts: int, capacity_factor: float, min_
     """``max(ceil(S / E * capacity_factor), min_capacity)``, the product rounded through fp32 as
     DeepSpeed's gate computes it (its capacity factor is a float32 tensor), so the capacity agrees with
     DeepSpeed's to the slot even where S/E * factor lands just above an integer."""
-    product = torch.tensor(num_tokens / num_experts, dtype=torch.float32) * torch.tensor(capacity_factor,
-                                                                                          dtype=torch.float32)
-    return max(int(math.ceil(product.item())), int(min_capacity))
+    product = _fp32(_fp32(num_tokens / num_experts) * _fp32(capacity_factor))  # exact in double, then rounded
+    return max(int(math.ceil(product)), int(min_capacity))
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (no tensor: this runs in every forward)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _uniform(shape: torch.Size, low: float, high: float, device: torch.device) -> Tensor:

@@ -27,7 +27,7 @@ from deepshard.moe.layer import MoE
 from deepshard.placement import expert_of, mark_expert
 from deepshard.topology import Topology
 
-__all__ = ["attach_experts", "expert_param_ids", "moe_layers", "saved_expert_name"]
+__all__ = ["attach_experts", "broadcast_experts", "expert_param_ids", "moe_layers", "saved_expert_name"]
 
 _LOCAL = re.compile(r"(^|\.)deepspeed_experts\.(\d+)(\.|$)")
 
@@ -45,6 +45,10 @@ def saved_expert_name(local_name: str, layer: MoE, ep_rank: int) -> str:
         return f"{match.group(1)}deepspeed_experts.{global_id}{match.group(3)}"
 
     return _LOCAL.sub(to_global, local_name, count=1)
+
+
+def _with_expert_id(name: str, expert: int) -> str:
+    return _LOCAL.sub(lambda m: f"{m.group(1)}deepspeed_experts.{expert}{m.group(3)}", name, count=1)
 
 
 def attach_experts(model: nn.Module, topology: Topology, data_before_expert: bool = False) -> Topology:
@@ -66,7 +70,8 @@ def attach_experts(model: nn.Module, topology: Topology, data_before_expert: boo
         experts = layer.deepspeed_moe.experts
         for name, param in experts.named_parameters(prefix=f"{prefix}.deepspeed_moe.experts" if prefix
                                                      else "deepspeed_moe.experts"):
-            mark_expert(param, groups.name, saved_expert_name(name, layer, groups.ep_rank))
+            every = tuple(_with_expert_id(name, g) for g in range(layer.num_experts))
+            mark_expert(param, groups.name, saved_expert_name(name, layer, groups.ep_rank), every)
     return topology
 
 
@@ -94,3 +99,4 @@ def broadcast_experts(model: nn.Module, topology: Topology) -> None:
         for p in params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+

@@ -18,6 +18,7 @@ import torch
 
 from deepshard.config.base import dtype_from_name
 from deepshard.engine import EngineCore
+from deepshard.parts import EngineParts
 from deepshard.pipe.grad_accum import SIXTEEN_BIT, Fp32GradSums
 from deepshard.pipe.module import PipelineModule
 from deepshard.pipe.p2p import StageLink, TensorMeta
@@ -89,9 +90,14 @@ class PipelineEngine(EngineCore):
     and ``step`` raise ``PipelineError``. It shares the engine core (accessors, checkpoints, reporting) and
     its one step path (``self.runner``) with the plain engine; it inherits no training call."""
 
-    def __init__(self, *args: Any, tied: TiedWeights, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tied = tied
+    def __init__(self, parts: EngineParts) -> None:
+        if parts.tied is None or not isinstance(parts.module, PipelineModule):
+            raise TypeError(f"PipelineEngine trains a PipelineModule with its tied-weight groups (EngineParts.tied); "
+                            f"got a {type(parts.module).__name__} with tied={parts.tied!r}: build it with "
+                            "deepshard.initialize, which picks the engine by model kind")
+        super().__init__(parts)
+        self.module: PipelineModule = parts.module
+        self.tied: TiedWeights = parts.tied
         self.grad_sums = _fp32_grad_sums(self.module, self.precision.param_dtype, self._config)
         dims, coord = self.topology.dims, self.topology.coord
         self.num_stages, self.stage_id = dims.pp, coord.pp
@@ -201,7 +207,7 @@ class PipelineEngine(EngineCore):
         if self.grad_sums is not None:
             self.grad_sums.flush()  # the fp32 sums of the micro-batches' gradients, rounded once
         self.tied.all_reduce_grads()
-        self.runner.reduce_once(self._strategy())
+        self.runner.reduce_once(self.strategy)
 
     # ------------------------------------------------------------------------------------- data
     def _iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:

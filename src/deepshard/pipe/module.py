@@ -72,6 +72,12 @@ class PipelineModule(nn.Module):
     e.g. to build one stage in a test with no process group. ``partition_method``: ``parameters``
     (default), ``uniform``, ``type:<regex>``, ``profile`` (times each layer on ``partition_sample``).
     ``num_chunks``: model chunks per stage (interleaved schedule); ``forward(x, chunk=c)`` runs chunk ``c``.
+
+    Why the constructor is a collective: DeepSpeed's ``PipelineModule`` creates its process groups here, and
+    scripts written for it call ``module.mpu()`` / ``module.topology()`` before ``deepspeed.initialize``
+    (Megatron-DeepSpeed passes ``mpu=model.mpu()``). Building the groups later would break them; every rank
+    constructs the module, as DeepSpeed requires too. ``initialize`` trains on these groups (``grid.py``
+    checks them against the config).
     """
 
     def __init__(self, layers: Sequence[LayerEntry], num_stages: int | None = None, topology: Any = None,

@@ -34,19 +34,21 @@ class SequenceParallel:
     """The sp groups of this rank and the token layout they use (see the module text)."""
 
     def __init__(self, groups: SPGroups, balance: bool = True, mode: str = "ulysses",
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, topology: Optional[Topology] = None) -> None:
         self.groups = groups
         self.balance = balance
         self.mode = mode
         self.tensor_parallel = tensor_parallel
         """The grid's tensor-parallel size: above 1 the attention gets one tensor-parallel rank's heads."""
+        self.topology = topology
+        """The grid the groups were cut from (kept alive with them: ``deepshard.utils.groups`` holds it weakly)."""
 
     @classmethod
     def build(cls, topology: Topology, mode: Mode = "ulysses", ulysses_size: Optional[int] = None,
               balance: bool = True) -> "SequenceParallel":
         """Collective: every rank calls it with the same arguments."""
         return cls(build_sp_groups(topology, mode, ulysses_size), balance=balance, mode=mode,
-                   tensor_parallel=topology.dims.tp)
+                   tensor_parallel=topology.dims.tp, topology=topology)
 
     @classmethod
     def from_config(cls, topology: Topology, section: Any) -> "SequenceParallel":

@@ -9,7 +9,7 @@ import torch
 
 from deepshard.sp.api import SequenceParallel
 from deepshard.topology import ParallelDims, Topology
-from deepshard.utils.groups import register_topology
+from deepshard.utils.groups import remember_grid
 from deepshard.utils.logging import logger
 
 _HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
@@ -28,22 +28,22 @@ class SequenceParallelMpu:
             raise ValueError(f"this mpu was built for sequence_parallel_size={self.deepshard_topology.dims.sp}")
 
     def get_sequence_parallel_group(self) -> Any:
-        return self.deepshard_topology.sp.group  # type: ignore[union-attr]
+        return self.deepshard_topology.sp.group
 
     def get_sequence_parallel_world_size(self) -> int:
-        return self.deepshard_topology.sp.size  # type: ignore[union-attr]
+        return self.deepshard_topology.sp.size
 
     def get_sequence_parallel_rank(self) -> int:
-        return self.deepshard_topology.sp.rank  # type: ignore[union-attr]
+        return self.deepshard_topology.sp.rank
 
     def get_sequence_data_parallel_group(self) -> Any:
-        return self.deepshard_topology.seq_dp.group  # type: ignore[union-attr]
+        return self.deepshard_topology.seq_dp.group
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.deepshard_topology.seq_dp.size  # type: ignore[union-attr]
+        return self.deepshard_topology.seq_dp.size
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.deepshard_topology.seq_dp.rank  # type: ignore[union-attr]
+        return self.deepshard_topology.seq_dp.rank
 
     # DeepSpeed aliases model parallel to sequence parallel in this mpu
     get_model_parallel_group = get_sequence_parallel_group
@@ -120,7 +120,7 @@ def register(cls: Any, model_name_or_path: Any, core_attn_implementation: str, s
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn_wrapper
-    register_topology(topology, sequence_parallel)
+    remember_grid(topology, sequence_parallel)
     if topology.rank == 0:
         logger.info("sequence parallelism (%s): %d ranks per sequence, %s attention, %s", mode,
                     sequence_parallel_size, core_attn_implementation, topology.dims)

@@ -17,17 +17,17 @@ def mark_tp_split(param: torch.nn.Parameter, dim: int, index: int, size: int,
     fused), on the parameter's attributes and on its placement (the norm and the checkpoints read it)."""
     from deepshard.placement import mark_split
 
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = dim  # type: ignore[attr-defined]
-    param.partition_stride = 1  # type: ignore[attr-defined]
-    param.tp_fused_parts = tuple(parts) if parts else None  # type: ignore[attr-defined]
-    mark_split(param, dim, index, size, fused=param.tp_fused_parts)  # type: ignore[attr-defined]
+    fused = tuple(parts) if parts else None
+    for name, value in (("tensor_model_parallel", True), ("partition_dim", dim), ("partition_stride", 1),
+                        ("tp_fused_parts", fused)):
+        setattr(param, name, value)  # Megatron's and DeepSpeed's attribute names, read by their code
+    mark_split(param, dim, index, size, fused=fused)
 
 
 def mark_sequence_parallel(param: torch.nn.Parameter) -> None:
     """Record that ``param`` is replicated but sees one sequence shard per rank (its gradient is summed
     over the tensor-parallel group by ``copy_to_tp_region`` in the forward)."""
-    param.sequence_parallel = True  # type: ignore[attr-defined]
+    setattr(param, "sequence_parallel", True)  # Megatron's attribute name
 
 
 def is_tp_split(param: torch.Tensor) -> bool:

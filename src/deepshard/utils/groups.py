@@ -1,40 +1,97 @@
-"""DeepSpeed's ``deepspeed.utils.groups`` sequence-parallel and expert-parallel accessors.
+"""DeepSpeed's ``deepspeed.utils.groups`` accessors, answered from the grids deepshard built last.
 
-DeepSpeed answers these from a process-wide registry that ``deepspeed.initialize(mpu=...)`` fills; scripts
-call them with no argument (``groups._get_sequence_parallel_group()``), so deepshard keeps the one grid that
-registered last: the grid of ``UlyssesSPAttentionHF.register_with_transformers`` or of the latest engine
-built with ``sequence_parallel_size`` > 1. The groups are real torch process groups (None stands for the
-whole world, as torch reads it), which scripts pass to ``torch.distributed.nn.functional`` collectives.
-deepshard's own code never reads this registry: it passes ``Topology`` objects.
+DeepSpeed answers these from process-wide group variables that ``deepspeed.initialize(mpu=...)`` fills, and
+scripts call them with no argument (``groups._get_sequence_parallel_group()``). deepshard keeps no groups
+here: the groups live on a ``Topology``, owned by its engine (or by the mpu and the attention of
+``UlyssesSPAttentionHF.register_with_transformers``), and this module only remembers, weakly, which grid
+was set up last for each purpose (:func:`remember_grid`, called by ``deepshard.initialize`` for every
+engine and by ``register_with_transformers``):
+
+- ``"sequence"``: the latest grid with sequence parallelism (``sequence_parallel_size`` > 1, or the
+  grid of ``register_with_transformers``): the sequence- and data-parallel accessors;
+- ``"experts"``: the latest grid with MoE layers' expert-parallel groups: the expert accessors.
+
+When that grid is gone (its engine and mpu released) the accessors answer as for no grid. deepshard's own
+code never asks here: it passes ``Topology`` objects.
+
+Adding accessors (another kind of group): record the grid under a purpose of its own in
+:func:`remember_grid`, read it with :func:`latest_grid` and answer the single-process value when it is
+None.
+
+The groups are real torch process groups (None stands for the whole world, as torch reads it), which
+scripts pass to ``torch.distributed.nn.functional`` collectives.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from deepshard.topology import ParallelDims, Topology
 
-_REGISTERED: dict[str, Any] = {}  # the DeepSpeed API's process-wide state: one grid and its sp layout at most
+if TYPE_CHECKING:
+    from deepshard.sp.api import SequenceParallel
+
+Purpose = Literal["sequence", "experts"]
 
 
-def register_topology(topology: Topology, sequence_parallel: Any = None) -> None:
-    """Make ``topology`` the grid these accessors answer for; ``sequence_parallel`` (a
-    ``deepshard.sp.SequenceParallel``, or None) tells ``UlyssesSPDataLoaderAdapter`` which tokens each rank
-    holds (ring and hybrid modes cut the sequence otherwise than Ulysses)."""
-    _REGISTERED["current"] = topology
-    _REGISTERED["sequence_parallel"] = sequence_parallel
+class _LatestGrids:
+    """The latest grid of each purpose and the sequence-parallel layout, held weakly (kept alive by their
+    engine or mpu, never from here)."""
+
+    def __init__(self) -> None:
+        self._grids: dict[str, weakref.ref[Topology]] = {}
+        self._sequence_parallel: Optional[weakref.ref[SequenceParallel]] = None
+
+    def set(self, purpose: Purpose, topology: Topology) -> None:
+        self._grids[purpose] = weakref.ref(topology)
+
+    def set_sequence_parallel(self, sequence_parallel: Optional[SequenceParallel]) -> None:
+        self._sequence_parallel = None if sequence_parallel is None else weakref.ref(sequence_parallel)
+
+    def get(self, purpose: Purpose) -> Optional[Topology]:
+        found = self._grids.get(purpose)
+        return None if found is None else found()
+
+    def sequence_parallel(self) -> Optional[SequenceParallel]:
+        return None if self._sequence_parallel is None else self._sequence_parallel()
+
+    def clear(self) -> None:
+        self._grids.clear()
+        self._sequence_parallel = None
 
 
-def forget_topology() -> None:
-    _REGISTERED.clear()
+_LATEST = _LatestGrids()
+"""Which grids the accessors answer for: weak pointers, no process group of their own."""
+
+
+def remember_grid(topology: Topology, sequence_parallel: Optional[SequenceParallel] = None) -> None:
+    """Make ``topology`` the grid the accessors of each purpose it serves answer for: sequence parallelism
+    when it has some (or ``sequence_parallel`` is given: it tells ``UlyssesSPDataLoaderAdapter`` which
+    tokens each rank holds, ring and hybrid modes cutting the sequence otherwise than Ulysses), expert
+    parallelism when it has expert groups."""
+    if sequence_parallel is not None or topology.dims.sp > 1:
+        _LATEST.set("sequence", topology)
+        _LATEST.set_sequence_parallel(sequence_parallel)
+    if topology.experts:
+        _LATEST.set("experts", topology)
+
+
+def forget_grids() -> None:
+    _LATEST.clear()
+
+
+def latest_grid(purpose: Purpose) -> Optional[Topology]:
+    """The latest grid remembered for ``purpose`` while it lives, else None."""
+    return _LATEST.get(purpose)
+
+
+def registered_sequence_parallel() -> Optional[SequenceParallel]:
+    """The ``SequenceParallel`` of the latest sequence-parallel grid (None: none, or plain Ulysses layout)."""
+    return _LATEST.sequence_parallel() if latest_grid("sequence") is not None else None
 
 
 def _topology() -> Optional[Topology]:
-    return _REGISTERED.get("current")
-
-
-def registered_sequence_parallel() -> Any:
-    """The ``SequenceParallel`` registered with the grid (None: none, or plain Ulysses layout)."""
-    return _REGISTERED.get("sequence_parallel")
+    return latest_grid("sequence")
 
 
 def _require() -> Topology:
@@ -47,32 +104,32 @@ def _require() -> Topology:
 
 def _get_sequence_parallel_group() -> Any:
     """The torch process group of this rank's sequence-parallel peers."""
-    return _require().sp.group  # type: ignore[union-attr]
+    return _require().sp.group
 
 
 def _get_sequence_parallel_world_size() -> int:
     topology = _topology()
-    return 1 if topology is None else topology.sp.size  # type: ignore[union-attr]
+    return 1 if topology is None else topology.sp.size
 
 
 def _get_sequence_parallel_rank() -> int:
     topology = _topology()
-    return 0 if topology is None else topology.sp.rank  # type: ignore[union-attr]
+    return 0 if topology is None else topology.sp.rank
 
 
 def _get_sequence_data_parallel_group() -> Any:
     """dp x sp: where ZeRO shards and reduces."""
-    return _require().seq_dp.group  # type: ignore[union-attr]
+    return _require().seq_dp.group
 
 
 def _get_sequence_data_parallel_world_size() -> int:
     topology = _topology()
-    return _world_size() if topology is None else topology.seq_dp.size  # type: ignore[union-attr]
+    return _world_size() if topology is None else topology.seq_dp.size
 
 
 def _get_sequence_data_parallel_rank() -> int:
     topology = _topology()
-    return _world_rank() if topology is None else topology.seq_dp.rank  # type: ignore[union-attr]
+    return _world_rank() if topology is None else topology.seq_dp.rank
 
 
 def _get_data_parallel_group() -> Any:
@@ -108,17 +165,11 @@ def _world_rank() -> int:
 
 
 # ------------------------------------------------------------------------------------ expert parallelism
-# DeepSpeed's expert-group accessors, keyed by group name (``ep_size_<P>``): they answer for the grid of the
-# latest engine built with MoE layers (``register_expert_topology``), independently of the sequence-parallel
-# registration above.
-
-def register_expert_topology(topology: Topology) -> None:
-    """Make ``topology`` (with its ``experts`` groups) the grid the expert accessors answer for."""
-    _REGISTERED["experts"] = topology
-
+# DeepSpeed's expert-group accessors, keyed by group name (``ep_size_<P>``): they answer for the latest grid
+# with MoE layers' expert groups (``latest_grid("experts")``).
 
 def _expert_groups() -> dict[str, Any]:
-    topology = _REGISTERED.get("experts")
+    topology = latest_grid("experts")
     return dict(topology.experts) if topology is not None else {}
 
 

@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from deepshard.comm.group import CommGroup, _padded_concat
+from deepshard.comm.group import CommGroup
+from deepshard.comm.transport import padded_concat
 from deepshard.comm.hierarchical import Hierarchy, quantized_reduce_scatter
 from deepshard.comm.staged import Stages, StagedWork
 
@@ -58,7 +59,7 @@ class GradReduce:
             first = self.shard.reduce_scatter_pieces(pieces, chunk, key=key)
         else:
             assert self.hierarchy is not None  # __post_init__
-            full = _padded_concat(pieces, chunk * self.shard.size)
+            full = padded_concat(pieces, chunk * self.shard.size)
             first = quantized_reduce_scatter(full, chunk, self.hierarchy, self.quantize_bits)
         return self._across_replicas(first, None)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from deepshard.placement import saved_name
+
 
 def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters with ``requires_grad``, each once (tied weights appear once), in registration order."""
@@ -16,8 +18,9 @@ def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
-    """id(param) -> its first (canonical) name in ``named_parameters()``."""
-    return {id(p): name for name, p in module.named_parameters()}
+    """id(param) -> its first (canonical) name in ``named_parameters()``, as checkpoints store it (an expert
+    split over expert-parallel ranks: with its global expert id, ``placement.saved_name``)."""
+    return {id(p): saved_name(p, name) for name, p in module.named_parameters()}
 
 
 def check_optimizer_params(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

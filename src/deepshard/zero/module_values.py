@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepshard.placement import local_part, saved_names
 from deepshard.shard_state import FullState
 
 
@@ -13,7 +14,8 @@ def module_extra_state(module: torch.nn.Module, exclude_frozen: bool = False) ->
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     frozen = ({n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
               if exclude_frozen else set())
-    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()
+    renamed = saved_names(module)  # a frozen expert split over expert-parallel ranks: by its global id
+    return {renamed.get(k, k): v.detach() for k, v in module.state_dict(keep_vars=True).items()
             if id(v) not in trainable and k not in frozen}
 
 
@@ -21,12 +23,14 @@ def module_extra_state(module: torch.nn.Module, exclude_frozen: bool = False) ->
 def load_module_values(module: torch.nn.Module, full: FullState) -> None:
     """Copy ``full``'s values into the module's (whole, unsharded) parameters, buffers and frozen weights;
     a name ``full`` lacks keeps its value (``checkpoint/`` has checked the names already)."""
+    renamed = saved_names(module)  # experts split over expert-parallel ranks are saved by global id
     for key, value in module.state_dict(keep_vars=True).items():
-        source_name = full.aliases.get(key, key)
+        stored = renamed.get(key, key)
+        source_name = full.aliases.get(stored, stored)
         if source_name in full.params:
-            src = full.params[source_name]
-        elif key in full.module_extra:
-            src = full.module_extra[key]
+            src = local_part(full.params[source_name], value)  # an AutoEP rank's slice of fused experts
+        elif stored in full.module_extra:
+            src = full.module_extra[stored]
         else:
             continue
         if tuple(src.shape) != tuple(value.shape):

@@ -5,26 +5,26 @@ Those stages rebind the optimizer's param groups to this rank's shard pieces, so
 their gradients only inside ``engine.step()``). deepshard makes the mistake loud instead: the returned
 optimizer's ``step()`` raises and says to call ``engine.step()``; its ``zero_grad()`` clears the
 accumulated gradients, as DeepSpeed's ZeRO optimizers do. The strategy itself steps through
-``real_step`` (``optim/whole_vectors.py`` for torch's fused host Adam). At stage 0 the optimizer holds the real
-parameters and is left as it is.
+``optim/whole_vectors.step_whole_vectors`` (the class's own ``step``, past the guard). At stage 0 the
+optimizer holds the real parameters and is left as it is.
 """
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from deepshard.zero.strategy import ZeroStrategy
+
+class _Owner(Protocol):
+    """The strategy that took the optimizer over: its stage (for the message) and its ``zero_grad``."""
+
+    stage: int
+
+    def zero_grad(self) -> None: ...
 
 
-def real_step(optimizer: torch.optim.Optimizer) -> Any:
-    """The optimizer's own update (its class's ``step``, with torch's hooks), bypassing the guard."""
-    return type(optimizer).step(optimizer)
-
-
-def guard(optimizer: torch.optim.Optimizer, strategy: "ZeroStrategy") -> None:
+def guard(optimizer: torch.optim.Optimizer, strategy: _Owner) -> None:
     """Replace ``optimizer.step`` / ``zero_grad`` on this instance (see the module docstring)."""
     stage = strategy.stage
     owner = weakref.ref(strategy)
@@ -41,8 +41,8 @@ def guard(optimizer: torch.optim.Optimizer, strategy: "ZeroStrategy") -> None:
         if live is not None:
             live.zero_grad()
 
-    optimizer.step = step  # type: ignore[method-assign]
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    setattr(optimizer, "step", step)  # on the instance: unguard() pops them again
+    setattr(optimizer, "zero_grad", zero_grad)
 
 
 def unguard(optimizer: torch.optim.Optimizer | None) -> None:

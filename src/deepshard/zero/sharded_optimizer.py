@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from deepshard.comm.group import CommGroup
+from deepshard.placement import identities, saved_slice
 from deepshard.shard_state import FragmentRecord, FullState, export_param_groups, restore_param_groups, slice_state
 from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.offload.states import ShardStates
@@ -82,16 +83,21 @@ class ShardedOptimizer:
     def norm_sources(self, module: torch.nn.Module) -> dict[int, list[Pieces]]:
         """The pieces' gradients keyed by their parameter's copies over the model-parallel group (a
         replicated or tied parameter counts once in the norm)."""
-        named = dict(module.named_parameters())  # the pieces' own tensors carry no placement
-        return sources_by_copies([named[f.name] for f in self.fragments],
-                                 lambda idx: (self.grad_src[i] for i in idx), True)
+        params = [self.params[self.layout.slots[f.slot].param_index] for f in self.fragments]  # (experts: the
+        return sources_by_copies(params, lambda idx: (self.grad_src[i] for i in idx), True)  # names are global)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def records(self) -> list[FragmentRecord]:
         """Every piece's fp32 value and optimizer state (read back from host memory or disk when
         offloaded, one sub-group at a time)."""
-        return [FragmentRecord(self.fragments[i].name, self.fragments[i].start, self.fragments[i].numel,
+        return [FragmentRecord(self.fragments[i].name, self._saved_start(i), self.fragments[i].numel,
                                value.float(), state) for i, value, state in self.states.records()]
+
+    def _saved_start(self, i: int) -> int:
+        """Piece ``i``'s offset in the tensor it is saved as (its parameter's own offset there: AutoEP's slices
+        of fused experts start past the other ranks' experts)."""
+        f = self.fragments[i]
+        return saved_slice(self.params[self.layout.slots[f.slot].param_index])[0] + f.start
 
     def param_groups_for_save(self, optimizer: Optional[torch.optim.Optimizer]) -> list[dict] | None:
         """The optimizer's hyper-parameters by parameter name, from the first data-parallel rank only."""
@@ -102,16 +108,19 @@ class ShardedOptimizer:
     def load(self, full: FullState, optimizer: Optional[torch.optim.Optimizer], with_states: bool) -> None:
         """Piece values (and, with ``with_states``, optimizer state) from a reassembled checkpoint."""
         def value(i: int) -> torch.Tensor | None:
-            f = self.fragments[i]
-            return full.params[f.name].reshape(-1)[f.start:f.start + f.numel] if f.name in full.params else None
+            f, start = self.fragments[i], self._saved_start(i)
+            return full.params[f.name].reshape(-1)[start:start + f.numel] if f.name in full.params else None
 
         def state(i: int) -> dict | None:
             f = self.fragments[i]
-            return slice_state(full, f.name, f.start, f.numel, self.frag_params[i]) if f.name in full.optim else None
+            return slice_state(full, f.name, self._saved_start(i), f.numel, self.frag_params[i]) if f.name in full.optim \
+                else None
 
         with_states = with_states and optimizer is not None
-        if with_states:
-            restore_param_groups(optimizer, full.param_groups)  # type: ignore[arg-type]
+        if with_states and optimizer is not None:
+            names = {id(self.frag_params[i]): identities(self.params[self.layout.slots[f.slot].param_index], f.name)
+                     for i, f in enumerate(self.fragments)}
+            restore_param_groups(optimizer, full.param_groups, lambda t: names.get(id(t), set()))  # type: ignore[arg-type]
         self.states.load(value, state if with_states else None)
 
     # ---------------------------------------------------------------------------------- full values

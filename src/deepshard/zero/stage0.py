@@ -8,12 +8,14 @@ updates fp32 master weights that are copied back into the module after each step
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from deepshard.compression.onebit_adam import CompressedCommOptimizer
 from deepshard.optim.kernels import fuse_host_adam
 from deepshard.optim.whole_vectors import step_whole_vectors, uses_fused_host_kernel
-from deepshard.placement import expert_of
+from deepshard.placement import expert_of, identities, local_part, saved_slice
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
                                    slice_state)
@@ -28,7 +30,7 @@ class Stage0Strategy(ZeroStrategy):
     """Bucketed, overlapped all-reduce data parallelism (DDP semantics)."""
 
     stage = 0
-    capabilities = Capabilities(optimizer_offload=False, compressed_comm=True)
+    capabilities = Capabilities(optimizer_offload=False, compressed_comm=True, partitioned_states=False)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
@@ -111,24 +113,25 @@ class Stage0Strategy(ZeroStrategy):
         self.reducer.remove_hooks()
 
     def step(self, grad_multiplier: float) -> None:
-        self.require_optimizer()
+        optimizer = self.require_optimizer()
         if self.masters is not None:
             self.masters.set_grads(self.reducer.grads_of(self.masters.params), grad_multiplier)
-            self._optimizer_step()
+            self._optimizer_step(optimizer)
             self.masters.clear_grads()
             self.masters.publish()
         else:
             if grad_multiplier != 1.0:
                 torch._foreach_mul_(self.reducer.grads(), grad_multiplier)
-            self._optimizer_step()
+            self._optimizer_step(optimizer)
 
-    def _optimizer_step(self) -> None:
+    @staticmethod
+    def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         """torch's fused host Adam steps whole vectors only (``optim/whole_vectors.py``), so each element's
         update is the one stages 1-3 compute on their shard pieces; any other optimizer steps as it is."""
-        if uses_fused_host_kernel(self.optimizer):
-            step_whole_vectors(self.optimizer)
+        if uses_fused_host_kernel(optimizer):
+            step_whole_vectors(optimizer)
         else:
-            self.optimizer.step()
+            optimizer.step()
 
     def zero_grad(self) -> None:
         self.reducer.zero_()
@@ -145,18 +148,24 @@ class Stage0Strategy(ZeroStrategy):
         return p
 
     def shard_state(self, exclude_frozen: bool = False) -> ShardState | None:
-        if self.ctx.comm.rank != 0:
-            return None  # every data-parallel rank holds the same states: the first writes them whole
+        # every replica holds the same states: the first data-parallel rank writes them whole, and the first
+        # rank of each expert-data-parallel group the experts it holds (under their global names)
+        first = self.ctx.comm.rank == 0
+        mine = [p for p in self.params if self.ctx.reduction_group(p).rank == 0] if self.split_experts else \
+            (self.params if first else [])
+        if not mine:
+            return None
         records = []
-        for p in self.params:
+        for p in mine:
             target = self._master_or_param(p)
             state = self.optimizer.state.get(target, {}) if self.optimizer is not None else {}
-            records.append(FragmentRecord(self.names[id(p)], 0, p.numel(), target.detach().float(), dict(state)))
+            offset = saved_slice(p)[0]  # an AutoEP rank's experts: their place in the whole fused tensor
+            records.append(FragmentRecord(self.names[id(p)], offset, p.numel(), target.detach().float(), dict(state)))
         groups = None
-        if self.optimizer is not None:
+        if self.optimizer is not None and first:
             groups = export_param_groups(self.optimizer, {id(self._master_or_param(p)): self.names[id(p)]
                                                           for p in self.params})
-        return ShardState(records, groups, module_extra_state(self.module, exclude_frozen),
+        return ShardState(records, groups, module_extra_state(self.module, exclude_frozen) if first else None,
                           {"zero_stage": 0, "dp_world_size": self.ctx.comm.size})
 
     @torch.no_grad()
@@ -167,17 +176,18 @@ class Stage0Strategy(ZeroStrategy):
             if name in full.params and self.masters is not None:
                 m = self.masters.master_of(p)
                 if m is not None:
-                    m.copy_(full.params[name])
+                    m.copy_(local_part(full.params[name], p))
         if self.compressed is not None:
             self.compressed.reset_exchange()
         if load_optimizer_states and self.optimizer is not None:
-            restore_param_groups(self.optimizer, full.param_groups)
+            names = {id(self._master_or_param(p)): identities(p, self.names[id(p)]) for p in self.params}
+            restore_param_groups(self.optimizer, full.param_groups, lambda t: names.get(id(t), set()))
             self.optimizer.state.clear()
             for p in self.params:
                 name = self.names[id(p)]
                 if name in full.optim:
                     target = self._master_or_param(p)
-                    self.optimizer.state[target] = slice_state(full, name, 0, p.numel(), target)
+                    self.optimizer.state[target] = slice_state(full, name, saved_slice(p)[0], p.numel(), target)
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:
@@ -211,11 +221,11 @@ def overlap_for(zero_config: object) -> bool:
     return True
 
 
-def tensor_bytes(tensors: object) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views count once)."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:  # type: ignore[attr-defined]
+    for t in tensors:
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
             continue

@@ -51,7 +51,11 @@ class Capabilities:
     partition gradients as backward produces them."""
     expert_parallel: bool = True
     """Shards and reduces the experts of MoE layers with ``ep_size`` > 1 over their expert-data-parallel
-    group (stage 3 does not yet; DeepSpeed refuses native MoE under ZeRO-3 altogether)."""
+    group (every stage does; DeepSpeed refuses native MoE under ZeRO-3 altogether)."""
+    partitioned_states: bool = True
+    """Each rank keeps a partition of the optimizer states and reduce-scatters gradients into it (stages
+    1-3): what hybrid sharding (``mics_shard_size``) and quantized gradients (qgZ) act on; stage 0 keeps
+    whole states and all-reduces whole gradients."""
     partitioned_parameters: bool = False
     """Each rank holds only a shard of every parameter between uses (stage 3): a 16-bit save must
     gather them (``stage3_gather_16bit_weights_on_model_save``), a forward that reads a parameter outside

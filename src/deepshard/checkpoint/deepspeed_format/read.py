@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from deepshard.checkpoint.deepspeed_format import detect
+import deepshard.checkpoint.deepspeed_format.detect as detect
+import deepshard.checkpoint.deepspeed_format.experts as moe
 from deepshard.checkpoint.deepspeed_format.allowlist import DeepSpeedRecord, DynamicLossScalerRecord
 from deepshard.checkpoint.deepspeed_format.flat import numel_of, split_zero12, split_zero3
 from deepshard.checkpoint.deepspeed_format.safe_load import load_pt
@@ -26,7 +27,7 @@ from deepshard.shard_state import FullState
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
                "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-               "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
+               "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts", "ds_autoep_layers"}
 
 
 @dataclass
@@ -128,8 +129,9 @@ def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: boo
                               "cannot be read yet; consolidate it with DeepSpeed's ds_to_universal first")
     dp = int(first.get("dp_world_size", 1) or 1)
     shapes_groups = first.get("param_shapes")
+    layers = moe.moe_layers(tag_dir, first, mp_rank)
     if shapes_groups is None:
-        return _read_stage0(tag_dir, first, model_files[0], pipeline)
+        return _read_stage0(tag_dir, first, model_files[0], pipeline, layers, mp_rank)
     optim_files = [_required_optim(tag_dir, r, mp_rank, dp) for r in range(dp)]
     osds = [load_pt(p)["optimizer_state_dict"] for p in optim_files]
     stage = int(osds[0].get("zero_stage", 1))
@@ -142,15 +144,18 @@ def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: boo
     owner = {int(i): gi for gi, group in enumerate(hparams) for i in group["params"]}
     for g, shapes in enumerate(shapes_groups):
         where = f"{tag_dir} (group {g})"
-        values, states = _group_values(osds, g, shapes, stage, where, with_optimizer)
+        ep_size = moe.group_ep_size(hparams[g]) if layers and stage < 3 else None
+        values, states, named = _ep_group_values(osds, g, shapes, stage, where, with_optimizer, layers, ep_size)
         for name, flat in values.items():
-            full.params[name] = flat.view(tuple(int(d) for d in shapes[name]))
-            full.shapes[name] = tuple(int(d) for d in shapes[name])
+            full.params[name] = flat.view(named[name])
+            full.shapes[name] = named[name]
         for name, state in states.items():
             full.optim[name] = state
             full.optim_kinds[name] = {k: ("scalar" if v.dim() == 0 else "elementwise") for k, v in state.items()}
-        full.param_groups[owner.get(g, g)]["params"] += list(shapes)
+        full.param_groups[owner.get(g, g)]["params"] += list(named)
     full.module_extra.update(_module_extra(tag_dir, first, model_files, stage, pipeline))
+    full.module_extra.update({k: v for k, v in moe.expert_weights(tag_dir, layers, mp_rank).items()
+                              if k not in full.params})  # an expert's buffers
     buffers = set(first.get("buffer_names") or [])
     full.meta["frozen_params"] = [k for k in full.module_extra if k not in buffers]
     return full
@@ -168,6 +173,29 @@ def _required_optim(tag_dir: Path, dp_rank: int, mp_rank: int, dp: int) -> Path:
 
 def _base_state(osd: dict[str, Any], stage: int) -> dict[str, Any]:
     return osd["optimizer_state_dict"] if stage == 3 else osd["base_optimizer_state"]
+
+
+def _ep_group_values(osds: list[dict[str, Any]], g: int, shapes: Any, stage: int, where: str, with_optimizer: bool,
+                     layers: list[moe.MoeLayer], ep_size: int | None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, tuple]]:
+    """``_group_values`` plus each tensor's shape, by name; an ``ep_size_<P>`` group of an MoE checkpoint is
+    partitioned over each expert-parallel rank's expert-data-parallel ranks (``e, e + P, ...``) and its names
+    are that rank's local experts: read per expert-parallel rank, renamed to global expert ids."""
+    local = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+    if ep_size is None:
+        values, states = _group_values(osds, g, shapes, stage, where, with_optimizer)
+        return values, states, local
+    if len(osds) % ep_size:
+        raise CheckpointError(f"{where}: an ep_size_{ep_size} group in a checkpoint of {len(osds)} data-parallel "
+                              "ranks; the data-parallel size must be a multiple of ep_size")
+    values, states, named = {}, {}, {}
+    for e in range(ep_size):
+        part_values, part_states = _group_values(osds[e::ep_size], g, shapes, stage, where, with_optimizer)
+        rename = {n: moe.global_name(n, layers, e, ep_size) for n in shapes}
+        values.update({rename[n]: v for n, v in part_values.items()})
+        states.update({rename[n]: s for n, s in part_states.items()})
+        named.update({rename[n]: local[n] for n in shapes})
+    return values, states, named
 
 
 def _group_values(osds: list[dict[str, Any]], g: int, shapes: Any, stage: int, where: str,
@@ -229,20 +257,29 @@ def _module_state(tag_dir: Path, first: dict[str, Any]) -> dict[str, torch.Tenso
     return out
 
 
-def _read_stage0(tag_dir: Path, first: dict[str, Any], path: Path, pipeline: bool) -> FullState:
+def _read_stage0(tag_dir: Path, first: dict[str, Any], path: Path, pipeline: bool, layers: list[moe.MoeLayer],
+                 mp_rank: int) -> FullState:
     """No ZeRO: the model-states file holds the module and, in ``optimizer``, torch's optimizer state
-    dict with parameters numbered in the module's parameter order."""
+    dict with parameters numbered in the module's parameter order (an MoE model: the experts and the
+    optimizer state in their own files, ``deepspeed_format/experts.py``)."""
     module = _module_state(tag_dir, first) if pipeline else first.get("module") or {}
     buffers = set(first.get("buffer_names") or [])
     names = [k for k in module if k not in buffers]
+    if layers:
+        module = {**module, **moe.expert_weights(tag_dir, layers, mp_rank)}
     full = FullState({}, {}, {}, None, {}, dict(first.get("shared_params") or {}), {},
                      {"zero_stage": 0, "dp_world_size": int(first.get("dp_world_size", 1) or 1)})
     for name in names:
         full.params[name] = module[name].float().clone()
         full.shapes[name] = tuple(module[name].shape)
+    for name in [k for k in module if k not in buffers and k not in full.params]:  # the experts
+        full.params[name] = module[name].float().clone()
+        full.shapes[name] = tuple(module[name].shape)
     full.module_extra = {k: module[k] for k in buffers if k in module}
     osd = first.get("optimizer")
-    if isinstance(osd, dict) and "state" in osd and "param_groups" in osd:
+    if layers:
+        moe.read_stage0_optimizer(tag_dir, layers, names, full, mp_rank)
+    elif isinstance(osd, dict) and "state" in osd and "param_groups" in osd:
         _stage0_optimizer(osd, names, full, path)
     return full
 

@@ -22,7 +22,9 @@ from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.deepspeed_format.allowlist import (DynamicLossScalerRecord, FragmentAddressRecord,
                                                              LossScalerRecord, ZeroStage)
 from deepshard.checkpoint.deepspeed_format.flat import join_zero3, join_zero12, numel_of
+from deepshard.checkpoint.deepspeed_format import write_experts as moe
 from deepshard.checkpoint.deepspeed_format.pickle_names import save_pt
+from deepshard.checkpoint.deepspeed_format.write_experts import FlatView
 from deepshard.checkpoint.reader import load_full_state
 from deepshard.checkpoint.state import unflatten_state
 from deepshard.shard_state import FullState
@@ -65,8 +67,10 @@ def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def write_deepspeed(src: Source, save_dir: Path, tag: str, dp: int, stage: int, progress: Progress) -> Path:
-    """Write ``save_dir/tag`` (staged, then renamed) and ``save_dir/latest``; returns the tag directory."""
+def write_deepspeed(src: Source, save_dir: Path, tag: str, dp: int, stage: int, progress: Progress,
+                    ep: int = 1) -> Path:
+    """Write ``save_dir/tag`` (staged, then renamed) and ``save_dir/latest``; returns the tag directory. A
+    mixture-of-experts model is written for a DeepSpeed job whose MoE layers have ``ep_size`` ``ep``."""
     if stage not in (1, 2, 3):
         raise ValueError(f"--stage {stage}: DeepSpeed checkpoints are written for ZeRO stages 1, 2 or 3 "
                          "(a stage-0 DeepSpeed job can load the weights with load_module_only)")
@@ -76,14 +80,19 @@ def write_deepspeed(src: Source, save_dir: Path, tag: str, dp: int, stage: int, 
     if int(grid.get("pp", 1)) > 1 or int(grid.get("tp", 1)) > 1:
         raise ValueError(f"the checkpoint was written on a grid {grid}: converting pipeline or tensor-parallel "
                          "checkpoints to DeepSpeed is not supported; save it from a data-parallel run first")
+    layers = moe.find_layers(src.order or list(src.full.params))
+    if layers:
+        moe.check_target(layers, ep, dp, stage)
     ckpt_io.validate_tag(tag)
     staging = save_dir / f".tmp-{tag}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    groups = _groups(src)
+    groups = _groups(src, layers, ep)
     for rank in progress(range(dp), "optimizer files"):
-        _write_optim(src, groups, staging, rank, dp, stage)
-    _write_models(src, groups, staging, dp, stage)
+        _write_optim(src, groups, staging, rank, dp, stage, _views(src, groups, layers, stage, dp, ep, rank))
+    _write_models(src, groups, staging, dp, stage, _views(src, groups, layers, stage, dp, ep, 0))
+    if layers:
+        moe.write_expert_files(src.full.params, layers, src.dtype, staging)
     final = save_dir / tag
     if final.exists():
         shutil.rmtree(final)
@@ -92,12 +101,14 @@ def write_deepspeed(src: Source, save_dir: Path, tag: str, dp: int, stage: int, 
     return final
 
 
-def _groups(src: Source) -> list[tuple[dict[str, Any], list[str]]]:
+def _groups(src: Source, layers: list[moe.MoeLayer], ep: int) -> list[tuple[dict[str, Any], list[str]]]:
     """(hyperparameters, names in model order) per optimizer parameter group."""
     rank = {name: i for i, name in enumerate(src.order)}
     saved = src.full.param_groups or [{"params": list(src.full.params), "__tuples__": []}]
     if len(saved) == 1:  # one group holds every trainable parameter (rank files may list only their own)
         saved = [{**saved[0], "params": list(src.full.params)}]
+    if layers:
+        saved = _moe_groups(saved, [n for n in src.full.params if moe.is_expert(n, layers)], ep)
     listed = {n for group in saved for n in group["params"]}
     unlisted = sorted(set(src.full.params) - listed)
     if unlisted:
@@ -112,7 +123,31 @@ def _groups(src: Source) -> list[tuple[dict[str, Any], list[str]]]:
     return out
 
 
-def _shapes(src: Source, names: list[str]) -> "OrderedDict[str, torch.Size]":
+def _moe_groups(saved: list[dict[str, Any]], experts: list[str], ep: int) -> list[dict[str, Any]]:
+    """DeepSpeed's MoE optimizer groups: the dense groups without experts, then one ``ep_size_<ep>`` group marked
+    ``moe`` holding every expert (the saved one's hyperparameters, or the first group's)."""
+    expert_set = set(experts)
+    marked = [g for g in saved if g.get("moe")]
+    dense = [{**g, "params": [n for n in g["params"] if n not in expert_set]} for g in saved if not g.get("moe")]
+    base = marked[0] if marked else saved[0]
+    return [g for g in dense if g["params"]] + [{**base, "name": f"ep_size_{ep}", "moe": True, "params": experts}]
+
+
+def _views(src: Source, groups: list[tuple[dict[str, Any], list[str]]], layers: list[moe.MoeLayer], stage: int,
+           dp: int, ep: int, rank: int) -> list[FlatView]:
+    """Each flat vector as ``rank``'s files name and share it."""
+    out = []
+    for g, names in _flat_groups(src, groups, stage, dp):
+        if layers and groups[g][0].get("moe"):
+            out.append(moe.expert_view(names, layers, ep, dp, rank))
+        else:
+            out.append(FlatView(names, names, dp, rank))
+    return out
+
+
+def _shapes(src: Source, names: list[str], view: FlatView | None = None) -> "OrderedDict[str, torch.Size]":
+    if view is not None:
+        return OrderedDict((n, torch.Size(src.full.shapes[s])) for n, s in zip(view.names, view.source))
     return OrderedDict((n, torch.Size(src.full.shapes[n])) for n in names)
 
 
@@ -140,24 +175,26 @@ def _flat_groups(src: Source, groups: list[tuple[dict[str, Any], list[str]]], st
     return [(g, sub) for g, (_, names) in enumerate(groups) for sub in _zero3_subgroups(src, names, dp)]
 
 
-def _partitions(src: Source, values: dict[str, torch.Tensor], names: list[str], stage: int, dp: int
+def _partitions(src: Source, values: dict[str, torch.Tensor], view: FlatView, stage: int
                 ) -> tuple[list[torch.Tensor], int]:
-    shapes = _shapes(src, names)
+    """The vector's partitions over ``view.parts`` ranks (``values`` by the checkpoint's names)."""
+    shapes = _shapes(src, view.names, view)
+    named = {n: values[s] for n, s in zip(view.names, view.source)}
     if stage == 3:
-        return join_zero3(values, shapes, dp), 0
-    return join_zero12(values, shapes, dp, ZERO12_ALIGN)
+        return join_zero3(named, shapes, view.parts), 0
+    return join_zero12(named, shapes, view.parts, ZERO12_ALIGN)
 
 
 def _write_optim(src: Source, groups: list[tuple[dict[str, Any], list[str]]], staging: Path, rank: int, dp: int,
-                 stage: int) -> None:
+                 stage: int, views: list[FlatView]) -> None:
     flats = _flat_groups(src, groups, stage, dp)
     fp32, state, paddings, mappings = [], {}, [], []
-    for index, (_, names) in enumerate(flats):
-        parts, padding = _partitions(src, src.full.params, names, stage, dp)
-        fp32.append(parts[rank])
-        paddings.append(padding if rank == dp - 1 else 0)
-        state[index] = _flat_state(src, names, stage, dp, rank)
-        mappings.append(_slice_mappings(src, names, parts[rank].numel(), rank))
+    for index, view in enumerate(views):
+        parts, padding = _partitions(src, src.full.params, view, stage)
+        fp32.append(parts[view.part])
+        paddings.append(padding if view.part == view.parts - 1 else 0)
+        state[index] = _flat_state(src, view, stage)
+        mappings.append(_slice_mappings(src, view, parts[view.part].numel()))
     param_groups = [{**hp, "params": [i for i, (owner, _) in enumerate(flats) if owner == g]}
                     for g, (hp, _) in enumerate(groups)]
     base = {"state": {i: s for i, s in state.items() if s}, "param_groups": param_groups}
@@ -168,22 +205,23 @@ def _write_optim(src: Source, groups: list[tuple[dict[str, Any], list[str]]], st
         osd = {**common, "partition_count": dp, "optimizer_state_dict": base, "fp32_flat_groups": fp32}
     else:
         osd = {**common, "base_optimizer_state": base, "single_partition_of_fp32_groups": fp32,
-               "group_paddings": paddings, "param_alignment_paddings": [[0] * len(n) for _, n in flats],
-               "partition_count": [dp] * len(flats), "ds_version": DS_VERSION, "param_slice_mappings": mappings}
+               "group_paddings": paddings, "param_alignment_paddings": [[0] * len(v.names) for v in views],
+               "partition_count": [v.parts for v in views], "ds_version": DS_VERSION, "param_slice_mappings": mappings}
     save_pt({"optimizer_state_dict": osd, "ds_config": _ds_config(src, stage), "ds_version": DS_VERSION},
             staging / f"{'bf16_' if src.dtype == torch.bfloat16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
 
 
-def _flat_state(src: Source, names: list[str], stage: int, dp: int, rank: int) -> dict[str, torch.Tensor]:
-    """One flat vector's optimizer state on ``rank``: elementwise states partitioned like the values,
+def _flat_state(src: Source, view: FlatView, stage: int) -> dict[str, torch.Tensor]:
+    """One flat vector's optimizer state on this rank: elementwise states partitioned like the values,
     scalars (Adam's ``step``) as they are."""
+    names = view.source
     first = src.full.optim.get(names[0], {}) if names else {}
     out: dict[str, torch.Tensor] = {}
     for key, value in first.items():
         kind = src.full.optim_kinds.get(names[0], {}).get(key)
         if kind == "elementwise":
             per_name = {n: src.full.optim[n][key].reshape(-1) for n in names}
-            out[key] = _partitions(src, per_name, names, stage, dp)[0][rank]
+            out[key] = _partitions(src, per_name, view, stage)[0][view.part]
         elif torch.is_tensor(value):
             out[key] = value.clone().float()
         elif isinstance(value, (int, float)):
@@ -191,12 +229,12 @@ def _flat_state(src: Source, names: list[str], stage: int, dp: int, rank: int) -
     return out
 
 
-def _slice_mappings(src: Source, names: list[str], size: int, rank: int) -> "OrderedDict[str, Any]":
+def _slice_mappings(src: Source, view: FlatView, size: int) -> "OrderedDict[str, Any]":
     """ZeRO 1-2's ``param_slice_mappings``: where each parameter's slice sits in this rank's partition."""
     out: "OrderedDict[str, Any]" = OrderedDict()
-    lo, offset = rank * size, 0
-    for name in names:
-        n = numel_of(src.full.shapes[name])
+    lo, offset = view.part * size, 0
+    for name, source in zip(view.names, view.source):
+        n = numel_of(src.full.shapes[source])
         start, end = max(offset, lo), min(offset + n, lo + size)
         if start < end:
             out[name] = FragmentAddressRecord(numel=end - start, start=start - lo)
@@ -221,13 +259,15 @@ def _ds_config(src: Source, stage: int) -> dict[str, Any]:
 
 
 def _write_models(src: Source, groups: list[tuple[dict[str, Any], list[str]]], staging: Path, dp: int,
-                  stage: int) -> None:
-    trainable = [n for _, names in groups for n in names]
+                  stage: int, views: list[FlatView]) -> None:
+    """The model states (rank 0's ``param_shapes``: its local experts' names; the experts' own files are
+    ``write_experts``')."""
+    trainable = [n for (hp, names) in groups if not hp.get("moe") for n in names]
     frozen = [n for n in src.full.meta.get("frozen_params", []) if n in src.full.module_extra]
     buffers = [k for k in src.full.module_extra if k not in frozen]
     common = {
         "buffer_names": buffers, "optimizer": None,
-        "param_shapes": [_shapes(src, names) for _, names in _flat_groups(src, groups, stage, dp)],
+        "param_shapes": [_shapes(src, view.names, view) for view in views],
         "shared_params": dict(src.full.aliases), "lr_scheduler": src.scheduler, "data_sampler": None,
         "random_ltd": None, "skipped_steps": int(src.engine.get("skipped_steps", 0)),
         "global_steps": int(src.engine.get("global_steps", 0)),
@@ -243,7 +283,9 @@ def _write_models(src: Source, groups: list[tuple[dict[str, Any], list[str]]], s
                  "frozen_param_shapes": frozen_shapes if stage == 2 else None,
                  "frozen_param_fragments": OrderedDict((n, src.full.module_extra[n]) for n in frozen)
                  if stage == 2 else None}
-        save_pt({**state, **src.client_state}, staging / "mp_rank_00_model_states.pt")
+        extras = moe.model_state_extras(moe.find_layers(src.order or list(src.full.params)))
+        save_pt({**state, **(extras if extras["num_experts"] else {}), **src.client_state},
+                staging / "mp_rank_00_model_states.pt")
         return
     for rank in range(dp):
         module = OrderedDict((n, torch.empty(0, dtype=src.dtype)) for n in trainable)

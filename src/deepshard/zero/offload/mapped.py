@@ -56,19 +56,19 @@ class MappedFileBacking(FileBacking):
         self._maps[name] = m
         self._flat[name] = torch.frombuffer(m, dtype=torch.uint8).view(dtype)
 
-    def view(self, name: str, start: int, numel: int) -> torch.Tensor | None:
+    def view(self, name: str, start: int, numel: int) -> torch.Tensor:
         self._offset(name, start, numel)  # (checks the range)
         return self._flat[name][start:start + numel]
 
     def read(self, name: str, start: int, into: torch.Tensor) -> IOOp:
         self._check(name, into)
-        into.copy_(self.view(name, start, into.numel()))  # type: ignore[union-attr]
+        into.copy_(self.view(name, start, into.numel()))
         self.settle(name, start, into.numel())
         return CompletedOp()
 
     def write(self, name: str, start: int, src: torch.Tensor) -> IOOp:
         self._check(name, src)
-        self.view(name, start, src.numel()).copy_(src.reshape(-1))  # type: ignore[union-attr]
+        self.view(name, start, src.numel()).copy_(src.reshape(-1))
         self.settle(name, start, src.numel())
         return CompletedOp()
 

@@ -73,6 +73,13 @@ class ShardStates(ABC):
         if optimizer is not None and self.steps_on_host:
             fuse_host_adam(optimizer, "zero_optimization")
 
+    def bound(self) -> torch.optim.Optimizer:
+        """The optimizer :meth:`bind` gave, for the update (the strategy refuses a step without one first)."""
+        if self.optimizer is None:
+            raise RuntimeError("the ZeRO optimizer states have no optimizer to step: pass optimizer=... to "
+                               "deepshard.initialize or add an \"optimizer\" section to the config")
+        return self.optimizer
+
     @abstractmethod
     def write_masters(self, start: int, values: torch.Tensor) -> None:
         """Set the fp32 master weights of shard range ``[start, start + values.numel())`` (no-op without
@@ -150,7 +157,7 @@ class ResidentStates(ShardStates):
                 fp.grad = src
         if not mixed and multiplier != 1.0 and grads:
             torch._foreach_mul_(grads, multiplier)
-        step_whole_vectors(self.optimizer)  # type: ignore[arg-type]
+        step_whole_vectors(self.bound())
         if mixed:
             for fp in self.params:
                 fp.grad = None
@@ -163,7 +170,7 @@ class ResidentStates(ShardStates):
         for fp, src in zip(params, grads):
             g = src.to(torch.float32) if src.dtype != torch.float32 else src
             fp.grad = g.mul_(multiplier) if multiplier != 1.0 else g
-        step_whole_vectors(self.optimizer)  # type: ignore[arg-type]
+        step_whole_vectors(self.bound())
         for fp in params:
             fp.grad = None
         if self.masters is not None:

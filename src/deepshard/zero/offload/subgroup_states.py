@@ -300,22 +300,22 @@ class SubGroupStates(ShardStates):
 
     def _update(self, slot: _Slot, group_params: list[list[torch.nn.Parameter]], grads: list[torch.Tensor],
                 multiplier: float, publish: Publish) -> None:
-        opt = self.optimizer
-        for group, params in zip(opt.param_groups, group_params):  # type: ignore[union-attr]
+        opt = self.bound()
+        for group, params in zip(opt.param_groups, group_params):
             group["params"] = params
         self._bind(slot)
         if slot.grad is not None:
             self._set_staged_grads(slot, multiplier)
         else:
             self._set_grads(slot.sg, grads, multiplier)
-        step_whole_vectors(opt)  # type: ignore[arg-type]
-        self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))  # type: ignore[union-attr]
+        step_whole_vectors(opt)
+        self._capture(slot.sg, slot, lambda i: opt.state.get(self.params[i], {}))
         if self.has_masters and not self.masters_in_params:  # (shared: updated in the parameter shard)
             publish(slot.sg.start, slot.tensors[MASTER])
         self._unbind(slot.sg)
 
     def _bind(self, slot: _Slot) -> None:
-        sg, state = slot.sg, self.optimizer.state  # type: ignore[union-attr]
+        sg, state = slot.sg, self.bound().state
         for i in sg.pieces:
             p, fp = self.pieces[i], self.params[i]
             lo = p.shard_start - sg.start
@@ -409,7 +409,7 @@ class SubGroupStates(ShardStates):
             self.piece_keys[i], self.scalars[i] = tuple(keys), scalars
 
     def _unbind(self, sg: SubGroup) -> None:
-        state = self.optimizer.state  # type: ignore[union-attr]
+        state = self.bound().state
         for i in sg.pieces:
             fp = self.params[i]
             fp.grad = None

@@ -65,9 +65,10 @@ class ShardedGroup:
         self.secondary_valid = False
         self.requires_grad = any(p.requires_grad for p in params)
         for p, shape in zip(params, shapes):
-            p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
-            p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
-            p.ds_persist = False  # type: ignore[attr-defined]
+            # DeepSpeed's names for the real shape and size (its users read them)
+            for name, value in (("ds_shape", torch.Size(shape)), ("ds_numel", int(torch.Size(shape).numel())),
+                                ("ds_persist", False)):
+                setattr(p, name, value)
             p.data = _placeholder(self.dtype, self.device)
         set_status(params, ZeroParamStatus.NOT_AVAILABLE)
 

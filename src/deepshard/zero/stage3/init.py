@@ -42,11 +42,11 @@ def full_value(p: torch.nn.Parameter, comm: CommGroup) -> torch.Tensor:
     group zero.Init partitioned it over: the world, where ``comm`` may be a hybrid-sharding shard group)."""
     if not is_init_partitioned(p):
         return p.detach()
-    comm = p.ds_comm  # type: ignore[attr-defined]
-    shard = p.ds_tensor  # type: ignore[attr-defined]
+    comm = getattr(p, "ds_comm")  # the group zero.Init partitioned it over (see the docstring)
+    shard: torch.Tensor = getattr(p, "ds_tensor")
     out = torch.empty(shard.numel() * comm.size, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into_tensor(out, shard)
-    return out[:p.ds_numel].view(p.ds_shape)  # type: ignore[attr-defined]
+    return out[:int(getattr(p, "ds_numel"))].view(getattr(p, "ds_shape"))
 
 
 @torch.no_grad()
@@ -63,13 +63,11 @@ def partition_param(p: torch.nn.Parameter, comm: CommGroup, dtype: torch.dtype |
     chunk = max(-(-n // comm.size), 1)
     flat = torch.zeros(chunk * comm.size, dtype=value.dtype, device=value.device)
     flat[:n] = value.reshape(-1)
-    p.ds_tensor = flat[comm.rank * chunk:(comm.rank + 1) * chunk].clone()  # type: ignore[attr-defined]
-    p.ds_shape = value.shape  # type: ignore[attr-defined]
-    p.ds_numel = n  # type: ignore[attr-defined]
-    p.ds_comm = comm  # type: ignore[attr-defined]  # the group the shards live on (GatheredParameters)
-    p.ds_id = ds_id  # type: ignore[attr-defined]
-    p.ds_persist = False  # type: ignore[attr-defined]
-    p.ds_active_sub_modules = set()  # type: ignore[attr-defined]
+    # DeepSpeed's attribute names (its users read ds_shape / ds_numel ...); ds_comm: the group the shards live on
+    for name, attr in (("ds_tensor", flat[comm.rank * chunk:(comm.rank + 1) * chunk].clone()),
+                       ("ds_shape", value.shape), ("ds_numel", n), ("ds_comm", comm), ("ds_id", ds_id),
+                       ("ds_persist", False), ("ds_active_sub_modules", set())):
+        setattr(p, name, attr)
     p.data = torch.empty(0, dtype=value.dtype, device=value.device)
     set_status([p], ZeroParamStatus.NOT_AVAILABLE)
     return True
@@ -93,10 +91,11 @@ class _InitGather:
             value = p.data
             if self.modifier_rank is not None:
                 self.comm.broadcast(value, src=self.modifier_rank)
-            chunk = p.ds_tensor.numel()  # type: ignore[attr-defined]
+            shard: torch.Tensor = getattr(p, "ds_tensor")
+            chunk = shard.numel()
             flat = torch.zeros(chunk * self.comm.size, dtype=value.dtype, device=value.device)
             flat[:value.numel()] = value.reshape(-1)
-            p.ds_tensor.copy_(flat[self.comm.rank * chunk:(self.comm.rank + 1) * chunk])  # type: ignore[attr-defined]
+            shard.copy_(flat[self.comm.rank * chunk:(self.comm.rank + 1) * chunk])
             p.data = torch.empty(0, dtype=value.dtype, device=value.device)
         set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 

@@ -76,7 +76,10 @@ class Stage3Reducer:
         for p, n in zip(group.params, group.numels):
             pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
             p.grad = None
-        work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        if group.comm is self.comm:
+            work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
+        else:  # an expert's group: over its own expert-data-parallel ranks (averaged over all, as DeepSpeed does)
+            work = group.comm.reduce_scatter_pieces(pieces, group.chunk, key=2 * group.index + 2)
         self.in_flight.add(InFlight(gi, work, held=pieces))
         self.launched.add(gi)
 

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
+from deepshard.placement import local_part, saved_name
 from deepshard.precision.cast import cast_buffers
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.offload.factory import make_grad_shard, make_param_store, make_shard_states
@@ -40,7 +41,7 @@ from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
 def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], list[str]]]:
     """(module name, params, param names) per module and requires_grad, each parameter once."""
     seen: set[int] = set()
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): saved_name(p, n) for n, p in module.named_parameters()}  # experts: their global names
     out = []
     for mod_name, m in module.named_modules():
         own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
@@ -59,7 +60,7 @@ class Stage3Strategy(ZeroStrategy):
 
     stage = 3
     capabilities = Capabilities(pipeline=False, param_offload=True, step_in_backward=True, no_sync=False,
-                                expert_parallel=False, partitioned_parameters=True)
+                                partitioned_parameters=True)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
@@ -118,7 +119,8 @@ class Stage3Strategy(ZeroStrategy):
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
                                  before_backward=self.reducer.finish_in_flight)
-        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device)
+        self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device,
+                                          group_of=ctx.reduction_group)
         pieces = self.opt_shard.fragments
         self.opt_shard.set_grad_sources(  # none kept with a step in backward: each chunk is applied as it comes
             [torch.zeros(0, dtype=policy.param_dtype, device=ctx.device) for _ in pieces] if step_in_backward
@@ -168,8 +170,10 @@ class Stage3Strategy(ZeroStrategy):
             members.append(list(range(index, index + len(ps))))
             index += len(ps)
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
+        # experts split over expert-parallel ranks are sharded over their expert-data-parallel group
+        domains, comms = self.ctx.domains(params)
         return FlatLayout(params, names, 1 << 62, self.ctx.comm.size, self.ctx.comm.rank, groups=members,
-                          shapes=shapes)
+                          shapes=shapes, domains=domains, domain_shapes=[(g.size, g.rank) for g in comms])
 
     @torch.no_grad()
     def _build_groups(self, discovered: list[tuple[str, list[torch.nn.Parameter], list[str]]], layout: FlatLayout,
@@ -177,8 +181,10 @@ class Stage3Strategy(ZeroStrategy):
         """One group at a time: take each parameter's full fp32 value (gathering it if zero.Init
         partitioned it), keep this rank's chunk (in ``store``; its fp32 masters in ``states``), drop the
         full value. Peak memory: one group."""
-        comm, groups = self.ctx.comm, []
+        groups = []
+        domains, comms = self.ctx.domains([p for _, ps, _ in discovered for p in ps])
         for (mod_name, params, _), bucket in zip(discovered, layout.buckets):
+            comm = comms[bucket.domain] if domains else self.ctx.comm
             values = [full_value(p, comm) for p in params]
             flat = torch.zeros(bucket.padded, dtype=torch.float32, device=self.ctx.device)
             offset = 0
@@ -195,7 +201,8 @@ class Stage3Strategy(ZeroStrategy):
                 for name in ("ds_tensor", "ds_comm"):
                     p.__dict__.pop(name, None)
             groups.append(ShardedGroup(len(groups), mod_name, params, shapes, store.source(off, bucket.chunk),
-                                       comm, self.ctx.device, self.watchdog.wait, gather))
+                                       comm, self.ctx.device, self.watchdog.wait,
+                                       gather if comm is self.ctx.comm else None))  # experts: plain, over their group
         store.flush()
         if states is not None:
             states.flush()
@@ -336,14 +343,17 @@ class Stage3Strategy(ZeroStrategy):
 
     @torch.no_grad()
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        absent = {k for k in self.module.state_dict(keep_vars=True) if not full.has(k)}  # non-strict loads
+        names = {id(p): saved_name(p, n) for n, p in self.module.named_parameters()}  # experts: global names
+        stored = [saved_name(v, k) for k, v in self.module.state_dict(keep_vars=True).items()]
+        absent = {k for k in stored if not full.has(k)}  # non-strict loads
         for g in self.groups + self.frozen_groups:
             values = []
             current = self._current_values(g) if any(names[id(p)] in absent for p in g.params) else None
             for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
                 name = names[id(p)]
                 src = full.params.get(name, full.module_extra.get(name))
+                if src is not None and name in full.params:
+                    src = local_part(src, p, shape)  # an AutoEP rank's slice of fused experts
                 if src is None:  # non-strict: a tensor the checkpoint lacks keeps its value
                     src = current[i] if current is not None else torch.zeros(shape)
                 elif tuple(src.shape) != tuple(shape):
@@ -401,22 +411,22 @@ class Stage3Strategy(ZeroStrategy):
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-        """The full 16-bit state dict, gathered group by group onto rank 0 (a collective; {} elsewhere)."""
+        """The full 16-bit state dict, gathered group by group onto rank 0 (a collective; {} elsewhere).
+        Experts split over expert-parallel ranks are gathered within their expert-data-parallel group:
+        its first rank keeps them (``checkpoint.experts.whole_state_dict`` collects them on rank 0)."""
         by_param: dict[int, torch.Tensor] = {}
         for g in self.groups + self.frozen_groups:
             if exclude_frozen and not g.requires_grad:
                 continue
             values = g.read_values()
-            if rank == 0:
+            if g.comm.rank == 0 and (rank == 0 or g.comm is not self.ctx.comm):
                 for p, value in zip(g.params, values):
                     by_param[id(p)] = value.cpu()
-        if rank != 0:
-            return {}
         out = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             if id(value) in by_param:
                 out[name] = by_param[id(value)]
-            elif not isinstance(value, torch.nn.Parameter):
+            elif not isinstance(value, torch.nn.Parameter) and rank == 0:
                 out[name] = value.detach().cpu().clone()
         return out
 
