@@ -24,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(autouse=True)
 def _restore_process_state() -> Iterator[None]:
-    """Put ``os.environ`` and the working directory back as they were before each test.
+    """Put ``os.environ``, the working directory and torch.distributed's default group back as they were.
 
     A test that changes either without ``monkeypatch`` (or through code under test that writes
     ``os.environ`` itself, as the launcher-environment helpers do) would otherwise hand the change to every
@@ -32,12 +32,25 @@ def _restore_process_state() -> Iterator[None]:
     for peers that never come, and the subprocesses the tests start inherit it too.
     """
     environ, cwd = dict(os.environ), os.getcwd()
+    had_group = _default_group_exists()
     yield
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
     if os.getcwd() != cwd:
         os.chdir(cwd)
+    if not had_group and _default_group_exists():  # a test left torch.distributed initialized in this process
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _default_group_exists() -> bool:
+    """Whether this (pytest's own) process has a default process group; torch is not imported for it."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def pytest_configure(config: pytest.Config) -> None:
