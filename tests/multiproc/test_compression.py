@@ -63,10 +63,19 @@ def test_warm_up_is_adamw_then_exact_exchange_is_frozen_variance_adam(world: lis
 def test_compressed_step_volume_and_state(world: list[dict[str, Any]]) -> None:
     raw = world[0]["compressed"]
     numel = sum(p.numel() for p in make_model().parameters() if p.requires_grad)
+    padded = -(-numel // 2) * 2  # stage 0's gradient buffer, padded to a multiple of dp = 2
     warm, late = raw["volumes"][0], raw["volumes"][-1]
-    assert warm["all_reduce"]["volume_bytes"] == 2 * 4 * numel  # once per step, at the boundary
-    assert "all_reduce" not in late and late["all_to_all"]["calls"] == 1 and late["all_gather"]["calls"] == 1
+    # warm-up: the all-reduce is a reduce-scatter plus an all-gather (per bucket of reduce_bucket_size),
+    # once per step, at the boundary: each moves the padded buffer once, 2 x 4 bytes per element together
+    assert set(warm) == {"reduce_scatter", "all_gather"}
+    for op in ("reduce_scatter", "all_gather"):
+        assert warm[op]["elements"] == padded and warm[op]["volume_bytes"] == 4 * padded
+    assert warm["reduce_scatter"]["calls"] == warm["all_gather"]["calls"] == -(-padded // 500)
+    # compressed: no full gradient reduction; the 1-bit exchange, and the gradient norm's two scalars
+    assert set(late) == {"all_to_all", "all_gather", "all_reduce(scalar)", "all_reduce(max)"}
+    assert late["all_to_all"]["calls"] == 1 and late["all_gather"]["calls"] == 1
     assert late["all_reduce(scalar)"]["calls"] == 1  # the gradient norm over the ranks' local gradients
+    assert late["all_reduce(max)"]["calls"] == 1  # its largest element (the exact norm's scale)
     assert raw["memory"]["comm_buckets"] > 0  # the carried errors are accounted
     bf16 = world[0]["bf16"]
     assert bf16["rank_spread"] == 0.0 and bf16["memory"]["master_weights"] > 0
@@ -82,7 +91,8 @@ def test_compressed_converges_like_adam_with_a_thirty_second_of_the_volume(world
     assert abs(tail["exact"] - tail["adam"]) <= 0.02 * tail["adam"]
     assert abs(tail["onebit"] - tail["adam"]) <= 0.10 * tail["adam"], tail
     fp32 = adam["volumes"][-1]
-    assert fp32 == 2 * 4 * adam["numel"]  # one fp32 all-reduce of every gradient: 2 x 4 bytes per element
+    # one fp32 reduce-scatter + all-gather of every gradient (padded to dp = 2): 2 x 4 bytes per element
+    assert fp32 == 2 * 4 * (-(-adam["numel"] // 2) * 2)
     compressed = onebit["volumes"][-1]
     assert compressed == onebit["volumes"][TEACHER_FREEZE]  # every compressed step moves the same bytes
     assert fp32 / 32 < compressed < 1.06 * fp32 / 32, (compressed, fp32)
@@ -105,5 +115,6 @@ def test_checkpoint_resume_keeps_the_state_and_resets_the_errors(world: list[dic
     resumed = world[0]["resume"]
     assert resumed["same_state"] and resumed["same_weights"]  # exp_avg, the frozen exp_avg_sq, step
     assert resumed["errors_reset"] and resumed["compressing"]  # not saved, as in DeepSpeed; still compressed
-    assert "all_to_all" in resumed["volume"] and "all_reduce" not in resumed["volume"]
+    assert "all_to_all" in resumed["volume"]
+    assert not {"all_reduce", "reduce_scatter"} & set(resumed["volume"])  # no full gradient reduction
     assert all(loss == loss and loss < 10 for loss in resumed["losses"])

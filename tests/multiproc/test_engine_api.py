@@ -16,6 +16,12 @@ from tests.multiproc.scenarios_engine import engine_contract
 WORLD = 2
 
 
+def _padded(psi: int, dp: int = WORLD) -> int:
+    """Gradient buffers are padded to a multiple of the data-parallel size (stage 0 reduces them as a
+    reduce-scatter plus an all-gather over the canonical tree): at most ``dp - 1`` extra elements."""
+    return -(-psi // dp) * dp
+
+
 @pytest.fixture(scope="module")
 def contract(tmp_path_factory: Any) -> dict[str, Any]:
     return run_world(engine_contract, WORLD, str(tmp_path_factory.mktemp("api")))[0]
@@ -30,31 +36,40 @@ def test_memory_report_fp32_adam_is_16_psi(acct: dict[str, Any]) -> None:
     r = acct["fp32"]
     psi, total, report = r["psi_trainable"], r["psi_total"], r["report"]
     assert report["parameters"] == 4 * total  # frozen parameters are held too
-    assert report["gradients"] == 4 * psi  # gradient buffers: trainable parameters only
+    padded = _padded(psi)
+    assert padded - psi < WORLD
+    assert report["gradients"] == 4 * padded  # gradient buffers: trainable parameters only, padded to dp
     assert report["master_weights"] == 0
     assert report["optimizer_state"] == 8 * psi  # Adam: exp_avg + exp_avg_sq, fp32
     assert report["buffers"] == r["buffer_bytes"]
     model_states = report["gradients"] + report["optimizer_state"] + 4 * psi
-    assert model_states == 16 * psi  # PRODUCT.md: DDP, fp32 Adam
+    assert model_states == 16 * psi + 4 * (padded - psi)  # PRODUCT.md: DDP, fp32 Adam (+ the padding)
     assert report["total"] == sum(v for k, v in report.items() if k != "total")
 
 
 def test_memory_report_bf16_adam_is_16_psi(acct: dict[str, Any]) -> None:
     r = acct["bf16"]
     psi, report = r["psi_trainable"], r["report"]
-    assert report["gradients"] == 2 * psi
+    padded = _padded(psi)
+    assert report["gradients"] == 2 * padded
     assert report["master_weights"] == 4 * psi
     assert report["optimizer_state"] == 8 * psi
-    assert report["gradients"] + report["master_weights"] + report["optimizer_state"] + 2 * psi == 16 * psi
+    model_states = report["gradients"] + report["master_weights"] + report["optimizer_state"] + 2 * psi
+    assert model_states == 16 * psi + 2 * (padded - psi)
 
 
 def test_comms_volume_is_two_psi_per_step(acct: dict[str, Any]) -> None:
     for dtype, elsize in (("fp32", 4), ("bf16", 2)):
         r = acct[dtype]
-        psi = r["psi_trainable"]
-        assert r["comms"]["all_reduce"]["elements"] == psi  # one reduction per step despite 2 micro-steps
-        assert r["comms"]["all_reduce"]["bytes"] == psi * elsize
-        assert r["volume"] == 2 * psi
+        padded = _padded(r["psi_trainable"])
+        # the all-reduce is a reduce-scatter plus an all-gather of the padded buffer: once per step
+        # despite 2 micro-steps, 1x each, 2x together, as the all-reduce was
+        assert set(r["comms"]) == {"reduce_scatter", "all_gather"}
+        for op in ("reduce_scatter", "all_gather"):
+            assert r["comms"][op]["calls"] == 1
+            assert r["comms"][op]["elements"] == r["comms"][op]["volume_elements"] == padded
+            assert r["comms"][op]["bytes"] == r["comms"][op]["volume_bytes"] == padded * elsize
+        assert r["volume"] == 2 * padded
 
 
 def test_frozen_parameters_get_no_grad_and_no_optimizer_state(acct: dict[str, Any]) -> None:
