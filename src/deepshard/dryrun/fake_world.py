@@ -101,6 +101,21 @@ class _LateFill:
         return getattr(self._work, name)
 
 
+def _resolve(kept: Any) -> Any:
+    """A kept send as a tensor: a small one's copy, or a large one's view rebuilt on its base (None once
+    the base is freed)."""
+    if isinstance(kept, torch.Tensor):
+        return kept
+    ref, shape, stride, offset = kept
+    base = ref()
+    if base is None:
+        return None
+    try:
+        return base.as_strided(shape, stride, offset)
+    except RuntimeError:  # its storage was released since (resized to nothing)
+        return None
+
+
 class Mailbox:
     """A receive from peer p gets a tensor this rank sent to p with the same tag and size (or what a
     responder for p says p would send; else zeros), when it is waited on. Small sends are copied (with the
@@ -129,8 +144,9 @@ class Mailbox:
             if tensor.nbytes <= self.SMALL:
                 with _disable_current_modes():  # the mailbox's copy is not the job's memory: untracked
                     kept: Any = tensor.detach().clone()
-            else:
-                kept = weakref.ref(tensor)
+            else:  # a weak reference to the tensor's base: a send is often of a view made for the call alone
+                base = tensor if tensor._base is None else tensor._base
+                kept = (weakref.ref(base), tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
             self.sent.setdefault(self._key(args, kwargs), deque(maxlen=64)).append(kept)
             return original(*args, **kwargs)
 
@@ -143,7 +159,7 @@ class Mailbox:
                 return
             queue = self.sent.get(key, deque())
             for i, kept in enumerate(queue):
-                source = kept() if isinstance(kept, weakref.ref) else kept
+                source = _resolve(kept)
                 if source is not None and source.numel() == buffer.numel() and source.dtype == buffer.dtype:
                     del queue[i]
                     buffer.copy_(source.reshape(buffer.shape))
