@@ -199,13 +199,18 @@ def all_reduce_small(tensor: torch.Tensor, op: str, rank: int, peers: list[int],
         works.append(dist.irecv(copies[src], peers[src], group=group, tag=tag))
 
     def finish() -> torch.Tensor:
-        acc = copies[0].clone()
-        for r in range(1, size):
-            if op == "max":
-                torch.maximum(acc, copies[r], out=acc)
-            else:
-                acc.add_(copies[r])
-        flat.copy_(acc)
+        combine_into(flat, copies, op)
         return tensor
 
     return CollectiveWork(works, finish, scratch_bytes=copies.numel() * copies.element_size())
+
+
+def combine_into(flat: torch.Tensor, copies: "torch.Tensor | list[torch.Tensor]", op: str) -> None:
+    """``flat`` = every rank's copy summed (or their elementwise max for ``op == "max"``), in rank order."""
+    acc = copies[0].clone()
+    for other in copies[1:]:
+        if op == "max":
+            torch.maximum(acc, other, out=acc)
+        else:
+            acc.add_(other)
+    flat.copy_(acc)

@@ -176,13 +176,7 @@ class SharedMemoryTransport(PairwiseTransport):
         work = link.all_gather(copies, flat.clone(), self.tag(zlib.crc32(op.encode()) + 1, _nbytes(tensor)), what)
 
         def finish() -> torch.Tensor:
-            acc = copies[0].clone()
-            for r in range(1, size):
-                if op == "max":
-                    torch.maximum(acc, copies[r], out=acc)
-                else:
-                    acc.add_(copies[r])
-            flat.copy_(acc)
+            pairwise.combine_into(flat, copies, op)
             return tensor
 
         return pairwise.CollectiveWork([work], finish)
