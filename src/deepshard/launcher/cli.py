@@ -22,6 +22,7 @@ from deepshard.launcher.options import (
     PID_FILE_DIR,
     DefaultsHelpFormatter,
     LaunchError,
+    LauncherParser,
     add_multi_node_args,
     add_process_args,
     add_resource_args,
@@ -41,11 +42,11 @@ __all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_pars
            "parse_args", "plan_launch", "select_nodes"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> LauncherParser:
     """The launcher's argument parser (DeepSpeed's flags; the user's script and its arguments last)."""
     from deepshard import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = LauncherParser(
         prog="deepshard", formatter_class=DefaultsHelpFormatter,
         description="Launch a training script on this machine or on the hosts of a hostfile.",
         epilog="example: deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json")

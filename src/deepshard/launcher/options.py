@@ -9,6 +9,7 @@ import errno
 import os
 import socket
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -143,26 +144,37 @@ def add_script_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
 
-def expand_abbreviations(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+class LauncherParser(argparse.ArgumentParser):
+    """The launcher's parser: an ``ArgumentParser`` that also keeps, per flag, whether it takes a value
+    (``flag_values``), which :func:`expand_abbreviations` reads."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        flags = getattr(self, "flag_values", {})  # the constructor adds -h before this exists
+        flags.update({flag: action.nargs != 0 for flag in action.option_strings})
+        self.flag_values = flags
+        return action
+
+
+def expand_abbreviations(parser: LauncherParser, argv: Sequence[str]) -> list[str]:
     """``argv`` with each abbreviated launcher flag before the script spelled out (``--launcher_arg`` for
     ``--launcher_args``, ``--num_g=2`` for ``--num_gpus=2``): DeepSpeed's parser accepts argparse's unique
     prefixes there, so its command lines must run unchanged. The script and its arguments are left as they
     are; a prefix of several flags is refused naming them, as argparse does."""
-    actions = {flag: action for action in parser._actions for flag in action.option_strings}
+    takes_value = parser.flag_values
     out, words = [], list(argv)
     while words:
         word = words.pop(0)
         if word == "--" or not word.startswith("-") or " " in word:
             return out + [word] + words  # the script (argparse reads a word with a space as a value too)
         flag, eq, value = word.partition("=")
-        if flag not in actions and flag.startswith("--"):
-            matches = [known for known in actions if known.startswith(flag) and known.startswith("--")]
+        if flag not in takes_value and flag.startswith("--"):
+            matches = [known for known in takes_value if known.startswith(flag) and known.startswith("--")]
             if len(matches) > 1:
                 parser.error(f"ambiguous option: {flag} could match {', '.join(sorted(matches))}; spell it out")
             flag = matches[0] if matches else flag
         out.append(flag + eq + value)
-        action = actions.get(flag)
-        if action is not None and action.nargs != 0 and not eq and words:
+        if takes_value.get(flag) and not eq and words:
             out.append(words.pop(0))  # the flag's value
     return out
 
