@@ -13,8 +13,8 @@ seconds per step with and without ``"deterministic"`` (interleaved repeats; on a
 figures are only indicative).
 
 Every rank runs with one torch thread (CPU kernels give the same bits for the same shapes at one
-thread count). Micro-batch ``a`` of a step (``a = micro_step x dp + rank``) is the same tensor in every
-layout.
+thread count). Micro-batch ``a`` of a step is the same tensor in every layout; each rank trains the one
+``engine.atom_index(micro_step)`` names.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def train_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     for step in range(first, first + spec["steps"]):
         start = time.perf_counter()
         for m in range(gas):
-            x, y = atom_batch(step, m * world + rank, spec["micro"])
+            x, y = atom_batch(step, engine.atom_index(m), spec["micro"])
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
