@@ -127,7 +127,7 @@ def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.n
     reading.finish_skipped()
     check_coverage(directory, *reading.coverage(), ranks, reading.saved_world or None)
     if share is not None:
-        reading.parts.fill_unread()
+        reading.parts.fill_unread(reading.cut_alike)
     params, optim, kinds, shapes = reading.parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
     for extra in reading.extra_files(listing):
@@ -228,6 +228,11 @@ class _Reading:
         return any(self.share.wants(name, int(start), int(numel), splits.get(name))
                    for name, start, numel in info["fragments"] if wanted is None or name in wanted)
 
+    def cut_alike(self, name: str) -> bool:
+        """Whether this rank loads a share of ``name`` that maps onto the saved parts (then the parts and
+        ranges outside it need not be read)."""
+        return self.share is not None and self.share.needed(name, self.parts.saved_split(name)) is not None
+
     def coverage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
         """``(declared shapes, elements found)`` for ``matching.check_coverage``: with a share, a tensor
         counts as found whole once this rank's ranges of it are."""
@@ -256,8 +261,9 @@ class _Reading:
 
     def done(self) -> bool:
         """A pipeline stage's tensors are whole: every trainable parameter declared and covered, every
-        tensor-parallel part present, its optimizer hyper-parameters found. Never for a whole model (it
-        reads every rank file)."""
+        tensor-parallel part present, its optimizer hyper-parameters found. With a share, the same for
+        a whole model, counting only its own ranges and parts (``cut_alike``); without, never for a whole
+        model (it reads every rank file)."""
         if self.trainable is None or not self.infos:
             return False
         if self.with_optimizer and self.groups is None:
@@ -268,8 +274,8 @@ class _Reading:
         names = {label.split("[tp ", 1)[0] for label in declared}
         if any(self.aliases.get(n, n) not in names and n not in names for n in self.trainable):
             return False
-        return self.share is not None or all(
-            (name, i) in self.parts.values for name, (_, count, _) in self.parts.splits.items()
+        return all((name, i) in self.parts.values for name, (_, count, _) in self.parts.splits.items()
+                   if not self.cut_alike(name)
                    for i in range(count))
 
     def extra_files(self, listing: list[str]) -> list[str]:

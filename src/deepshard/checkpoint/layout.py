@@ -13,7 +13,7 @@ already is not opened.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -71,6 +71,7 @@ class Reassembly:
         self.covered: dict[str, int] = {}
         self.declared_keys: dict[Key, tuple[str, tuple[int, ...], Optional[list[Any]]]] = {}
         self.spans: dict[Key, list[tuple[int, int]]] = {}
+        self.saved_splits: dict[str, Optional[list[Any]]] = {}
 
     @staticmethod
     def _label(name: str, index: int, info: dict[str, Any]) -> str:
@@ -84,8 +85,9 @@ class Reassembly:
             if wanted is None or name in wanted:
                 label = self._label(name, self._index(info, name), info)
                 self.declared[label] = tuple(shape)
-                self.declared_keys[(name, self._index(info, name))] = (label, tuple(shape),
-                                                                       info.get("splits", {}).get(name))
+                split = info.get("splits", {}).get(name)
+                self.declared_keys[(name, self._index(info, name))] = (label, tuple(shape), split)
+                self.saved_splits[name] = split
 
     def coverage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
         """``(declared shapes, elements found)`` per tensor or part, for ``matching.check_coverage``."""
@@ -138,11 +140,17 @@ class Reassembly:
                 else:
                     state[skey] = value
 
-    def fill_unread(self) -> None:
-        """Zeros for the declared tensors and tensor-parallel parts no file read gave values to: a rank
-        that loads a share (``checkpoint/share.py``) still hands its strategy every name, whole-shaped; only
-        its own ranges hold the checkpoint's values."""
+    def saved_split(self, name: str) -> Optional[list[Any]]:
+        """The ``[dim, index, parts(, fused)]`` record of a part of ``name`` read so far (None: not split)."""
+        return self.saved_splits.get(name)
+
+    def fill_unread(self, fillable: Callable[[str], bool]) -> None:
+        """Zeros for the declared tensors and tensor-parallel parts no file read gave values to, of the names
+        ``fillable`` allows: a rank that loads a share (``checkpoint/share.py``) still hands its strategy
+        every name, whole-shaped; only its own ranges hold the checkpoint's values."""
         for key, (_, shape, split) in self.declared_keys.items():
+            if not fillable(key[0]):
+                continue
             if key not in self.values:
                 self.values[key] = torch.zeros(_numel(shape), dtype=torch.float32)
                 self.local_shapes[key] = shape
@@ -150,7 +158,7 @@ class Reassembly:
                 fused = tuple(int(s) for s in split[3]) if len(split) > 3 else None
                 self.splits[key[0]] = (int(split[0]), int(split[2]), fused)
         for name, (_, count, _) in self.splits.items():
-            ref = next((k for k in self.local_shapes if k[0] == name), None)
+            ref = next((k for k in self.local_shapes if k[0] == name), None) if fillable(name) else None
             for i in range(count):
                 if ref is not None and (name, i) not in self.values:  # parts cut evenly: the same shape
                     self.values[(name, i)] = torch.zeros(_numel(self.local_shapes[ref]), dtype=torch.float32)
