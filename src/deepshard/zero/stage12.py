@@ -161,10 +161,17 @@ class Stage12Strategy(ZeroStrategy):
                           module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                           {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})
 
+    def load_share(self) -> dict[str, list[tuple[int, int]]]:
+        """The owned ranges: ``load_state`` rebuilds the rest of every bucket from the peers' chunks."""
+        return self.opt_shard.share(self.names)
+
     @torch.no_grad()
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        """Values outside this rank's chunks may be zeros (a reader reads only ``load_share``'s ranges):
+        the module's parameters are made whole again with one all-gather per bucket."""
         load_module_values(self.module, full)
         self.opt_shard.load(full, self.optimizer, load_optimizer_states)
+        self._all_gather_params()
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:

@@ -265,6 +265,12 @@ class ZeroStrategy(ABC):
         """Take this rank's slices of ``full``: a checkpoint ``checkpoint/`` read from any stage, any process
         count and any format, its names already checked against the module."""
 
+    def load_share(self) -> dict[str, list[tuple[int, int]]] | None:
+        """The element ranges ``[start, stop)`` of each trainable tensor (saved name, flattened) whose
+        checkpoint values ``load_state`` uses on this rank, when it uses only those (the rest it takes from
+        its peers); None: it needs every value (``checkpoint/share.py``)."""
+        return None
+
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
         """The module's whole state dict in its compute dtype, on CPU. Every rank holds it whole here; a
         stage that partitions parameters gathers them (a collective: every rank calls it; {} off rank 0)."""
