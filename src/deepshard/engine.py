@@ -253,6 +253,9 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
         it. Atomic: a crash mid-save leaves the previous checkpoint whole."""
         from deepshard.checkpoint.engine_checkpoint import save_engine_checkpoint
 
+        if save_dir is None or not str(save_dir):  # Path("") would be the working directory
+            raise ValueError(f"save_checkpoint needs a directory to save into, got save_dir={save_dir!r}; pass "
+                             "a path such as 'checkpoints' (created if missing)")
         return save_engine_checkpoint(self, Path(save_dir), tag, client_state or {}, save_latest,
                                       exclude_frozen_parameters)
 
