@@ -47,6 +47,12 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
     out["async"].append(_status(w))
     model.frozen.bias.partition()  # its group is the weight's: released together
     out["async"].append(_status(w))
+    from deepshard.compat.partition_parameters import MultipleAllGatherHandles, partitioned_param_data_shape
+
+    MultipleAllGatherHandles([w.all_gather(async_op=True)]).wait(handle_dependency=False)  # DeepSpeed's keyword
+    out["multiple"] = _status(w)
+    w.partition()
+    out["released_shape_is_deepspeeds"] = list(w.shape) == partitioned_param_data_shape
     seen: list[str] = []
     model.frozen.register_forward_pre_hook(lambda m, a: seen.append(_status(m.weight)))  # after deepshard's
     x, y = (t.to(rank_device()) for t in make_token_batches(1, 8, seed=5)[0])

@@ -56,6 +56,7 @@ def test_all_gather_partition_and_status_in_a_forward(surface: list[dict[str, An
         assert status == "AVAILABLE" and torch.equal(value, ref)
         assert r["partitioned"] == ("NOT_AVAILABLE", (0,))
         assert r["async"] == ["INFLIGHT", "AVAILABLE", "NOT_AVAILABLE"]
+        assert r["multiple"] == "AVAILABLE" and r["released_shape_is_deepspeeds"] is True
         assert r["in_forward"] == ["AVAILABLE"] and r["after_forward"] == "NOT_AVAILABLE"
 
 
