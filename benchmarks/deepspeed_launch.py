@@ -38,7 +38,8 @@ def require_launcher(ds_python: str, program: str = "python") -> Path:
     path = Path(ds_python).parent / program
     if not path.exists():
         raise SystemExit(f"no DeepSpeed {program} at {path}: pass --deepspeed-python PATH (the python of an "
-                         "environment with deepspeed installed) or set DEEPSHARD_DEEPSPEED_PYTHON, or run deepshard only")
+                         "environment with deepspeed installed) or set DEEPSHARD_DEEPSPEED_PYTHON, or run "
+                         "deepshard only")
     return path
 
 

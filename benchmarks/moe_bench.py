@@ -7,7 +7,8 @@ The model is a stack of ``--layers`` blocks (LayerNorm, then DeepSpeed's ``MoE``
 experts of a 4x MLP, top-2, capacity factor 1.25), written once against DeepSpeed's API: each library runs it
 as its ``deepspeed``. Every case trains ``--warmup`` + ``--steps`` steps on the same tokens (``--tokens`` per
 rank of width ``--dim``), AdamW (torch's in both: DeepSpeed builds no C++ op, its processes start with
-``tests/deepspeed_compat/ds_boot`` first on the path, and a case that hangs is killed after ``--timeout``), ZeRO ``--stage``, and reports per rank:
+``tests/deepspeed_compat/ds_boot`` first on the path, and a case that hangs is killed after ``--timeout``),
+ZeRO ``--stage``, and reports per rank:
 
 - the median step time of the slowest rank and tokens per second (with ``--rounds N`` every case runs N
   times, the cases interleaved so that a change in the machine's load touches each alike; the median round);
