@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from deepshard.commands import add_command_list, find_command, run_command
+from deepshard.commands import DefaultsHelpFormatter, add_command_list, find_command, run_command
 from deepshard.compat.run import real_deepspeed, route_ranks
 from deepshard.launcher import multinode, node, rank_errors
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
@@ -20,7 +20,6 @@ from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
     DEFAULT_MASTER_PORT,
     PID_FILE_DIR,
-    DefaultsHelpFormatter,
     LaunchError,
     add_multi_node_args,
     add_process_args,
