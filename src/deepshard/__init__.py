@@ -30,6 +30,7 @@ _LAZY = {
     "DeepShardEngine": ("deepshard.engine", "DeepShardEngine"),
     "DeepSpeedEngine": ("deepshard.engine", "EngineCore"),  # DeepSpeed's class name: the base of both engines
     "DeepSpeedConfig": ("deepshard.runtime.ds_config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("deepshard.config", "ConfigError"),
     "tp_model_init": ("deepshard.tp.autotp_config", "tp_model_init"),
     "get_accelerator": ("deepshard.accelerator", "get_accelerator"),
     "PipelineEngine": ("deepshard.pipe.engine", "PipelineEngine"),

@@ -130,6 +130,11 @@ class EngineAccessors(GeneratedAccessors):
     def checkpoint_tag_validation_fail(self) -> bool:
         return self._config.checkpoint.tag_validation == "Fail"
 
+    def checkpoint_tag_validation_mode(self) -> str:
+        """``checkpoint.tag_validation``: what ``save_checkpoint`` does when ranks pass different tags
+        ("Warn", "Ignore" or "Fail"; ``checkpoint.collective.agree_on_tag``)."""
+        return self._config.checkpoint.tag_validation
+
     def checkpoint_writer_enabled(self) -> bool:
         return self._config.checkpoint.writer is not None
 

@@ -2,7 +2,8 @@
 
 A pipeline stage reads the manifest, the engine files, its own RNG file and the rank files of its own
 stage, each exactly once (verified as it is read), and nothing of the other stage; a data-parallel rank
-never opens another rank's RNG file and never reads a file twice."""
+never opens another rank's RNG file and never reads a file twice. Under ZeRO 1-2 a rank reads the tensor
+file of its own partition only (bytes ~ its share), and the weights and optimizer state come back equal."""
 from __future__ import annotations
 
 import os
@@ -26,20 +27,33 @@ def _reads(ledger: Any) -> dict[str, int]:
     return {os.path.basename(path): n for path, n in ledger.read.items()}
 
 
+def _states(engine: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's full fp32 value and Adam moments (collectives: every rank calls)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = engine.strategy.full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq") if p.requires_grad else ():
+            out[f"{name}/{key}"] = engine.strategy.full_optimizer_state(p, key).clone()
+    return out
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def pipeline_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """pp=2 x dp=world/2 at ZeRO-1: save after one batch, then a fresh engine loads while its reads are
     counted; the stage's parameters must come back equal."""
     model, engine = _engine(2, 2, zero=1)
     dp, coord = world // 2, engine.topology.coord
     engine.train_batch(_data(1, 2, dp, coord.dp))
-    saved = {k: engine.strategy.full_fp32_param(p).clone() for k, p in model.named_parameters()}
+    saved = _states(engine, model)
     engine.save_checkpoint(tmp, tag="p")
     engine.destroy()
     model, engine = _engine(2, 2, zero=1, seed_layers=False)
     with track_io() as ledger:
         engine.load_checkpoint(tmp, tag="p")
-    loaded = {k: engine.strategy.full_fp32_param(p) for k, p in model.named_parameters()}
-    same = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    same = _equal(saved, _states(engine, model))
     engine.destroy()
     dist.barrier()
     return {"stage": coord.pp, "reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "p"), "same": same}
@@ -58,6 +72,7 @@ def data_parallel_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
     with track_io() as ledger:
         fresh.load_checkpoint(tmp, tag="d")
     same = all(torch.equal(a, b) for a, b in zip(engine.module.state_dict().values(), fresh.module.state_dict().values()))
+    same = same and _equal(_states(engine, engine.module), _states(fresh, fresh.module))
     dist.barrier()
     return {"reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "d"), "same": same}
 

@@ -128,7 +128,34 @@ def _checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> di
                                                                      load_module_strict=False))
     out["missing_rank_file"] = _missing_rank_file(fresh, rank, tmp)
     out["disk_full"] = _full_save_failure(engine, rank, tmp)
+    out.update(_rank_unique_tags(engine, rank, tmp, stage, warnings))
     logging.getLogger("deepshard").removeHandler(warnings)
+    return out
+
+
+def _rank_unique_tags(engine: Any, rank: int, tmp: Path, stage: int, warnings: _Warnings) -> dict[str, Any]:
+    """Ranks passing different tags: the default ("Warn") warns and saves one whole checkpoint under rank
+    0's tag; "Fail" raises on every rank an error that is also DeepSpeed's AssertionError; no directory
+    raises ValueError (DeepSpeed's errors, checked by its unit test checkpoint/test_tag_validation.py)."""
+    from deepshard.checkpoint.collective import CheckpointTagMismatch
+
+    out: dict[str, Any] = {}
+    warnings.messages.clear()
+    out["unique_warn"] = _error(lambda: engine.save_checkpoint(str(tmp), tag=f"rank-{rank}"))
+    out["unique_warnings"] = [m for m in warnings.messages if "different tags" in m]
+    out["unique_dirs"] = sorted(p.name for p in tmp.iterdir() if p.name.startswith("rank-"))
+    fresh, *_ = deepshard.initialize(model=make_model(seed=5), config=_config(stage))
+    out["unique_loaded"] = _error(lambda: fresh.load_checkpoint(str(tmp), tag="rank-0"))
+    out["unique_same"] = _same(full_weights(fresh), full_weights(engine))
+    strict, *_ = deepshard.initialize(model=make_model(), config={**_config(stage),
+                                                                   "checkpoint": {"tag_validation": "Fail"}})
+    try:
+        strict.save_checkpoint(str(tmp), tag=f"rank-{rank}-strict")
+        out["unique_fail"] = "no error"
+    except AssertionError as err:  # what DeepSpeed raises, and what user code may catch
+        out["unique_fail"] = f"{type(err).__name__}: {err}"
+        out["unique_fail_is_checkpoint_error"] = isinstance(err, CheckpointTagMismatch)
+    out["no_dir"] = [_error(lambda: engine.save_checkpoint(d)) for d in (None, "")]
     return out
 
 

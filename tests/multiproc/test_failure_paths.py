@@ -63,6 +63,19 @@ def test_a_missing_rank_file_is_reported_as_damage_not_as_a_strictness_problem(
     assert "pass load_module_strict=False" not in msg, msg
 
 
+def test_rank_unique_tags_follow_tag_validation_and_a_missing_directory_is_refused(
+        ckpt: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(ckpt):
+        assert out["unique_warn"] == "no error", out["unique_warn"]
+        assert len(out["unique_warnings"]) == 1 and "'rank-1'" in out["unique_warnings"][0], out
+        assert out["unique_loaded"] == "no error" and out["unique_same"] is True, out
+        msg = out["unique_fail"]
+        assert msg.startswith("CheckpointTagMismatch") and "rank 1: 'rank-1-strict'" in msg, msg
+        assert out["unique_fail_is_checkpoint_error"] is True
+        assert [m.split(":")[0] for m in out["no_dir"]] == ["ValueError", "ValueError"], out["no_dir"]
+    assert ckpt[0]["unique_dirs"] == ["rank-0"], ckpt[0]["unique_dirs"]
+
+
 def test_rank_asymmetric_zero3_code_ends_naming_the_other_rank_and_module() -> None:
     """Rank 1 runs an extra forward under no_grad: gloo used to abort rank 0 on a size mismatch (or the
     ranks exchanged the wrong groups silently); now both ranks end in seconds with the positions."""

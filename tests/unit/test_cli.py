@@ -55,8 +55,26 @@ def test_the_scripts_flags_belong_to_the_script() -> None:
     assert hf.training_script_args == ["--deepspeed", "ds.json", "-h", "--num_processes", "3"]
     ds = cli.parse_args(["--num_gpus", "2", "train.py", "--deepspeed", "--h", "3", "--num_gpus", "5"])
     assert (ds.user_script, ds.num_gpus, ds.user_args) == ("train.py", 2, ["--deepspeed", "--h", "3", "--num_gpus", "5"])
-    with pytest.raises(SystemExit):  # a launcher flag is spelled out in full, never abbreviated
-        cli.parse_args(["--num_gp", "2", "train.py"])
+    # before the script a unique prefix of a launcher flag is that flag, as DeepSpeed's parser accepts
+    short = cli.parse_args(["--num_gp", "2", "--launcher_arg", "-mca btl_tcp_if_include eth1", "--no_ssh",
+                            "--master_p=4000", "train.py", "--num_gp", "3"])
+    assert (short.num_gpus, short.launcher_args, short.no_ssh, short.master_port) == (
+        2, "-mca btl_tcp_if_include eth1", True, 4000)
+    assert (short.user_script, short.user_args) == ("train.py", ["--num_gp", "3"])
+    with pytest.raises(SystemExit):  # a prefix of several flags is refused
+        cli.parse_args(["--num", "2", "train.py"])
+
+
+def test_deepspeeds_runner_main_raises_on_an_impossible_selection(capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed's ``runner.main`` raises ValueError on --num_nodes/--num_gpus with --include/--exclude (before
+    looking at the script); the ``deepshard`` command prints the same message in one line."""
+    from deepshard.compat.launcher_runner import main as ds_main  # deepspeed.launcher.runner.main
+
+    for line in ("--num_nodes 1 -i localhost foo.py", "--num_gpus 1 -e localhost foo.py"):
+        with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude"):
+            ds_main(line.split())
+        assert cli.main(line.split()) == 2
+        assert "error: Cannot specify num_nodes/gpus" in capsys.readouterr().err
 
 
 def test_port_zero_is_a_free_port_on_one_machine(caplog: pytest.LogCaptureFixture) -> None:

@@ -124,6 +124,11 @@ def test_config_constants_and_helpers(shim: None) -> None:
         ds_config._configure_train_batch_size()
     assert config.get_gradient_clipping({}) == 1.0 and config.get_log_level({"log_level": "INFO"}) == "INFO"
     assert config.load_config is not None  # deepshard.config's names are there too
+    import deepspeed
+
+    assert deepspeed.DeepSpeedConfigError is config.DeepSpeedConfigError  # DeepSpeed's top-level name too
+    with pytest.raises(deepspeed.DeepSpeedConfigError, match="tag_validation"):
+        deepspeed.DeepSpeedConfig({"train_batch_size": 2, "checkpoint": {"tag_validation": "foo"}})
     assert len(lr_schedules.CONFIG_KEYS) == 25 and lr_schedules.WARMUP_MIN_LR == "warmup_min_lr"
     assert (lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.LR_RANGE_TEST_STAIRCASE, lr_schedules.TOTAL_NUM_STEPS) == (
         "cycle_first_step_size", "lr_range_test_staircase", "total_num_steps")

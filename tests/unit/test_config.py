@@ -184,18 +184,25 @@ def test_unknown_key_without_close_match_lists_valid_keys() -> None:
 
 def test_type_errors_name_path_value_and_expectation() -> None:
     with pytest.raises(ConfigError) as err:
-        load_config({"train_batch_size": 4, "fp16": {"loss_scale": "128"},
+        load_config({"train_batch_size": 4, "fp16": {"loss_scale": "high"},
                      "zero_optimization": {"stage": 5, "reduce_bucket_size": 1.5}}, 1)
     msg = str(err.value)
     assert msg.startswith("3 problems in the config:")
-    assert "config key 'fp16.loss_scale' = '128' (str) is invalid: Input should be a valid number" in msg
+    assert "config key 'fp16.loss_scale' = 'high' (str) is invalid: Input should be a valid number" in msg
     assert "config key 'zero_optimization.stage' = 5 (int) is invalid" in msg
     assert "'zero_optimization.reduce_bucket_size' = 1.5 (float) is invalid: expected a whole number" in msg
 
 
 def test_type_strictness_rules() -> None:
     with pytest.raises(ConfigError, match="train_batch_size' = '4' \\(str\\)"):
-        load_config({"train_batch_size": "4"}, 1)
+        load_config({"train_batch_size": "4"}, 1)  # DeepSpeed reads top-level keys as given, and fails too
+    # in a section, a number written as a string is converted, as DeepSpeed's pydantic sections convert it
+    cfg = load_config({"train_batch_size": 4, "fp16": {"enabled": True, "loss_scale": "3", "hysteresis": " 4"},
+                       "zero_optimization": {"stage": "2", "reduce_bucket_size": "500000000"}}, 1)
+    assert (cfg.fp16.loss_scale, cfg.fp16.hysteresis) == (3.0, 4) and isinstance(cfg.fp16.loss_scale, float)
+    assert (cfg.zero_optimization.stage, cfg.zero_optimization.reduce_bucket_size) == (2, 500_000_000)
+    with pytest.raises(ConfigError, match="'fp16.hysteresis' = '4.5' \\(str\\)"):  # not a whole number
+        load_config({"train_batch_size": 4, "fp16": {"hysteresis": "4.5"}}, 1)
     with pytest.raises(ConfigError, match="fp16.enabled' = 1 \\(int\\)"):
         load_config({"train_batch_size": 4, "fp16": {"enabled": 1}}, 1)
     cfg = load_config({"train_batch_size": 4, "gradient_clipping": 2,

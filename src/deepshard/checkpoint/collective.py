@@ -18,12 +18,40 @@ import torch.distributed as dist
 from deepshard.checkpoint.io import CheckpointError
 from deepshard.comm.group import CommGroup
 from deepshard.comm.watchdog import CollectiveTimeout
+from deepshard.utils.logging import logger
 
 T = TypeVar("T")
 
 
 class CheckpointSaveError(CheckpointError):
     """``save_checkpoint`` failed on at least one rank; raised with the same message on every rank."""
+
+
+class CheckpointTagMismatch(CheckpointError, AssertionError):
+    """The ranks passed different tags to ``save_checkpoint`` under ``"checkpoint": {"tag_validation": "Fail"}``.
+    Also an ``AssertionError``: what DeepSpeed raises there, so code catching DeepSpeed's error catches it."""
+
+
+def agree_on_tag(comm: CommGroup, tag: str, mode: str) -> str:
+    """The tag every rank saves under: this rank's when all ranks passed the same one. Otherwise rank 0's
+    (one checkpoint directory, whole, instead of a share of one under each rank's tag), after a warning
+    (``tag_validation`` "Warn", the default) or silently ("Ignore"); under "Fail" every rank raises
+    :class:`CheckpointTagMismatch`. Every rank must call it (one small all-gather)."""
+    if comm.size == 1:
+        return tag
+    tags: list[str | None] = [None] * comm.size
+    dist.all_gather_object(tags, tag, group=comm.group)
+    if all(t == tag for t in tags):
+        return tag
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    problem = (f"save_checkpoint was called with different tags on different ranks ({by_rank}); a checkpoint "
+               "is one directory written by every rank, so pass every rank the same tag (leave rank-unique "
+               "information, such as the rank, out of it)")
+    if mode == "Fail":
+        raise CheckpointTagMismatch(problem + ' ("checkpoint": {"tag_validation": "Fail"})')
+    if mode != "Ignore":
+        logger.warning("%s; saving under rank 0's tag %r", problem, tags[0])
+    return str(tags[0])
 
 
 def run_phase(comm: CommGroup, phase: str, action: Callable[[], T]) -> T | None:

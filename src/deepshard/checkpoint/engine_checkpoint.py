@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.checkpoint.collective import CheckpointSaveError, run_phase
+from deepshard.checkpoint.collective import CheckpointSaveError, agree_on_tag, run_phase
 from deepshard.checkpoint.fragments import save_rank_fragments
 from deepshard.checkpoint.layout import module_splits
 from deepshard.checkpoint.module_state import frozen_param_names, module_shapes, param_aliases
@@ -57,16 +57,20 @@ class CheckpointedEngine(Protocol):
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool: ...
 
+    def checkpoint_tag_validation_mode(self) -> str: ...
+
 
 def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: str | None,
                            client_state: dict[str, Any], save_latest: bool,
                            exclude_frozen_parameters: bool) -> bool:
     """Save in three failure-collective phases (``checkpoint/collective.py``): rank 0 prepares the staging
     directory, every rank writes its files, rank 0 publishes. If any rank fails a phase, every rank raises
-    the same :class:`CheckpointSaveError` and rank 0 removes the staging directory."""
+    the same :class:`CheckpointSaveError` and rank 0 removes the staging directory. Ranks passing
+    different tags are handled by the ``checkpoint.tag_validation`` mode (``collective.agree_on_tag``)."""
     tag = ckpt_io.validate_tag(str(tag) if tag is not None else f"global_step{engine.state.global_steps}")
     # every rank of the grid writes its files (named by global rank); global rank 0 publishes
     comm, rank = engine.topology.world, engine.topology.rank
+    tag = agree_on_tag(comm, tag, engine.checkpoint_tag_validation_mode())
     staging = ckpt_io.staging_path(save_dir, tag)
     run_phase(comm, f"creating {staging}", lambda: _prepare_staging(save_dir, tag) if rank == 0 else None)
     try:

@@ -14,9 +14,11 @@ from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.collective import agree_on_load
 from deepshard.checkpoint.deepspeed_format.detect import deepspeed_tag_dir
 from deepshard.checkpoint.engine_checkpoint import CheckpointedEngine
+from deepshard.checkpoint.layout import module_splits
 from deepshard.checkpoint.module_state import check_model_names
 from deepshard.checkpoint.reader import DeepShardTag, DeepSpeedTag, Resume, TagReader
 from deepshard.checkpoint.rng_streams import restore_streams
+from deepshard.checkpoint.share import LoadShare
 from deepshard.utils.logging import log_rank0, logger
 
 # 1: load_checkpoint with nothing to load (no directory, no 'latest') raises instead of warning (docs/checkpoints.md)
@@ -44,10 +46,16 @@ def _read_part(engine: CheckpointedEngine, reader: TagReader, strict: bool, with
     """This rank's part of a load: the engine record, then the weights (and optimizer state) into the
     strategy once their names fit the model."""
     resume = reader.resume(engine.topology.rank, engine.topology.dims)
-    full = reader.full_state(engine.module, with_optimizer)
+    full = reader.full_state(engine.module, with_optimizer, _share(engine))
     check_model_names(engine.module, full, strict, reader.path)
     engine.strategy.load_state(full, with_optimizer)
     return resume
+
+
+def _share(engine: CheckpointedEngine) -> Optional[LoadShare]:
+    """What this rank's strategy loads of each tensor (None: everything), for the reader to read only that."""
+    ranges = engine.strategy.load_share()
+    return None if ranges is None else LoadShare(ranges, module_splits(engine.module), engine.topology.rank)
 
 
 def _read_agreed(engine: CheckpointedEngine, reader: TagReader, strict: bool, with_optimizer: bool) -> Resume:

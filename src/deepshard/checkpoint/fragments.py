@@ -22,6 +22,7 @@ import torch
 from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint import schema
 from deepshard.checkpoint.matching import check_coverage
+from deepshard.checkpoint.share import LoadShare, uncovered
 from deepshard.shard_state import FragmentRecord, FullState
 
 MODULE_EXTRA = "module_extra.safetensors"
@@ -94,7 +95,8 @@ def _numel(shape: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None) -> FullState:
+def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.nn.Module | None = None,
+                   share: LoadShare | None = None) -> FullState:
     """Reassemble full fp32 parameters (and optimizer state) from a deepshard tag's rank files (a tag of
     either format: ``checkpoint.reader.load_full_state``).
 
@@ -102,7 +104,11 @@ def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.n
     ``module``, only the files holding tensors that module has are read, and the result is cut back to
     ``module``'s own tensor-parallel parts (``checkpoint/layout.py``), ready for a strategy to take its
     slices. A pipeline stage reads the rank files of its own stage, its own first, and stops once its
-    tensors are whole: another stage's files are not opened, not even their JSON."""
+    tensors are whole: another stage's files are not opened, not even their JSON.
+
+    With ``share`` (``checkpoint/share.py``), only the tensor files holding fragments that overlap this
+    rank's ranges are read, the rank files' JSON in the same order until the ranges are covered; the other
+    elements are zeros (the strategy fills them from its peers)."""
     from deepshard.checkpoint.layout import wanted_names
 
     listing = _listing(directory)
@@ -112,13 +118,16 @@ def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.n
             f"{directory} holds no zero_rank*.json files: it is not a deepshard checkpoint tag directory "
             "(pass the directory that contains the tag folders and the 'latest' file, or the tag itself)")
     wanted = wanted_names(module) if module is not None else None
-    reading = _Reading(directory, with_optimizer, wanted, _trainable_wanted(module, wanted))
-    for rank in _reading_order(ranks, module):
+    trainable = set(share.ranges) if share is not None and wanted is None else _trainable_wanted(module, wanted)
+    reading = _Reading(directory, with_optimizer, wanted, trainable, share)
+    for rank in _reading_order(ranks, module, share.rank if share is not None else None):
         if reading.done():
             break
         reading.read_json(rank)
     reading.finish_skipped()
-    check_coverage(directory, *reading.parts.coverage(), ranks, reading.saved_world or None)
+    check_coverage(directory, *reading.coverage(), ranks, reading.saved_world or None)
+    if share is not None:
+        reading.parts.fill_unread(reading.cut_alike)
     params, optim, kinds, shapes = reading.parts.finish()
     module_extra: dict[str, torch.Tensor] = {}
     for extra in reading.extra_files(listing):
@@ -151,13 +160,14 @@ def _trainable_wanted(module: torch.nn.Module | None, wanted: set[str] | None) -
     return {n for n, p in module.named_parameters() if p.requires_grad}
 
 
-def _reading_order(ranks: list[int], module: torch.nn.Module | None) -> list[int]:
+def _reading_order(ranks: list[int], module: torch.nn.Module | None, first: int | None = None) -> list[int]:
     """Rank files in the order a model slice reads them: the file of its own rank, then those of the ranks
-    that hold the same pipeline stage on this grid, then the rest (only read if still needed)."""
+    that hold the same pipeline stage on this grid, then the rest (only read if still needed). A whole
+    model loading a share (``first``: its rank) reads its own file first, then the others in order."""
     topology = getattr(module, "grid_topology", None)
     dims, own = getattr(topology, "dims", None), getattr(topology, "rank", None)
     if dims is None or own is None or dims.world_size <= 0:
-        return ranks
+        return sorted(ranks, key=lambda r: (r != first, r))
     stage = dims.coord(own).pp
 
     def key(rank: int) -> tuple[int, int]:
@@ -173,10 +183,10 @@ class _Reading:
     """The rank files read so far for one model slice, and whether its tensors are whole yet."""
 
     def __init__(self, directory: Path, with_optimizer: bool, wanted_own: set[str] | None,
-                 trainable: set[str] | None) -> None:
+                 trainable: set[str] | None, share: LoadShare | None = None) -> None:
         from deepshard.checkpoint.layout import Reassembly
 
-        self.directory, self.wanted_own, self.trainable = directory, wanted_own, trainable
+        self.directory, self.wanted_own, self.trainable, self.share = directory, wanted_own, trainable, share
         self.parts = Reassembly(with_optimizer)
         self.with_optimizer = with_optimizer
         self.aliases: dict[str, str] = {}
@@ -207,8 +217,34 @@ class _Reading:
         self.parts.declare(info, wanted)
         if self._foreign_only(info, wanted):
             self.skipped.append(rank)  # another stage's tensors: its tensor file is not opened
-        elif self.parts.needs(info, wanted):
+        elif self.parts.needs(info, wanted) and self._in_share(info, wanted):
             self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
+
+    def _in_share(self, info: dict[str, Any], wanted: set[str] | None) -> bool:
+        """Whether the file holds a fragment of this rank's share (always, without a share)."""
+        if self.share is None:
+            return True
+        splits = info.get("splits", {})
+        return any(self.share.wants(name, int(start), int(numel), splits.get(name))
+                   for name, start, numel in info["fragments"] if wanted is None or name in wanted)
+
+    def cut_alike(self, name: str) -> bool:
+        """Whether this rank loads a share of ``name`` that maps onto the saved parts (then the parts and
+        ranges outside it need not be read)."""
+        return self.share is not None and self.share.needed(name, self.parts.saved_split(name)) is not None
+
+    def coverage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """``(declared shapes, elements found)`` for ``matching.check_coverage``: with a share, a tensor
+        counts as found whole once this rank's ranges of it are."""
+        declared, covered = self.parts.coverage()
+        if self.share is None:
+            return declared, covered
+        covered = dict(covered)
+        for key, (label, shape, split) in self.parts.declared_keys.items():
+            needed = self.share.needed(key[0], split)
+            if needed is not None and not uncovered(needed, self.parts.spans.get(key, [])):
+                covered[label] = _numel(shape)
+        return declared, covered
 
     @staticmethod
     def _foreign_only(info: dict[str, Any], wanted: set[str] | None) -> bool:
@@ -220,31 +256,33 @@ class _Reading:
             info = self.infos[rank]
             wanted = self.wanted()
             self.parts.declare(info, wanted)
-            if not self._foreign_only(info, wanted) and self.parts.needs(info, wanted):
+            if not self._foreign_only(info, wanted) and self.parts.needs(info, wanted) and self._in_share(info, wanted):
                 self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
 
     def done(self) -> bool:
         """A pipeline stage's tensors are whole: every trainable parameter declared and covered, every
-        tensor-parallel part present, its optimizer hyper-parameters found. Never for a whole model (it
-        reads every rank file)."""
+        tensor-parallel part present, its optimizer hyper-parameters found. With a share, the same for
+        a whole model, counting only its own ranges and parts (``cut_alike``); without, never for a whole
+        model (it reads every rank file)."""
         if self.trainable is None or not self.infos:
             return False
         if self.with_optimizer and self.groups is None:
             return False
-        declared, covered = self.parts.coverage()
+        declared, covered = self.coverage()
         if any(covered.get(label, 0) < _numel(shape) for label, shape in declared.items()):
             return False
         names = {label.split("[tp ", 1)[0] for label in declared}
         if any(self.aliases.get(n, n) not in names and n not in names for n in self.trainable):
             return False
         return all((name, i) in self.parts.values for name, (_, count, _) in self.parts.splits.items()
+                   if not self.cut_alike(name)
                    for i in range(count))
 
     def extra_files(self, listing: list[str]) -> list[str]:
         """The buffer / frozen-weight files to read: those the read rank files name as theirs (a pipeline
         stage's own), else (older checkpoints, or a whole model) every one in the directory."""
         named = sorted({info["extra"]["file"] for info in self.infos.values() if isinstance(info.get("extra"), dict)})
-        if self.trainable is not None and named:
+        if self.wanted_own is not None and named:
             return named
         return sorted(name for name in listing if _EXTRA.match(name))
 

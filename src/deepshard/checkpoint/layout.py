@@ -13,7 +13,7 @@ already is not opened.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -69,6 +69,9 @@ class Reassembly:
         self.seen: set[tuple[str, int, int]] = set()
         self.declared: dict[str, tuple[int, ...]] = {}
         self.covered: dict[str, int] = {}
+        self.declared_keys: dict[Key, tuple[str, tuple[int, ...], Optional[list[Any]]]] = {}
+        self.spans: dict[Key, list[tuple[int, int]]] = {}
+        self.saved_splits: dict[str, Optional[list[Any]]] = {}
 
     @staticmethod
     def _label(name: str, index: int, info: dict[str, Any]) -> str:
@@ -80,7 +83,11 @@ class Reassembly:
         """Note the shapes a rank file says its model slice has (what must be covered in the end)."""
         for name, shape in info["shapes"].items():
             if wanted is None or name in wanted:
-                self.declared[self._label(name, self._index(info, name), info)] = tuple(shape)
+                label = self._label(name, self._index(info, name), info)
+                self.declared[label] = tuple(shape)
+                split = info.get("splits", {}).get(name)
+                self.declared_keys[(name, self._index(info, name))] = (label, tuple(shape), split)
+                self.saved_splits[name] = split
 
     def coverage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
         """``(declared shapes, elements found)`` per tensor or part, for ``matching.check_coverage``."""
@@ -118,6 +125,7 @@ class Reassembly:
             if (name, key[1], start) not in self.seen:
                 label = self._label(name, key[1], info)
                 self.covered[label] = self.covered.get(label, 0) + int(numel)
+                self.spans.setdefault(key, []).append((int(start), int(start) + int(numel)))
             self.seen.add((name, key[1], start))
             state = self.optim.setdefault(key, {})
             for skey, value in info["scalars"].get(f"{name}@{start}", {}).items():
@@ -131,6 +139,30 @@ class Reassembly:
                     dest[start:start + numel] = value[start:start + numel]
                 else:
                     state[skey] = value
+
+    def saved_split(self, name: str) -> Optional[list[Any]]:
+        """The ``[dim, index, parts(, fused)]`` record of a part of ``name`` read so far (None: not split)."""
+        return self.saved_splits.get(name)
+
+    def fill_unread(self, fillable: Callable[[str], bool]) -> None:
+        """Zeros for the declared tensors and tensor-parallel parts no file read gave values to, of the names
+        ``fillable`` allows: a rank that loads a share (``checkpoint/share.py``) still hands its strategy
+        every name, whole-shaped; only its own ranges hold the checkpoint's values."""
+        for key, (_, shape, split) in self.declared_keys.items():
+            if not fillable(key[0]):
+                continue
+            if key not in self.values:
+                self.values[key] = torch.zeros(_numel(shape), dtype=torch.float32)
+                self.local_shapes[key] = shape
+            if split and key[0] not in self.splits:
+                fused = tuple(int(s) for s in split[3]) if len(split) > 3 else None
+                self.splits[key[0]] = (int(split[0]), int(split[2]), fused)
+        for name, (_, count, _) in self.splits.items():
+            ref = next((k for k in self.local_shapes if k[0] == name), None) if fillable(name) else None
+            for i in range(count):
+                if ref is not None and (name, i) not in self.values:  # parts cut evenly: the same shape
+                    self.values[(name, i)] = torch.zeros(_numel(self.local_shapes[ref]), dtype=torch.float32)
+                    self.local_shapes[(name, i)] = self.local_shapes[ref]
 
     def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, dict[str, str]],
                               dict[str, tuple[int, ...]]]:
@@ -155,20 +187,29 @@ class Reassembly:
             local = [self.values[(name, i)].view(self.local_shapes[(name, i)]) for i in range(count)]
             params[name] = unshard(local, dim, fused)
             shapes[name] = tuple(params[name].shape)
-            if self.optim.get((name, 0)):
+            if any(self.optim.get((name, i)) for i in range(count)):
                 optim[name] = self._join_states(name, dim, count, fused)
         return params, optim, self.kinds, shapes
 
     def _join_states(self, name: str, dim: int, count: int, fused: Optional[tuple[int, ...]]) -> dict[str, Any]:
-        first = self.optim.get((name, 0), {})
+        first = next(self.optim[(name, i)] for i in range(count) if self.optim.get((name, i)))
         out: dict[str, Any] = {}
         for skey, value in first.items():
             if self.kinds.get(name, {}).get(skey) == "elementwise":
-                pieces = [self.optim[(name, i)][skey].view(self.local_shapes[(name, i)]) for i in range(count)]
+                pieces = [self._part_state(name, i, skey, value).view(self.local_shapes[(name, i)])
+                          for i in range(count)]
                 out[skey] = unshard(pieces, dim, fused).reshape(-1)
             else:
                 out[skey] = value  # scalars (a step count) are the same on every part
         return out
+
+
+    def _part_state(self, name: str, index: int, skey: str, like: torch.Tensor) -> torch.Tensor:
+        """Part ``index``'s elementwise state ``skey``; zeros for a part this rank did not read (a share)."""
+        state = self.optim.get((name, index), {}).get(skey)
+        if state is not None:
+            return state
+        return torch.zeros(_numel(self.local_shapes[(name, index)]), dtype=like.dtype)
 
 
 def collect_optimizer_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],

@@ -20,6 +20,7 @@ from deepshard.checkpoint.deepspeed_format.detect import is_deepspeed_tag
 from deepshard.checkpoint.deepspeed_format.read import read_engine_record, read_full_state
 from deepshard.checkpoint.fragments import read_fragments
 from deepshard.checkpoint.layout import localize
+from deepshard.checkpoint.share import LoadShare
 from deepshard.checkpoint.state import unflatten_state
 from deepshard.checkpoint.verify import ManifestVerifier
 from deepshard.shard_state import FullState
@@ -67,9 +68,11 @@ class TagReader(ABC):
         return contextlib.nullcontext()
 
     @abstractmethod
-    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool) -> FullState:
+    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool,
+                   share: Optional[LoadShare] = None) -> FullState:
         """Weights (and optimizer state) by name; with ``module``, only its tensors, cut to its own
-        tensor-parallel parts."""
+        tensor-parallel parts; with ``share``, only those ranges need hold the checkpoint's values (a
+        reader may read less; see ``checkpoint/share.py``)."""
 
     @abstractmethod
     def resume(self, rank: int, dims: ParallelDims) -> Resume:
@@ -91,8 +94,9 @@ class DeepShardTag(TagReader):
         self._verifier = ManifestVerifier(self.path)
         return ledger.verifying(self._verifier)
 
-    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool) -> FullState:
-        return read_fragments(self.path, with_optimizer, module)
+    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool,
+                   share: Optional[LoadShare] = None) -> FullState:
+        return read_fragments(self.path, with_optimizer, module, share)
 
     def resume(self, rank: int, dims: ParallelDims) -> Resume:
         path = self.path
@@ -120,8 +124,9 @@ class DeepShardTag(TagReader):
 class DeepSpeedTag(TagReader):
     """A tag DeepSpeed's ``save_checkpoint`` wrote, read without running a pickle (``deepspeed_format``)."""
 
-    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool) -> FullState:
-        full = read_full_state(self.path, with_optimizer)
+    def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool,
+                   share: Optional[LoadShare] = None) -> FullState:
+        full = read_full_state(self.path, with_optimizer)  # DeepSpeed's files: every rank reads them whole
         return localize(full, module) if module is not None else full
 
     def resume(self, rank: int, dims: ParallelDims) -> Resume:

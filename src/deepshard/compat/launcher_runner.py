@@ -67,5 +67,7 @@ def encode_world_info(world_info: Mapping[str, Any]) -> str:
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    """Run the launcher on ``args`` (``sys.argv[1:]`` when None); returns the exit status."""
-    return cli.main(None if args is None else list(args))
+    """Run the launcher on ``args`` (``sys.argv[1:]`` when None); returns the exit status. A command line
+    that cannot be launched (``--num_gpus`` with ``--include``, a host the hostfile lacks, ...) raises
+    ``ValueError``, as DeepSpeed's ``runner.main`` does (the ``deepshard`` command prints it instead)."""
+    return cli.main(None if args is None else list(args), raise_errors=True)

@@ -4,8 +4,9 @@ Every config section is a :class:`Section`: a pydantic model that
 
 * forbids unknown keys (the loader turns pydantic's complaint into a message that names the full
   path of the key and the closest valid key),
-* is strict about types (a string where a number is expected is an error; an ``int`` is accepted
-  for a ``float`` field; integral floats such as ``5e8`` are accepted for :data:`Count` fields),
+* is strict about types (a string where a number is expected is an error, except that a nested section
+  converts a number written as a string, ``"3"``, as DeepSpeed's pydantic sections do; an ``int`` is
+  accepted for a ``float`` field; integral floats such as ``5e8`` are accepted for :data:`Count` fields),
 * drops scalar ``"auto"`` values before validation so the field takes its default, which is what
   DeepSpeed's ``DeepSpeedConfigModel`` does with the placeholders Hugging Face writes,
 * refuses a key given under two spellings at once (a field name and its alias).
@@ -13,6 +14,8 @@ Every config section is a :class:`Section`: a pydantic model that
 from __future__ import annotations
 
 import math
+import types
+import typing
 from typing import Annotated, Any, ClassVar
 
 import torch
@@ -118,6 +121,36 @@ def drop_auto_values(data: dict[str, Any], section_path: str) -> dict[str, Any]:
     return kept
 
 
+def _number_kind(annotation: Any) -> type | None:
+    """``int`` or ``float`` when a field takes a number and no string (``Optional`` and ``Annotated``
+    looked through); None otherwise."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _number_kind(args[0])
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_number_kind(arg) for arg in args if arg is not type(None)]
+        if not kinds or None in kinds:
+            return None  # a string (or something else) is a valid value too: leave it to the field
+        return float if float in kinds else int
+    return annotation if annotation in (int, float) else None
+
+
+def convert_number_strings(model: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a number written as a string (``"loss_scale": "3"``) converted where the field takes a
+    number, as DeepSpeed's pydantic config sections convert it (a DeepSpeed config runs unchanged); a
+    string that is not a number is left for the field's check to refuse."""
+    for name, field in model.model_fields.items():
+        for key in {name, field.alias or name}:
+            value = data.get(key)
+            kind = _number_kind(field.annotation) if isinstance(value, str) else None
+            if kind is not None:
+                try:
+                    data[key] = kind(value.strip())
+                except ValueError:
+                    pass
+    return data
+
+
 def reject_alias_duplicates(model: type[BaseModel], data: dict[str, Any], section_path: str) -> None:
     """Raise if one setting is given under both its name and its alias."""
     for name, field in model.model_fields.items():
@@ -143,6 +176,8 @@ class Section(BaseModel):
             return data  # pydantic reports the wrong type with the path
         data = drop_auto_values(data, cls.section_path)
         reject_alias_duplicates(cls, data, cls.section_path)
+        if cls.section_path:  # DeepSpeed reads its top-level keys as given (a string there fails in it too)
+            data = convert_number_strings(cls, data)
         return cls.prepare(data)
 
     @classmethod

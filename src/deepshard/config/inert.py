@@ -58,8 +58,6 @@ def _checkpoint_set(cfg: Any) -> list[str]:
     keys = [f"checkpoint.{key}" for key, off in _CHECKPOINT_DEFAULTS.items() if getattr(section, key) != off]
     if section.parallel_write.pipeline_stage:
         keys.append("checkpoint.parallel_write.pipeline_stage")
-    if section.tag_validation == "Fail":
-        keys.append("checkpoint.tag_validation")
     return keys
 
 
@@ -76,8 +74,7 @@ def ignored(cfg: Any) -> list[tuple[str, str]]:
     keys = _checkpoint_set(cfg)
     if keys:
         out.append((", ".join(keys), "deepshard writes every checkpoint as safetensors + JSON under the "
-                    "save_checkpoint directory (no node-local storage, writer or per-stage options; tags are "
-                    "not compared across ranks)"))
+                    "save_checkpoint directory (no node-local storage, writer or per-stage options)"))
     accum = cfg.data_types.grad_accum_dtype
     if accum is not None and dtype_from_name(accum) != cfg.model_dtype and cfg.gradient_accumulation_steps == 1:
         out.append(("data_types.grad_accum_dtype", "gradients are accumulated in the training dtype, which makes "

@@ -39,7 +39,7 @@ class FP16Config(Section):
     def _loss_scale_is_a_number(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError("fp16.loss_scale must be a number (0 for dynamic loss scaling)")
-        return value  # a string is refused by the strict number check, with the usual message
+        return value  # a number written as a string was converted (base.convert_number_strings); others are refused
 
     @model_validator(mode="after")
     def _dynamic_scaling_settings(self) -> "FP16Config":

@@ -21,11 +21,13 @@ from deepshard.launcher.options import (
     DEFAULT_MASTER_PORT,
     PID_FILE_DIR,
     LaunchError,
+    LauncherParser,
     add_multi_node_args,
     add_process_args,
     add_resource_args,
     add_script_args,
     check_port_free,
+    expand_abbreviations,
     free_port,
     prepare_log_dir,
 )
@@ -39,11 +41,11 @@ __all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_pars
            "parse_args", "plan_launch", "select_nodes"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> LauncherParser:
     """The launcher's argument parser (DeepSpeed's flags; the user's script and its arguments last)."""
     from deepshard import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = LauncherParser(
         prog="deepshard", formatter_class=DefaultsHelpFormatter,
         description="Launch a training script on this machine or on the hosts of a hostfile.",
         epilog="example: deepshard --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json")
@@ -54,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The launcher's command line parsed (``sys.argv[1:]`` when None); flags before the script may be
+    abbreviated, as DeepSpeed's parser allows."""
+    parser = build_parser()
+    return parser.parse_args(expand_abbreviations(parser, sys.argv[1:] if argv is None else argv))
 
 
 def local_hostnames() -> set[str]:
@@ -174,14 +179,14 @@ def _with_port(args: argparse.Namespace, mode: str, flag: str = "--master_port")
 def _prepare(args: argparse.Namespace, port_flag: str = "--master_port") -> Runner:
     """Check and plan everything before a process starts; returns the launch's runner. Errors about the port
     name ``port_flag``, the flag of the command the user typed."""
-    if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
-        raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
-                          "fix the path, or pass --module to run a module")
     hostfile = read_hostfile(args.hostfile)
     if hostfile is None and args.hostfile != DEFAULT_HOSTFILE:
         logger.warning("hostfile %s not found; launching on this machine only", args.hostfile)
     cuda_devices, names = detect_cuda_devices(os.environ), local_hostnames()
-    active = select_nodes(args, hostfile, cuda_devices, names)
+    active = select_nodes(args, hostfile, cuda_devices, names)  # a contradictory selection first, as DeepSpeed
+    if not (args.module or args.no_python) and not os.path.isfile(args.user_script):
+        raise LaunchError(f"user script {args.user_script!r} does not exist (cwd {os.getcwd()}); "
+                          "fix the path, or pass --module to run a module")
     if hostfile is None and cuda_devices is None and args.num_gpus <= 0 and not args.include:
         logger.info("CPU only: starting 1 process; --num_gpus N starts N processes")
     if args.no_ssh:
@@ -223,10 +228,11 @@ def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[
     return lambda started: multinode.run_agents(specs, started)
 
 
-def main(argv: list[str] | None = None, port_flag: str = "--master_port") -> int:
+def main(argv: list[str] | None = None, port_flag: str = "--master_port", raise_errors: bool = False) -> int:
     """Entry point of the ``deepshard`` console script: a subcommand, else DeepSpeed's launcher; no arguments
     prints the help to stderr and returns 2. ``port_flag``: how errors name the port (``deepshard launch``
-    passes its own ``--main_process_port``)."""
+    passes its own ``--main_process_port``). A command line that cannot be launched prints why and returns 2,
+    or, with ``raise_errors`` (DeepSpeed's ``runner.main`` API), raises the ``ValueError``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         parser = build_parser()
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None, port_flag: str = "--master_port") -> int
     found = find_command(argv)
     if found is not None:
         return run_command(found[0], argv[1:])
-    return launch(parse_args(argv), argv, port_flag)
+    return launch(parse_args(argv), argv, port_flag, raise_errors)
 
 
 def _error(exc: Exception) -> int:
@@ -244,9 +250,10 @@ def _error(exc: Exception) -> int:
     return 2
 
 
-def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master_port") -> int:
+def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master_port",
+           raise_errors: bool = False) -> int:
     """Run the launch a parsed command line describes (``argv``: the words it was parsed from, which
-    autotuning trials reuse); returns the exit status."""
+    autotuning trials reuse); returns the exit status (``raise_errors``: see :func:`main`)."""
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
     if args.verbose:
@@ -260,12 +267,16 @@ def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master
             return autotune(args, argv, main)
         run = _prepare(args, port_flag)
     except (LaunchError, ValueError) as exc:
+        if raise_errors:
+            raise
         return _error(exc)
     pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepshard") if args.save_pid else None
     try:
         with rank_errors.error_dir(os.environ):
             return run(None if pid_file is None else lambda pids: _write_pid_file(pid_file, pids))
     except (LaunchError, ValueError) as exc:
+        if raise_errors:
+            raise
         return _error(exc)
     finally:
         if pid_file and os.path.exists(pid_file):

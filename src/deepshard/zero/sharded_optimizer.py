@@ -99,6 +99,15 @@ class ShardedOptimizer:
         f = self.fragments[i]
         return saved_slice(self.params[self.layout.slots[f.slot].param_index])[0] + f.start
 
+    def share(self, names: list[str]) -> dict[str, list[tuple[int, int]]]:
+        """This rank's pieces as saved ranges by name: ``names`` (every trainable parameter's saved name,
+        in ``params`` order) each map to the ranges this rank owns of it, an empty list when none."""
+        out: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+        for i, f in enumerate(self.fragments):
+            start = self._saved_start(i)
+            out.setdefault(f.name, []).append((start, start + f.numel))
+        return out
+
     def param_groups_for_save(self, optimizer: Optional[torch.optim.Optimizer]) -> list[dict] | None:
         """The optimizer's hyper-parameters by parameter name, from the first data-parallel rank only."""
         if self.comm.rank != 0 or optimizer is None:

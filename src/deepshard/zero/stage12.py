@@ -16,6 +16,7 @@ import torch
 
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import FullState, ShardState
+from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.module_values import load_module_values, module_extra_state
@@ -63,10 +64,13 @@ class Stage12Strategy(ZeroStrategy):
         grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(grad_reduce.world)
-        tree_factor = ctx.final_factor() if ctx.deterministic_steps > 1 else None  # zero/canonical.py
+        # the deterministic mode (zero/canonical.py): stage 1 sums a rank's micro-steps first where it can
+        self.atoms_contiguous = contiguous_split(stage, ctx.deterministic_steps, policy.param_dtype, policy.comm_dtype)
+        tree_factor = ctx.final_factor() if ctx.deterministic_steps > 1 else None
+        extra = {"local_factor": tree_factor} if self.atoms_contiguous else {"tree_factor": tree_factor}
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
                                    policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms,
-                                   grad_reduce=grad_reduce, tree_factor=tree_factor)
+                                   grad_reduce=grad_reduce, **extra)
         self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
@@ -157,10 +161,17 @@ class Stage12Strategy(ZeroStrategy):
                           module_extra_state(self.module, exclude_frozen) if self.ctx.comm.rank == 0 else None,
                           {"zero_stage": self.stage, "dp_world_size": self.ctx.comm.size})
 
+    def load_share(self) -> dict[str, list[tuple[int, int]]]:
+        """The owned ranges: ``load_state`` rebuilds the rest of every bucket from the peers' chunks."""
+        return self.opt_shard.share(self.names)
+
     @torch.no_grad()
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        """Values outside this rank's chunks may be zeros (a reader reads only ``load_share``'s ranges):
+        the module's parameters are made whole again with one all-gather per bucket."""
         load_module_values(self.module, full)
         self.opt_shard.load(full, self.optimizer, load_optimizer_states)
+        self._all_gather_params()
 
     # ---------------------------------------------------------------------------------- accounting
     def memory_report(self) -> dict[str, int]:

@@ -175,6 +175,10 @@ class ZeroStrategy(ABC):
     steps_in_backward: bool = False
     """True when the optimizer update happens during backward (stage 3's optimizer_step_in_backward):
     ``step()`` then only finishes it, and an overflow cannot be skipped."""
+    atoms_contiguous: bool = False
+    """The deterministic mode's split of a global batch (``zero/canonical.py``): True when rank ``r``'s
+    accumulation step ``m`` trains micro-batch ``r x gas + m`` (stages 0 and 1, fp32, a power-of-two ``gas``:
+    one reduction per step), False for ``m x dp + r``."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
@@ -260,6 +264,12 @@ class ZeroStrategy(ABC):
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
         """Take this rank's slices of ``full``: a checkpoint ``checkpoint/`` read from any stage, any process
         count and any format, its names already checked against the module."""
+
+    def load_share(self) -> dict[str, list[tuple[int, int]]] | None:
+        """The element ranges ``[start, stop)`` of each trainable tensor (saved name, flattened) whose
+        checkpoint values ``load_state`` uses on this rank, when it uses only those (the rest it takes from
+        its peers); None: it needs every value (``checkpoint/share.py``)."""
+        return None
 
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
         """The module's whole state dict in its compute dtype, on CPU. Every rank holds it whole here; a
