@@ -9,18 +9,21 @@ whose fp32 values differ after ``--steps`` steps (and by how much). ``layouts``:
 ``"deterministic": true``, at every stage (with and without optimizer offload), the global batch of 8
 micro-batches as dp=1 x accumulation 8, 2 x 4, 4 x 2 and 8 x 1, and a run saved at dp=2 halfway and
 resumed at dp=4: max |dtheta| against dp=1 x 8 at the same stage, and across stages. ``cost``: the
-seconds per step with and without ``"deterministic"`` (interleaved repeats; on a shared machine the
-figures are only indicative).
+seconds per step with and without ``"deterministic"`` (repeats interleaved over stages and modes; medians,
+the spread of the per-repeat ratios and the load average; on a shared machine the figures are only
+indicative).
 
 Every rank runs with one torch thread (CPU kernels give the same bits for the same shapes at one
-thread count). Micro-batch ``a`` of a step (``a = micro_step x dp + rank``) is the same tensor in every
-layout.
+thread count). Micro-batch ``a`` of a step is the same tensor in every layout; each rank trains the one
+``engine.atom_index(micro_step)`` names.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -95,7 +98,7 @@ def train_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     for step in range(first, first + spec["steps"]):
         start = time.perf_counter()
         for m in range(gas):
-            x, y = atom_batch(step, m * world + rank, spec["micro"])
+            x, y = atom_batch(step, engine.atom_index(m), spec["micro"])
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -170,20 +173,28 @@ def cmd_layouts(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_cost(args: argparse.Namespace) -> dict[str, Any]:
-    """Median seconds per step (after the first two) at ``--world``, default against deterministic,
-    repeats interleaved."""
-    out: dict[str, Any] = {}
-    for stage in args.stages:
-        samples: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.repeats):
+    """Seconds per step (after the first two) at ``--world``, default against deterministic. The runs are
+    interleaved: each repeat runs every stage in both modes, so load that comes and goes falls on all
+    of them alike. Per stage: the median over every measured step of each mode, their ratio, and the
+    spread of the per-repeat ratios (each repeat's median deterministic step over its median default
+    step); the load average before and after."""
+    samples: dict[tuple[int, bool], list[list[float]]] = {(s, d): [] for s in args.stages for d in (False, True)}
+    load = [round(os.getloadavg()[0], 1)]
+    for _ in range(args.repeats):
+        for stage in args.stages:
             for det in (False, True):
-                r = run(args.world, spec_of(args, stage, deterministic=det))
-                samples[det].extend(r["times"][2:])
-        med = {det: sorted(v)[len(v) // 2] for det, v in samples.items()}
-        out[f"zero{stage}"] = {"default_s": med[False], "deterministic_s": med[True],
-                               "ratio": med[True] / med[False]}
+                samples[(stage, det)].append(run(args.world, spec_of(args, stage, deterministic=det))["times"][2:])
+        load.append(round(os.getloadavg()[0], 1))
+    out: dict[str, Any] = {"load_average": load}
+    for stage in args.stages:
+        runs = {det: samples[(stage, det)] for det in (False, True)}
+        med = {det: statistics.median([t for r in v for t in r]) for det, v in runs.items()}
+        per_repeat = sorted(statistics.median(d) / statistics.median(b) for b, d in zip(runs[False], runs[True]))
+        out[f"zero{stage}"] = {"default_s": med[False], "deterministic_s": med[True], "ratio": med[True] / med[False],
+                               "repeat_ratios": per_repeat}
         print(f"zero{stage}: default {med[False] * 1e3:.1f} ms, deterministic {med[True] * 1e3:.1f} ms, "
-              f"ratio {med[True] / med[False]:.2f}", flush=True)
+              f"ratio {med[True] / med[False]:.2f} (per repeat {per_repeat[0]:.2f}-{per_repeat[-1]:.2f})", flush=True)
+    print(f"load average (1 min) before and after each repeat: {load}", flush=True)
     return out
 
 

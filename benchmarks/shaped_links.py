@@ -103,3 +103,26 @@ class ShapedNodes:
     def describe(self) -> str:
         latency = f"+{self.delay} one way (netem)" if self.latency_applied else "the veth's own latency (no netem)"
         return f"2 namespaces, veth {self.devices[0]}<->{self.devices[1]} shaped to {self.rate} each way, {latency}"
+
+
+@dataclass
+class UnshapedNodes:
+    """The same two "nodes" without namespaces or shaping: every process on this host's loopback, for runs
+    that need the layouts but not the slow link (a loss comparison). No root needed. The node map still
+    comes from ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK``, so the groups are those of ``ShapedNodes``."""
+
+    devices: tuple[str, str] = ("lo", "lo")
+    latency_applied: bool = False
+
+    def prefix(self, node: int) -> list[str]:
+        """No prefix: every "node" is this host."""
+        return []
+
+    def __enter__(self) -> "UnshapedNodes":
+        return self
+
+    def __exit__(self, kind: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        return None
+
+    def describe(self) -> str:
+        return "2 nodes faked on this host's loopback, links not shaped (step times and link speeds mean nothing)"

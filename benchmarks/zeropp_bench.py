@@ -3,6 +3,7 @@
 
     sudo python benchmarks/zeropp_bench.py [--rate 1gbit] [--steps 20] [--warmup 3] [--layouts plain,zeropp,hybrid]
     sudo python benchmarks/zeropp_bench.py --steps 1000 --warmup 0 --out convergence.json   # the long run
+    python benchmarks/zeropp_bench.py --unshaped --steps 1000 --warmup 0 --dim 128 --layers 2   # loss only, no root
 
 Each layout runs in 4 fresh processes (ranks 0-1 in the first namespace, 2-3 in the second; torch elastic's
 node variables ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` tell deepshard which ranks share a machine) training
@@ -10,7 +11,9 @@ the same GPT-style model (``benchmarks/workloads.TinyGPT``) on the same tokens w
 Per layout it reports: the bytes its ranks sent across the machine boundary and inside machines per step
 (deepshard's comms logger, summed over the ranks), the median step time of ``--steps`` after ``--warmup``,
 the measured link speeds (one 16 MiB send inside a node and one across), and the mean loss of the last
-tenth of the steps, with the ratios against plain ZeRO-3. Rank 0 of each layout prints one JSON line.
+tenth of the steps (and of each tenth: ``loss_curve``), with the ratios against plain ZeRO-3. Rank 0 of
+each layout prints one JSON line. ``--unshaped`` runs the same layouts, model and tokens with every process
+on the loopback (no namespaces, no root): the losses and bytes are the shaped run's, the times are not.
 Timings on a shared host are noisy: re-measure on a quiet machine.
 """
 from __future__ import annotations
@@ -89,11 +92,13 @@ def worker(case: dict[str, Any]) -> None:
     dist.all_reduce(sent)
     measured = times[case["warmup"]:]
     if rank == 0:
-        tail = losses[-max(1, len(losses) // 10):]
+        tenth = max(1, len(losses) // 10)
+        tail = losses[-tenth:]
+        curve = [round(statistics.fmean(losses[i:i + tenth]), 5) for i in range(0, len(losses), tenth)]
         print(json.dumps({"layout": case["layout"], "keys": LAYOUTS[case["layout"]], "steps": case["steps"],
                           "step_s": statistics.median(measured), "inter_bytes_per_step": sent[0].item() / case["steps"],
                           "intra_bytes_per_step": sent[1].item() / case["steps"], "final_loss": statistics.fmean(tail),
-                          "first_loss": losses[0], "links": links, "rank0_by_op": log.link_summary(),
+                          "first_loss": losses[0], "loss_curve": curve, "links": links, "rank0_by_op": log.link_summary(),
                           "parameters": sum(p.numel() for p in w.build_model(seed=0).parameters())}), flush=True)
     engine.destroy()
 
@@ -157,23 +162,27 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // WORLD))
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--unshaped", action="store_true",
+                        help="no namespaces or shaping (no root): every process on the loopback; for the losses")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return 0
     sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.shaped_links import ADDRESSES, ShapedNodes
+    from benchmarks.shaped_links import ADDRESSES, ShapedNodes, UnshapedNodes
 
     dims = {"vocab": args.vocab, "dim": args.dim, "layers": args.layers, "heads": max(1, args.dim // 64),
             "seq_len": args.seq}
     rows = []
-    with ShapedNodes(rate=args.rate, delay=args.delay) as nodes:
+    links = UnshapedNodes() if args.unshaped else ShapedNodes(rate=args.rate, delay=args.delay)
+    addr = "127.0.0.1" if args.unshaped else ADDRESSES[0]
+    with links as nodes:
         print(f"# {nodes.describe()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
         for layout in args.layouts.split(","):
             case = {"layout": layout, "steps": args.steps, "warmup": args.warmup, "dims": dims, "batch": args.batch,
                     "lr": args.lr, "threads": args.threads}
-            rows.append(run_layout(nodes, ADDRESSES[0], case, args.timeout))
+            rows.append(run_layout(nodes, addr, case, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
     for row in ratios(rows):
         if "error" not in row and "speedup" in row:

@@ -304,7 +304,17 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
                                 drop_last=self._config.dataloader_drop_last,
                                 pin_memory=pin_memory and self.accelerator.kind == "cuda",
                                 num_workers=num_local_io_workers or 0,
-                                accumulation=self.gradient_accumulation_steps() if self._config.deterministic else None)
+                                accumulation=self.gradient_accumulation_steps() if self._config.deterministic else None,
+                                contiguous=self.strategy.atoms_contiguous)
+
+    def atom_index(self, micro_step: int) -> int:
+        """The deterministic mode (docs/determinism.md): which micro-batch of a global batch of
+        ``dp x gas`` this rank must train at accumulation step ``micro_step`` (0 .. gas - 1) for every layout
+        to give the same bits. The engine's own loader follows it; a loader of your own must too."""
+        from deepshard.zero.canonical import atom_index
+
+        return atom_index(self.topology.dp.rank, micro_step, self.dp_world_size, self.gradient_accumulation_steps(),
+                          self.strategy.atoms_contiguous)
 
     def destroy(self) -> None:
         """Release what the engine holds (DeepSpeed's name): the strategy's hooks and files, the

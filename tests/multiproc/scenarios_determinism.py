@@ -109,7 +109,8 @@ LAYOUT_VARIANTS: list[tuple[int, str]] = [(0, "none"), (1, "none"), (2, "none"),
 def layout_run(rank: int, world: int, stage: int, offload: str, steps: int, first: int = 0,
                load: str | None = None, save: str | None = None) -> dict[str, torch.Tensor]:
     """``steps`` global batches from batch ``first`` with ``"deterministic": true`` at dp=``world`` x
-    accumulation ``ATOMS / world`` (rank ``r``'s micro-step ``m`` trains micro-batch ``m x world + r``);
+    accumulation ``ATOMS / world`` (rank ``r``'s micro-step ``m`` trains the micro-batch
+    ``engine.atom_index(m)`` names: ``m x world + r``, or ``r x gas + m`` at stages 0 and 1);
     every parameter's full fp32 value at the end."""
     import deepshard
     from deepshard.utils import safe_get_full_fp32_param
@@ -121,7 +122,7 @@ def layout_run(rank: int, world: int, stage: int, offload: str, steps: int, firs
         engine.load_checkpoint(load)
     for batch in make_token_batches(first + steps, MICRO * ATOMS)[first:]:
         for m in range(gas):
-            engine.backward(engine(*atom(batch, m * world + rank)))
+            engine.backward(engine(*atom(batch, engine.atom_index(m))))
             engine.step()
     if save is not None:
         engine.save_checkpoint(save)

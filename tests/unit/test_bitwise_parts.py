@@ -185,3 +185,90 @@ def test_atom_sampler_gives_every_split_the_same_micro_batches() -> None:
     assert all(atoms_of(dp) == reference for dp in (2, 4, 8))
     flat = [i for a in reference for i in a]
     assert len(flat) == 48 and sorted(set(flat)) == data  # 3 global batches of 16 cover the epoch
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_contiguous_split_sums_the_same_tree(dp: int) -> None:
+    """The contiguous split (``zero/local_steps.py``): each of dp ranks sums its 8/dp consecutive atoms in
+    its own tree (micro-steps written into ``.grad``, autograd-style, the boundary closed bucket by bucket),
+    then the ranks' sums go through the written tree over ranks: the written tree over the 8 atoms."""
+    from deepshard.zero.local_steps import LocalSteps
+
+    g = torch.Generator().manual_seed(10 + dp)
+    atoms = [torch.randn(13, generator=g) * 10 ** torch.randint(-3, 4, (13,), generator=g) for _ in range(8)]
+    gas = 8 // dp
+    sums = []
+    for rank in range(dp):
+        params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(8))]
+        base = torch.zeros(13)
+        local = LocalSteps(base, [(params[0], 0), (params[1], 5)])
+        for _ in range(2):  # twice over: finish starts the tree over
+            local.finish()
+            base.zero_()  # the reducer's zero_() after the step
+            for m in range(gas):
+                local.begin()
+                atom = atoms[rank * gas + m]
+                params[0].grad.add_(atom[:5])  # what autograd does: add into the .grad it finds
+                params[1].grad.add_(atom[5:])
+                if m < gas - 1:
+                    local.commit()
+            local.close(0, 5)
+            local.close(5, 13)
+        assert params[0].grad is not None and params[0].grad.data_ptr() != base.data_ptr() or gas == 1
+        sums.append(base.clone())
+        assert local.nbytes() <= 3 * 13 * 4
+    assert torch.equal(_written_tree(sums), _written_tree(atoms))
+
+
+def test_predivided_micro_steps_enter_the_tree_divided() -> None:
+    """``gradient_predivide_factor``: every micro-step is divided before it joins, as the interleaved split
+    divides every atom before its reduction."""
+    from deepshard.zero.local_steps import LocalSteps
+
+    atoms = [torch.randn(7, generator=torch.Generator().manual_seed(i)) * 10 ** i for i in range(4)]
+    p = torch.nn.Parameter(torch.zeros(7))
+    base = torch.zeros(7)
+    local = LocalSteps(base, [(p, 0)], predivide=3.0)
+    local.finish()
+    for m, atom in enumerate(atoms):
+        local.begin()
+        p.grad.add_(atom)
+        if m < 3:
+            local.commit()
+    local.close()
+    assert torch.equal(base, _written_tree([a / 3.0 for a in atoms]))
+
+
+def test_contiguous_split_choice_and_atom_index() -> None:
+    """Stages 0 and 1 take the contiguous split with fp32 gradients and a power-of-two accumulation; every
+    (rank, step) of either split names a different atom of the global batch."""
+    from deepshard.zero.canonical import atom_index, contiguous_split
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert contiguous_split(0, 2, f32, None) and contiguous_split(1, 8, f32, f32)
+    assert not contiguous_split(2, 2, f32, None) and not contiguous_split(3, 4, f32, None)
+    assert not contiguous_split(1, 3, f32, None) and not contiguous_split(1, 1, f32, None)
+    assert not contiguous_split(1, 4, bf16, None) and not contiguous_split(0, 4, f32, bf16)
+    for contiguous in (False, True):
+        names = sorted(atom_index(r, m, 4, 2, contiguous) for r in range(4) for m in range(2))
+        assert names == list(range(8))
+    assert atom_index(1, 0, 4, 2, True) == 2 and atom_index(1, 0, 4, 2, False) == 1
+    with pytest.raises(ValueError, match="out of range"):
+        atom_index(4, 0, 4, 2, True)
+
+
+def test_contiguous_atom_sampler_follows_atom_index() -> None:
+    """The engine's loader in the contiguous split: rank r's micro-step m is micro-batch r x gas + m of the
+    global batch the interleaved split trains (the same samples, another assignment)."""
+    from deepshard.data import AtomSampler
+    from deepshard.zero.canonical import atom_index
+
+    data, micro, dp, gas = list(range(32)), 2, 2, 4
+    whole = list(AtomSampler(data, micro, 0, 1, dp * gas, seed=3))  # dp=1: atom a is samples [2a, 2a + 2)
+    for r in range(dp):
+        mine = list(AtomSampler(data, micro, r, dp, gas, seed=3, contiguous=True))
+        for batch in range(2):
+            for m in range(gas):
+                a = batch * dp * gas + atom_index(r, m, dp, gas, True)
+                at = (batch * gas + m) * micro
+                assert mine[at:at + micro] == whole[a * micro:(a + 1) * micro]

@@ -29,6 +29,7 @@ import torch
 
 from deepshard.comm.group import CommGroup
 from deepshard.zero.canonical import StepTree
+from deepshard.zero.local_steps import LocalSteps
 from deepshard.zero.in_flight import averaging_factor
 
 
@@ -85,16 +86,21 @@ class BucketedAllReduce:
                  comm_dtype: torch.dtype | None = None, predivide: float = 1.0,
                  average: bool = True, overlap: bool = True,
                  group_of: Optional[Callable[[torch.nn.Parameter], CommGroup]] = None,
-                 canonical: bool = False, tree_factor: float | None = None) -> None:
+                 canonical: bool = False, tree_factor: float | None = None,
+                 local_factor: float | None = None) -> None:
         """``canonical``: all-reduce as a reduce-scatter in the canonical order (``comm/tree_sum.py``) and an
         all-gather of the same chunks, the reduction stages 1-3 perform, so that every stage sums each
         element alike; the averaging is applied after the sum, to this rank's chunk. Buffers are then
         padded to a multiple of their group's size. Otherwise the backend's all-reduce. ``tree_factor``: the
         deterministic mode with accumulation (``zero/canonical.py``): every micro-step is reduce-scattered,
-        the chunks summed over micro-steps in the canonical tree, times this factor, then all-gathered."""
+        the chunks summed over micro-steps in the canonical tree, times this factor, then all-gathered.
+        ``local_factor``: its contiguous split: each bucket sums this rank's micro-steps in the tree
+        (``zero/local_steps.py``) and is reduced once, at the boundary, times this factor."""
         self.comm = comm
         self.overlap = overlap
-        self.canonical = canonical or tree_factor is not None
+        self.canonical = canonical or tree_factor is not None or local_factor is not None
+        self.local_factor = local_factor
+        self.locals: list[LocalSteps] = []
         self.tree_factor = tree_factor
         self.tree: StepTree | None = None
         self._boundary = True
@@ -124,6 +130,12 @@ class BucketedAllReduce:
             self._tree_offsets = [sum(chunks[:i]) for i in range(len(chunks))]
             first = self.buckets[0].buffer if self.buckets else torch.zeros(0)
             self.tree = StepTree(torch.zeros(sum(chunks), dtype=first.dtype, device=first.device))
+        if local_factor is not None:
+            for b in self.buckets:
+                starts = [sum(p.numel() for p in b.params[:i]) for i in range(len(b.params))]
+                self.locals.append(LocalSteps(b.buffer, list(zip(b.params, starts)), predivide))
+                self.locals[-1].finish()  # every .grad a view the tree knows
+                b.views = self.locals[-1].views(0)
 
     @staticmethod
     def _make_bucket(index: int, params: list[torch.nn.Parameter], multiple: int = 1) -> GradBucket:
@@ -144,6 +156,13 @@ class BucketedAllReduce:
     def begin_backward(self, reduce: bool) -> None:
         if self.tree is not None:  # the canonical tree needs every micro-step reduced on its own
             self._boundary, reduce = reduce, True
+        if self.locals:  # contiguous split: a later micro-step gets cleared buffers of its own
+            self._boundary = reduce
+            if self.locals[0].depth > 0:
+                for b, local in zip(self.buckets, self.locals):
+                    local.begin()
+                    b.views = local.views()
+                self._stale = False
         self.reduce_enabled = reduce
         self._in_backward = True
         self._next_launch = 0
@@ -221,11 +240,13 @@ class BucketedAllReduce:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
+        if self.locals:  # contiguous split: this rank's sum over its micro-steps first
+            self.locals[bucket.index].close()
         tensor = bucket.buffer
         if self.comm_dtype is not None and self.comm_dtype != tensor.dtype:
             bucket.comm_buffer = tensor.to(self.comm_dtype)
             tensor = bucket.comm_buffer
-        if self.predivide != 1.0:
+        if self.predivide != 1.0 and not self.locals:
             tensor.div_(self.predivide)
         group = bucket.comm or self.comm
         if self.canonical and group.size > 1:
@@ -261,12 +282,17 @@ class BucketedAllReduce:
             self._end_fold()
         elif self._stale:  # the first backward since zero_(): clear the views no gradient reached
             self._restore_views()
+        if self.locals and not self._boundary:
+            for local in self.locals:
+                local.commit()
         if not self.reduce_enabled:
             return
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         post = 1.0 if folded else averaging_factor(self.predivide, self.comm.size, self.average)
+        if self.local_factor is not None:
+            post = self.local_factor
         self._fold = 0.0
         if self.tree is not None:
             self._tree_step()
@@ -287,6 +313,9 @@ class BucketedAllReduce:
             if post != 1.0 and not scaled:
                 bucket.buffer.mul_(post)
         self.reduce_enabled = False
+        for bucket, local in zip(self.buckets, self.locals):
+            local.finish()
+            bucket.views = local.views(0)
 
     def _tree_step(self) -> None:
         """Deterministic mode: this micro-step's reduced chunks join the tree and the buckets are cleared for
@@ -319,6 +348,10 @@ class BucketedAllReduce:
     def zero_(self) -> None:
         """Forget the gradients: ``.grad`` becomes None; the buffers are overwritten by the next backward
         (or cleared by the first reader, ``grads``)."""
+        for b, local in zip(self.buckets, self.locals):
+            if local.depth:  # mid-accumulation: the partial sums go too
+                local.finish()
+                b.views = local.views(0)
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -344,7 +377,8 @@ class BucketedAllReduce:
         return [p for b in self.buckets for p in b.params]
 
     def buffer_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        partial = sum(local.nbytes() for local in self.locals)
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets) + partial
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -15,10 +15,37 @@ is divided before the sum (the engine does not divide the loss by ``gas`` in thi
 Memory: the partial sums, at most ``floor(log2(gas)) + 1`` tensors the size of the reduced region (a
 rank's gradient shard at stages 1-3 and its chunks of the buckets at stage 0), the first of them the
 region itself.
+
+That *interleaved* split (atom ``step x dp + rank``) costs stages 0 and 1 a reduce-scatter per micro-step,
+where the default mode reduces once per step. They hold whole gradients, so they can take the *contiguous*
+split instead (atom ``rank x gas + step``, :func:`contiguous_split`): each rank adds its own ``gas``
+micro-batches in the tree (:class:`StepTree` over its whole gradient, ``zero/local_steps.py``), which is
+the subtree over atoms ``[rank x gas, (rank + 1) x gas)`` when ``gas`` is a power of two, and one
+reduce-scatter at the boundary adds the ranks' subtrees in the tree over ranks: the same tree again,
+for the cost of the default mode. Which micro-batch a rank trains at each micro-step therefore depends on
+the split (:func:`atom_index`; the engine's loader and ``engine.atom_index`` follow it).
 """
 from __future__ import annotations
 
 import torch
+
+
+def contiguous_split(stage: int, steps: int, grad_dtype: torch.dtype, comm_dtype: torch.dtype | None) -> bool:
+    """Whether the deterministic mode gives each rank consecutive atoms (``rank x steps + step``) and reduces
+    once per global batch: at stages 0 and 1 (whole gradients on every rank), with a power-of-two number of
+    accumulation steps (a rank's atoms are then a subtree), when gradients are fp32 and reduced in fp32.
+    (16-bit contributions of more than two ranks are summed in fp32 and rounded once, ``comm/tree_sum.py``:
+    adding a rank's micro-steps in 16 bits first would round elsewhere than stages 2 and 3 do.)"""
+    wide = grad_dtype == torch.float32 and comm_dtype in (None, torch.float32)
+    return stage in (0, 1) and steps > 1 and steps & (steps - 1) == 0 and wide
+
+
+def atom_index(rank: int, step: int, ranks: int, steps: int, contiguous: bool) -> int:
+    """The micro-batch (atom) of a global batch that data-parallel ``rank`` trains at accumulation step
+    ``step`` of ``steps``, over ``ranks`` ranks, in the contiguous or the interleaved split."""
+    if not (0 <= rank < ranks and 0 <= step < steps):
+        raise ValueError(f"rank {rank} of {ranks}, accumulation step {step} of {steps}: out of range")
+    return rank * steps + step if contiguous else step * ranks + rank
 
 
 class StepTree:
@@ -39,6 +66,11 @@ class StepTree:
         while len(self.buffers) <= depth:
             self.buffers.append(torch.empty_like(self.base))
         return self.buffers[depth]
+
+    @property
+    def depth(self) -> int:
+        """The index of the buffer ``current()`` returns (0: ``base``)."""
+        return len(self.counts)
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -64,6 +96,31 @@ class StepTree:
         if factor != 1.0:
             self.base.mul_(factor)
         return self.base
+
+    def closing_adds(self) -> list[int]:
+        """The additions ``commit()`` then ``finish()`` would make now, in order: ``i`` stands for
+        ``buffers[i - 1] += buffers[i]``. Applied range by range (``close_range``), they let each bucket
+        be closed as soon as its gradients exist; ``reset()`` then starts over."""
+        counts, adds = self.counts + [1], []
+        while len(counts) >= 2 and counts[-1] == counts[-2]:
+            adds.append(len(counts) - 1)
+            counts[-2] *= 2
+            counts.pop()
+        while len(counts) > 1:
+            adds.append(len(counts) - 1)
+            span = counts.pop()
+            counts[-1] += span
+        return adds
+
+    @torch.no_grad()
+    def close_range(self, adds: list[int], lo: int, hi: int) -> None:
+        """Apply ``closing_adds()`` to elements ``[lo, hi)``: their sum lands in ``base``."""
+        for i in adds:
+            self.buffers[i - 1][lo:hi].add_(self.buffers[i][lo:hi])
+
+    def reset(self) -> None:
+        """Start over (after ``close_range`` has closed every element)."""
+        self.counts.clear()
 
     @property
     def pending(self) -> int:

@@ -20,6 +20,7 @@ from deepshard.comm.group import CommGroup
 from deepshard.zero.grad_comm import GradReduce
 from deepshard.zero.canonical import StepTree
 from deepshard.zero.in_flight import InFlight, InFlightQueue, averaged, averaging_factor
+from deepshard.zero.local_steps import LocalSteps
 from deepshard.zero.partition import FlatLayout
 
 
@@ -102,16 +103,26 @@ class Stage1Reducer(_OrderedLauncher):
     def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], comm: CommGroup, dtype: torch.dtype,
                  device: torch.device, comm_dtype: torch.dtype | None, predivide: float, average: bool,
                  max_in_flight: int = 2, domains: list[CommGroup] | None = None,
-                 grad_reduce: GradReduce | None = None, tree_factor: float | None = None) -> None:
-        """``tree_factor``: the deterministic mode with accumulation: every micro-step is reduce-scattered and
-        the steps' chunks are summed in the canonical tree (``zero/canonical.py``), times this factor."""
+                 grad_reduce: GradReduce | None = None, tree_factor: float | None = None,
+                 local_factor: float | None = None) -> None:
+        """``tree_factor``: the deterministic mode with accumulation, interleaved split: every micro-step is
+        reduce-scattered and the steps' chunks are summed in the canonical tree (``zero/canonical.py``), times
+        this factor. ``local_factor``: its contiguous split: this rank's micro-steps are summed in the tree
+        (``zero/local_steps.py``), reduce-scattered once at the boundary and multiplied by this factor."""
         super().__init__(layout, params, comm, comm_dtype, predivide, average, max_in_flight, domains, grad_reduce)
         self.tree_factor = tree_factor
         self.tree = (StepTree(torch.zeros(layout.shard_numel, dtype=dtype, device=device))
                      if tree_factor is not None else None)
         self.boundary = True
+        self.open = False
         self.flat_grad = torch.zeros(layout.total, dtype=dtype, device=device)
         self.views = [self.flat_grad[s.flat_start:s.flat_start + s.numel].view(s.shape) for s in layout.slots]
+        self.local: LocalSteps | None = None
+        if local_factor is not None:
+            self.local = LocalSteps(self.flat_grad, [(params[s.param_index], s.flat_start) for s in layout.slots],
+                                    predivide)
+            self.post = local_factor
+            self.views = self.local.views(0)
         self._bind()
         # the reduced chunk of each bucket is written back into the owned range of the flat buffer
         self.shard_views = [self.flat_grad[lo:hi] for lo, hi, _ in layout.owned_ranges()]
@@ -125,17 +136,26 @@ class Stage1Reducer(_OrderedLauncher):
                 p.grad = view
 
     def begin_backward(self, reduce: bool) -> None:
-        self._bind()
+        if self.local is not None and self.local.begin():  # a later micro-step: a cleared buffer of its own
+            self.views = self.local.views()
+        else:
+            self._bind()
         super().begin_backward(reduce)
         self.boundary = reduce
+        self.open = True  # end_backward may be called again (the engine's step waits too): act once
         if self.tree is not None:  # the canonical tree needs each micro-step reduced on its own (even alone)
             self.active = True
 
     def end_backward(self) -> None:
         """Deterministic mode: this micro-step's chunks join the tree and the local gradient is cleared for the
         next one; at the boundary the tree's sum becomes the owned chunks of the flat gradient."""
-        launched = self.active
+        launched, was_open = self.active, self.open
         super().end_backward()
+        self.open = False
+        if self.local is not None:
+            if was_open:
+                self._end_local(launched)
+            return
         if self.tree is None or not launched:
             return
         self.tree.commit()
@@ -144,6 +164,20 @@ class Stage1Reducer(_OrderedLauncher):
             result = self.tree.finish(self.tree_factor)  # type: ignore[arg-type]
             for (lo, hi, off), view in zip(self.layout.owned_ranges(), self.shard_views):
                 view.copy_(result[off:off + hi - lo])
+
+    def _end_local(self, launched: bool) -> None:
+        """Contiguous split: a micro-step before the boundary joins this rank's tree; at the boundary every
+        bucket was closed and reduced as it launched (on one rank: closed and averaged here)."""
+        assert self.local is not None
+        if not self.boundary:
+            self.local.commit()
+            return
+        if not launched:
+            self.local.close()
+            if self.post != 1.0:
+                self.flat_grad.mul_(self.post)
+        self.local.finish()
+        self.views = self.local.views(0)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         s_index = self.slot_of[id(p)]
@@ -158,9 +192,11 @@ class Stage1Reducer(_OrderedLauncher):
         """Reduce-scatter the bucket's range of the flat buffer; the result lands in its own chunk where
         the backend can write a chunk of its input (pairwise collectives, no dtype conversion)."""
         bucket = self.layout.buckets[index]
+        if self.local is not None:  # contiguous split: this rank's sum of the bucket over its micro-steps first
+            self.local.close(bucket.start, bucket.start + bucket.padded)
         full = self.flat_grad[bucket.start:bucket.start + bucket.padded]
         send = full if self.comm_dtype is None or self.comm_dtype == full.dtype else full.to(self.comm_dtype)
-        if self.predivide != 1.0:
+        if self.predivide != 1.0 and self.local is None:
             send.div_(self.predivide)  # the buffer is zeroed after the step
         lo, hi = bucket.owned()
         comm = self.comm_of(index)
@@ -194,10 +230,14 @@ class Stage1Reducer(_OrderedLauncher):
 
     def zero_(self) -> None:
         self.flat_grad.zero_()
+        if self.local is not None:
+            self.local.finish()
+            self.views = self.local.views(0)
         self._bind()
 
     def nbytes(self) -> int:
-        return self.flat_grad.numel() * self.flat_grad.element_size()
+        extra = self.local.nbytes() if self.local is not None else 0
+        return self.flat_grad.numel() * self.flat_grad.element_size() + extra
 
 
 class Stage2Reducer(_OrderedLauncher):

@@ -20,6 +20,7 @@ from deepshard.precision.cast import cast_module
 from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
                                    slice_state)
 from deepshard.zero.buckets import BucketedAllReduce
+from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.grad_norm import Pieces, exact_norm
 from deepshard.zero.module_values import load_module_values, module_extra_state
@@ -62,11 +63,20 @@ class Stage0Strategy(ZeroStrategy):
             comm_dtype=policy.comm_dtype, predivide=predivide, average=ctx.average_gradients,
             overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None,
             canonical=(ctx.comm.pairwise and ctx.device.type == "cpu") or ctx.deterministic_steps > 0,
-            tree_factor=ctx.final_factor() if ctx.deterministic_steps > 1 else None)
+            **self._deterministic_sum(ctx))
+
+    def _deterministic_sum(self, ctx: StrategyContext) -> dict[str, float]:
+        """The deterministic mode's sum over micro-steps (``zero/canonical.py``): contiguous where it can be
+        (one reduction per step), else interleaved; none without accumulation or outside the mode."""
+        policy = ctx.precision
+        self.atoms_contiguous = contiguous_split(0, ctx.deterministic_steps, policy.param_dtype, policy.comm_dtype)
+        if ctx.deterministic_steps <= 1:
+            return {}
+        return {"local_factor" if self.atoms_contiguous else "tree_factor": ctx.final_factor()}
 
     # ------------------------------------------------------------------------------------ backward
     def begin_backward(self, reduce: bool) -> None:
-        if self.reducer.tree is not None:  # the deterministic mode sums every micro-step, on one process too
+        if self.reducer.tree is not None or self.reducer.locals:  # the deterministic mode, on one process too
             self.reducer.begin_backward(reduce)
             return
         self.reducer.begin_backward(reduce and self.ctx.comm.size > 1 and not self._local_gradients())

@@ -16,6 +16,7 @@ import torch
 
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import FullState, ShardState
+from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.module_values import load_module_values, module_extra_state
@@ -28,6 +29,7 @@ from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.sharded_optimizer import ShardedOptimizer
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
+from deepshard.zero.unused_params import UnusedParamCheck
 
 
 class Stage12Strategy(ZeroStrategy):
@@ -63,10 +65,13 @@ class Stage12Strategy(ZeroStrategy):
         grad_reduce = ctx.grad_reduce()
         if ctx.prescale_gradients and predivide == 1.0:
             predivide = float(grad_reduce.world)
-        tree_factor = ctx.final_factor() if ctx.deterministic_steps > 1 else None  # zero/canonical.py
+        # the deterministic mode (zero/canonical.py): stage 1 sums a rank's micro-steps first where it can
+        self.atoms_contiguous = contiguous_split(stage, ctx.deterministic_steps, policy.param_dtype, policy.comm_dtype)
+        tree_factor = ctx.final_factor() if ctx.deterministic_steps > 1 else None
+        extra = {"local_factor": tree_factor} if self.atoms_contiguous else {"tree_factor": tree_factor}
         self.reducer = reducer_cls(self.layout, self.params, comm, policy.param_dtype, ctx.device,
                                    policy.comm_dtype, predivide, ctx.average_gradients, domains=self.domain_comms,
-                                   grad_reduce=grad_reduce, tree_factor=tree_factor)
+                                   grad_reduce=grad_reduce, **extra)
         self.states: ShardStates = make_shard_states(ctx.optimizer_offload or NoOffload(), StatesSpec(
             self.layout.fragments, self.layout.shard_numel, ctx.device, policy.keeps_master_weights,
             lambda f: self.flat_param[f.flat_start:f.flat_start + f.numel], comm.rank))
@@ -80,6 +85,8 @@ class Stage12Strategy(ZeroStrategy):
         if optimizer is not None:
             self.opt_shard.bind(optimizer, stage)
             guard(optimizer, self)  # a direct optimizer.step() would update nothing: say so
+        self.unused_check = None if ctx.zero_config.ignore_unused_parameters else \
+            UnusedParamCheck(self.params, self.names, comm, ctx.device, stage)
 
     # -------------------------------------------------------------------------------- construction
     @torch.no_grad()
@@ -128,6 +135,8 @@ class Stage12Strategy(ZeroStrategy):
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
+        if self.unused_check is not None:
+            self.unused_check.check()
         self.opt_shard.step(grad_multiplier, self._publish)
         self._after_update()
 
@@ -204,6 +213,8 @@ class Stage12Strategy(ZeroStrategy):
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
+        if self.unused_check is not None:
+            self.unused_check.remove()
         self.close()
 
     def close(self) -> None:

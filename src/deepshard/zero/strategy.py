@@ -175,6 +175,10 @@ class ZeroStrategy(ABC):
     steps_in_backward: bool = False
     """True when the optimizer update happens during backward (stage 3's optimizer_step_in_backward):
     ``step()`` then only finishes it, and an overflow cannot be skipped."""
+    atoms_contiguous: bool = False
+    """The deterministic mode's split of a global batch (``zero/canonical.py``): True when rank ``r``'s
+    accumulation step ``m`` trains micro-batch ``r x gas + m`` (stages 0 and 1, fp32, a power-of-two ``gas``:
+    one reduction per step), False for ``m x dp + r``."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  ctx: StrategyContext) -> None:
