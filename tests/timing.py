@@ -10,6 +10,10 @@ file.
 The table appears when the run spans more than one file (``--timing-top N`` sets its length, and shows
 it for one file too; 0 hides it); ``--timing-json PATH`` writes every test's figures (nodeid, file,
 wall, cpu, worlds, ranks), one JSON object a line as each test ends (a run stopped early keeps what it had).
+
+Under pytest-xdist (``-n 2``) each worker measures its own tests (its CPU seconds and its children's, so
+two workers never count each other) and hands its records to the controller when it finishes; the
+controller prints one table over all of them, with its own totals (the workers are its children).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any, Iterator
 import pytest
 
 DEFAULT_TOP = 15
+WORKER_KEY = "deepshard_timing"
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -61,12 +66,14 @@ def _world_counts() -> tuple[int, int]:
 class SuiteTiming:
     """Collects each test's wall and CPU seconds and prints the per-file table at the end."""
 
-    def __init__(self, top: int | None, json_path: str | None) -> None:
+    def __init__(self, top: int | None, json_path: str | None, worker_output: dict[str, Any] | None) -> None:
         self.top, self.json_path = top, json_path
+        self.worker_output = worker_output  # an xdist worker's channel to the controller; None elsewhere
         self.records: list[dict[str, Any]] = []
+        self.workers = 0  # xdist workers whose records arrived
         self.start_wall, self.start_cpu = time.monotonic(), cpu_seconds()
         self.start_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
-        if json_path:
+        if json_path and worker_output is None:  # the workers append to the file the controller emptied
             Path(json_path).write_text("")
 
     @pytest.hookimpl(hookwrapper=True)
@@ -82,7 +89,19 @@ class SuiteTiming:
             with open(self.json_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def pytest_sessionfinish(self) -> None:
+        if self.worker_output is not None:
+            self.worker_output[WORKER_KEY] = self.records
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """xdist's controller: a worker finished; take the records it measured."""
+        self.records.extend(getattr(node, "workeroutput", {}).get(WORKER_KEY, []))
+        self.workers += 1
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.worker_output is not None:
+            return
         files: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for r in self.records:
             row = files[r["file"]]
@@ -104,7 +123,8 @@ class SuiteTiming:
         cores = os.cpu_count() or 1
         write(f"total: {len(self.records)} tests in {len(files)} files, {wall:.0f} s wall, {cpu:.0f} CPU s "
               f"({cpu / cores:.0f} s on {cores} idle cores at best), {worlds} worlds of {ranks} ranks; "
-              f"load average {self.start_load[0]:.1f} at the start, {load[0]:.1f} at the end")
+              f"load average {self.start_load[0]:.1f} at the start, {load[0]:.1f} at the end"
+              + (f"; {self.workers} xdist workers" if self.workers else ""))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -118,4 +138,5 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     top, json_path = config.getoption("--timing-top"), config.getoption("--timing-json")
     if top != 0 or json_path:
-        config.pluginmanager.register(SuiteTiming(top, json_path), "deepshard-timing")
+        worker_output = getattr(config, "workeroutput", None)  # set on pytest-xdist's workers only
+        config.pluginmanager.register(SuiteTiming(top, json_path, worker_output), "deepshard-timing")

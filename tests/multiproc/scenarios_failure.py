@@ -16,7 +16,7 @@ from torch import nn
 
 import deepshard
 from deepshard.checkpoint import io as ckpt_io
-from tests.multiproc.models import TinyNet, make_batches, make_model, optimizer_config
+from tests.multiproc.models import TinyNet, make_batches, make_model, micro_slice, optimizer_config
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
 
@@ -129,6 +129,8 @@ def _checkpoint_failures(rank: int, world: int, tmp_root: str, stage: int) -> di
     out["missing_rank_file"] = _missing_rank_file(fresh, rank, tmp)
     out["disk_full"] = _full_save_failure(engine, rank, tmp)
     out.update(_rank_unique_tags(engine, rank, tmp, stage, warnings))
+    if stage == 2:
+        out["unused"] = {ignore: _unused_parameters(rank, world, ignore) for ignore in (True, False)}
     logging.getLogger("deepshard").removeHandler(warnings)
     return out
 
@@ -157,6 +159,26 @@ def _rank_unique_tags(engine: Any, rank: int, tmp: Path, stage: int, warnings: _
         out["unique_fail_is_checkpoint_error"] = isinstance(err, CheckpointTagMismatch)
     out["no_dir"] = [_error(lambda: engine.save_checkpoint(d)) for d in (None, "")]
     return out
+
+
+def _unused_parameters(rank: int, world: int, ignore: bool) -> list[str]:
+    """TinyNetPlus's ``extra`` never reaches the loss: with ignore_unused_parameters false the first step
+    raises on every rank (DeepSpeed's AssertionError, checked by its test_ignore_unused_parameters.py);
+    with true (the default) two steps run."""
+    cfg = _config(2)
+    cfg["zero_optimization"]["ignore_unused_parameters"] = ignore
+    engine, *_ = deepshard.initialize(model=TinyNetPlus(), config=cfg)
+    outcomes = []
+    for batch in make_batches(2, 2 * world):
+        try:
+            x, y = micro_slice(batch, 2, 0, rank, world)
+            engine.backward(engine(x, y))
+            engine.step()
+            outcomes.append("stepped")
+        except AssertionError as err:
+            outcomes.append(f"{type(err).__name__}: {err}")
+            break
+    return outcomes
 
 
 def _missing_rank_file(engine: Any, rank: int, tmp: Path) -> str:

@@ -47,6 +47,12 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
     out["async"].append(_status(w))
     model.frozen.bias.partition()  # its group is the weight's: released together
     out["async"].append(_status(w))
+    from deepshard.compat.partition_parameters import MultipleAllGatherHandles, partitioned_param_data_shape
+
+    MultipleAllGatherHandles([w.all_gather(async_op=True)]).wait(handle_dependency=False)  # DeepSpeed's keyword
+    out["multiple"] = _status(w)
+    w.partition()
+    out["released_shape_is_deepspeeds"] = list(w.shape) == partitioned_param_data_shape
     seen: list[str] = []
     model.frozen.register_forward_pre_hook(lambda m, a: seen.append(_status(m.weight)))  # after deepshard's
     x, y = (t.to(rank_device()) for t in make_token_batches(1, 8, seed=5)[0])
@@ -78,9 +84,17 @@ def _remove_hooks(engine: Any) -> None:
     offload.backward_hooks = []
 
 
+def _generate(engine: Any, x: torch.Tensor, y: torch.Tensor, out: dict[str, Any]) -> None:
+    engine.comms_logger.reset()
+    with torch.no_grad():
+        out["evals"].append([float(engine.module(x, y)) for _ in range(3)])
+    out["gathers_inside"].append(engine.comms_logger.summary().get("all_gather", {}).get("calls", 0))
+
+
 def generation_world(rank: int, world: int) -> dict[str, Any]:
     """TRL's generation flow before training starts (GRPO) and between steps: gather everything, take the
-    hooks off, run forwards, put the hooks back; then train. Counts the gathers inside."""
+    hooks off, run forwards, put the hooks back; then train. Counts the gathers inside. The second round
+    goes through ``unwrap_model_for_generation`` (DeepSpeed's context manager for it)."""
     cfg = z3_config(8 // world, 1)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=cfg)
     x, y = (t.to(rank_device()) for t in make_token_batches(1, 8, seed=77)[0])
@@ -88,14 +102,16 @@ def generation_world(rank: int, world: int) -> dict[str, Any]:
     batches = make_token_batches(4, 8)
     losses: list[float] = []
     for step in range(3):
-        with deepshard.zero.GatheredParameters(list(engine.module.parameters())):
-            _remove_hooks(engine)
-            engine.comms_logger.reset()
-            with torch.no_grad():
-                out["evals"].append([float(engine.module(x, y)) for _ in range(3)])
-            out["gathers_inside"].append(engine.comms_logger.summary().get("all_gather", {}).get("calls", 0))
-            offload = engine.optimizer.parameter_offload
-            offload._register_deepspeed_module(offload.module)
+        if step == 1:  # DeepSpeed's own context manager for the same flow (deepspeed.runtime.zero)
+            with deepshard.zero.unwrap_model_for_generation(engine):
+                out["hooks_inside"] = len(engine.optimizer.parameter_offload.forward_hooks)
+                _generate(engine, x, y, out)
+        else:
+            with deepshard.zero.GatheredParameters(list(engine.module.parameters())):
+                _remove_hooks(engine)
+                _generate(engine, x, y, out)
+                offload = engine.optimizer.parameter_offload
+                offload._register_deepspeed_module(offload.module)
         out.setdefault("hooks_back", []).append(len(engine.optimizer.parameter_offload.forward_hooks))
         out.setdefault("status_after", []).append(sorted({_status(p) for p in engine.module.parameters()}))
         if step < 2:

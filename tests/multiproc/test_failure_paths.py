@@ -76,6 +76,14 @@ def test_rank_unique_tags_follow_tag_validation_and_a_missing_directory_is_refus
     assert ckpt[0]["unique_dirs"] == ["rank-0"], ckpt[0]["unique_dirs"]
 
 
+def test_unused_parameters_stop_every_rank_when_not_ignored(worlds: list[dict[int, dict[str, Any]]]) -> None:
+    for per_rank in worlds:
+        out = per_rank[2]["unused"]
+        assert out[True] == ["stepped", "stepped"], out
+        assert len(out[False]) == 1 and out[False][0].startswith("UnusedParametersError: ZeRO stage 2"), out
+        assert "'extra'" in out[False][0] and "ignore_unused_parameters" in out[False][0], out
+
+
 def test_rank_asymmetric_zero3_code_ends_naming_the_other_rank_and_module() -> None:
     """Rank 1 runs an extra forward under no_grad: gloo used to abort rank 0 on a size mismatch (or the
     ranks exchanged the wrong groups silently); now both ranks end in seconds with the positions."""

@@ -56,6 +56,7 @@ def test_all_gather_partition_and_status_in_a_forward(surface: list[dict[str, An
         assert status == "AVAILABLE" and torch.equal(value, ref)
         assert r["partitioned"] == ("NOT_AVAILABLE", (0,))
         assert r["async"] == ["INFLIGHT", "AVAILABLE", "NOT_AVAILABLE"]
+        assert r["multiple"] == "AVAILABLE" and r["released_shape_is_deepspeeds"] is True
         assert r["in_forward"] == ["AVAILABLE"] and r["after_forward"] == "NOT_AVAILABLE"
 
 
@@ -83,6 +84,7 @@ def test_generation_with_hooks_off_then_training_matches_reference() -> None:
         for evals, expected in zip(r["evals"], ref_evals):
             assert evals == pytest.approx([expected] * 3, rel=FP32_RTOL)
         assert r["gathers_inside"] == [0, 0, 0]  # everything was gathered once, outside; no hook gathered
+        assert r["hooks_inside"] == 0  # unwrap_model_for_generation took the hooks off, and put them back:
         assert all(n > 0 for n in r["hooks_back"])
         assert r["status_after"] == [["NOT_AVAILABLE"]] * 3
         assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)

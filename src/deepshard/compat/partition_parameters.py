@@ -19,6 +19,21 @@ from deepshard.zero import (GatheredParameters, Init, ZeroParamStatus, register_
 
 _orig_torch_arange = torch.arange
 
+partitioned_param_data_shape = [0]
+"""The shape of a ZeRO-3 parameter's ``.data`` while it is released (its values are in ``ds_tensor``)."""
+
+
+class MultipleAllGatherHandles:
+    """Several handles of ``param.all_gather(async_op=True)`` waited on as one, as DeepSpeed's class."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Wait for every handle, passing ``handle_dependency`` on by keyword."""
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dtype: torch.dtype | None = None,
                                            target_device: Any = None) -> Callable[..., Any]:
@@ -26,5 +41,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
+           "partitioned_param_data_shape", "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

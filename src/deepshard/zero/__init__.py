@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 
 from deepshard.zero.stage3.gather import GatheredParameters
+from deepshard.zero.stage3.generation import unwrap_model_for_generation
 from deepshard.zero.stage3.init import Init
 from deepshard.zero.stage3.param_status import ZeroParamStatus
 from deepshard.zero.stage3.surface import external_registry
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
 
 __all__ = ["GatheredParameters", "Init", "StrategyContext", "ZeroParamStatus", "ZeroStrategy",
-           "register_external_parameter", "unregister_external_parameter"]
+           "register_external_parameter", "unregister_external_parameter", "unwrap_model_for_generation"]
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

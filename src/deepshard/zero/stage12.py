@@ -29,6 +29,7 @@ from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.sharded_optimizer import ShardedOptimizer
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
+from deepshard.zero.unused_params import UnusedParamCheck
 
 
 class Stage12Strategy(ZeroStrategy):
@@ -84,6 +85,8 @@ class Stage12Strategy(ZeroStrategy):
         if optimizer is not None:
             self.opt_shard.bind(optimizer, stage)
             guard(optimizer, self)  # a direct optimizer.step() would update nothing: say so
+        self.unused_check = None if ctx.zero_config.ignore_unused_parameters else \
+            UnusedParamCheck(self.params, self.names, comm, ctx.device, stage)
 
     # -------------------------------------------------------------------------------- construction
     @torch.no_grad()
@@ -132,6 +135,8 @@ class Stage12Strategy(ZeroStrategy):
     @torch.no_grad()
     def step(self, grad_multiplier: float) -> None:
         self.require_optimizer()
+        if self.unused_check is not None:
+            self.unused_check.check()
         self.opt_shard.step(grad_multiplier, self._publish)
         self._after_update()
 
@@ -208,6 +213,8 @@ class Stage12Strategy(ZeroStrategy):
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
+        if self.unused_check is not None:
+            self.unused_check.remove()
         self.close()
 
     def close(self) -> None:

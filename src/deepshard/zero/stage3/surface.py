@@ -81,7 +81,9 @@ class _Gathering:
     def __init__(self, groups: list[ShardedGroup]) -> None:
         self.groups = groups
 
-    def wait(self) -> None:
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Finish the gathers (``handle_dependency``: DeepSpeed's flag about autograd ordering of its own
+        handles; accepted, nothing to order here)."""
         for g in self.groups:
             g.wait_for_unshard()
 
