@@ -18,10 +18,20 @@ COLORS = {"dp": "#1f77b4", "pp2": "#d62728"}
 W, H, PAD = 300, 200, 44
 
 
+def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last measured row of each (mode, layout, N): a size measured again (``--force``) replaces its
+    older figures."""
+    kept: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("ranks"):
+            kept[(row["mode"], row["layout"], row["n"])] = row
+    return list(kept.values())
+
+
 def series(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], float | None]) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """``(mode, layout) -> [(N, worst rank's value)]`` for one panel."""
     out: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for row in rows:
+    for row in latest(rows):
         values = [v for v in (key(r) for r in row.get("ranks", [])) if v is not None and not math.isnan(v)]
         if values:
             out.setdefault((row["mode"], row["layout"]), []).append((row["n"], max(values)))
@@ -79,7 +89,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """One line per (mode, layout, N): the worst rank's figures."""
     lines = ["| run | N | CPU ms/step | initialize s | groups | load MiB (files) | save s | collective KiB/step |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in sorted(rows, key=lambda r: (r["layout"], r["mode"] != "real", r["n"])):
+    for row in sorted(latest(rows), key=lambda r: (r["layout"], r["mode"] != "real", r["n"])):
         ranks = row.get("ranks") or []
         if not ranks:
             continue

@@ -89,6 +89,7 @@ class SuiteTiming:
             with open(self.json_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends its output to the controller
     def pytest_sessionfinish(self) -> None:
         if self.worker_output is not None:
             self.worker_output[WORKER_KEY] = self.records

@@ -7,8 +7,6 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from deepshard.launcher.options import DefaultsHelpFormatter
-
 
 @dataclass(frozen=True)
 class Command:
@@ -58,6 +56,17 @@ def find_command(argv: Sequence[str]) -> tuple[str, Command] | None:
 
 def run_command(name: str, argv: Sequence[str]) -> int:
     return int(COMMANDS[name].load()(list(argv), prog=f"deepshard {name}") or 0)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every ``deepshard`` command's ``--help`` shows each option's default when it has a meaningful one (not None, "", False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, "", False, argparse.SUPPRESS) or "%(default)" in text
+        if quiet or not action.option_strings or "(default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class _CommandsFirst(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

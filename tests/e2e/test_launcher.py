@@ -70,14 +70,23 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_two_ranks_allreduce_with_local_rank_and_user_args() -> None:
-    result = _launch(["--num_gpus", "2", str(SCRIPTS / "allreduce.py"), "--deepspeed", "--flag=x"])
+def test_two_ranks_allreduce_with_local_rank_user_args_and_each_rank_log(tmp_path: Path) -> None:
+    """One launch for both: each rank gets ``--local_rank``, the user's arguments and OMP_NUM_THREADS=1, and
+    ``--enable_each_rank_log`` writes each rank's output to its own file, named on stderr. (That the
+    launcher relays the ranks' output to its own stdout is checked by ``test_module_and_no_local_rank``.)"""
+    log_dir = tmp_path / "logs"
+    result = _launch(["--num_gpus", "2", "--enable_each_rank_log", str(log_dir), str(SCRIPTS / "allreduce.py"),
+                      "--deepspeed", "--flag=x"])
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
+        path = log_dir / f"rank_{rank}.log"
+        assert str(path) in result.stderr
+        text = path.read_text()
         line = re.search(rf"rank {rank} ok local_rank=(\S+) env_local_rank=(\S+) world=(\d) omp=(\S+) "
-                         rf"extra=(\[[^\]]*\])", result.stdout)
-        assert line is not None, result.stdout
+                         rf"extra=(\[[^\]]*\])", text)
+        assert line is not None, text
         assert line.groups() == (str(rank), str(rank), "2", "1", "['--deepspeed', '--flag=x']")
+        assert f"rank {1 - rank} ok" not in text
 
 
 def test_module_and_no_local_rank() -> None:
@@ -86,19 +95,6 @@ def test_module_and_no_local_rank() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 ok local_rank=None env_local_rank=0 world=2" in result.stdout
     assert "rank 1 ok local_rank=None env_local_rank=1 world=2" in result.stdout
-
-
-def test_each_rank_log(tmp_path: Path) -> None:
-    log_dir = tmp_path / "logs"
-    result = _launch(["--num_gpus", "2", "--enable_each_rank_log", str(log_dir),
-                      str(SCRIPTS / "allreduce.py")])
-    assert result.returncode == 0, result.stdout + result.stderr
-    for rank in (0, 1):
-        path = log_dir / f"rank_{rank}.log"
-        assert str(path) in result.stderr
-        text = path.read_text()
-        assert f"rank {rank} ok local_rank={rank}" in text
-        assert f"rank {1 - rank} ok" not in text
 
 
 def test_failing_rank_stops_the_job_and_reports_its_traceback() -> None:

@@ -1,5 +1,5 @@
 """``deepshard plan`` against real runs on 2 gloo processes: its predicted peak (a dry run with at most
-``Space.max_micro_steps`` micro-batches per step) within 10% of the peak a real run of the full global batch
+``Space.max_micro_steps`` micro-batches per step, all of them for a pipeline) within 10% of the peak a real run of the full global batch
 measures, for a few choices of examples/plan_model.py; and the pick for a budget that rules some choices out,
 run for real, stays within that budget. One dry-run process and one real world of 2 processes serve both
 tests. ``benchmarks/plan_check.py`` checks 24 choices the same way."""

@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStore
 
 from deepshard.launcher.board import JobBoard, JobFailure
 from deepshard.launcher.board import JobLink, format_job_failure
-from deepshard.launcher.local import TORCH_SETS, LocalLaunch
+from deepshard.launcher.local import TORCH_SETS
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import Output
@@ -212,9 +212,8 @@ def test_the_watchdog_names_what_it_waited_for() -> None:
 
 
 def _job(node_rank: int = 1, **kw: object) -> NodeJob:
-    launch = LocalLaunch(user_script="t.py", user_args=["--x"], master_addr="10.0.0.1", master_port=4000,
-                         bind_cores=bool(kw.pop("bind", False)))
-    return NodeJob({"node-a": [0, 1], "node-b": [0, 2], "node-c": [0]}, node_rank, launch, **kw)  # type: ignore[arg-type]
+    return NodeJob({"node-a": [0, 1], "node-b": [0, 2], "node-c": [0]}, node_rank, "t.py", ["--x"], "10.0.0.1", 4000,
+                   bind_cores=bool(kw.pop("bind", False)), **kw)  # type: ignore[arg-type]
 
 
 def test_node_job_hosts_and_validation() -> None:

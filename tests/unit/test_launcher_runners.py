@@ -12,12 +12,12 @@ from deepshard.launcher.hostfile import decode_world_info, encode_world_info
 from deepshard.launcher.multinode import check_ssh, plan_mpi, plan_pdsh, plan_ssh, process_flags
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.multinode import (
+    PDSH_NODE_RANK,
     hydra_command,
     node_agent_argv,
     openmpi_command,
     pdsh_command,
     pdsh_environment,
-    pdsh_node_rank_placeholder,
     pdsh_remote_command,
     remote_shell_command,
     slurm_command,
@@ -72,7 +72,7 @@ def test_ssh_commands() -> None:
 
 
 def test_pdsh_command_node_rank_and_percent_escaping() -> None:
-    argv = node_agent_argv("T", pdsh_node_rank_placeholder(), "w0", 5, "t.py", ["--fmt=%d"], python="py")
+    argv = node_agent_argv("T", PDSH_NODE_RANK, "w0", 5, "t.py", ["--fmt=%d"], python="py")
     line = pdsh_remote_command(argv, {"P": "50%"}, "/w")
     assert "--node_rank=%n" in line and "--fmt=%%d" in line and "P=50%%" in line
     assert line.count("%n") == 1

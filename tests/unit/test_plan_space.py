@@ -36,8 +36,10 @@ def test_config_keeps_the_global_batch_and_writes_each_knob() -> None:
     assert base["zero_optimization"]["stage"] == 0  # the base is not changed
     short = config_for(base, Choice(1, 1, 3, "none", False, 2), space, micro_steps=2)
     assert (short["train_batch_size"], short["gradient_accumulation_steps"]) == (32, 2) and "pipeline" not in short
-    c = Choice(1, 4, 1, "none", False, 1)
-    assert space.micro_steps(c) == 32 and space.dry_micro_steps(c) == 4
+    c = Choice(1, 4, 1, "none", False, 1)  # a pipeline holds a batch's sends: its dry run takes every micro-batch
+    assert space.micro_steps(c) == 32 and space.dry_micro_steps(c) == 32
+    flat = Choice(1, 1, 1, "none", False, 1)
+    assert space.micro_steps(flat) == 8 and space.dry_micro_steps(flat) == 4
     listed = list(choices(Space(world_size=2, global_batch=8, tps=(1,), pps=(1,), stages=(1,), micros=(2, 1))))
     assert [x.micro for x in listed[:2]] == [1, 2] and not listed[0].checkpointing and listed[-1].checkpointing
 

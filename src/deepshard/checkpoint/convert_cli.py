@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from deepshard.checkpoint import io as ckpt_io
-from deepshard.launcher.options import DefaultsHelpFormatter
+from deepshard.commands import DefaultsHelpFormatter
 
 
 def build_parser(prog: str = "deepshard convert") -> argparse.ArgumentParser:

@@ -101,6 +101,27 @@ class _LateFill:
         return getattr(self._work, name)
 
 
+class _GlooSend:
+    """A send's work as gloo reports it: completed only once waited on (gloo sets the flag in ``wait``), so
+    code that drops the buffers of completed sends keeps them as long as in a real job. The fake group's own
+    work says completed at once: a pipeline stage then freed its sent activations every few messages, where
+    on gloo it holds every send of the batch until the batch ends (the dry run's peak was low by one
+    activation per micro-batch and pipeline neighbour)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work, self._waited = work, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 def _resolve(kept: Any) -> Any:
     """A kept send as a tensor: a small one's copy, or a large one's view rebuilt on its base (None once
     the base is freed)."""
@@ -138,7 +159,8 @@ class Mailbox:
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else 0))
         return id(group), int(_arg(args, kwargs, 3, "tag") or 0), int(peer or 0)
 
-    def sending(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def sending(self, original: Callable[..., Any], gloo: bool = False) -> Callable[..., Any]:
+        """``original`` (a send) keeping what it sends; ``gloo``: its work completes as gloo's does."""
         def send(*args: Any, **kwargs: Any) -> Any:
             tensor: torch.Tensor = _arg(args, kwargs, 0, "tensor")
             if tensor.nbytes <= self.SMALL:
@@ -148,7 +170,8 @@ class Mailbox:
                 base = tensor if tensor._base is None else tensor._base
                 kept = (weakref.ref(base), tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
             self.sent.setdefault(self._key(args, kwargs), deque(maxlen=64)).append(kept)
-            return original(*args, **kwargs)
+            work = original(*args, **kwargs)
+            return _GlooSend(work) if gloo and work is not None and not isinstance(work, int) else work
 
         return send
 
@@ -201,7 +224,7 @@ def replacements(device_type: str, mailbox: Mailbox) -> dict[Any, Any]:
         if original is not None:
             swaps[original] = _scaled(original, name)
     for name in ("isend", "send"):
-        swaps[getattr(dist, name)] = mailbox.sending(getattr(dist, name))
+        swaps[getattr(dist, name)] = mailbox.sending(getattr(dist, name), gloo=device_type == "cpu")
     for name in ("irecv", "recv"):
         swaps[getattr(dist, name)] = mailbox.receiving(getattr(dist, name))
     swaps[dist.broadcast_object_list] = _keep_local_objects

@@ -44,16 +44,21 @@ class Space:
     tps: tuple[int, ...] = (1, 2, 4, 8)
     pps: tuple[int, ...] = (1, 2, 4)
     max_micro_steps: int = 4
-    """A dry run takes at most this many micro-batches per step (at least the pipeline's stages, so as many
-    are in flight as in the real step); time and collective bytes are scaled up to the real count."""
+    """A dry run without a pipeline takes at most this many micro-batches per step; time and collective bytes
+    are scaled up to the real count (``dry_micro_steps``)."""
 
     def micro_steps(self, choice: "Choice") -> int:
         """Micro-batches per optimizer step of ``choice`` (its gradient accumulation steps)."""
         return self.global_batch // (choice.micro * (self.world_size // (choice.tp * choice.pp)))
 
     def dry_micro_steps(self, choice: "Choice") -> int:
-        """Micro-batches per step in ``choice``'s dry run."""
-        return min(self.micro_steps(choice), max(self.max_micro_steps, choice.pp))
+        """Micro-batches per step in ``choice``'s dry run: at most ``max_micro_steps`` without a pipeline
+        (memory does not grow with accumulation), all of them with one: a stage holds the buffers of every
+        send of a batch until the batch ends (gloo frees a send's buffer only once it is waited on), so its
+        peak grows by an activation per micro-batch and neighbour."""
+        if choice.pp > 1:
+            return self.micro_steps(choice)
+        return min(self.micro_steps(choice), self.max_micro_steps)
 
 
 def refusal(choice: Choice, space: Space, pipeline: bool, checkpointable: bool, tp_ok: bool) -> str | None:

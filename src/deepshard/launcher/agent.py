@@ -182,7 +182,7 @@ class JobWatch:
         since: as it is on a multi-node job (the report names the job's failure), folded on one machine."""
         first, out = self.first, self.streams.out
         if first is not None and first.held:
-            out.write_now(bytes(first.held))
+            out.write(bytes(first.held))
             first.held.clear()
         if self.link is not None:
             if self.job_failure is not None:

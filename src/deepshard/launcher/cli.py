@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from deepshard.commands import add_command_list, find_command, run_command
+from deepshard.commands import DefaultsHelpFormatter, add_command_list, find_command, run_command
 from deepshard.compat.run import real_deepspeed, route_ranks
 from deepshard.launcher import multinode, node, rank_errors
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
@@ -20,7 +20,6 @@ from deepshard.launcher.options import (
     DEFAULT_HOSTFILE,
     DEFAULT_MASTER_PORT,
     PID_FILE_DIR,
-    DefaultsHelpFormatter,
     LaunchError,
     LauncherParser,
     add_multi_node_args,
@@ -153,9 +152,8 @@ def local_job(args: argparse.Namespace, hostfile: dict[str, int] | None, cuda_de
     for flag in ("launcher_args", "no_ssh_check", "ssh_port", "venv_script"):
         if getattr(args, flag) not in (None, "", False):
             logger.info("--%s only matters for multi-node launch; ignored for this single-node run", flag)
-    launch = node.launch_from_args(args, cuda_devices, args.master_addr or "127.0.0.1")
-    return node.NodeJob({host: slots}, 0, launch, args.max_restarts, args.enable_each_rank_log,
-                        elastic=node.elastic_range(args, 1))
+    one = argparse.Namespace(**{**vars(args), "master_addr": args.master_addr or "127.0.0.1", "node_rank": 0})
+    return node.job_from_args(one, {host: slots}, cuda_devices)
 
 
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], hostfile: dict[str, int] | None,
@@ -200,7 +198,7 @@ def _prepare(args: argparse.Namespace, port_flag: str = "--master_port") -> Runn
         job, env = local_job(args, hostfile, cuda_devices, names), os.environ
     elif mode == "no_ssh":
         job = node.job_from_args(argparse.Namespace(**{**vars(args), "master_addr": master_addr}), active,
-                                 os.environ)
+                                 cuda_devices)
         env = {**os.environ, **read_env_files(env_file_paths(os.environ, os.path.expanduser("~"), os.getcwd()))}
     else:
         return _prepare_remote(args, mode, active, master_addr)

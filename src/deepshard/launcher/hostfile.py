@@ -61,36 +61,22 @@ def read_hostfile(path: str) -> dict[str, int] | None:
     return parse_hostfile(text, source=path)
 
 
-def _parse_slots(host: str, text: str, spec: str) -> list[int]:
-    slots: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item.isdigit():
-            raise ValueError(
-                f"node spec {spec!r}: slot {item!r} of host {host!r} is not a non-negative integer; "
-                f"expected {NODE_SPEC_FORM}")
-        slots.append(int(item))
-    return slots
-
-
 def parse_node_spec(spec: str) -> dict[str, list[int] | None]:
     """``worker-0@worker-1:0,2`` as ``{"worker-0": None, "worker-1": [0, 2]}`` (None: every slot; repeats merge)."""
     result: dict[str, list[int] | None] = {}
     for part in spec.split("@"):
-        part = part.strip()
-        if not part:
+        host, sep, slot_text = (word.strip() for word in part.partition(":"))
+        if not part.strip():
             raise ValueError(f"node spec {spec!r} has an empty entry between '@'s; expected {NODE_SPEC_FORM}")
-        host, sep, slot_text = part.partition(":")
-        host = host.strip()
         if not host:
-            raise ValueError(f"node spec {spec!r}: entry {part!r} has no host name; expected {NODE_SPEC_FORM}")
-        slots = _parse_slots(host, slot_text, spec) if sep else None
-        if host in result:
-            previous = result[host]
-            merged = None if previous is None or slots is None else sorted(set(previous) | set(slots))
-            result[host] = merged
-        else:
-            result[host] = sorted(set(slots)) if slots is not None else None
+            raise ValueError(f"node spec {spec!r}: entry {part.strip()!r} has no host name; expected {NODE_SPEC_FORM}")
+        bad = [item.strip() for item in slot_text.split(",") if not item.strip().isdigit()] if sep else []
+        if bad:
+            raise ValueError(f"node spec {spec!r}: slot {bad[0]!r} of host {host!r} is not a non-negative integer; "
+                             f"expected {NODE_SPEC_FORM}")
+        slots = {int(item) for item in slot_text.split(",")} if sep else None
+        earlier = result.get(host, [])
+        result[host] = None if slots is None or earlier is None else sorted(slots.union(earlier))
     return result
 
 

@@ -2,6 +2,7 @@
 (a bad selection raises :class:`LaunchError` before anything starts)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -77,11 +78,16 @@ def omp_threads(base_env: Mapping[str, str], num_cores: int, nprocs: int,
 
 
 @dataclass(frozen=True)
-class LocalLaunch:
-    """How every rank of a launch runs. ``visible_devices``: CUDA device ids by slot (slot i ->
-    ``visible_devices[i]``), ``None`` on CPU; ``core_list``: the cores to share among the ranks when binding
-    (``None``: every core this process may use)."""
+class NodeJob:
+    """What one node's agent runs: the whole world (hosts and slots, in rank order), which node this is, and how
+    each rank runs. ``visible_devices``: CUDA device ids by slot (slot i -> ``visible_devices[i]``), ``None`` on
+    CPU; ``core_list``: the cores to share among the ranks when binding (``None``: every core this process may
+    use). ``report_on_node0``: started by ssh / pdsh, every node's output reaches one terminal, so only node 0
+    prints the failure report (otherwise the failing node prints its own too). ``elastic``:
+    ``--elastic_training``'s fewest and most nodes of torch's c10d rendezvous (None: static node ranks)."""
 
+    world: dict[str, list[int]]
+    node_rank: int
     user_script: str
     user_args: list[str]
     master_addr: str = "127.0.0.1"
@@ -92,6 +98,32 @@ class LocalLaunch:
     visible_devices: list[str] | None = None
     bind_cores: bool = False
     core_list: list[int] | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+    exit_on_stdin_close: bool = False
+    report_on_node0: bool = False
+    elastic: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node_rank < len(self.world):
+            raise LaunchError(f"--node_rank {self.node_rank} is out of range: the selection has "
+                              f"{len(self.world)} nodes ({', '.join(self.world)}), so node ranks run "
+                              f"0..{len(self.world) - 1}")
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max_restarts {self.max_restarts} must be >= 0")
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(self.world)
+
+    @property
+    def host(self) -> str:
+        return self.hosts[self.node_rank]
+
+    def fingerprint(self) -> str:
+        """What every node must agree on (compared through the rendezvous store)."""
+        return json.dumps({"world": self.world, "max_restarts": self.max_restarts, "master_port": self.master_port},
+                          sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -110,22 +142,23 @@ class AgentJob:
     user_env: frozenset[str] = frozenset()
 
 
-def plan_job(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, str], available_cores: Sequence[int],
-             launcher_env: Mapping[str, str], python: str = sys.executable, max_restarts: int = 0,
-             log_dir: str | None = None) -> AgentJob:
-    """The job torch's agent runs for this machine's ``slots``: one command with torch's local-rank macro, the
-    variables torch does not set (those of ``base_env`` the launcher lacks, devices, threads), each rank's cores."""
+def node_agent_job(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
+                   launcher_env: Mapping[str, str] = os.environ, python: str = sys.executable) -> AgentJob:
+    """What torch's agent runs for this node's slots (pure: the plan's errors surface before anything starts): one
+    command with torch's local-rank macro, the variables torch does not set (those of ``base_env`` the launcher
+    lacks, devices, threads), each rank's cores."""
+    slots = job.world[job.host]
     env = {k: v for k, v in base_env.items() if k not in TORCH_SETS and launcher_env.get(k) != v}
     env["PYTHONUNBUFFERED"] = "1"
-    devices = launch.visible_devices
+    devices = job.visible_devices
     if devices is not None:
         if any(s >= len(devices) for s in slots):
             raise LaunchError(f"slots {[s for s in slots if s >= len(devices)]} are selected but only {len(devices)} "
                               f"CUDA devices are visible ({','.join(devices)}); select slots below {len(devices)}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[s] for s in slots)
     cores = None
-    if launch.bind_cores:
-        pool = list(launch.core_list) if launch.core_list is not None else list(available_cores)
+    if job.bind_cores:
+        pool = list(job.core_list) if job.core_list is not None else list(available_cores)
         outside = [c for c in pool if c not in available_cores]
         if outside:
             raise LaunchError(f"--bind_core_list names cores {outside} this process may not run on; "
@@ -134,6 +167,7 @@ def plan_job(launch: LocalLaunch, slots: Sequence[int], base_env: Mapping[str, s
     threads = omp_threads(base_env, len(available_cores), len(slots), len(cores[0]) if cores else None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    argv = build_rank_command(launch.user_script, launch.user_args, LOCAL_RANK_MACRO, module=launch.module,
-                              no_python=launch.no_python, no_local_rank=launch.no_local_rank, python=python)
-    return AgentJob(argv, len(slots), env, cores, max_restarts, log_dir, frozenset({"OMP_NUM_THREADS"} & set(base_env)))
+    argv = build_rank_command(job.user_script, job.user_args, LOCAL_RANK_MACRO, module=job.module,
+                              no_python=job.no_python, no_local_rank=job.no_local_rank, python=python)
+    return AgentJob(argv, len(slots), env, cores, job.max_restarts, job.log_dir,
+                    frozenset({"OMP_NUM_THREADS"} & set(base_env)))

@@ -16,7 +16,8 @@ from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
 NODE_MODULE = "deepshard.launcher.node"
 MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
 SSH_SETTLE_S = 25.0  # how long the ssh launcher lets the other nodes' agents stop on their own after one failed
-_PLACEHOLDER = "@@DEEPSHARD_NODE_RANK@@"
+PDSH_NODE_RANK = "@@DEEPSHARD_NODE_RANK@@"
+"""The ``node_rank`` of a pdsh command's agent: :func:`pdsh_remote_command` puts pdsh's ``%n`` there."""
 
 
 def node_agent_argv(world_token: str, node_rank: int | str | None, master_addr: str, master_port: int,
@@ -31,11 +32,6 @@ def node_agent_argv(world_token: str, node_rank: int | str | None, master_addr: 
     argv += ["--max_restarts", str(max_restarts)] if max_restarts else []
     argv += ["--exit_on_stdin_close"] if exit_on_stdin_close else []
     return [*argv, "--report_on_node0", *process_flags, user_script, *user_args]
-
-
-def pdsh_node_rank_placeholder() -> str:
-    """The ``node_rank`` of a pdsh command's agent: :func:`pdsh_remote_command` puts pdsh's ``%n`` there."""
-    return _PLACEHOLDER
 
 
 def remote_shell_command(argv: Sequence[str], exports: Mapping[str, str], cwd: str,
@@ -64,7 +60,7 @@ def pdsh_remote_command(argv: Sequence[str], exports: Mapping[str, str], cwd: st
                         venv_script: str | None = None) -> str:
     """The remote shell line for pdsh: every ``%`` doubled, then the node-rank placeholder -> ``%n``."""
     line = remote_shell_command(argv, exports, cwd, venv_script)
-    return line.replace("%", "%%").replace(_PLACEHOLDER, "%n")
+    return line.replace("%", "%%").replace(PDSH_NODE_RANK, "%n")
 
 
 def pdsh_command(hosts: Sequence[str], remote_command: str, extra_args: Sequence[str] = ()) -> list[str]:
@@ -141,7 +137,7 @@ def plan_ssh(args: argparse.Namespace, world: dict[str, list[int]], master_addr:
 def plan_pdsh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str, exports: Mapping[str, str],
               environ: Mapping[str, str], cwd: str, python: str = sys.executable) -> ProcessSpec:
     """One pdsh process starting every node's agent."""
-    argv = _agent_argv(args, world, _PLACEHOLDER, master_addr, False, python)
+    argv = _agent_argv(args, world, PDSH_NODE_RANK, master_addr, False, python)
     cmd = pdsh_command(list(world), pdsh_remote_command(argv, exports, cwd, args.venv_script),
                        shlex.split(args.launcher_args))
     return ProcessSpec(0, cmd, pdsh_environment(environ, args.ssh_port), label=f"pdsh ({len(world)} nodes)")

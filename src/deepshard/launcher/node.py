@@ -2,64 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from deepshard.launcher.hostfile import decode_world_info
-from deepshard.launcher.local import AgentJob, LocalLaunch, detect_cuda_devices, parse_core_list, plan_job
+from deepshard.launcher.local import NodeJob, detect_cuda_devices, node_agent_job, parse_core_list
 from deepshard.launcher.options import LaunchError, add_elastic_args, add_process_args, add_script_args, env_seconds
 from deepshard.utils.logging import logger
 
 JOIN_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class NodeJob:
-    """What one node's agent runs: the whole world (hosts and slots, in rank order), which node this is, and how
-    each rank runs. ``report_on_node0``: started by ssh / pdsh, every node's output reaches one terminal, so only
-    node 0 prints the failure report (otherwise the failing node prints its own too). ``elastic``:
-    ``--elastic_training``'s fewest and most nodes of torch's c10d rendezvous (None: static node ranks)."""
-
-    world: dict[str, list[int]]
-    node_rank: int
-    launch: LocalLaunch
-    max_restarts: int = 0
-    log_dir: str | None = None
-    exit_on_stdin_close: bool = False
-    report_on_node0: bool = False
-    elastic: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.node_rank < len(self.world):
-            raise LaunchError(f"--node_rank {self.node_rank} is out of range: the selection has "
-                              f"{len(self.world)} nodes ({', '.join(self.world)}), so node ranks run "
-                              f"0..{len(self.world) - 1}")
-        if self.max_restarts < 0:
-            raise LaunchError(f"--max_restarts {self.max_restarts} must be >= 0")
-
-    @property
-    def hosts(self) -> list[str]:
-        return list(self.world)
-
-    @property
-    def host(self) -> str:
-        return self.hosts[self.node_rank]
-
-    def fingerprint(self) -> str:
-        """What every node must agree on (compared through the rendezvous store)."""
-        return json.dumps({"world": self.world, "max_restarts": self.max_restarts,
-                           "master_port": self.launch.master_port}, sort_keys=True)
-
-
-def node_agent_job(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
-                   launcher_env: Mapping[str, str] = os.environ, python: str = sys.executable) -> AgentJob:
-    """What torch's agent runs on this node (pure: the plan's errors surface before anything starts)."""
-    return plan_job(job.launch, job.world[job.host], base_env, available_cores, launcher_env, python,
-                    job.max_restarts, job.log_dir)
 
 
 def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequence[int],
@@ -73,12 +26,12 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
 
     ajob = node_agent_job(job, base_env, available_cores)
     timeout = env_seconds(base_env, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
-    endpoint, nodes = f"{job.launch.master_addr}:{job.launch.master_port}", len(job.hosts)
+    endpoint, nodes = f"{job.master_addr}:{job.master_port}", len(job.hosts)
     if job.elastic is not None:
         place = Place(endpoint, job.hosts, None, job.elastic[0], job.elastic[1], None, timeout)
         logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, endpoint, *job.elastic)
     else:
-        place = Place(endpoint, job.hosts, job.node_rank, nodes, nodes, job.launch.master_addr, timeout)
+        place = Place(endpoint, job.hosts, job.node_rank, nodes, nodes, job.master_addr, timeout)
         if nodes > 1:
             logger.info("node %d (%s): %s the rendezvous (c10d) at %s", job.node_rank, job.host,
                         "serving" if job.node_rank == 0 else "joining", endpoint)
@@ -148,19 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launch_from_args(args: argparse.Namespace, devices: list[str] | None, master_addr: str) -> LocalLaunch:
-    """How each rank runs, from the launcher's / agent's parsed flags."""
+def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], devices: list[str] | None) -> NodeJob:
+    """A :class:`NodeJob` from the launcher's / agent's parsed flags (``devices``: the visible CUDA devices)."""
     core_list = parse_core_list(args.bind_core_list) if args.bind_core_list else None
-    return LocalLaunch(user_script=args.user_script, user_args=list(args.user_args), master_addr=master_addr,
-                       master_port=args.master_port, module=args.module, no_python=args.no_python,
-                       no_local_rank=args.no_local_rank, visible_devices=devices,
-                       bind_cores=args.bind_cores_to_rank or core_list is not None, core_list=core_list)
-
-
-def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], environ: Mapping[str, str]) -> NodeJob:
-    """A :class:`NodeJob` from the launcher's / agent's parsed flags (devices detected here)."""
-    devices = detect_cuda_devices(environ)
-    return NodeJob(world, args.node_rank, launch_from_args(args, devices, args.master_addr), args.max_restarts,
+    return NodeJob(world, args.node_rank, args.user_script, list(args.user_args), args.master_addr, args.master_port,
+                   args.module, args.no_python, args.no_local_rank,
+                   devices,
+                   args.bind_cores_to_rank or core_list is not None, core_list, args.max_restarts,
                    args.enable_each_rank_log, getattr(args, "exit_on_stdin_close", False),
                    getattr(args, "report_on_node0", False), elastic_range(args, len(world)))
 
@@ -176,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.node_rank < 0:
             raise LaunchError("no --node_rank, and none of " + ", ".join(NODE_RANK_VARIABLES) + " is set; pass "
                               "--node_rank N, or start one agent per node with mpirun / srun")
-        job = job_from_args(args, decode_world_info(args.world_info), base_env)
+        job = job_from_args(args, decode_world_info(args.world_info), detect_cuda_devices(base_env))
         return run_node(job, base_env, sorted(os.sched_getaffinity(0)))
     except (LaunchError, ValueError) as exc:
         print(f"deepshard node agent: error: {exc}", file=sys.stderr, flush=True)

@@ -15,17 +15,6 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 PID_FILE_DIR = "/tmp"
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """``--help`` shows each option's default when it has a meaningful one (not None, "", False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        quiet = action.default in (None, "", False, argparse.SUPPRESS) or "%(default)" in text
-        if quiet or not action.option_strings or "(default" in text:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
 class LaunchError(ValueError):
     """A command line or resource selection that cannot be launched; the message says why and how to fix."""
 

@@ -48,10 +48,6 @@ class Output:
                 return
             self._emit(chunk)
 
-    def write_now(self, chunk: bytes) -> None:
-        with self._lock:
-            self._emit(chunk)
-
     def flush_stale(self, children: Sequence[Any], after_s: float) -> None:
         """Forward output held longer than ``after_s`` while no rank has failed."""
         with self._lock:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -28,17 +27,16 @@ def report(message: str, environ: Mapping[str, str] = os.environ) -> None:
 def error_dir(environ: MutableMapping[str, str]) -> Iterator[str]:
     """A fresh directory for the ranks' messages, named in ``environ`` (which the ranks inherit) while
     the launch runs; removed afterwards."""
-    path = tempfile.mkdtemp(prefix="deepshard-errors-")
     saved = environ.get(ERROR_DIR_ENV)
-    environ[ERROR_DIR_ENV] = path
-    try:
-        yield path
-    finally:
-        if saved is None:
-            environ.pop(ERROR_DIR_ENV, None)
-        else:
-            environ[ERROR_DIR_ENV] = saved
-        shutil.rmtree(path, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="deepshard-errors-", ignore_cleanup_errors=True) as path:
+        environ[ERROR_DIR_ENV] = path
+        try:
+            yield path
+        finally:
+            if saved is None:
+                environ.pop(ERROR_DIR_ENV, None)
+            else:
+                environ[ERROR_DIR_ENV] = saved
 
 
 def collect(directory: str | None) -> dict[str, list[int]]:

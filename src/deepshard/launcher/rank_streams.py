@@ -1,9 +1,12 @@
 """Each rank's side channels to the launcher. torch's elastic agent starts deepshard's rank shim (:data:`RANK_SHIM`)
-for every rank; the shim sends the rank's output to a named pipe the launcher reads (:class:`RankStreams`, the
-``LogsSpecs`` torch's agent is given), runs the rank's command as its child, and writes ``start <local rank> <pid>
-<process group>`` when it starts and ``exit <local rank> <pid> <returncode>`` when it ends to a status pipe
-(:class:`RankWatch`). So the first failure holds the other ranks' output before their fallout arrives, and the other
-ranks are stopped at once, while torch's agent still starts, reaps and restarts the shims on its own schedule."""
+for every rank. The shim ties itself and the rank to the agent (Linux's ``PR_SET_PDEATHSIG``: nothing outlives the
+agent), pins the rank's cores, sets deepshard's variables, sends the rank's output to a named pipe the launcher reads
+(:class:`RankStreams`, the ``LogsSpecs`` torch's agent is given), runs the rank's command as its child, writes
+``start <local rank> <pid> <process group>`` and ``exit <local rank> <pid> <returncode>`` to a status pipe
+(:class:`RankWatch`), and ends as the rank did. So the first failure holds the other ranks' output before their
+fallout arrives, and the other ranks are stopped at once, while torch's agent still starts, reaps and restarts the
+shims on its own schedule. The agent's signals go to the whole process group (torch's and deepshard's alike), so the
+rank gets each once, and the shim, which ignores them, waits for the rank's exit to report it."""
 from __future__ import annotations
 
 import json
@@ -70,11 +73,6 @@ if code < 0:  # end as the rank did: by its signal
     os.kill(shim, -code)
 os._exit(code)
 """
-"""What torch's agent runs for each rank: it ties itself and the rank to the agent (Linux's
-``PR_SET_PDEATHSIG``: nothing outlives the agent), pins the rank's cores, sets deepshard's variables, sends the
-rank's output to its pipe, runs the command as its child, reports the rank's pid (and the process group torch
-started it in) and its exit, and ends as the rank did. The agent's signals go to the whole process group (torch's
-and deepshard's alike), so the rank gets each once, and the shim waits for the rank's exit to report it."""
 
 
 def shim_argv(command: Sequence[str], agent_pid: int, cores: Sequence[Sequence[int]] | None,
@@ -162,10 +160,10 @@ class RankStream:
 class RankStreams(LogsSpecs):
     """A ``LogsSpecs`` for torch's agent: every rank's stdout+stderr into a pipe the launcher forwards."""
 
-    def __init__(self, out: Output, log_dir: str | None = None,
-                 on_attempt: Callable[[dict[int, dict[str, str]]], None] | None = None) -> None:
+    def __init__(self, out: Output, log_dir: str | None = None) -> None:
         super().__init__(log_dir=None)
-        self.out, self.log_dir, self.on_attempt = out, log_dir, on_attempt
+        self.out, self.log_dir = out, log_dir
+        self.on_attempt: Callable[[dict[int, dict[str, str]]], None] | None = None
         if log_dir is not None:
             prepare_log_dir(log_dir)
         self._tmp = tempfile.mkdtemp(prefix="deepshard-ranks-")

@@ -2,7 +2,6 @@
 together. The ranks themselves run under torch's elastic agent on each node (:mod:`.agent`)."""
 from __future__ import annotations
 
-import queue
 import signal
 import subprocess
 import sys
@@ -36,13 +35,12 @@ class _Child:
     spec: ProcessSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
-    threads: list[threading.Thread] = field(default_factory=list)  # its output's reader, its waiter
+    reader: threading.Thread | None = None
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """The first process of a group that exited non-zero (``returncode`` as ``Popen`` has it: ``-N`` for signal
-    N)."""
+    """The first process of a group that exited non-zero (``returncode``: ``-N`` for signal N)."""
 
     rank: int
     pid: int
@@ -68,83 +66,76 @@ class GroupResult:
     signal: int | None = None
 
 
-def _wait(child: _Child, index: int, exits: queue.Queue) -> None:
-    child.proc.wait()
-    signal_group(child.proc.pid, signal.SIGTERM)  # orphaned helpers of a process that ended
-    exits.put(index)
-
-
-def _start(specs: Sequence[ProcessSpec], out: Output, exits: queue.Queue) -> list[_Child]:
+def _start(specs: Sequence[ProcessSpec], out: Output) -> list[_Child]:
     children: list[_Child] = []
     try:
-        for index, spec in enumerate(specs):
+        for spec in specs:
             proc = subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.PIPE if spec.stdin_pipe else
                                     subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                                     start_new_session=True)
-            child = _Child(spec, proc)
-            child.threads = [threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
-                                              name=f"deepshard-out-{spec.rank}", daemon=True),
-                             threading.Thread(target=_wait, args=(child, index, exits),
-                                              name=f"deepshard-wait-{spec.rank}", daemon=True)]
-            children.append(child)
-            for thread in child.threads:
-                thread.start()
+            children.append(child := _Child(spec, proc))
+            child.reader = threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
+                                            name=f"deepshard-out-{spec.rank}", daemon=True)
+            child.reader.start()
     except OSError as exc:
-        _stop(children, list(range(len(children))), signal.SIGTERM)
+        _stop(children, signal.SIGTERM)
         failed = specs[len(children)]
         raise RuntimeError(f"cannot start {failed.label or ' '.join(failed.cmd)}: {exc}") from exc
     return children
 
 
-def _stop(children: Sequence[_Child], indices: Sequence[int], sig: int, grace_s: float = GRACE_S) -> None:
-    """Send ``sig`` to the groups of ``indices`` (their stdin closed first); SIGKILL what is left after
-    ``grace_s``; reap all."""
-    for i in indices:
-        stdin = children[i].proc.stdin
-        try:
-            if stdin is not None:
-                stdin.close()
-        except OSError:
-            pass
-        signal_group(children[i].proc.pid, sig)
-    deadline = time.monotonic() + grace_s
-    for i in indices:
-        children[i].threads[1].join(max(0.0, deadline - time.monotonic()))
-    for i in indices:
-        signal_group(children[i].proc.pid, signal.SIGKILL)
-    for i in indices:
-        children[i].threads[1].join(2.0)
+def _stop(children: Sequence[_Child], sig: int, grace_s: float = GRACE_S) -> None:
+    """``sig`` to the process groups of ``children`` still running (their stdin closed first); SIGKILL what is
+    left after ``grace_s``; reap all and drain their output."""
     for child in children:
-        child.threads[0].join(2.0)
+        if child.proc.stdin is not None:
+            try:
+                child.proc.stdin.close()
+            except OSError:
+                pass
+        if child.proc.poll() is None:
+            signal_group(child.proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+    for child in children:
+        if child.reader is not None:
+            child.reader.join(2.0)
 
 
-def _supervise(children: list[_Child], exits: queue.Queue, signals: list[int], settle_s: float,
-               noun: str) -> GroupResult:
-    running = set(range(len(children)))
+def _ended(running: list[_Child]) -> list[_Child]:
+    """Remove and return the children of ``running`` that exited (their orphaned helpers get SIGTERM)."""
+    ended = [child for child in running if child.proc.poll() is not None]
+    for child in ended:
+        running.remove(child)
+        signal_group(child.proc.pid, signal.SIGTERM)
+    return ended
+
+
+def _supervise(children: list[_Child], signals: list[int], settle_s: float, noun: str) -> GroupResult:
+    running = list(children)
     while running:
         if signals:
             print(f"deepshard: received {signal.Signals(signals[0]).name}; forwarding it to {len(running)} running "
                   f"{noun}s", file=sys.stderr, flush=True)
-            _stop(children, sorted(running), signals[0])
+            _stop(children, signals[0])
             return GroupResult(128 + signals[0], signal=signals[0])
-        try:
-            index = exits.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
-        running.discard(index)
-        child = children[index]
-        if child.proc.returncode != 0:
+        time.sleep(_POLL_S)
+        failed = next((child for child in _ended(running) if child.proc.returncode != 0), None)
+        if failed is not None:
             deadline = time.monotonic() + settle_s  # the others may end on their own (their agents heard of it)
             while running and time.monotonic() < deadline and not signals:
-                try:
-                    running.discard(exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic()))))
-                except queue.Empty:
-                    pass
-            _stop(children, sorted(running) + [index], signal.SIGTERM)
-            failure = RankFailure(child.spec.rank, child.proc.pid, child.proc.returncode,
-                                  bytes(child.tail).decode("utf-8", errors="replace").rstrip(), child.spec.label)
-            return GroupResult(failure.exit_code, failure=failure)
-    _stop(children, [], signal.SIGTERM, 0.0)
+                time.sleep(_POLL_S)
+                _ended(running)
+            _stop(children, signal.SIGTERM)
+            result = RankFailure(failed.spec.rank, failed.proc.pid, failed.proc.returncode,
+                                 bytes(failed.tail).decode("utf-8", errors="replace").rstrip(), failed.spec.label)
+            return GroupResult(result.exit_code, failure=result)
+    _stop(children, signal.SIGTERM, 0.0)
     return GroupResult(0)
 
 
@@ -153,11 +144,10 @@ def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int
     """Start one process per spec and supervise them until all succeed, one fails (the others get
     ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
     (forwarded); every process is reaped. ``on_started`` gets the pids once all started."""
-    exits: queue.Queue = queue.Queue()
     signals: list[int] = []
     with signal_handlers(lambda signum, frame: signals.append(signum), (signal.SIGINT, signal.SIGTERM)):
         try:
-            children = _start(specs, Output(), exits)
+            children = _start(specs, Output())
         except RuntimeError as exc:
             print(f"deepshard: {exc}", file=sys.stderr, flush=True)
             return GroupResult(1)
@@ -166,7 +156,7 @@ def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int
         if on_started is not None:
             on_started([child.proc.pid for child in children])
         try:
-            return _supervise(children, exits, signals, settle_s, noun)
+            return _supervise(children, signals, settle_s, noun)
         except BaseException:
-            _stop(children, list(range(len(children))), signal.SIGKILL, grace_s=0.0)
+            _stop(children, signal.SIGKILL, grace_s=0.0)
             raise
