@@ -93,10 +93,12 @@ def train_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     engine, *_ = deepshard.initialize(model=build_model(), config=config)
     if spec.get("load"):
         engine.load_checkpoint(spec["load"])
-    losses, norms, times = [], [], []
+    losses, norms, times, cpu = [], [], [], []
     first = int(spec.get("first", 0))
     for step in range(first, first + spec["steps"]):
-        start = time.perf_counter()
+        if step == first + 2:  # what ``cost`` counts: the steps after the first two
+            engine.comms_logger.reset()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for m in range(gas):
             x, y = atom_batch(step, engine.atom_index(m), spec["micro"])
             loss = engine(x, y)
@@ -104,14 +106,17 @@ def train_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             engine.step()
             losses.append(float(loss.detach().float()))
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
         norms.append(engine.get_global_grad_norm())
     if spec.get("save"):
         engine.save_checkpoint(spec["save"])
+    comm = engine.comms_logger.summary()
     params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     engine.destroy()
     if rank != 0:
         return {"times": times}
-    return {"losses": losses, "norms": norms, "params": {n: v.clone() for n, v in params.items()}, "times": times}
+    return {"losses": losses, "norms": norms, "params": {n: v.clone() for n, v in params.items()}, "times": times,
+            "cpu": cpu, "comm": comm}
 
 
 def run(world: int, spec: dict[str, Any], timeout: float = 3600.0) -> dict[str, Any]:
@@ -179,21 +184,34 @@ def cmd_cost(args: argparse.Namespace) -> dict[str, Any]:
     spread of the per-repeat ratios (each repeat's median deterministic step over its median default
     step); the load average before and after."""
     samples: dict[tuple[int, bool], list[list[float]]] = {(s, d): [] for s in args.stages for d in (False, True)}
+    cpu: dict[tuple[int, bool], list[float]] = {key: [] for key in samples}
+    comm: dict[tuple[int, bool], dict[str, Any]] = {}
     load = [round(os.getloadavg()[0], 1)]
     for _ in range(args.repeats):
         for stage in args.stages:
             for det in (False, True):
-                samples[(stage, det)].append(run(args.world, spec_of(args, stage, deterministic=det))["times"][2:])
+                r = run(args.world, spec_of(args, stage, deterministic=det))
+                samples[(stage, det)].append(r["times"][2:])
+                cpu[(stage, det)].extend(r["cpu"][2:])
+                counted = max(1, args.steps - 2)
+                comm[(stage, det)] = {op: (v["calls"] / counted, v["bytes"] / counted) for op, v in r["comm"].items()}
         load.append(round(os.getloadavg()[0], 1))
     out: dict[str, Any] = {"load_average": load}
     for stage in args.stages:
         runs = {det: samples[(stage, det)] for det in (False, True)}
         med = {det: statistics.median([t for r in v for t in r]) for det, v in runs.items()}
         per_repeat = sorted(statistics.median(d) / statistics.median(b) for b, d in zip(runs[False], runs[True]))
+        cpu_med = {det: statistics.median(cpu[(stage, det)]) for det in (False, True)}
+        calls = {det: sum(c for c, _ in comm[(stage, det)].values()) for det in (False, True)}
+        sent = {det: sum(b for _, b in comm[(stage, det)].values()) for det in (False, True)}
         out[f"zero{stage}"] = {"default_s": med[False], "deterministic_s": med[True], "ratio": med[True] / med[False],
-                               "repeat_ratios": per_repeat}
+                               "repeat_ratios": per_repeat, "cpu_default_s": cpu_med[False],
+                               "cpu_deterministic_s": cpu_med[True], "collectives_per_step": calls,
+                               "bytes_per_step": sent, "by_op": {str(det): comm[(stage, det)] for det in (False, True)}}
         print(f"zero{stage}: default {med[False] * 1e3:.1f} ms, deterministic {med[True] * 1e3:.1f} ms, "
-              f"ratio {med[True] / med[False]:.2f} (per repeat {per_repeat[0]:.2f}-{per_repeat[-1]:.2f})", flush=True)
+              f"ratio {med[True] / med[False]:.2f} (per repeat {per_repeat[0]:.2f}-{per_repeat[-1]:.2f}); "
+              f"rank 0 CPU {cpu_med[False] * 1e3:.1f} / {cpu_med[True] * 1e3:.1f} ms; collectives per step "
+              f"{calls[False]:.1f} / {calls[True]:.1f}, MB {sent[False] / 1e6:.2f} / {sent[True] / 1e6:.2f}", flush=True)
     print(f"load average (1 min) before and after each repeat: {load}", flush=True)
     return out
 

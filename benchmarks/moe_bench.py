@@ -6,11 +6,15 @@ same model, tokens and optimizer.
 The model is a stack of ``--layers`` blocks (LayerNorm, then DeepSpeed's ``MoE`` layer with ``--experts``
 experts of a 4x MLP, top-2, capacity factor 1.25), written once against DeepSpeed's API: each library runs it
 as its ``deepspeed``. Every case trains ``--warmup`` + ``--steps`` steps on the same tokens (``--tokens`` per
-rank of width ``--dim``), AdamW (torch's, in both: DeepSpeed builds no C++ op), ZeRO ``--stage``, and reports per rank:
+rank of width ``--dim``), AdamW (torch's in both: DeepSpeed builds no C++ op, its processes start with
+``tests/deepspeed_compat/ds_boot`` first on the path, and a case that hangs is killed after ``--timeout``),
+ZeRO ``--stage``, and reports per rank:
 
-- the median step time and tokens per second over all ranks;
-- the expert and dense parameters this rank holds (the expert count must divide by ep), its peak RSS, and
-  under deepshard its ``memory_report`` (model-state bytes by category);
+- the median step time of the slowest rank and tokens per second (with ``--rounds N`` every case runs N
+  times, the cases interleaved so that a change in the machine's load touches each alike; the median round);
+- the expert and dense parameters this rank holds (the expert count must divide by ep), its peak RSS, the
+  bytes of every tensor alive after the last step (parameters, gradients, optimizer state: both libraries
+  measured alike), and under deepshard its ``memory_report`` (model-state bytes by category);
 - the all-to-all bytes of one step as deepshard's comms logger counts them (``ep:all_to_all``: the tensors
   handed to the collective), against the analytic volume: every MoE layer sends its ``[E, capacity, dim]``
   buffer twice forward and twice backward, ``(P - 1) / P`` of it leaving the rank.
@@ -24,9 +28,7 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,14 +36,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_DS_PYTHON = "/work/main/.venv-deepspeed/bin/python"
-DEFAULT_EXTENSIONS = "~/.cache/deepshard/cifar-tutorial-torch-extensions"
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.deepspeed_launch import DEFAULT_DS_PYTHON, deepspeed_env, free_port, start, wait_all  # noqa: E402
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+EXTENSIONS = "~/.cache/deepshard/moe-bench-torch-extensions"
+"""DeepSpeed builds no op here (``deepspeed_launch``'s ``no_builds``): a folder of its own all the same, so that
+a lock another program left cannot stall the run."""
 
 
 # ----------------------------------------------------------------------------------------- the worker
@@ -83,12 +84,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         import deepshard.compat as compat
 
         compat.install(replace_installed=True)
-    import deepspeed
-
-    if args.library == "deepspeed":  # gloo does the shared-memory all-reduce's job: no C++ op build on CPU
-        import deepspeed.comm.torch  # noqa: F401
-
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    import deepspeed  # under DeepSpeed: ds_boot's sitecustomize ran first, no C++ op is built (gloo all-reduces)
     import torch
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -115,12 +111,15 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(loss.detach()))
     from deepspeed.moe.utils import is_moe_param
 
+    from benchmarks.measure import live_tensor_bytes
+
     params = list(engine.module.parameters())
     out: dict[str, Any] = {
         "rank": rank, "world": world, "step_s": statistics.median(times[args.warmup:]), "losses": losses,
         "expert_params": sum(p.numel() for p in params if is_moe_param(p)),
         "dense_params": sum(p.numel() for p in params if not is_moe_param(p)),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tensor_bytes": live_tensor_bytes(),
     }
     if args.library == "deepshard":
         out["memory_report"] = engine.memory_report()
@@ -133,26 +132,30 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- the driver
 def run_case(args: argparse.Namespace, library: str, ep: int, python: str) -> list[dict[str, Any]]:
-    port = _port()
+    """One case on ``args.nprocs`` fresh processes; every rank's result. A rank that fails, or a case past
+    ``--timeout``, ends the case (every rank killed) with the ranks' output in the error."""
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
-        procs = []
+        procs, logs = [], []
         for rank in range(args.nprocs):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nprocs),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu",
-                   "DEEPSHARD_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(args.threads),
-                   "TORCH_EXTENSIONS_DIR": str(Path(args.torch_extensions_dir).expanduser()),
-                   "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), env_path()])}
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DEEPSHARD_ACCELERATOR": "cpu",
+                   "OMP_NUM_THREADS": str(args.threads),
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(HERE.parent / "src"), os.environ.get("PYTHONPATH"))
+                                                 if p)}
+            if library == "deepspeed":
+                env = deepspeed_env(env, args.torch_extensions_dir, no_builds=True)
             cmd = [python, str(Path(__file__).resolve()), "--worker", "--library", library, "--ep", str(ep),
                    "--out", f"{tmp}/rank{rank}.json", *_shared(args)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-        if any(p.returncode != 0 for p in procs):
-            raise RuntimeError(f"{library} ep {ep} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+            logs.append(open(f"{tmp}/rank{rank}.log", "w"))
+            procs.append(start(cmd, env, logs[-1]))
+        failure = wait_all(procs, args.timeout)
+        for log in logs:
+            log.close()
+        if failure is not None:
+            tails = "\n".join(Path(f"{tmp}/rank{r}.log").read_text()[-3000:] for r in range(args.nprocs))
+            raise RuntimeError(f"{library} ep {ep}: {failure}\n{tails}")
         return [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(args.nprocs)]
-
-
-def env_path() -> str:
-    return os.environ.get("PYTHONPATH", "")
 
 
 def _shared(args: argparse.Namespace) -> list[str]:
@@ -169,13 +172,19 @@ def analytic_all_to_all(args: argparse.Namespace, ep: int) -> tuple[float, float
     return handed, handed * (ep - 1) / ep
 
 
-def summarize(args: argparse.Namespace, library: str, ep: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    step = max(r["step_s"] for r in ranks)
+def summarize(args: argparse.Namespace, library: str, ep: int, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One row from every round of a case: the median over rounds of the slowest rank's median step, the
+    largest RSS and tensor bytes of any rank and round."""
+    step = statistics.median(max(r["step_s"] for r in ranks) for ranks in rounds)
+    ranks = rounds[0]
     handed, leaving = analytic_all_to_all(args, ep)
     row = {"case": f"{library} ep{ep}", "step_s": round(step, 4),
+           "step_s_rounds": [round(max(r["step_s"] for r in rs), 4) for rs in rounds],
            "tokens_per_s": round(args.tokens * args.nprocs / step, 1),
            "expert_params_per_rank": ranks[0]["expert_params"], "dense_params": ranks[0]["dense_params"],
-           "peak_rss_mb": round(max(r["peak_rss_mb"] for r in ranks), 1), "final_loss": ranks[0]["losses"][-1],
+           "peak_rss_mb": round(max(r["peak_rss_mb"] for rs in rounds for r in rs), 1),
+           "tensor_mb": round(max(r["tensor_bytes"] for rs in rounds for r in rs) / 2**20, 2),
+           "final_loss": ranks[0]["losses"][-1],
            "analytic_all_to_all_bytes": handed, "analytic_bytes_leaving_rank": leaving}
     if "all_to_all_bytes_per_step" in ranks[0]:
         row["measured_all_to_all_bytes"] = ranks[0]["all_to_all_bytes_per_step"]
@@ -191,8 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--library", default="deepshard", help=argparse.SUPPRESS)
     p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--deepspeed-python", default=os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DEFAULT_DS_PYTHON))
-    p.add_argument("--torch-extensions-dir", default=DEFAULT_EXTENSIONS)
+    p.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
+                   help="python of DeepSpeed's venv ('' : deepshard only)")
+    p.add_argument("--torch-extensions-dir", default=EXTENSIONS)
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--experts", type=int, default=4)
@@ -202,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every case, interleaved; the median is reported")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a case may take (then it is killed)")
     p.add_argument("--json", help="write the rows here")
     return p.parse_args(argv)
 
@@ -212,18 +223,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args)))
         return 0
-    cases = [("deepshard", 1, sys.executable), ("deepshard", args.nprocs, sys.executable)]
+    libraries = [("deepshard", sys.executable)]
     if args.deepspeed_python and Path(args.deepspeed_python).exists():
-        cases += [("deepspeed", 1, args.deepspeed_python), ("deepspeed", args.nprocs, args.deepspeed_python)]
-    rows = []
-    for library, ep, python in cases:
-        rows.append(summarize(args, library, ep, run_case(args, library, ep, python)))
-        print(json.dumps(rows[-1]), flush=True)
-    head = f"{'case':<16}{'step s':>9}{'tokens/s':>10}{'experts/rank':>14}{'RSS MB':>9}{'a2a B/step':>12}{'analytic':>11}"
+        libraries.append(("deepspeed", args.deepspeed_python))
+    else:
+        print(f"no DeepSpeed python at {args.deepspeed_python!r} (--deepspeed-python): deepshard only", flush=True)
+    cases = [(library, ep, python) for ep in (1, args.nprocs) for library, python in libraries]
+    results: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
+    for round_ in range(args.rounds):  # interleaved: a change in the machine's load touches every case alike
+        for library, ep, python in cases:
+            ranks = run_case(args, library, ep, python)
+            results.setdefault((library, ep), []).append(ranks)
+            print(f"round {round_ + 1} {library} ep{ep}: step {max(r['step_s'] for r in ranks):.4f} s", flush=True)
+    rows = [summarize(args, library, ep, results[(library, ep)]) for library, ep, _ in cases]
+    head = (f"{'case':<16}{'step s':>9}{'tokens/s':>10}{'experts/rank':>14}{'RSS MB':>9}{'tensor MB':>11}"
+            f"{'a2a B/step':>12}{'analytic':>11}")
     print(head)
     for r in rows:
         print(f"{r['case']:<16}{r['step_s']:>9}{r['tokens_per_s']:>10}{r['expert_params_per_rank']:>14}"
-              f"{r['peak_rss_mb']:>9}{r.get('measured_all_to_all_bytes', '-')!s:>12}{r['analytic_all_to_all_bytes']:>11.0f}")
+              f"{r['peak_rss_mb']:>9}{r['tensor_mb']:>11}{r.get('measured_all_to_all_bytes', '-')!s:>12}"
+              f"{r['analytic_all_to_all_bytes']:>11.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

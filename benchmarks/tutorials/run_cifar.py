@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +32,13 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.deepspeed_launch import (DEFAULT_DS_PYTHON, DEFAULT_EXTENSIONS, deepspeed_env, free_port,  # noqa: E402
+                                         require_launcher, start, wait_all)
+
 STANDIN = HERE / "standin"
 GLOBAL_BATCH = 16  # the tutorial's train_batch_size
-DEFAULT_DS_PYTHON = "/work/main/.venv-deepspeed/bin/python"
-DEFAULT_EXTENSIONS = "~/.cache/deepshard/cifar-tutorial-torch-extensions"
 LOSS_LINE = re.compile(r"^\[\s*(\d+),\s*(\d+)\] loss:\s*(\S+)\s*$")
 
 
@@ -72,27 +74,16 @@ def library_command(library: str, nprocs: int, ds_python: str) -> list[str]:
     if library == "deepshard":
         return [sys.executable, "-m", "deepshard.launcher", "--num_gpus", str(nprocs), "--master_port", "0"]
     if library == "deepspeed":
-        launcher = Path(ds_python).parent / "deepspeed"
-        if not launcher.exists():
-            raise SystemExit(f"no DeepSpeed launcher at {launcher}: pass --deepspeed-python PATH (the python of an "
-                             "environment with deepspeed installed), or --library deepshard")
-        port = _free_port()
-        return [str(launcher), "--num_gpus", str(nprocs), "--master_port", str(port)]
+        launcher = require_launcher(ds_python, "deepspeed")
+        return [str(launcher), "--num_gpus", str(nprocs), "--master_port", str(free_port())]
     raise SystemExit(f"--library {library!r}: use deepshard, deepspeed or both")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment of every run: the stand-in torchvision first on the path, the data's size and seed,
-    CPU accelerators, DeepSpeed's op builds in a folder of their own that outlives the run (building
-    them takes minutes), one torch thread per process unless the caller set OMP_NUM_THREADS."""
+def run_env(args: argparse.Namespace, library: str) -> dict[str, str]:
+    """The environment of a run: the stand-in torchvision first on the path, the data's size and seed,
+    CPU accelerators, one torch thread per process unless the caller set OMP_NUM_THREADS; DeepSpeed's op
+    builds in a folder of their own that outlives the run (the tutorial's Adam is DeepSpeed's C++ one: the
+    first run builds it, minutes)."""
     env = dict(os.environ)
     path = [str(STANDIN)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.nprocs))
@@ -102,11 +93,10 @@ def run_env(args: argparse.Namespace) -> dict[str, str]:
         "CIFAR_STANDIN_TEST_SIZE": str(args.test_size),
         "CIFAR_STANDIN_SEED": str(args.seed),
         "DS_ACCELERATOR": "cpu", "DEEPSHARD_ACCELERATOR": "cpu",
-        "TORCH_EXTENSIONS_DIR": str(Path(args.torch_extensions_dir).expanduser()),
         "OMP_NUM_THREADS": threads,
         "PYTHONWARNINGS": "ignore",
     })
-    return env
+    return deepspeed_env(env, args.torch_extensions_dir, no_builds=False) if library == "deepspeed" else env
 
 
 def run_one(args: argparse.Namespace, library: str, stage: int, workdir: Path) -> Run:
@@ -117,16 +107,17 @@ def run_one(args: argparse.Namespace, library: str, stage: int, workdir: Path) -
     cmd = library_command(library, args.nprocs, args.deepspeed_python) + [
         str(Path(args.script).resolve()), "--stage", str(stage), "--dtype", args.dtype, "--epochs", "1",
         "--log-interval", "1"] + list(args.script_args)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=run_env(args), capture_output=True, text=True,
-                          timeout=args.timeout)
-    run.seconds = time.perf_counter() - start
-    run.returncode = proc.returncode
-    run.losses = parse_losses(proc.stdout)
-    run.tail = (proc.stdout + proc.stderr)[-3000:]
+    began = time.perf_counter()
+    with open(cwd / "output.log", "w") as log:
+        failure = wait_all([start(cmd, run_env(args, library), log, cwd)], args.timeout)
+    output = (cwd / "output.log").read_text()
+    run.seconds = time.perf_counter() - began
+    run.returncode = 0 if failure is None else 1
+    run.losses = parse_losses(output)
+    run.tail = output[-3000:] + ("" if failure is None else f"\n[run_cifar] {failure}")
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.log_dir) / f"{library}-zero{stage}-{args.dtype}.log").write_text(proc.stdout + proc.stderr)
+        (Path(args.log_dir) / f"{library}-zero{stage}-{args.dtype}.log").write_text(output)
     return run
 
 
@@ -157,32 +148,41 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         argv, script_args = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("script", help="path of cifar10_deepspeed.py (DeepSpeedExamples/training/cifar)")
-    p.add_argument("--library", choices=["deepshard", "deepspeed", "both"], default="both")
+    add_run_arguments(p)
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = p.parse_args(argv)
+    args.script_args = script_args
+    check_run_arguments(p, args)
+    return args
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of a run that run_cifar.py and run_moe_cifar.py share."""
+    p.add_argument("script", help="path of cifar10_deepspeed.py (DeepSpeedExamples/training/cifar)")
+    p.add_argument("--library", choices=["deepshard", "deepspeed", "both"], default="both")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (losses printed)")
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="data and initial weights (CIFAR_STANDIN_SEED)")
     p.add_argument("--test-size", type=int, default=400, help="test images the script evaluates at the end")
-    p.add_argument("--deepspeed-python", default=os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON", DEFAULT_DS_PYTHON))
+    p.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
     p.add_argument("--torch-extensions-dir", default=DEFAULT_EXTENSIONS,
                    help="where DeepSpeed builds its C++ ops (once: the first run takes minutes)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run (then it is killed)")
     p.add_argument("--json", help="write every run's losses here")
     p.add_argument("--log-dir", help="keep each run's full output here")
-    args = p.parse_args(argv)
-    args.script_args = script_args
+
+
+def check_run_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the tutorial cannot run, and a script path that is not a file."""
     if args.steps <= 0 or args.test_size % 4:
         p.error("--steps must be > 0 and --test-size a multiple of 4 (the script tests in batches of 4)")
-    return args
+    if not Path(args.script).is_file():
+        p.error(f"{args.script}: no such file; pass the path of DeepSpeedExamples' training/cifar/cifar10_deepspeed.py")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if not Path(args.script).is_file():
-        raise SystemExit(f"{args.script}: no such file; pass the path of DeepSpeedExamples' "
-                         "training/cifar/cifar10_deepspeed.py")
     libraries = ["deepshard", "deepspeed"] if args.library == "both" else [args.library]
     runs = []
     with tempfile.TemporaryDirectory(prefix="cifar-tutorial-") as tmp:

@@ -8,6 +8,7 @@ loss printed by rank 0).
 
     python benchmarks/tutorials/run_moe_cifar.py /path/to/cifar10_deepspeed.py            # every case
     python benchmarks/tutorials/run_moe_cifar.py SCRIPT --cases e2_ep2_k1_z0 --steps 50 --library deepshard
+    python benchmarks/tutorials/run_moe_cifar.py SCRIPT --cases e4_ep2_k2_pg_z1 --stages 0 1 2 3 --reuse old.json
 
 Output: one line per run, then the table (per case: DeepSpeed's and deepshard's first-50 and last-50 mean
 losses, how many leading steps print the same loss, the largest per-step difference, the difference of the
@@ -34,7 +35,7 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from benchmarks.tutorials.run_cifar import DEFAULT_DS_PYTHON, DEFAULT_EXTENSIONS, Run, run_one  # noqa: E402
+from benchmarks.tutorials.run_cifar import Run, add_run_arguments, check_run_arguments, run_one  # noqa: E402
 
 CASES: dict[str, tuple[int, str, list[str]]] = {
     # name: (ZeRO stage, dtype, the tutorial's flags after --moe)
@@ -73,20 +74,34 @@ def case_args(base: argparse.Namespace, stage: int, dtype: str, flags: list[str]
     return args
 
 
-def run_case(base: argparse.Namespace, name: str, workdir: Path) -> dict[str, Run]:
-    stage, dtype, flags = CASES[name]
+def planned(cases: list[str], stages: Optional[list[int]]) -> list[tuple[str, str, int]]:
+    """(row name, case, ZeRO stage) of every row: each case at its own stage, or at each of ``stages``
+    (rows named ``<case>@z<stage>``)."""
+    if not stages:
+        return [(name, name, CASES[name][0]) for name in cases]
+    return [(f"{name}@z{stage}", name, stage) for name in cases for stage in stages]
+
+
+def run_case(base: argparse.Namespace, name: str, stage: int, workdir: Path,
+             done: dict[tuple[str, str, int], Run]) -> dict[str, Run]:
+    """Case ``name`` at ZeRO ``stage`` under each library (DeepSpeed at ZeRO 2 where ``stage`` is 3); a run
+    already in ``done`` (the same library, flags and stage) is not repeated."""
+    _, dtype, flags = CASES[name]
     runs = {}
     for library in base.libraries:
         lib_stage = DEEPSPEED_STAGE_FOR_ZERO3 if library == "deepspeed" and stage == 3 else stage
-        args = case_args(base, lib_stage, dtype, flags)
-        if args.log_dir:
-            args.log_dir = str(Path(args.log_dir) / name)
-        run = run_one(args, library, lib_stage, workdir / name)
-        print(f"{name} {run.label}: rc {run.returncode}, {len(run.losses)} losses, accuracy {accuracy(run)} %, "
-              f"{run.seconds:.1f} s", flush=True)
-        if run.returncode != 0 or len(run.losses) != base.steps:
-            print(run.tail, file=sys.stderr)
-        runs[library] = run
+        key = (library, name, lib_stage)
+        if key not in done:
+            args = case_args(base, lib_stage, dtype, flags)
+            if args.log_dir:
+                args.log_dir = str(Path(args.log_dir) / name)
+            run = run_one(args, library, lib_stage, workdir / name)
+            print(f"{name} {run.label}: rc {run.returncode}, {len(run.losses)} losses, accuracy {accuracy(run)} %, "
+                  f"{run.seconds:.1f} s", flush=True)
+            if run.returncode != 0 or len(run.losses) != base.steps:
+                print(run.tail, file=sys.stderr)
+            done[key] = run
+        runs[library] = done[key]
     return runs
 
 
@@ -128,37 +143,45 @@ def table(rows: list[dict[str, object]]) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("script", help="path of cifar10_deepspeed.py (DeepSpeedExamples/training/cifar)")
+    add_run_arguments(p)
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
-    p.add_argument("--library", choices=["deepshard", "deepspeed", "both"], default="both")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--nprocs", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--test-size", type=int, default=400)
-    p.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
-    p.add_argument("--torch-extensions-dir", default=DEFAULT_EXTENSIONS)
-    p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--json", help="write every run's losses and the table here")
-    p.add_argument("--log-dir", help="keep each run's full output here")
+    p.add_argument("--stages", type=int, nargs="+", choices=[0, 1, 2, 3],
+                   help="run every case at each of these ZeRO stages instead of its own")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="JSON",
+                   help="take the runs (same library, case, stage and steps) from these earlier --json files")
     args = p.parse_args(argv)
+    check_run_arguments(p, args)
     args.libraries = ["deepspeed", "deepshard"] if args.library == "both" else [args.library]
     return args
 
 
+def reused(paths: list[str], steps: int) -> dict[tuple[str, str, int], Run]:
+    """The runs of ``steps`` steps that earlier ``--json`` files hold, by (library, case, stage): DeepSpeed's
+    runs do not change with deepshard's code, and take twice as long as deepshard's."""
+    done = {}
+    for path in paths:
+        for entry in json.loads(Path(path).read_text()).get("done", []):
+            entry = dict(entry)
+            case = entry.pop("case")
+            run = Run(**entry)
+            if case in CASES and run.returncode == 0 and len(run.losses) == steps and run.dtype == CASES[case][1]:
+                done[(run.library, case, run.stage)] = run
+    return done
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if not Path(args.script).is_file():
-        raise SystemExit(f"{args.script}: no such file; pass the path of DeepSpeedExamples' "
-                         "training/cifar/cifar10_deepspeed.py")
     rows, everything = [], {}
+    done = reused(args.reuse, args.steps)
     with tempfile.TemporaryDirectory(prefix="moe-cifar-") as tmp:
-        for name in args.cases:
-            runs = run_case(args, name, Path(tmp))
-            rows.append(row(name, runs))
-            everything[name] = {library: asdict(run) for library, run in runs.items()}
+        for row_name, name, stage in planned(args.cases, args.stages):
+            runs = run_case(args, name, stage, Path(tmp), done)
+            rows.append(row(row_name, runs))
+            everything[row_name] = {library: asdict(run) for library, run in runs.items()}
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
+        runs = [{"case": case, **asdict(run)} for (_, case, _), run in done.items()]
+        Path(args.json).write_text(json.dumps({"table": rows, "runs": everything, "done": runs}, indent=1))
     ok = all(r.returncode == 0 and len(r.losses) == args.steps for runs in everything.values()
              for r in (Run(**v) for v in runs.values()))
     return 0 if ok else 1

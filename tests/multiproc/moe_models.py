@@ -80,18 +80,19 @@ def make_moe_model(rank: int, world: int, ep_size: int, seed: int = 0, **options
 
 
 def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int | list[int], clip: float,
-                  lr: float = 1e-2, **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  lr: float = 1e-2, sizes: tuple[int, ...] | None = None,
+                  **options: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process PyTorch: every expert on one process; each step the mean of the losses of the
     ``chunks`` micro-batches (ranks x accumulation steps; a list: per step) the global batch is cut into (an
-    MoE layer's capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_."""
+    MoE layer's capacity and l_aux are per micro-batch), AdamW, torch's clip_grad_norm_. ``sizes``: cut
+    every batch into micro-batches of these sizes instead (uneven token counts per rank)."""
     per_step = chunks if isinstance(chunks, list) else [chunks] * len(batches)
     model = _full(0, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     losses = []
     for (x, y), cut in zip(batches, per_step):
-        micro = x.shape[0] // cut
-        loss = torch.stack([model(x[r * micro:(r + 1) * micro], y[r * micro:(r + 1) * micro])
-                            for r in range(cut)]).mean()
+        bounds = _bounds(sizes or [x.shape[0] // cut] * cut)
+        loss = torch.stack([model(x[a:b], y[a:b]) for a, b in bounds]).mean()
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -99,6 +100,19 @@ def reference_moe(batches: list[tuple[torch.Tensor, torch.Tensor]], chunks: int 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _bounds(sizes: Any) -> list[tuple[int, int]]:
+    """(start, end) of consecutive slices of these sizes."""
+    ends = torch.tensor(list(sizes)).cumsum(0).tolist()
+    return [(end - size, end) for size, end in zip(sizes, ends)]
+
+
+def uneven_slice(batch: tuple[torch.Tensor, torch.Tensor], sizes: tuple[int, ...], rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s samples when the ranks take consecutive slices of ``sizes`` samples."""
+    start, end = _bounds(sizes)[rank]
+    return batch[0][start:end], batch[1][start:end]
 
 
 def tiny_moe_config(kind: str) -> Any:

@@ -26,6 +26,7 @@ from tests.multiproc.combinations import (ZEROPP_NODE_SIZE, Cell, cells, refusal
                                           zeropp_keys)
 
 VOCAB, HIDDEN, FFN, SEQ, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 16, 4, 4, 2, 2
+MOE_EXPERTS = 4
 BASE_SEED, LR, CLIP, STEPS = 1234, 0.1, 0.3, 3  # STEPS - 1 before the checkpoint, 1 after it
 
 
@@ -158,16 +159,40 @@ class MegatronAttnBlock(AttnBlock):
         return Block.forward(self, x + reduce_from_tp_region(out, self.group) + self.o_proj.bias)
 
 
+class MoEBlock(nn.Module):
+    """A residual block around DeepSpeed's MoE layer: ``MOE_EXPERTS`` experts over ``ep`` data-parallel ranks,
+    top-2 without token dropping or random draws, l_aux left out (it depends on the micro-batch), so a token's
+    output is the same in any batch. Expert ``g`` (global id) has ``0.05 (g + 1)`` added to its first bias,
+    so the experts differ from the start and a misplaced one shows."""
+
+    def __init__(self, ep: int = 1) -> None:
+        super().__init__()
+        from deepshard.moe.layer import MoE
+
+        self.ln = nn.LayerNorm(HIDDEN)
+        expert = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=MOE_EXPERTS, ep_size=ep, k=2, drop_tokens=False, use_rts=False,
+                       top2_2nd_expert_sampling=False, min_capacity=0)
+        ep_rank = dist.get_rank() % ep if ep > 1 else 0  # DeepSpeed's layout when dp is the whole world
+        local = self.moe.num_local_experts
+        with torch.no_grad():
+            for i, module in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                module[0].bias.add_(0.05 * (ep_rank * local + i + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ln(x))[0]
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def layer_specs(model: str, tp_group: Any = None) -> list:
+def layer_specs(model: str, tp_group: Any = None, ep: int = 1) -> list:
     from deepshard.pipe import LayerSpec, TiedLayerSpec
 
     block = {"megatron": LayerSpec(MegatronBlock, tp_group), "attn": LayerSpec(AttnBlock),
-             "attn_mqa": LayerSpec(AttnBlock, 1), "attn_megatron": LayerSpec(MegatronAttnBlock, tp_group)
-             }.get(model, LayerSpec(Block))
+             "attn_mqa": LayerSpec(AttnBlock, 1), "attn_megatron": LayerSpec(MegatronAttnBlock, tp_group),
+             "moe": LayerSpec(MoEBlock, ep)}.get(model, LayerSpec(Block))
     if model == "tied":
         return [TiedLayerSpec("embed", TiedEmbed), block, block, TiedLayerSpec("embed", TiedEmbed, forward_fn=tied_head)]
     return [LayerSpec(Embed), block, block, LayerSpec(Head)]
@@ -214,7 +239,7 @@ class Flat(nn.Module):
 def reference_kind(model: str) -> str:
     if model == "attn_megatron":  # the same full weights, split by the user's layers
         return "attn"
-    return model if model in ("tied", "attn", "attn_mqa") else "plain"
+    return model if model in ("tied", "attn", "attn_mqa", "moe") else "plain"
 
 
 # ------------------------------------------------------------------------------------ data, reference
@@ -307,7 +332,8 @@ def make_model(cell: Cell) -> tuple[nn.Module, Any]:
     from deepshard.pipe import PipelineModule
 
     topo = topology(cell.pp, cell.tp, cell.dp, cell.sp)
-    specs = layer_specs(cell.model, topo.tp if cell.model in ("megatron", "attn_megatron") and cell.tp > 1 else None)
+    specs = layer_specs(cell.model, topo.tp if cell.model in ("megatron", "attn_megatron") and cell.tp > 1 else None,
+                        cell.ep)
     if cell.pp > 1:
         return PipelineModule(specs, topology=topo, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED,
                               partition_method="uniform"), topo
@@ -356,14 +382,19 @@ def train_step(engine: Any, cell: Cell, topo: Any, batch: torch.Tensor, gas: int
 
 
 def whole_params(engine: Any, model: nn.Module, topo: Any) -> dict[str, torch.Tensor]:
-    """Every parameter of the model as one tensor (tensor-parallel slices joined, every stage's layers),
-    from the engine's fp32 values; the same dict on every rank."""
+    """Every parameter of the model as one tensor (tensor-parallel slices joined, every stage's layers, every
+    expert under its global name), from the engine's fp32 values; the same dict on every rank."""
+    from deepshard.placement import expert_of, split_of
     from deepshard.tp.params import unshard
-    from deepshard.placement import split_of
 
     mine: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
     for name, p in model.named_parameters():
         value = engine.strategy.full_fp32_param(p).detach().clone()
+        found = expert_of(p)
+        if found is not None:  # each expert-parallel rank holds its own experts
+            experts[found.saved_name] = (value, None, 0, None)
+            continue
         split = split_of(p)
         if split is not None:
             mine[name] = (value, split.dim, split.index, split.fused)
@@ -372,7 +403,7 @@ def whole_params(engine: Any, model: nn.Module, topo: Any) -> dict[str, torch.Te
         else:
             mine[name] = (value, None, 0, None)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine if topo.coord.dp == 0 else {})
+    dist.all_gather_object(everyone, {**(mine if topo.coord.dp == 0 else {}), **experts})
     parts: dict[str, dict[int, Any]] = {}
     for ranks in everyone:
         for name, (value, dim, index, fused) in ranks.items():

@@ -8,7 +8,7 @@ import torch
 import deepshard
 from deepshard.placement import expert_of
 from tests.multiproc.models import make_batches, optimizer_config
-from tests.multiproc.moe_models import make_moe_model
+from tests.multiproc.moe_models import make_moe_model, uneven_slice
 from tests.multiproc.scenarios_stage0 import run_steps
 
 GLOBAL_BATCH = 16
@@ -22,6 +22,8 @@ def _config(stage: int, micro: int, gas: int = 1, dtype: str = "fp32", clip: flo
                                                  "stage3_gather_16bit_weights_on_model_save": True}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
 
 
@@ -34,19 +36,34 @@ def global_expert_weights(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_cases(rank: int, world: int, cases: list[tuple[int, int, str, int]], steps: int = 4) -> dict[Any, Any]:
-    """Each (stage, ep_size, dtype, gas): ``steps`` steps; the losses and every weight by global name."""
+def train_cases(rank: int, world: int, cases: list[tuple], steps: int = 4) -> dict[Any, Any]:
+    """Each (stage, ep_size, dtype, gas[, sizes]): ``steps`` steps; the losses and every weight by global name.
+    ``sizes``: rank r trains on ``sizes[r]`` samples of each batch (uneven token counts per rank, gas 1)."""
     out: dict[Any, Any] = {}
     batches = make_batches(steps, GLOBAL_BATCH, seed=5)
-    for stage, ep, dtype, gas in cases:
+    for case in cases:
+        stage, ep, dtype, gas, *sizes = case
         micro = GLOBAL_BATCH // (world * gas)
         model = make_moe_model(rank, world, ep)
         engine, *_ = deepshard.initialize(model=model, config=_config(stage, micro, gas, dtype))
-        losses = run_steps(engine, batches, micro, gas, rank, world)
-        out[(stage, ep, dtype, gas)] = {"losses": losses, "weights": global_expert_weights(engine),
-                                        "comms": engine.comms_logger.summary()}
+        losses = uneven_steps(engine, batches, sizes[0], rank) if sizes else run_steps(engine, batches, micro, gas,
+                                                                                        rank, world)
+        out[case] = {"losses": losses, "weights": global_expert_weights(engine), "comms": engine.comms_logger.summary()}
         engine.destroy()
     return out
+
+
+def uneven_steps(engine: Any, batches: list, sizes: tuple[int, ...], rank: int) -> list[float]:
+    """One micro-batch a step, of ``sizes[rank]`` samples on this rank; the mean of the ranks' losses."""
+    losses = []
+    for batch in batches:
+        loss = engine(*uneven_slice(batch, sizes, rank))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        torch.distributed.all_reduce(total)
+        losses.append(float(total) / len(sizes))
+    return losses
 
 
 def layout_and_accounting(rank: int, world: int) -> dict[str, Any]:
@@ -115,18 +132,9 @@ def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], 
 
     out: dict[Any, Any] = {}
     batches = token_batches(steps, 4)
-    micro = 4 // world
     for kind, stage, ep, dtype in cases:
-        engine, *_ = deepshard.initialize(model=make_hf_moe(kind), config=_autoep_config(stage, micro, ep, dtype))
-        losses = []
-        for ids in batches:
-            mine = ids[rank * micro:(rank + 1) * micro]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().float().reshape(1)
-            torch.distributed.all_reduce(total)
-            losses.append(float(total) / world)
+        engine, *_ = deepshard.initialize(model=make_hf_moe(kind), config=_autoep_config(stage, 4 // world, ep, dtype))
+        losses = _hf_steps(engine, batches, rank, world)
         weights = {name: (saved_slice(p)[0], engine.strategy.full_fp32_param(p))
                    for name, p in engine.module.named_parameters()}
         out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights,

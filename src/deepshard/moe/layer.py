@@ -18,6 +18,7 @@ without any engine (plain PyTorch).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from deepshard.moe.dispatch import all_to_all, combine, dispatch, route_slots
 from deepshard.moe.experts import Experts
-from deepshard.moe.gate import NOISY_GATE_POLICIES, TopKGate
+from deepshard.moe.gate import NOISY_GATE_POLICIES, Routing, TopKGate
 from deepshard.utils.logging import logger
 
 __all__ = ["MOELayer", "MoE"]
@@ -67,6 +68,21 @@ class MOELayer(nn.Module):
                                "model; build the engine first, or use ep_size=1 outside an engine")
         return all_to_all(self.ep_group, data)
 
+    def _common_capacity(self, routing: Routing) -> Routing:
+        """``routing`` with the buffer's capacity made the largest of the expert-parallel group's.
+
+        A rank's capacity follows its own token count, and the all-to-all needs one buffer shape on every rank
+        of the group: with uneven token counts per rank (DeepSpeed's ranks then exchange buffers of different
+        sizes and fail or hang) each rank pads its buffer to the largest. Which tokens a rank keeps still
+        follows its own capacity, so equal counts give DeepSpeed's routing unchanged."""
+        if self.ep_size == 1 or self.ep_group is None:
+            return routing
+        largest = torch.tensor([routing.capacity], dtype=torch.float32, device=routing.exp_counts.device)
+        self.ep_group.all_reduce_control(largest, "all_reduce (max) of the MoE buffer's capacity", op="max",
+                                         label="all_reduce(capacity)")
+        capacity = int(largest.item())
+        return routing if capacity == routing.capacity else dataclasses.replace(routing, capacity=capacity)
+
     def forward(self, *inputs: Tensor, **kwargs: Any) -> Tensor:
         hidden = inputs[0]
         used_token = inputs[1] if len(inputs) > 1 else kwargs.get("used_token")
@@ -74,6 +90,7 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, width)
         routing = self.gate(tokens, used_token)
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
+        routing = self._common_capacity(routing)
         experts, capacity = routing.num_experts, routing.capacity
         slots = route_slots(routing)
         buffer = self._exchange(dispatch(tokens, slots, experts, capacity))
