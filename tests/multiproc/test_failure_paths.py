@@ -150,18 +150,19 @@ def damaged(tmp_path_factory: Any) -> list[dict[str, str]]:
                             "str 'abc'"]),
     ("no_state", ["engine.json is not a valid engine file", "'state' is missing"]),
     ("rank_file_a_list", ["zero_rank0.json is not a valid rank file", "should be a mapping, found list"]),
-    ("rank_jsons_swapped", ["zero_rank0.json holds rank 1's fragments, not rank 0's", "swapped or renamed"]),
-    ("rank_tensors_swapped", ["zero_rank0.safetensors holds the tensors written as zero_rank1.safetensors"]),
+    ("rank_jsons_swapped", ["zero_rank{r}.json holds rank {o}'s fragments, not rank {r}'s", "swapped or renamed"]),
+    ("rank_tensors_swapped", ["zero_rank{r}.safetensors holds the tensors written as zero_rank{o}.safetensors"]),
     ("rng_and_rank_tensors_swapped", ["holds the tensors written as", "swapped or renamed"]),
 ])
 def test_a_damaged_file_behind_a_valid_manifest_is_named(damaged: list[dict[str, str]], case: str,
                                                          expect: list[str]) -> None:
-    """Raw KeyError / AttributeError / 'invalid literal for int()' before; each names the file now."""
-    for out in damaged:
+    """Raw KeyError / AttributeError / 'invalid literal for int()' before; each names the file now. Each rank
+    reads only its own rank files, so in the swapped cases each names its own file ({r}) and the other's ({o})."""
+    for rank, out in enumerate(damaged):
         msg = out[case]
         assert msg.startswith("CheckpointError"), msg
         for part in expect:
-            assert part in msg, msg
+            assert part.format(r=rank, o=1 - rank) in msg, msg
         assert float(msg.rsplit("[", 1)[1].rstrip("s]")) < 30, msg
 
 

@@ -10,6 +10,7 @@ free).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, TypeVar
 
 import torch
@@ -39,10 +40,10 @@ def agree_on_tag(comm: CommGroup, tag: str, mode: str) -> str:
     :class:`CheckpointTagMismatch`. Every rank must call it (one small all-gather)."""
     if comm.size == 1:
         return tag
-    tags: list[str | None] = [None] * comm.size
-    dist.all_gather_object(tags, tag, group=comm.group)
-    if all(t == tag for t in tags):
+    if _same_everywhere(comm, tag):
         return tag
+    tags: list[str | None] = [None] * comm.size
+    dist.all_gather_object(tags, tag, group=comm.group)  # every rank is here: the check above met them all
     by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
     problem = (f"save_checkpoint was called with different tags on different ranks ({by_rank}); a checkpoint "
                "is one directory written by every rank, so pass every rank the same tag (leave rank-unique "
@@ -52,6 +53,19 @@ def agree_on_tag(comm: CommGroup, tag: str, mode: str) -> str:
     if mode != "Ignore":
         logger.warning("%s; saving under rank 0's tag %r", problem, tags[0])
     return str(tags[0])
+
+
+def _same_everywhere(comm: CommGroup, tag: str) -> bool:
+    """Whether every rank passed ``tag``: two 24-bit digests of it (exact in float32) and their negations
+    reduced by max, so max == -max(-d) on every digest means one value. A control all-reduce, under the
+    watchdog: a rank that calls ``save_checkpoint`` while another trains on gets a ``CollectiveTimeout``
+    naming both positions, not gloo's abort on the size mismatch an object all-gather would meet."""
+    digest = hashlib.sha256(tag.encode("utf-8")).digest()
+    values = [float(int.from_bytes(digest[i:i + 3], "big")) for i in (0, 3)]
+    both = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.float32,
+                        device=comm._device())
+    comm.all_reduce_control(both, "save_checkpoint's barrier before writing (the ranks' tags compared)", op="max")
+    return bool(both[0].item() == -both[1].item() and both[2].item() == -both[3].item())
 
 
 def run_phase(comm: CommGroup, phase: str, action: Callable[[], T]) -> T | None:

@@ -1,7 +1,8 @@
 """Loading an engine from a tag of either format: the tag's one reader (``reader.py``) chosen from what
 the directory holds, every rank reading its own part (verified against the manifest as it is read, for a
-deepshard tag) and the ranks agreeing on the outcome before anything of the engine changes but the
-weights; then the counters, the loss scaler, the LR scheduler and the RNG streams. Loading never unpickles.
+deepshard tag) and the ranks agreeing on the outcome before anything of the engine changes; then the
+weights into the strategy, the counters, the loss scaler, the LR scheduler and the RNG streams. Loading
+never unpickles.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from deepshard.checkpoint.module_state import check_model_names
 from deepshard.checkpoint.reader import DeepShardTag, DeepSpeedTag, Resume, TagReader
 from deepshard.checkpoint.rng_streams import restore_streams
 from deepshard.checkpoint.share import LoadShare
+from deepshard.shard_state import FullState
 from deepshard.utils.logging import log_rank0, logger
 
 # 1: load_checkpoint with nothing to load (no directory, no 'latest') raises instead of warning (docs/checkpoints.md)
@@ -42,14 +44,14 @@ def load_engine_checkpoint(engine: CheckpointedEngine, load_dir: Path, tag: str 
     return str(reader.path), resume.client_state
 
 
-def _read_part(engine: CheckpointedEngine, reader: TagReader, strict: bool, with_optimizer: bool) -> Resume:
-    """This rank's part of a load: the engine record, then the weights (and optimizer state) into the
-    strategy once their names fit the model."""
+def _read_part(engine: CheckpointedEngine, reader: TagReader, strict: bool,
+               with_optimizer: bool) -> tuple[Resume, FullState]:
+    """This rank's part of a load, read and checked, nothing of the engine changed yet: the engine record
+    and the weights (and optimizer state), their names checked against the model."""
     resume = reader.resume(engine.topology.rank, engine.topology.dims)
     full = reader.full_state(engine.module, with_optimizer, _share(engine))
     check_model_names(engine.module, full, strict, reader.path)
-    engine.strategy.load_state(full, with_optimizer)
-    return resume
+    return resume, full
 
 
 def _share(engine: CheckpointedEngine) -> Optional[LoadShare]:
@@ -60,19 +62,24 @@ def _share(engine: CheckpointedEngine) -> Optional[LoadShare]:
 
 def _read_agreed(engine: CheckpointedEngine, reader: TagReader, strict: bool, with_optimizer: bool) -> Resume:
     """``_read_part`` inside the reader's verifying block; for a verified tag every file a rank reads is
-    checked as it is read, and when any rank failed every rank raises (``collective.agree_on_load``)."""
+    checked as it is read, and when any rank failed every rank raises (``collective.agree_on_load``).
+    Only then are the weights handed to the strategy: its ``load_state`` may run collectives (ZeRO 1-2
+    all-gather what a rank did not read), which a rank that failed to read would never join."""
     if not reader.verified:
-        return _read_part(engine, reader, strict, with_optimizer)
-    error: Exception | None = None
-    resume: Resume | None = None
-    try:
-        with reader.verifying():
-            resume = _read_part(engine, reader, strict, with_optimizer)
-    except Exception as err:  # noqa: BLE001 - agreed with every rank below, then raised
-        error = err
-    agree_on_load(engine.topology.world, f"reading {reader.path}", error)  # raises on every rank if any failed
-    if resume is None:
-        raise ckpt_io.CheckpointError(f"reading {reader.path} returned nothing and raised nothing")  # unreachable
+        resume, full = _read_part(engine, reader, strict, with_optimizer)
+    else:
+        error: Exception | None = None
+        part: tuple[Resume, FullState] | None = None
+        try:
+            with reader.verifying():
+                part = _read_part(engine, reader, strict, with_optimizer)
+        except Exception as err:  # noqa: BLE001 - agreed with every rank below, then raised
+            error = err
+        agree_on_load(engine.topology.world, f"reading {reader.path}", error)  # raises on every rank if any failed
+        if part is None:
+            raise ckpt_io.CheckpointError(f"reading {reader.path} returned nothing and raised nothing")  # unreachable
+        resume, full = part
+    engine.strategy.load_state(full, with_optimizer)
     return resume
 
 
