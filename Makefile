@@ -21,15 +21,16 @@ demo: install
 	$(BIN)/deepshard --num_gpus $(NPROC) examples/train_gpt.py --deepspeed_config examples/ds_config.json
 
 # the three venvs install at once (each a torch wheel and a few packages: mostly waiting on disk and unzip),
-# then the suite runs on TEST_WORKERS processes (pytest-xdist; one worker runs a whole test file, see
-# tests/conftest.py), taking the files in the order collected: the heavy layers (deepspeed_compat, e2e,
-# multiproc) first and the many short unit files last, which fill in while the last heavy file runs.
+# then the suite runs on TEST_WORKERS processes (pytest-xdist; --dist loadfile: one worker runs a whole test
+# file, so its module fixtures start once and its tests keep their order and fixed names, such as the docs
+# pages' launches on port 29500), taking the files in the order collected: the heavy layers (deepspeed_compat,
+# e2e, multiproc) first and the many short unit files last, which fill in while the last heavy file runs.
 # TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target install plain-install deepspeed-venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Real DeepSpeed 0.19.8 for the checkpoint tests (tests/deepspeed_compat run it as a subprocess): its own
 # venv, built once (~1 min), no C++ ops compiled. Where it cannot be installed (no package index) the

@@ -53,28 +53,6 @@ def _default_group_exists() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
-# Test files whose tests must not run beside each other's under ``pytest -n 2``: they share one group, so
-# one xdist worker runs them one after the other. (Within a file this holds already, see below.)
-SHARED_GROUPS: dict[str, str] = {}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): one worker runs a whole file.
-
-    A file's module-scoped fixtures (a world, a real DeepSpeed run) then start once, not once per worker,
-    and its tests keep the order and the fixed names they were written with: ``test_docs.py``'s pages launch
-    on the launcher's default port 29500, so two pages must never run at once. ``SHARED_GROUPS`` puts
-    several files in one group; an ``xdist_group`` mark a test has already is kept.
-    """
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(path, path)))
-
-
 def pytest_configure(config: pytest.Config) -> None:
     kind = config.getoption("--device")
     if kind is None:
