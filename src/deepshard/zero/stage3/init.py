@@ -112,7 +112,7 @@ def _all_subclasses(cls: type) -> set[type]:
     return out
 
 
-def single_rank_group_contradiction(dp_world_size: int, explicit_group: Any,
+def single_rank_group_contradiction(dp_world_size: int, explicit_process_group: Any,
                                    env: Mapping[str, Any] | None = None) -> str | None:
     """Why ``zero.Init`` must stop, or None: the launcher started several processes (``WORLD_SIZE`` > 1) but
     the group it would partition over has one rank, and the caller did not choose that group. That happens
@@ -120,7 +120,7 @@ def single_rank_group_contradiction(dp_world_size: int, explicit_group: Any,
     partitioning over it would keep every parameter whole on every rank, each holding the full model, which
     shows up later as an out-of-memory error with no hint at its cause. A group passed in is taken as meant,
     and a ``WORLD_SIZE`` that is not a number is left to the launcher."""
-    if dp_world_size != 1 or explicit_group is not None:
+    if dp_world_size != 1 or explicit_process_group is not None:
         return None
     env = os.environ if env is None else env
     try:
