@@ -9,7 +9,8 @@ file.
 
 The table appears when the run spans more than one file (``--timing-top N`` sets its length, and shows
 it for one file too; 0 hides it); ``--timing-json PATH`` writes every test's figures (nodeid, file,
-wall, cpu, worlds, ranks), one JSON object a line as each test ends (a run stopped early keeps what it had).
+wall, cpu, worlds, ranks, the wall-clock time it ended and the xdist worker that ran it), one JSON object a
+line as each test ends (a run stopped early keeps what it had): enough to see when each worker finished.
 
 Under pytest-xdist (``-n 2``) each worker measures its own tests (its CPU seconds and its children's, so
 two workers never count each other) and hands its records to the controller when it finishes; the
@@ -83,7 +84,8 @@ class SuiteTiming:
         yield
         worlds_after, ranks_after = _world_counts()
         record = {"nodeid": item.nodeid, "file": item.nodeid.split("::")[0], "wall": time.monotonic() - wall,
-                  "cpu": cpu_seconds() - cpu, "worlds": worlds_after - worlds, "ranks": ranks_after - ranks}
+                  "cpu": cpu_seconds() - cpu, "worlds": worlds_after - worlds, "ranks": ranks_after - ranks,
+                  "end": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
         self.records.append(record)
         if self.json_path:
             with open(self.json_path, "a") as f:
