@@ -257,3 +257,41 @@ def test_tiled_linear_is_the_linear_map_it_cuts_up() -> None:
         engine.destroy()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_zero3_linear_wrap_is_linear_with_its_own_backward() -> None:
+    """``deepspeed.runtime.zero.linear.zero3_linear_wrap``: ``F.linear``'s values and gradients (batched and not),
+    under ``torch.func.grad`` and ``vmap`` too; forward under bf16 autocast gives bf16 and fp32 gradients, and an
+    autocast region around ``backward()`` does not change a forward that ran without one."""
+    from deepshard.zero.linear import LinearFunctionForZeroStage3, zero3_linear_wrap
+
+    torch.manual_seed(0)
+    for shape, with_bias in (((3, 5, 8), True), ((8,), True), ((2, 8), False)):
+        x, w, b = torch.randn(*shape, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+        b = b.requires_grad_() if with_bias else None
+        ours = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+        out = zero3_linear_wrap(*ours)
+        torch.testing.assert_close(out, nn.functional.linear(x, w, b))
+        assert "LinearFunctionForZeroStage3" in type(out.grad_fn).__name__
+        out.square().sum().backward()
+        nn.functional.linear(x, w, b).square().sum().backward()
+        for mine, ref in zip(ours, (x, w, b)):
+            if ref is not None:
+                torch.testing.assert_close(mine.grad, ref.grad)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    torch.testing.assert_close(torch.func.grad(lambda w: zero3_linear_wrap(x, w).sin().sum())(w),
+                               torch.func.grad(lambda w: nn.functional.linear(x, w).sin().sum())(w))
+    torch.testing.assert_close(torch.func.vmap(lambda r: LinearFunctionForZeroStage3.apply(r, w, None).sum())(x),
+                               (x @ w.t()).sum(-1))
+    w32 = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = zero3_linear_wrap(x, w32)
+    assert low.dtype == torch.bfloat16
+    low.float().sum().backward()
+    assert w32.grad.dtype == torch.float32
+    torch.testing.assert_close(w32.grad, x.sum(0).expand(4, 8), atol=0.05, rtol=0.02)
+    w_plain = w.clone().requires_grad_()
+    plain = zero3_linear_wrap(x, w_plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # around backward only: the gradients stay fp32's
+        plain.sum().backward()
+    torch.testing.assert_close(w_plain.grad, x.sum(0).expand(4, 8))
