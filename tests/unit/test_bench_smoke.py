@@ -363,3 +363,23 @@ def test_sp_and_zeropp_sections_from_their_scripts_results(monkeypatch: pytest.M
     monkeypatch.setattr(zeropp_bench, "run_layout", lambda *a: {"layout": "plain", "error": "boom\n"})
     broken = capabilities.zeropp_section(quick=True, repeats=1, timeout=1.0, progress=lambda _: None)
     assert broken["status"] == "error" and capabilities.failed([broken])
+
+
+def test_background_load_spins_for_the_block_only() -> None:
+    import time
+
+    from benchmarks.background import background_load
+    from benchmarks.bench import parse_args
+
+    assert parse_args(["--background-load", "2"]).background_load == 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        with background_load(-1):
+            pass
+    with background_load(1) as procs:
+        assert len(procs) == 1 and procs[0].poll() is None
+        time.sleep(0.3)
+        ticks = int(Path(f"/proc/{procs[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[11])  # utime
+        assert ticks > 0, "the background process did not compute"
+    assert procs[0].poll() is not None, "the background process outlived the measurement"
+    run = {"settings": {"background_load": 2}, "rows": []}
+    assert "2 busy processes beside the engines" in report.format_table(run)
