@@ -225,18 +225,9 @@ def _prepare(args: argparse.Namespace, port_flag: str = "--master_port") -> Runn
 
 
 def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[int]], master_addr: str) -> Runner:
-    exports, cwd = job_exports(os.environ), os.getcwd()
-    if mode in multinode.MPI_LAUNCHERS:
-        specs = [multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)]
-        logger.info("starting %d node agents with %s (master %s:%d)", len(active), specs[0].cmd[0], master_addr,
-                    args.master_port)
-        return lambda started: multinode.run_agents(specs, started)
-    if not args.no_ssh_check:
+    if mode in ("ssh", "pdsh") and not args.no_ssh_check:
         multinode.check_ssh(list(active), args.ssh_port, shlex.split(args.launcher_args))
-    if mode == "pdsh":
-        specs = [multinode.plan_pdsh(args, active, master_addr, exports, os.environ, cwd)]
-    else:
-        specs = multinode.plan_ssh(args, active, master_addr, exports, os.environ, cwd)
+    specs = multinode.plan_runners(args, mode, active, master_addr, job_exports(os.environ), os.environ, os.getcwd())
     logger.info("starting %d nodes with %s: %s (master %s:%d)", len(active), mode,
                 ", ".join(f"{h}[{len(s)}]" for h, s in active.items()), master_addr, args.master_port)
     return lambda started: multinode.run_agents(specs, started)
