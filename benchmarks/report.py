@@ -172,7 +172,25 @@ def format_table(run: dict[str, Any]) -> str:
             if s["measured"] is not None else s["status"]) for s in run["scaling"]]
     for note in run.get("notes", []):
         lines.append(f"NOTE: {note}")
-    return "\n".join(lines)
+    lines += section_lines(run, markdown=False)
+    return "\n".join(lines).lstrip("\n")
+
+
+def section_lines(run: dict[str, Any], markdown: bool) -> list[str]:
+    """The capability sections (``benchmarks/capabilities.py``): title, conditions, table, notes."""
+    lines: list[str] = []
+    for s in run.get("sections", []):
+        lines += ["", f"**{s['title']}**" if markdown else s["title"], "",
+                  f"{s['conditions']}. Alone: `{s['command']}`" + ("." if markdown else ""), ""]
+        if markdown:
+            lines += _md_table(s["header"], s["body"])
+        else:
+            cells = [s["header"]] + s["body"]
+            widths = [max(len(c[i]) for c in cells) for i in range(len(s["header"]))]
+            lines += ["  " + "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths)))
+                      for c in cells]
+        lines += [("Note: " if markdown else "NOTE: ") + n for n in s.get("notes", [])]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------- markdown
@@ -221,6 +239,7 @@ def render_markdown(run: dict[str, Any], chart: str | None = None) -> str:
             for x in run["scaling"]]) + [""]
     for note in run.get("notes", []):
         lines.append(f"Note: {note}")
+    lines += section_lines(run, markdown=True)
     if chart:
         lines += ["", f"![step time and peak memory per engine]({chart})"]
     return "\n".join(lines).rstrip() + "\n"
