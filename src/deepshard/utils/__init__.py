@@ -60,11 +60,8 @@ def _strategy_of(param: "torch.nn.Parameter"):  # noqa: ANN202 - returns a ZeroS
 
 
 def safe_get_full_fp32_param(param: "torch.nn.Parameter") -> "torch.Tensor | None":
-    """The full fp32 value of ``param`` (its master copy when training in 16 bits), on every rank. None for a
-    frozen parameter under ZeRO (``requires_grad`` false: the optimizer holds no copy of it), as DeepSpeed."""
+    """The full fp32 value of ``param`` (its master copy when training in 16 bits), on every rank."""
     strategy = _strategy_of(param)
-    if strategy is not None and not param.requires_grad and strategy.stage > 0:
-        return None
     if strategy is None:
         return param.detach().float().clone()
     return strategy.full_fp32_param(param)
