@@ -23,8 +23,8 @@ demo: install
 # the three venvs install at once (each a torch wheel and a few packages: mostly waiting on disk and unzip),
 # then the suite runs on TEST_WORKERS processes (pytest-xdist; --dist loadfile: one worker runs a whole test
 # file, so its module fixtures start once and its tests keep their order and fixed names, such as the docs
-# pages' launches on port 29500), taking the files in the order collected: the heavy layers (deepspeed_compat,
-# e2e, multiproc) first and the many short unit files last, which fill in while the last heavy file runs.
+# pages' launches on port 29500), taking the files longest first (tests/file_order.py, by the table
+# tests/file_seconds.json), so the many short unit files fill in at the end while the last long file runs.
 # TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 

@@ -4,6 +4,7 @@
                                                # fp32 and bf16, 2 processes, then stage-3 scaling
     python benchmarks/bench.py --quick         # small models, a minute or two
     python benchmarks/bench.py --workload gpt --dtype bf16 --engines ddp deepshard-z0 --nprocs 4
+    python benchmarks/bench.py --only moe      # one part alone: engines (the tables and scaling), moe
 
 Every engine runs in fresh processes (gloo, spawned here), on the same seed, data, global batch,
 optimizer (AdamW, fixed lr, no clipping) and number of steps. Prints a table, writes
@@ -26,13 +27,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import analysis, report  # noqa: E402
+from benchmarks import analysis, capabilities, report  # noqa: E402
+from benchmarks.background import background_load  # noqa: E402
 from benchmarks.engines import ENGINES  # noqa: E402
 from benchmarks.spawn import REPO_ROOT, run_case  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe, make_workload  # noqa: E402
 
 SCALING_ENGINES = ("deepshard-z3", "fsdp2")
 DEFAULT_STEPS = {"mlp": (2, 3), "mlp12": (2, 3), "gpt": (3, 10)}  # (warm-up, measured)
+PARTS = ("engines", *capabilities.SECTIONS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="process counts of the stage-3 memory scaling runs (default 1 2 4 8, --quick 1 2 4; "
                         "give none to skip)")
     p.add_argument("--scaling-workload", choices=list(WORKLOADS), default="gpt")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="the parts to run (default all): engines = the engine tables and the stage-3 scaling; "
+                        "moe = deepshard's expert parallelism against DeepSpeed-MoE (benchmarks/capabilities.py)")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes (pure-Python spin, same nice level) beside the engines for the whole "
+                        "measurement: reproducible CPU contention (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine run before it is killed")
@@ -70,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0")
     if args.repeats < 1:
         p.error(f"--repeats ({args.repeats}) must be >= 1")
+    if args.background_load < 0:
+        p.error(f"--background-load ({args.background_load}) must be >= 0 busy processes")
     return args
 
 
@@ -114,9 +125,20 @@ def collective_costs(nprocs: int, timeout: float) -> dict[str, Any]:
     return {"status": "ok", "nprocs": nprocs, "mib": numel * 4 / 2**20, "ms": slowest}
 
 
+def _merge_sections(run: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """Add ``earlier``'s capability sections that ``run`` did not measure, each saying where it came from."""
+    have = {s["name"] for s in run.setdefault("sections", [])}
+    for section in earlier.get("sections", []):
+        if section["name"] not in have:
+            source = f"from an earlier run: {earlier.get('machine', {}).get('date', '?')}, `{earlier.get('command', '?')}`"
+            merged = any(n.startswith("from an earlier run") for n in section["notes"])
+            run["sections"].append({**section, "notes": section["notes"] + ([] if merged else [source])})
+
+
 def merge_earlier(run: dict[str, Any], earlier: dict[str, Any]) -> None:
     """Add ``earlier``'s rows for the groups ``run`` did not measure (and its scaling when ``run`` has
     none), then recompute the comparisons, targets and notes; ``run["merged"]`` says where they came from."""
+    _merge_sections(run, earlier)
     have = {(r["workload"], r["dtype"], r["nprocs"]) for r in run["rows"]}
     taken = [r for r in earlier["rows"] if (r["workload"], r["dtype"], r["nprocs"]) not in have]
     scaling = not run.get("scaling_runs") and bool(earlier.get("scaling_runs"))
@@ -149,15 +171,16 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every case: per workload x dtype x process count, ``--repeats`` rounds of every engine in turn
     (so a disturbance on the shared machine hits every engine alike); then the scaling runs, the
     comparisons and the targets."""
-    groups = [(w, d, n) for w in args.workload for d in args.dtype for n in args.nprocs]
+    groups = [(w, d, n) for w in args.workload for d in args.dtype for n in args.nprocs] if "engines" in args.only else []
     cases = [(e, w, d, n, *steps_for(w, args)) for (w, d, n) in groups for _ in range(args.repeats)
              for e in args.engines]
-    scaling = [(e, args.scaling_workload, "fp32", n, 0, 1) for e in SCALING_ENGINES for n in args.scaling]
+    scaling = [(e, args.scaling_workload, "fp32", n, 0, 1) for e in SCALING_ENGINES for n in args.scaling
+               if "engines" in args.only]
     runs: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     scale_rows = []
     total = len(cases) + len(scaling)
     load_before = report.machine_info()["load_average"]
-    collectives = collective_costs(max(args.nprocs), args.timeout)
+    collectives = collective_costs(max(args.nprocs), args.timeout) if groups else {"status": "not run"}
     unavailable: dict[tuple[str, str, int], dict[str, Any]] = {}
     for i, c in enumerate(cases + scaling, 1):
         start = time.perf_counter()
@@ -172,6 +195,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             runs.setdefault((c[0], c[1], c[2], c[3]), []).append(row)
         else:
             scale_rows.append(row)
+    sections = capabilities.run_sections([p for p in PARTS if p in args.only], args)
     rows = [analysis.merge_repeats(r) for r in runs.values()]
     analysis.add_comparisons(rows)
     targets = analysis.evaluate_targets(rows, quick=args.quick)
@@ -180,7 +204,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     machine["load_average_before"] = load_before
     return {"machine": machine, "command": "python benchmarks/bench.py " + shlex.join(sys.argv[1:]),
             "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "workloads": workloads,
-            "collectives": collectives, "rows": rows, "scaling_runs": scale_rows,
+            "collectives": collectives, "rows": rows, "scaling_runs": scale_rows, "sections": sections,
             "scaling": analysis.scaling_rows(scale_rows),
             "targets": [t.describe() for t in targets],
             "targets_detail": [{**vars(t), "verdict": t.verdict} for t in targets], "notes": _notes(rows)}
@@ -212,7 +236,8 @@ def _notes(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    run = run_all(args)
+    with background_load(args.background_load):
+        run = run_all(args)
     run["wall_seconds"] = round(time.perf_counter() - started, 1)
     for earlier in args.merge:
         merge_earlier(run, json.loads(earlier.read_text()))
@@ -232,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     # a crash, or deepshard off the others' loss, fails the run; a baseline that departs from DDP is
     # reported (MISMATCH, NOTE) but is not deepshard's bug
     failed = any(r["status"] == "error" or (r["family"] == "deepshard" and not r.get("loss_ok", True))
-                 for r in run["rows"])
+                 for r in run["rows"]) or capabilities.failed(run["sections"])
     return 1 if failed else 0
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests.multiproc.device import ENV, KINDS
 
-pytest_plugins = ["tests.timing", "tests.watchdog"]  # the time per test file, printed at the end; a time limit per test
+# the time per test file, printed at the end; a time limit per test; the longest files first to the xdist workers
+pytest_plugins = ["tests.timing", "tests.watchdog", "tests.file_order"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -9,11 +9,14 @@ file.
 
 The table appears when the run spans more than one file (``--timing-top N`` sets its length, and shows
 it for one file too; 0 hides it); ``--timing-json PATH`` writes every test's figures (nodeid, file,
-wall, cpu, worlds, ranks), one JSON object a line as each test ends (a run stopped early keeps what it had).
+wall, cpu, worlds, ranks, the wall-clock time it ended and the xdist worker that ran it), one JSON object a
+line as each test ends (a run stopped early keeps what it had): enough to see when each worker finished.
 
 Under pytest-xdist (``-n 2``) each worker measures its own tests (its CPU seconds and its children's, so
 two workers never count each other) and hands its records to the controller when it finishes; the
-controller prints one table over all of them, with its own totals (the workers are its children).
+controller prints one table over all of them. The total CPU seconds are the tests' figures summed (the
+workers' start-up and collection, a few seconds each, are not in it), and the last line says when each
+worker's last test ended: the gap between them is the time one worker ran alone at the end.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ class SuiteTiming:
         self.worker_output = worker_output  # an xdist worker's channel to the controller; None elsewhere
         self.records: list[dict[str, Any]] = []
         self.workers = 0  # xdist workers whose records arrived
-        self.start_wall, self.start_cpu = time.monotonic(), cpu_seconds()
+        self.start_wall, self.start_time = time.monotonic(), time.time()
         self.start_load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
         if json_path and worker_output is None:  # the workers append to the file the controller emptied
             Path(json_path).write_text("")
@@ -83,7 +86,8 @@ class SuiteTiming:
         yield
         worlds_after, ranks_after = _world_counts()
         record = {"nodeid": item.nodeid, "file": item.nodeid.split("::")[0], "wall": time.monotonic() - wall,
-                  "cpu": cpu_seconds() - cpu, "worlds": worlds_after - worlds, "ranks": ranks_after - ranks}
+                  "cpu": cpu_seconds() - cpu, "worlds": worlds_after - worlds, "ranks": ranks_after - ranks,
+                  "end": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
         self.records.append(record)
         if self.json_path:
             with open(self.json_path, "a") as f:
@@ -117,7 +121,10 @@ class SuiteTiming:
         write(f"{'file':<58} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'worlds':>6}")
         for name, row in sorted(files.items(), key=lambda kv: -kv[1]["cpu"])[:top]:
             write(f"{name:<58} {int(row['tests']):>5} {row['wall']:>8.1f} {row['cpu']:>8.1f} {int(row['worlds']):>6}")
-        wall, cpu = time.monotonic() - self.start_wall, cpu_seconds() - self.start_cpu
+        wall = time.monotonic() - self.start_wall
+        # the tests' own figures, summed: the controller's reading of its children would miss the ranks that a
+        # worker's forkserver (alive until the worker exits) has reaped, most of the multi-process tests' CPU
+        cpu = sum(r["cpu"] for r in self.records)
         worlds = sum(int(r["worlds"]) for r in self.records)
         ranks = sum(int(r["ranks"]) for r in self.records)
         load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
@@ -126,6 +133,18 @@ class SuiteTiming:
               f"({cpu / cores:.0f} s on {cores} idle cores at best), {worlds} worlds of {ranks} ranks; "
               f"load average {self.start_load[0]:.1f} at the start, {load[0]:.1f} at the end"
               + (f"; {self.workers} xdist workers" if self.workers else ""))
+        ends = self._worker_ends()
+        if len(ends) > 1:
+            write("each worker's last test ended at " + ", ".join(f"{w} {s:.0f} s" for w, s in ends.items())
+                  + " (from the start of the run)")
+
+    def _worker_ends(self) -> dict[str, float]:
+        """Seconds from the start of the run to each xdist worker's last test end: the run's tail."""
+        ends: dict[str, float] = {}
+        for r in self.records:
+            if r.get("worker"):
+                ends[r["worker"]] = max(ends.get(r["worker"], 0.0), r["end"] - self.start_time)
+        return dict(sorted(ends.items()))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -115,6 +115,12 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    @property
+    def tput_timer(self) -> Any:
+        """DeepSpeed's throughput timer (its fields: ``micro_step_count``, ``global_step_count``,
+        ``total_elapsed_time``, ...), started at each forward and stopped at each ``step()``."""
+        return self.tools.tput_timer
+
     # ---------------------------------------------------------------------- mixture of experts
     @property
     def has_moe_layers(self) -> bool:

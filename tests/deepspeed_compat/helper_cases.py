@@ -258,13 +258,47 @@ def _expert_ranks() -> list[Any]:
     return [_call(lambda c=c: _get_expert_parallel_ranks(*c)) for c in cases]
 
 
+def _throughput_timer() -> list[Any]:
+    """DeepSpeed's ThroughputTimer counting over 4 optimizer steps of 3 micro-steps (the clock's values
+    differ between runs; what is compared is whether each field moved)."""
+    from types import SimpleNamespace
+
+    from deepspeed.utils.timer import ThroughputTimer
+
+    timer = ThroughputTimer(SimpleNamespace(enabled=True, synchronized=False), batch_size=12, start_step=2)
+    seen = [[timer.avg_samples_per_sec()]]
+    timer.stop()  # before any start: no effect
+    for micro in range(12):
+        timer.start()
+        timer.stop(global_step=(micro + 1) % 3 == 0)
+        seen.append([timer.initialized, timer.started, timer.micro_step_count, timer.global_step_count,
+                     timer.start_time > 0, timer.total_elapsed_time > 0, timer.step_elapsed_time > 0])
+    seen.append([timer.batch_size, timer.avg_samples_per_sec() > 0])
+    return seen
+
+
+def _single_rank_group() -> list[Any]:
+    """zero.Init's check for a one-rank group under a multi-process launch (DeepSpeed's private name)."""
+    from deepspeed.runtime.zero.partition_parameters import _contradicting_single_rank_pg_error as check
+
+    cases = [(1, None, {"WORLD_SIZE": "8"}), (1, None, {"WORLD_SIZE": "1"}), (1, None, {}), (8, None, {"WORLD_SIZE": "8"}),
+             (1, object(), {"WORLD_SIZE": "8"}), (1, None, {"WORLD_SIZE": ""}), (1, None, {"WORLD_SIZE": "x"}),
+             (1, None, {"WORLD_SIZE": None}), (2, None, {"WORLD_SIZE": "4"})]
+    out = []
+    for size, group, env in cases:
+        message = check(size, group, env)
+        out.append(None if message is None else ["WORLD_SIZE=8" in message, "init_distributed" in message])
+    return out
+
+
 def run() -> dict[str, Any]:
     """Every case, by name."""
     return {"engine_precision": _engine_precision(), "comms_logger": _comms_logger(), "runners": _runners(),
             "config_model": _config_model(), "numa": _numa(), "partitions": _partitions(), "launcher": _launcher(),
             "files": _files(), "expert_ranks": _expert_ranks(),
             "numbers": _numbers(), "tracker": _tracker(), "configs": _configs(), "config_object": _config_object(),
-            "ops": _ops_and_device()}
+            "ops": _ops_and_device(), "throughput_timer": _throughput_timer(),
+            "single_rank_group": _single_rank_group()}
 
 
 if __name__ == "__main__":

@@ -279,3 +279,67 @@ def test_merge_takes_only_the_groups_this_run_did_not_measure() -> None:
                           + [r for r in earlier_rows if r["dtype"] == "fp32"], "merged": [older]})
     assert [(m["groups"], m["command"]) for m in again["merged"]] == [
         (["mlp fp32 N=2", "scaling"], "bench --dtype fp32"), (["gpt fp32 N=2"], "bench --workload gpt")]
+
+
+def test_moe_section_ratios_notes_and_merge() -> None:
+    from benchmarks import capabilities, moe_bench
+    from benchmarks.bench import merge_earlier
+
+    args = moe_bench.parse_args(capabilities.MOE_SIZES["quick"])
+    # by hand: capacity ceil(256 / 4 experts * 1.25 * top-2) = 160 tokens, buffer 4 x 160 x 128 fp32 = 327,680 B,
+    # 2 layers x (2 forward + 2 backward) all-to-alls
+    assert moe_bench.analytic_all_to_all(args, 2) == (8 * 327_680, 4 * 327_680)
+
+    def ranks(step: float, experts: int, loss: float, a2a: float | None = None) -> list[dict]:
+        r = {"step_s": step, "losses": [loss], "expert_params": experts, "dense_params": 10, "peak_rss_mb": 400.0,
+             "tensor_bytes": 2**20}
+        if a2a is not None:
+            r.update(all_to_all_bytes_per_step=a2a, memory_report={"parameters": 8, "optimizer_state": 16})
+        return [r, {**r, "step_s": step / 2}]  # the slowest rank counts
+
+    def row(library: str, ep: int, steps: list[float], experts: int, loss: float = 0.5, a2a: float | None = None):
+        return moe_bench.summarize(args, library, ep, [ranks(s, experts, loss, a2a) for s in steps])
+
+    ours = row("deepshard", 2, [1.0, 3.0, 2.0], 500, a2a=8 * 327_680)
+    theirs = row("deepspeed", 2, [2.0, 2.0, 4.0], 500)
+    assert ours["step_s"] == 2.0 and ours["tokens_per_s"] == 256
+    cells = capabilities._moe_cells(ours, theirs)
+    assert cells[1] == "2.00 (1.00-3.00)" and cells[3] == "0.50 (0.50-1.50)"  # paired: 1/2, 3/2, 2/4
+    assert cells[8] == "2.5 (2.5)"
+    good = [row("deepshard", 1, [1.0], 1000, a2a=0.0), theirs, ours]
+    assert capabilities.moe_notes(good, 2) == [] and not capabilities.failed([{"status": "ok", "notes": []}])
+    bad = [row("deepshard", 1, [1.0], 1000, a2a=0.0), row("deepspeed", 2, [1.0], 1000, loss=0.6),
+           row("deepshard", 2, [1.0], 600, a2a=1.0)]
+    notes = capabilities.moe_notes(bad, 2)
+    assert [n.split(":")[0] for n in notes] == ["LOSS MISMATCH (a bug report, not a result)", "EXPERTS NOT DIVIDED",
+                                                "ALL-TO-ALL VOLUME"]
+    assert capabilities.failed([{"status": "ok", "notes": notes}])
+    section = {"name": "moe", "title": "MoE", "conditions": "tiny", "command": "moe_bench.py", "rows": good,
+               "header": capabilities.MOE_HEADER, "body": [capabilities._moe_cells(ours, theirs)], "notes": ["n"]}
+    run = {"machine": report.machine_info(), "command": "bench --only engines", "rows": [], "scaling_runs": [],
+           "settings": {"seed": 0, "lr": 1e-3}, "workloads": {}, "sections": []}
+    merge_earlier(run, {"rows": [], "sections": [section], "command": "bench --only moe",
+                        "machine": {"date": "then"}})
+    assert run["sections"][0]["notes"] == ["n", "from an earlier run: then, `bench --only moe`"]
+    text, markdown = report.format_table(run), report.render_markdown(run)
+    assert "0.50 (0.50-1.50)" in text and "| deepshard ep2 | 2.00 (1.00-3.00) |" in markdown
+
+
+def test_background_load_spins_for_the_block_only() -> None:
+    import time
+
+    from benchmarks.background import background_load
+    from benchmarks.bench import parse_args
+
+    assert parse_args(["--background-load", "2"]).background_load == 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        with background_load(-1):
+            pass
+    with background_load(1) as procs:
+        assert len(procs) == 1 and procs[0].poll() is None
+        time.sleep(0.3)
+        ticks = int(Path(f"/proc/{procs[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[11])  # utime
+        assert ticks > 0, "the background process did not compute"
+    assert procs[0].poll() is not None, "the background process outlived the measurement"
+    run = {"settings": {"background_load": 2}, "rows": []}
+    assert "2 busy processes beside the engines" in report.format_table(run)

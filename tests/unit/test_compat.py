@@ -157,3 +157,26 @@ def test_cpu_optimizers_are_torchs_updates() -> None:
         assert torch.equal(results[0], results[1]) and not torch.equal(results[0], start)  # same update, and one
     with pytest.raises(NotImplementedError, match="bias_correction=True"):
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(1))], bias_correction=False)
+
+
+def test_zero_init_refuses_a_one_rank_group_under_a_multiprocess_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process group set up before ``zero.Init`` while the launcher says 4 processes: every rank would hold
+    the whole model, so ``Init`` stops with the cause (DeepSpeed 0.19.8 does too); a group passed in is meant."""
+    import torch.distributed as dist
+
+    import deepshard
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    created = not dist.is_initialized()
+    deepshard.init_distributed(verbose=False)  # one process, in-memory store
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        with pytest.raises(RuntimeError, match="WORLD_SIZE=4 processes.*init_distributed"):
+            with deepshard.zero.Init():
+                torch.nn.Linear(2, 2)
+        with deepshard.zero.Init(data_parallel_group=dist.group.WORLD):
+            layer = torch.nn.Linear(2, 2)
+        assert layer.weight.ds_numel == 4 and layer.weight.numel() == 0
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -103,6 +103,21 @@ def test_runner_records_each_side_and_report_counts_them(checkout: Path, tmp_pat
     assert "**Overall: 3 of the 3 tests that pass on DeepSpeed pass on deepshard (100%).**" in text
 
 
+def test_rerun_of_some_tests_merges_into_the_file_results() -> None:
+    """``-k``: the re-run tests' outcomes replace theirs, the others stay; an earlier time-out stops counting
+    once the re-run reached every test it had left."""
+    earlier = {"rc": 124, "timed_out": True, "seconds": 100.0, "collect_errors": [],
+               "tests": {"f::a": {"outcome": "failed"}, "f::b": {"outcome": "passed"}, "f::c": {"outcome": "not run"}}}
+    rerun = {"rc": 0, "timed_out": False, "seconds": 5.0, "collect_errors": [],
+             "tests": {"f::a": {"outcome": "passed"}, "f::c": {"outcome": "skipped"}}}
+    merged = runner.merge_outcome(earlier, rerun)
+    assert {k: v["outcome"] for k, v in merged["tests"].items()} == {"f::a": "passed", "f::b": "passed",
+                                                                     "f::c": "skipped"}
+    assert merged["timed_out"] is False and merged["seconds"] == 105.0 and merged["rc"] == 0
+    partial = runner.merge_outcome(earlier, {**rerun, "tests": {"f::a": {"outcome": "passed"}}})
+    assert partial["timed_out"] is True  # f::c is still unreached
+
+
 def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
     def entry(outcome: str, why: str = "", ws: int = 1) -> dict:
         return {"outcome": outcome, "why": why, "ws": [ws], "seconds": 0.0}

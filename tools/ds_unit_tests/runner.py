@@ -76,13 +76,15 @@ def side_env(side: str, local_size: int, extra_path: str, per_test_timeout: int,
     return env
 
 
-def run_file(python: str, tests_dir: Path, rel: str, env: dict[str, str], timeout: int) -> dict[str, Any]:
-    """One DeepSpeed test file under pytest: per test id outcome, why, world sizes; plus the exit code."""
+def run_file(python: str, tests_dir: Path, rel: str, env: dict[str, str], timeout: int,
+             keyword: str = "") -> dict[str, Any]:
+    """One DeepSpeed test file under pytest (only the tests ``keyword`` selects, as pytest's ``-k``, where
+    given): per test id outcome, why, world sizes; plus the exit code."""
     with tempfile.TemporaryDirectory() as scratch:
         results = Path(scratch) / "results.json"
         cmd = ["timeout", "--kill-after=20", str(timeout), python, "-m", "pytest", "-p", "no:cacheprovider",
                "-p", "ds_unit_record", "-q", "-rN", "--color=no", "--basetemp", str(Path(scratch) / "tmp"),
-               f"unit/{rel}"]
+               f"unit/{rel}"] + (["-k", keyword] if keyword else [])
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=tests_dir, env={**env, "DS_UNIT_RESULTS": str(results)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side", choices=(*SIDES, "both"), default="both")
     parser.add_argument("--files", nargs="*", help="globs under tests/unit (default: tools/ds_unit_tests/files.txt)")
     parser.add_argument("--exclude", nargs="*", default=[], help="globs of files to leave out")
+    parser.add_argument("-k", dest="keyword", default="",
+                        help="pytest -k expression: run only the tests it selects and merge their outcomes "
+                             "into the file's earlier results (to re-run a few tests of a long file)")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="JSON updated in place")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and side")
     parser.add_argument("--local-size", type=int, default=2, help="devices the CPU accelerators count")
@@ -153,13 +158,27 @@ def main(argv: list[str] | None = None) -> int:
                 python = _venv_python(args.ds_python) if side == "deepspeed" else args.deepshard_python
                 extra = args.ds_pythonpath if side == "deepspeed" else ""
                 env = side_env(side, args.local_size, extra, min(args.timeout, 600), not args.no_preload)
-                outcome = run_file(python, tests_dir, rel, env, args.timeout)
-                results["files"].setdefault(rel, {})[side] = outcome
+                outcome = run_file(python, tests_dir, rel, env, args.timeout, args.keyword)
+                sides_of_file = results["files"].setdefault(rel, {})
+                if args.keyword and side in sides_of_file:
+                    outcome = merge_outcome(sides_of_file[side], outcome)
+                sides_of_file[side] = outcome
                 args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
                 counts = _counts(outcome["tests"])
                 print(f"{side:9} {rel}: {counts} in {outcome['seconds']}s"
                       + (" (timed out)" if outcome["timed_out"] else ""), flush=True)
     return 0
+
+
+def merge_outcome(earlier: dict[str, Any], rerun: dict[str, Any]) -> dict[str, Any]:
+    """A file's results after re-running some of its tests (``-k``): their new outcomes replace the old;
+    the file counts as cut short only where the re-run was (an earlier time-out's unreached tests that
+    the re-run reached are judged now)."""
+    tests = {**earlier["tests"], **rerun["tests"]}
+    unreached = any(entry["outcome"] == "not run" for entry in tests.values())
+    return {**rerun, "tests": tests, "timed_out": rerun["timed_out"] or (earlier["timed_out"] and unreached),
+            "seconds": round(earlier["seconds"] + rerun["seconds"], 1),
+            "collect_errors": rerun["collect_errors"] or earlier["collect_errors"]}
 
 
 def _counts(tests: dict[str, Any]) -> str:

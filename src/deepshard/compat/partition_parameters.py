@@ -16,6 +16,11 @@ import torch
 from deepshard.accelerator import get_accelerator
 from deepshard.zero import (GatheredParameters, Init, ZeroParamStatus, register_external_parameter,
                             unregister_external_parameter)
+from deepshard.zero.stage3.init import single_rank_group_contradiction
+
+_contradicting_single_rank_pg_error = single_rank_group_contradiction
+"""DeepSpeed's private name of the check ``zero.Init`` makes before partitioning (a one-rank group under a
+multi-process launch)."""
 
 _orig_torch_arange = torch.arange
 

@@ -160,6 +160,7 @@ class PipelineEngine(EngineCore):
         split = name == "zb-h1" and not self.module.activation_checkpoint_interval
         run = _BatchRun(self._iterator(data_iter), m, split_backward=split)
         self.tools.throughput.start()
+        self.tools.tput_timer.start()
         with self.tools.time("backward"):  # the whole schedule: forwards, backwards, transfers, reduction
             actions, receives = self._plan(name, m)
             self.link.begin(receives)

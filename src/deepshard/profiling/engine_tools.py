@@ -10,12 +10,13 @@ fwd+bwd count then gives the TFLOP/s in every later throughput line.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 
 from deepshard.profiling.flops_profiler import FlopsProfiler
-from deepshard.profiling.timers import TIMER_NAMES, StepTimers, ThroughputTimer
+from deepshard.profiling.timers import TIMER_NAMES, MicroStepThroughputTimer, StepTimers, ThroughputTimer
 from deepshard.utils.logging import logger
 
 GB = 1024 ** 3
@@ -33,6 +34,13 @@ def count_tokens(inputs: Any, kwargs: dict[str, Any]) -> int:
     return 0
 
 
+def throughput_timer_config(timers: Any) -> SimpleNamespace:
+    """The config's ``timers.throughput`` section (DeepSpeed's; both keys default to true)."""
+    section = timers.get("throughput", {}) if isinstance(timers, dict) else {}
+    return SimpleNamespace(enabled=bool(section.get("enabled", True)),
+                           synchronized=bool(section.get("synchronized", True)))
+
+
 class EngineTools:
     """Timers, throughput and the FLOPs profiler of one engine."""
 
@@ -42,6 +50,9 @@ class EngineTools:
         self.profile_config = config.flops_profiler
         self.timers = StepTimers(synchronize if self.breakdown else None)
         self.throughput = ThroughputTimer(int(config.train_batch_size), synchronize)
+        self.tput_timer = MicroStepThroughputTimer(throughput_timer_config(config.timers),
+                                                   int(config.train_batch_size), synchronize=synchronize)
+        """DeepSpeed's ``engine.tput_timer``: started at each forward, stopped at each ``step()``."""
         self.flops_profiler: FlopsProfiler | None = None
         self.flops_per_step: int | None = None
         self.profile_text: str | None = None
@@ -54,6 +65,7 @@ class EngineTools:
     def on_forward(self, engine: Any, inputs: Any, kwargs: dict[str, Any]) -> None:
         """Before the module's forward: start the step's clock, count tokens, maybe start profiling."""
         self.throughput.start()
+        self.tput_timer.start()
         self._tokens += count_tokens(inputs, kwargs)
         cfg = self.profile_config
         if (cfg.enabled and self.rank == 0 and self.flops_profiler is None and self.flops_per_step is None
@@ -79,6 +91,7 @@ class EngineTools:
 
     def after_step(self, engine: Any, boundary: bool) -> None:
         """After ``engine.step()``: close the micro-step; at the boundary close the step and the profile."""
+        self.tput_timer.stop(global_step=boundary)
         times = self.timers.end_micro_step()
         for name, value in times.items():
             self._step_times[name] += value

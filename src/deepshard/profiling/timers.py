@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 TIMER_NAMES: tuple[str, ...] = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
 _SHORT = {"forward": "fwd", "backward": "bwd", "backward_inner": "bwd_inner",
@@ -114,3 +114,92 @@ class ThroughputTimer:
     @property
     def curr_samples_per_sec(self) -> float:
         return self.samples_per_step / self.last_step_time if self.last_step_time > 0 else 0.0
+
+
+class MicroStepThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer`` (``deepspeed.utils.timer.ThroughputTimer``): its fields and counting,
+    for code that reads them (DeepSpeed's own tests do).
+
+    Each micro-step is timed from ``start()`` (the engine's forward) to ``stop()`` (the engine's step); the
+    first ``start_step`` optimizer steps are not timed (``start_time`` stays 0), as DeepSpeed's warm-up.
+    ``step_elapsed_time`` sums the micro-steps of the current optimizer step and is reset at its boundary
+    (``stop(global_step=True)``); ``total_elapsed_time`` sums every timed micro-step. The engine's own
+    throughput line comes from :class:`ThroughputTimer`; with ``steps_per_output`` this one also logs
+    DeepSpeed's ``RunningAvgSamplesPerSec`` line at those global steps through ``logging_fn``."""
+
+    def __init__(self, config: Any = None, batch_size: int | None = None, start_step: int = 2,
+                 steps_per_output: int | None = None, monitor_memory: bool = False,
+                 logging_fn: Callable[[str], Any] | None = None,
+                 synchronize: Callable[[], None] | None = None) -> None:
+        if monitor_memory:
+            raise ValueError("ThroughputTimer(monitor_memory=True) is not provided by deepshard: its memory "
+                             "figures are in the steps_per_print line; pass monitor_memory=False")
+        self.config = config
+        self.enabled = bool(getattr(config, "enabled", True))
+        self.synchronized = bool(getattr(config, "synchronized", True))
+        self._sync = synchronize
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.monitor_memory = monitor_memory
+        self.logging = logging_fn if logging_fn is not None else print
+        self.start_time = 0.0
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+
+    def _now(self) -> float:
+        if self.synchronized and self._sync is not None:
+            self._sync()
+        return time.time()
+
+    def update_epoch_count(self) -> None:
+        """A new epoch: count it and restart the micro-step count."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        """A micro-step begins (timed once ``start_step`` optimizer steps have passed)."""
+        if not self.enabled:
+            return
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = self._now()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """A micro-step ends; ``global_step``: it closed an optimizer step. No effect unless started."""
+        if not self.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time <= 0:
+            return
+        self.end_time = self._now()
+        duration = self.end_time - self.start_time
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if not global_step:
+            return
+        if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
+            self.logging(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+                         f"global_step={self.global_step_count}, RunningAvgSamplesPerSec="
+                         f"{self.avg_samples_per_sec()}, CurrSamplesPerSec="
+                         f"{self.batch_size / max(self.step_elapsed_time, 1e-8)}")
+        self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the timed optimizer steps (-inf before any step)."""
+        timed_steps = self.global_step_count - self.start_step
+        if self.global_step_count <= 0:
+            return float("-inf")
+        if timed_steps <= 0 or self.total_elapsed_time <= 0:
+            return 0.0
+        return self.batch_size / (self.total_elapsed_time / timed_steps)

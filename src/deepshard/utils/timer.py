@@ -1,12 +1,15 @@
-"""``deepspeed.utils.timer``: the statistics helper DeepSpeed's communication logger uses (``trim_mean``).
-DeepSpeed's timer registry (``SynchronizedWallClockTimer``, ``ThroughputTimer``) is not provided: deepshard's
-engine times forward, backward and step itself (turn on ``wall_clock_breakdown``)."""
+"""``deepspeed.utils.timer``: the statistics helper DeepSpeed's communication logger uses (``trim_mean``) and
+its ``ThroughputTimer`` (the class of ``engine.tput_timer``). DeepSpeed's timer registry
+(``SynchronizedWallClockTimer``) is not provided: deepshard's engine times forward, backward and step itself
+(turn on ``wall_clock_breakdown``)."""
 from __future__ import annotations
 
 from statistics import mean
 from typing import Any, Sequence
 
-__all__ = ["trim_mean"]
+from deepshard.profiling.timers import MicroStepThroughputTimer as ThroughputTimer
+
+__all__ = ["ThroughputTimer", "trim_mean"]
 
 _REGISTRY = ("DeepSpeed's timer registry (deepshard's engine times forward, backward, backward_inner, "
              "backward_allreduce and step; turn on wall_clock_breakdown) instead")

@@ -62,6 +62,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
         _dump()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run are "not run" yet
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         _RESULTS[item.nodeid] = {"outcome": "not run", "ws": _world_sizes(item), "why": "", "seconds": 0.0}

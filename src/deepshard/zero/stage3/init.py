@@ -19,8 +19,9 @@ other way must do so inside ``GatheredParameters(params, modifier_rank=0)``.
 from __future__ import annotations
 
 import functools
+import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -111,6 +112,30 @@ def _all_subclasses(cls: type) -> set[type]:
     return out
 
 
+def single_rank_group_contradiction(dp_world_size: int, explicit_process_group: Any,
+                                   env: Mapping[str, Any] | None = None) -> str | None:
+    """Why ``zero.Init`` must stop, or None: the launcher started several processes (``WORLD_SIZE`` > 1) but
+    the group it would partition over has one rank, and the caller did not choose that group. That happens
+    when something set up a one-process group before (a ``from_pretrained`` ahead of ``init_distributed``);
+    partitioning over it would keep every parameter whole on every rank, each holding the full model, which
+    shows up later as an out-of-memory error with no hint at its cause. A group passed in is taken as meant,
+    and a ``WORLD_SIZE`` that is not a number is left to the launcher."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init would partition over a process group of 1 rank, but the launcher started "
+            f"WORLD_SIZE={launched} processes: a one-process group was set up before zero.Init (for example a "
+            f"from_pretrained call ahead of deepspeed.init_distributed()), so every rank would hold the whole "
+            f"model. Call init_distributed() before building the model under zero.Init, or pass "
+            f"data_parallel_group= when a one-rank group is what you mean.")
+
+
 class Init:
     """Context manager: modules built inside are partitioned as they are built (ZeRO stage 3)."""
 
@@ -144,6 +169,9 @@ class Init:
         if self.group is None and self.mpu is not None:  # Megatron-style: shard over its data-parallel group
             self.group = self.mpu.get_data_parallel_group()
         self.comm = CommGroup(self.group)
+        refusal = single_rank_group_contradiction(self.comm.size, self.group)
+        if refusal is not None:
+            raise RuntimeError(refusal)
 
     def _partition(self, module: torch.nn.Module) -> None:
         for p in module.parameters(recurse=False):
