@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import analysis, capabilities, report  # noqa: E402
+from benchmarks.background import background_load  # noqa: E402
 from benchmarks.engines import ENGINES  # noqa: E402
 from benchmarks.spawn import REPO_ROOT, run_case  # noqa: E402
 from benchmarks.workloads import WORKLOADS, describe, make_workload  # noqa: E402
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
                    help="the parts to run (default all): engines = the engine tables and the stage-3 scaling; "
                         "moe = deepshard's expert parallelism against DeepSpeed-MoE (benchmarks/capabilities.py)")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes (pure-Python spin, same nice level) beside the engines for the whole "
+                        "measurement: reproducible CPU contention (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine run before it is killed")
@@ -75,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0")
     if args.repeats < 1:
         p.error(f"--repeats ({args.repeats}) must be >= 1")
+    if args.background_load < 0:
+        p.error(f"--background-load ({args.background_load}) must be >= 0 busy processes")
     return args
 
 
@@ -230,7 +236,8 @@ def _notes(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    run = run_all(args)
+    with background_load(args.background_load):
+        run = run_all(args)
     run["wall_seconds"] = round(time.perf_counter() - started, 1)
     for earlier in args.merge:
         merge_earlier(run, json.loads(earlier.read_text()))

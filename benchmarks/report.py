@@ -144,9 +144,17 @@ def targets_table(details: list[dict[str, Any]]) -> tuple[list[str], list[list[s
     return header, [[where] + [cells.get(name, "-") for name, _ in TARGET_COLUMNS] for where, cells in rows.items()]
 
 
+def background_note(run: dict[str, Any]) -> str:
+    """``; with N busy processes beside the engines`` when the run had ``--background-load N``, else ''."""
+    n = int(run.get("settings", {}).get("background_load") or 0)
+    return f"; with {n} busy process{'es' if n != 1 else ''} beside the engines (--background-load {n})" if n else ""
+
+
 def format_table(run: dict[str, Any]) -> str:
     """The terminal report: one table per workload x dtype, then the targets and the scaling table."""
     lines: list[str] = [x for x in [collectives_line(run)] if x]
+    if background_note(run):
+        lines.append(background_note(run)[2:])
     for group in grouped(run["rows"]):
         lines += ["", _group_title(group, run.get("workloads", {}))]
         cells = [COLUMNS] + [row_cells(r) for r in group]
@@ -213,7 +221,7 @@ def render_markdown(run: dict[str, Any], chart: str | None = None) -> str:
              f"Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed'] or 'not installed'}; "
              f"load average (1 / 5 / 15 min) {load(m.get('load_average_before'))} before the run, "
              f"{load(m.get('load_average'))} after; "
-             f"{run.get('wall_seconds', 0):.0f} s in all.", "", f"Command: `{run['command']}`", ""]
+             f"{run.get('wall_seconds', 0):.0f} s in all{background_note(run)}.", "", f"Command: `{run['command']}`", ""]
     for earlier in run.get("merged", []):
         e = earlier["machine"]
         lines += [f"From an earlier run ({', '.join(earlier['groups'])}): measured {e.get('date', '?')} on the same "

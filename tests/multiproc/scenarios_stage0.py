@@ -70,19 +70,23 @@ def full_weights(engine: Any) -> dict[str, torch.Tensor]:
 def oracle_world(rank: int, world: int, stage: int = 0) -> dict[str, Any]:
     """Every accumulation split of a global batch of 8, fp32/bf16/fp16, for one ZeRO stage."""
     results: dict[str, Any] = {}
+    adaptive: list = []  # stage 0 without accumulation: its engine (the reduction schedule it chose)
     for micro in (1, 2, 4):
         gas = 8 // (micro * world)
         if gas >= 1 and micro * gas * world == 8:
-            results[f"fp32_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, stage=stage)
+            results[f"fp32_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, stage=stage,
+                                                     engine_out=adaptive if gas == 1 and stage == 0 else None)
             results[f"sgd_m{micro}_g{gas}"] = train(rank, world, micro, gas, steps=5, clip=0.5, stage=stage,
                                                     extra={"optimizer": sgd_config()})
-    if stage == 0:  # the other reduction schedule than this host picks by default (overlapped or after backward)
-        from deepshard.zero.stage0 import overlap_for
-
-        overlap = not overlap_for(type("Unset", (), {"overlap_comm_given": False})())
-        results[f"fp32_overlap{int(overlap)}_m1_g{8 // world}"] = train(
-            rank, world, 1, 8 // world, steps=5, stage=0,
-            extra={"zero_optimization": {"stage": 0, "reduce_bucket_size": 500, "overlap_comm": overlap}})
+    if stage == 0:  # both reduction schedules forced (overlap_comm unset, above, times both and keeps one)
+        for overlap in (False, True):
+            results[f"fp32_overlap{int(overlap)}_m1_g{8 // world}"] = train(
+                rank, world, 1, 8 // world, steps=5, stage=0,
+                extra={"zero_optimization": {"stage": 0, "reduce_bucket_size": 500, "overlap_comm": overlap}})
+        # the split without accumulation ran 5 reducing backwards with overlap_comm unset: one untimed, then
+        # both schedules in turn (2 each), then a choice; the losses and weights above match all the same
+        schedule = adaptive[0].strategy.schedule if adaptive else None
+        results["adaptive_decisions"] = None if schedule is None else schedule.decisions
     micro, gas = 8 // (2 * world) if world <= 4 else 1, 2
     results["bf16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="bf16", stage=stage)
     results["fp16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="fp16", stage=stage)

@@ -78,6 +78,16 @@ def test_parameters_identical_on_every_rank(oracle: tuple[int, dict]) -> None:
     assert results["rank_spread"] == 0.0
 
 
+def test_stage0_runs_both_reduction_schedules(oracle: tuple[int, dict]) -> None:
+    """Stage 0 forced to each schedule (overlap_comm true / false) and left to choose (unset: it timed both
+    in the split without accumulation, then chose) all match the reference (checked with the fp32 splits)."""
+    world, results = oracle
+    if "adaptive_decisions" not in results:
+        pytest.skip("stages 1-3 reduce as backward produces the gradients, whatever overlap_comm says")
+    assert {f"fp32_overlap0_m1_g{8 // world}", f"fp32_overlap1_m1_g{8 // world}"} <= set(results)
+    assert results["adaptive_decisions"] == 1
+
+
 def test_bf16_within_tolerance(oracle: tuple[int, dict]) -> None:
     _, results = oracle
     _assert_matches(results["bf16"], _reference(8), BF16_LOSS_RTOL, BF16_PARAM_RTOL)

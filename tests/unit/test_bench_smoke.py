@@ -323,3 +323,23 @@ def test_moe_section_ratios_notes_and_merge() -> None:
     assert run["sections"][0]["notes"] == ["n", "from an earlier run: then, `bench --only moe`"]
     text, markdown = report.format_table(run), report.render_markdown(run)
     assert "0.50 (0.50-1.50)" in text and "| deepshard ep2 | 2.00 (1.00-3.00) |" in markdown
+
+
+def test_background_load_spins_for_the_block_only() -> None:
+    import time
+
+    from benchmarks.background import background_load
+    from benchmarks.bench import parse_args
+
+    assert parse_args(["--background-load", "2"]).background_load == 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        with background_load(-1):
+            pass
+    with background_load(1) as procs:
+        assert len(procs) == 1 and procs[0].poll() is None
+        time.sleep(0.3)
+        ticks = int(Path(f"/proc/{procs[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[11])  # utime
+        assert ticks > 0, "the background process did not compute"
+    assert procs[0].poll() is not None, "the background process outlived the measurement"
+    run = {"settings": {"background_load": 2}, "rows": []}
+    assert "2 busy processes beside the engines" in report.format_table(run)

@@ -88,6 +88,43 @@ def test_stage0_overlaps_unless_the_config_says_otherwise() -> None:
     assert not overlap_for(ZeroConfig(stage=0, overlap_comm=False))
 
 
+def test_stage0_adapts_its_schedule_only_when_the_config_leaves_it_unset() -> None:
+    from deepshard.config.zero import ZeroConfig
+    from deepshard.zero.stage0 import adaptive_overlap
+
+    assert adaptive_overlap(ZeroConfig(stage=0))
+    assert not adaptive_overlap(ZeroConfig(stage=0, overlap_comm=True))
+    assert not adaptive_overlap(ZeroConfig(stage=0, overlap_comm=False))
+
+
+@pytest.mark.parametrize("overlapped_ms, after_ms, keeps", [(10.0, 20.0, True), (30.0, 20.0, False)])
+def test_adaptive_overlap_times_both_schedules_and_keeps_the_faster(overlapped_ms: float, after_ms: float,
+                                                                    keeps: bool) -> None:
+    from deepshard.zero.schedule import AdaptiveOverlap
+
+    now = [0.0]
+    chooser = AdaptiveOverlap(probes=2, settle=1, recheck_every=3, clock=lambda: now[0])
+
+    def backward(cost_of: dict[bool, float]) -> bool:
+        mode = chooser.next_overlap()
+        now[0] += cost_of[mode] / 1e3
+        chooser.finished()
+        return mode
+
+    costs = {True: overlapped_ms, False: after_ms}
+    # settle (overlapped, untimed: a first step's allocations would skew it), then both schedules in turn
+    assert [backward({True: 500.0, False: 500.0})] + [backward(costs) for _ in range(4)] == \
+        [True, True, False, True, False]
+    assert chooser.choice is keeps and chooser.decisions == 1
+    assert [backward(costs) for _ in range(3)] == [keeps] * 3  # kept for recheck_every backwards
+    # then probed again (no settling): the load changed and the other schedule is faster now
+    flipped = {True: after_ms, False: overlapped_ms}
+    assert [backward(flipped) for _ in range(4)] == [True, False, True, False]
+    assert chooser.choice is (not keeps) and chooser.decisions == 2
+    with pytest.raises(ValueError, match="probes and recheck_every must be >= 1"):
+        AdaptiveOverlap(probes=0)
+
+
 class _Done:
     def wait(self) -> None:
         return None

@@ -2,9 +2,9 @@
 backward produces them, overlapped with the rest of backward (``overlap=True``), or all at once when
 backward has finished (``overlap=False``).
 
-Overlapping is the default (``deepshard.zero.stage0.overlap_for``): NCCL reduces on the GPU while the host
-keeps computing; gloo reduces on a thread of its own, which on a busy host takes turns with backward, and
-yet measured a little faster than reducing once after backward even with no core to spare for it.
+``overlap`` may change between backwards: with ``overlap_comm`` unset, stage 0 times both schedules and
+keeps the faster (``deepshard.zero.schedule``): NCCL reduces on the GPU while the host keeps computing;
+gloo reduces on a thread of its own, which on a busy host takes turns with backward.
 
 After ``zero_()`` the buffers are not cleared: every ``.grad`` is set to None (as DeepSpeed's
 ``zero_grad`` leaves it), so the next backward's autograd hands over a fresh gradient that is copied

@@ -3,7 +3,8 @@
 Every process holds the whole model, its gradients and the whole optimizer state. Gradients are
 all-reduced in buckets of ``reduce_bucket_size`` elements, either as backward produces them (overlapped
 with the rest of backward) or once backward has finished: ``zero_optimization.overlap_comm`` chooses;
-left unset, it overlaps on every backend (``overlap_for``). With fp16/bf16 the optimizer
+left unset, stage 0 times both while training and keeps the faster (``zero/schedule.py``: overlapping wins
+with a core to spare, reducing afterwards when other processes compete for the cores). With fp16/bf16 the optimizer
 updates fp32 master weights that are copied back into the module after each step.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.grad_norm import Pieces, exact_norm
 from deepshard.zero.module_values import load_module_values, module_extra_state
+from deepshard.zero.schedule import AdaptiveOverlap
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy, sources_by_copies
 
 
@@ -64,6 +66,10 @@ class Stage0Strategy(ZeroStrategy):
             overlap=overlap_for(ctx.zero_config), group_of=ctx.reduction_group if self.split_experts else None,
             canonical=(ctx.comm.pairwise and ctx.device.type == "cpu") or ctx.deterministic_steps > 0,
             **self._deterministic_sum(ctx))
+        self.schedule: AdaptiveOverlap | None = None
+        """Times both reduction schedules and keeps the faster, when ``overlap_comm`` is unset."""
+        if adaptive_overlap(ctx.zero_config) and ctx.comm.size > 1 and ctx.deterministic_steps == 0:
+            self.schedule = AdaptiveOverlap()
 
     def _deterministic_sum(self, ctx: StrategyContext) -> dict[str, float]:
         """The deterministic mode's sum over micro-steps (``zero/canonical.py``): contiguous where it can be
@@ -79,7 +85,10 @@ class Stage0Strategy(ZeroStrategy):
         if self.reducer.tree is not None or self.reducer.locals:  # the deterministic mode, on one process too
             self.reducer.begin_backward(reduce)
             return
-        self.reducer.begin_backward(reduce and self.ctx.comm.size > 1 and not self._local_gradients())
+        reducing = reduce and self.ctx.comm.size > 1 and not self._local_gradients()
+        if reducing and self.schedule is not None:
+            self.reducer.overlap = self.schedule.next_overlap()
+        self.reducer.begin_backward(reducing)
 
     def _local_gradients(self) -> bool:
         """True when the optimizer exchanges compressed state instead: gradients stay on this rank."""
@@ -87,6 +96,8 @@ class Stage0Strategy(ZeroStrategy):
 
     def end_backward(self) -> None:
         self.reducer.end_backward()
+        if self.schedule is not None:
+            self.schedule.finished()
 
     # ---------------------------------------------------------------------------------------- step
     grads_sharded = False
@@ -225,14 +236,20 @@ class Stage0Strategy(ZeroStrategy):
 
 
 def overlap_for(zero_config: object) -> bool:
-    """Whether stage 0 overlaps its all-reduces with backward: ``overlap_comm`` where the config sets it,
-    else yes on every backend. On NCCL the GPU reduces while the host computes. On gloo the reduction
-    runs on a thread of its own: measured on two cores with two processes (no core to spare for that
-    thread), overlapping was still 2-4% faster per step than reducing once after backward, so the
-    schedule does not depend on the core budget."""
+    """Whether stage 0 starts out overlapping its all-reduces with backward: ``overlap_comm`` where the
+    config sets it (for good), else yes until :func:`adaptive_overlap`'s timing has chosen."""
     if getattr(zero_config, "overlap_comm_given", True):
         return bool(getattr(zero_config, "overlap_comm"))
     return True
+
+
+def adaptive_overlap(zero_config: object) -> bool:
+    """True when the config leaves ``overlap_comm`` unset: stage 0 then times both schedules while training
+    and keeps the faster (``zero/schedule.py``). Overlapping wins when a core (or the GPU) is free for the
+    reduction; when other processes compete for the cores, the reduction thread takes turns with backward
+    and reducing once afterwards wins. DeepSpeed's own default, reducing after backward at stage 0, is
+    the ``overlap_comm: false`` setting."""
+    return not getattr(zero_config, "overlap_comm_given", True)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
