@@ -54,7 +54,8 @@ test-quick: install
 plain-install:
 	tests/e2e/plain_install/check.sh $(PY) .venv-plain $(TORCH)
 
-# deepshard against torch DDP, FSDP2 and DeepSpeed, every engine 3 times interleaved (~60 min on 2 cores); make bench BENCH_ARGS=--quick for ~9 min.
+# deepshard against torch DDP, FSDP2 and DeepSpeed, every engine 3 times interleaved (~60 min on 2 cores), then the MoE,
+# sequence-parallel and ZeRO++ parts (BENCH_ARGS="--only moe" runs one part); make bench BENCH_ARGS=--quick for ~9 min plus the parts.
 # Its own venv: with a real DeepSpeed installed, `import deepspeed` is DeepSpeed's, which the test suite's
 # one-import checks (deepshard standing in for deepspeed) rightly refuse to shadow unasked.
 BENCH_VENV ?= .venv-bench

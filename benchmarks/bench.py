@@ -4,7 +4,7 @@
                                                # fp32 and bf16, 2 processes, then stage-3 scaling
     python benchmarks/bench.py --quick         # small models, a minute or two
     python benchmarks/bench.py --workload gpt --dtype bf16 --engines ddp deepshard-z0 --nprocs 4
-    python benchmarks/bench.py --only moe      # one part alone: engines (the tables and scaling), moe
+    python benchmarks/bench.py --only moe      # one part alone: engines (the tables and scaling), moe, sp, zeropp
 
 Every engine runs in fresh processes (gloo, spawned here), on the same seed, data, global batch,
 optimizer (AdamW, fixed lr, no clipping) and number of steps. Prints a table, writes
@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-workload", choices=list(WORKLOADS), default="gpt")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
                    help="the parts to run (default all): engines = the engine tables and the stage-3 scaling; "
-                        "moe = deepshard's expert parallelism against DeepSpeed-MoE (benchmarks/capabilities.py)")
+                        "moe = expert parallelism against DeepSpeed-MoE; sp = Ulysses and ring against one process "
+                        "and DeepSpeed's Ulysses; zeropp = ZeRO++ and hybrid sharding against ZeRO-3 on 2 x 2 "
+                        "processes (benchmarks/capabilities.py)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (pure-Python spin, same nice level) beside the engines for the whole "
                         "measurement: reproducible CPU contention (default 0)")

@@ -53,6 +53,8 @@ class Run:
     seconds: float = 0.0
     returncode: int = 0
     tail: str = ""
+    seed: int = 0
+    torch_seed: Optional[int] = None
 
     @property
     def label(self) -> str:
@@ -92,6 +94,7 @@ def run_env(args: argparse.Namespace, library: str) -> dict[str, str]:
         "CIFAR_STANDIN_TRAIN_SIZE": str(GLOBAL_BATCH * args.steps),
         "CIFAR_STANDIN_TEST_SIZE": str(args.test_size),
         "CIFAR_STANDIN_SEED": str(args.seed),
+        **({"CIFAR_STANDIN_TORCH_SEED": str(args.torch_seed)} if args.torch_seed is not None else {}),
         "DS_ACCELERATOR": "cpu", "DEEPSHARD_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": threads,
         "PYTHONWARNINGS": "ignore",
@@ -101,7 +104,7 @@ def run_env(args: argparse.Namespace, library: str) -> dict[str, str]:
 
 def run_one(args: argparse.Namespace, library: str, stage: int, workdir: Path) -> Run:
     """Run the script once; the working directory is a fresh folder (the script names ``./data``)."""
-    run = Run(library, stage, args.dtype)
+    run = Run(library, stage, args.dtype, seed=args.seed, torch_seed=args.torch_seed)
     cwd = workdir / f"{library}-zero{stage}"
     cwd.mkdir(parents=True, exist_ok=True)
     cmd = library_command(library, args.nprocs, args.deepspeed_python) + [
@@ -164,6 +167,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (losses printed)")
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="data and initial weights (CIFAR_STANDIN_SEED)")
+    p.add_argument("--torch-seed", type=int, default=None,
+                   help="torch's generator alone (initial weights, shuffle, the gate's draws), the data kept: "
+                        "CIFAR_STANDIN_TORCH_SEED (default: --seed)")
     p.add_argument("--test-size", type=int, default=400, help="test images the script evaluates at the end")
     p.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
     p.add_argument("--torch-extensions-dir", default=DEFAULT_EXTENSIONS,

@@ -155,16 +155,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def reused(paths: list[str], steps: int) -> dict[tuple[str, str, int], Run]:
-    """The runs of ``steps`` steps that earlier ``--json`` files hold, by (library, case, stage): DeepSpeed's
-    runs do not change with deepshard's code, and take twice as long as deepshard's."""
+def reused(paths: list[str], args: argparse.Namespace) -> dict[tuple[str, str, int], Run]:
+    """The runs of ``args.steps`` steps and ``args``' seeds that earlier ``--json`` files hold, by (library,
+    case, stage): DeepSpeed's runs do not change with deepshard's code, and take twice as long as deepshard's."""
     done = {}
     for path in paths:
         for entry in json.loads(Path(path).read_text()).get("done", []):
             entry = dict(entry)
             case = entry.pop("case")
             run = Run(**entry)
-            if case in CASES and run.returncode == 0 and len(run.losses) == steps and run.dtype == CASES[case][1]:
+            if case in CASES and run.returncode == 0 and len(run.losses) == args.steps and \
+                    run.dtype == CASES[case][1] and (run.seed, run.torch_seed) == (args.seed, args.torch_seed):
                 done[(run.library, case, run.stage)] = run
     return done
 
@@ -172,7 +173,7 @@ def reused(paths: list[str], steps: int) -> dict[tuple[str, str, int], Run]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows, everything = [], {}
-    done = reused(args.reuse, args.steps)
+    done = reused(args.reuse, args)
     with tempfile.TemporaryDirectory(prefix="moe-cifar-") as tmp:
         for row_name, name, stage in planned(args.cases, args.stages):
             runs = run_case(args, name, stage, Path(tmp), done)

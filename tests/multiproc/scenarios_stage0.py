@@ -87,6 +87,13 @@ def oracle_world(rank: int, world: int, stage: int = 0) -> dict[str, Any]:
         # both schedules in turn (2 each), then a choice; the losses and weights above match all the same
         schedule = adaptive[0].strategy.schedule if adaptive else None
         results["adaptive_decisions"] = None if schedule is None else schedule.decisions
+    if stage == 3:  # the block's LayerNorm and Linears gathered and reduced as one group (units.py)
+        coalesced: list = []
+        results[f"fp32_units_m1_g{8 // world}"] = train(
+            rank, world, 1, 8 // world, steps=5, stage=3, engine_out=coalesced,
+            extra={"zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 10,
+                                         "stage3_prefetch_bucket_size": 300, "stage3_min_gather_size": 3000}})
+        results["unit_groups"] = [g.module_name for g in coalesced[0].strategy.groups]
     micro, gas = 8 // (2 * world) if world <= 4 else 1, 2
     results["bf16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="bf16", stage=stage)
     results["fp16"] = train(rank, world, max(micro, 1), gas, steps=5, dtype="fp16", stage=stage)

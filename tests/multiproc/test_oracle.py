@@ -78,6 +78,16 @@ def test_parameters_identical_on_every_rank(oracle: tuple[int, dict]) -> None:
     assert results["rank_spread"] == 0.0
 
 
+def test_stage3_coalesces_a_small_block_into_one_group(oracle: tuple[int, dict]) -> None:
+    """stage3_min_gather_size: TinyNet's block (LayerNorm + 2 Linears, 2,160 elements) is one group; the run
+    matches the reference (checked with the fp32 splits)."""
+    world, results = oracle
+    if "unit_groups" not in results:
+        pytest.skip("stage 3 only")
+    assert f"fp32_units_m1_g{8 // world}" in results
+    assert results["unit_groups"] == ["<root>", "embed", "block", "head"]
+
+
 def test_stage0_runs_both_reduction_schedules(oracle: tuple[int, dict]) -> None:
     """Stage 0 forced to each schedule (overlap_comm true / false) and left to choose (unset: it timed both
     in the split without accumulation, then chose) all match the reference (checked with the fp32 splits)."""

@@ -25,13 +25,20 @@ w1 = torch.rand(3)
 b = datasets.CIFAR10(root="./nowhere", train=True, download=True, transform=t)
 w2 = torch.rand(3)
 test = datasets.CIFAR10(train=False, transform=t)
+import os
+os.environ["CIFAR_STANDIN_TORCH_SEED"] = "7"
+c = datasets.CIFAR10(train=True, transform=t)
+w3 = torch.rand(3)
+torch.manual_seed(7)
+w4 = torch.rand(3)
 x, y = a[5]
 raw = a.data[5]
 manual = (raw.permute(2, 0, 1).float() / 255 - 0.5) / 0.5
 print(json.dumps({
     "len": len(a), "test_len": len(test), "shape": list(x.shape), "dtype": str(x.dtype),
     "label_type": type(y).__name__, "same_data": bool(torch.equal(a.data, b.data)), "same_seed": bool(torch.equal(w1, w2)),
-    "test_differs": bool(not torch.equal(a.data[:len(test)], test.data)), "manual": bool(torch.equal(x, manual)),
+    "test_differs": bool(not torch.equal(a.data[:len(test)], test.data)),
+    "torch_seed_alone": bool(torch.equal(a.data, c.data) and torch.equal(w3, w4) and not torch.equal(w1, w3)), "manual": bool(torch.equal(x, manual)),
     "range": [float(x.min()), float(x.max())], "classes": sorted(set(a.targets)), "module": torchvision.__file__}))
 """
 
@@ -46,6 +53,7 @@ def test_standin_dataset_and_transforms() -> None:
     assert (got["len"], got["test_len"]) == (64, 16)
     assert got["shape"] == [3, 32, 32] and got["dtype"] == "torch.float32" and got["label_type"] == "int"
     assert got["same_data"] and got["same_seed"] and got["test_differs"] and got["manual"]
+    assert got["torch_seed_alone"]  # CIFAR_STANDIN_TORCH_SEED moves torch's generator, not the data
     assert -1.0 <= got["range"][0] < got["range"][1] <= 1.0
     assert got["classes"] == list(range(10))
 

@@ -194,3 +194,104 @@ def test_config_log_level_sets_the_logger() -> None:
         logger.setLevel(saved)
         for handler in logger.handlers:
             handler.setLevel(logging.NOTSET)
+
+
+def test_tiled_linear_is_the_linear_map_it_cuts_up() -> None:
+    """``deepspeed.zero.TiledLinear``: tiles copied from a full ``nn.Linear`` give its output and, sliced, its
+    gradients (a bias on the last input tile of each row only); ``TiledLinearReturnBias`` hands the bias back;
+    one optimizer step at ZeRO-3 (one process) moves it as the full layer moves."""
+    import torch.distributed as dist
+
+    import deepshard
+    from deepshard.zero import TiledLinear, TiledLinearReturnBias
+
+    class ReturnsBias(nn.Linear):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return nn.functional.linear(x, self.weight), self.bias
+
+    torch.manual_seed(0)
+    for fan_in, fan_out, splits, bias in ((23, 29, 2, True), (29, 23, 5, False), (8, 8, 8, True)):
+        base = nn.Linear(fan_in, fan_out, bias=bias)
+        tiled = TiledLinear(fan_in, fan_out, bias=bias, in_splits=splits, out_splits=splits, init_linear=base)
+        x = torch.randn(3, fan_in)
+        torch.testing.assert_close(tiled(x), base(x))
+        base(x).square().sum().backward()
+        tiled(x).square().sum().backward()
+        for o, row in enumerate(tiled.linears):
+            rows = slice(tiled.out_parts[o], tiled.out_parts[o + 1])
+            for i, tile in enumerate(row):
+                cols = slice(tiled.in_parts[i], tiled.in_parts[i + 1])
+                torch.testing.assert_close(tile.weight.grad, base.weight.grad[rows, cols])
+                assert (tile.bias is not None) == (bias and i == splits - 1)
+                if tile.bias is not None:
+                    torch.testing.assert_close(tile.bias.grad, base.bias.grad[rows])
+        parts = TiledLinear(fan_in, fan_out, bias=bias, in_splits=splits, out_splits=splits, init_linear=base,
+                            combine_out_splits=False)(x)
+        assert len(parts) == splits and torch.equal(torch.cat(parts, -1), tiled(x))
+        returns = TiledLinearReturnBias(fan_in, fan_out, bias=bias, in_splits=splits, out_splits=splits,
+                                        linear_cls=ReturnsBias, init_linear=base)
+        out, b = returns(x)
+        torch.testing.assert_close(out, nn.functional.linear(x, base.weight))
+        assert (b is None) if not bias else torch.equal(b, base.bias)
+    for bad in (0, 9):
+        with pytest.raises(RuntimeError, match="in_splits"):
+            TiledLinear(8, 8, in_splits=bad)
+
+    created = not dist.is_initialized()
+    base = nn.Linear(6, 4)
+    tiled = TiledLinear(6, 4, in_splits=2, out_splits=2, init_linear=base)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine = deepshard.initialize(model=tiled, config=cfg)[0]
+    try:
+        x = torch.randn(2, 6)
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        with torch.no_grad():
+            expected = base.weight - 0.1 * torch.autograd.functional.jacobian(
+                lambda w: nn.functional.linear(x, w, base.bias).square().sum(), base.weight)
+        with deepshard.zero.GatheredParameters(list(tiled.parameters())):
+            got = torch.cat([torch.cat([t.weight for t in row], 1) for row in tiled.linears], 0)
+            torch.testing.assert_close(got, expected)
+    finally:
+        engine.destroy()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_zero3_linear_wrap_is_linear_with_its_own_backward() -> None:
+    """``deepspeed.runtime.zero.linear.zero3_linear_wrap``: ``F.linear``'s values and gradients (batched and not),
+    under ``torch.func.grad`` and ``vmap`` too; forward under bf16 autocast gives bf16 and fp32 gradients, and an
+    autocast region around ``backward()`` does not change a forward that ran without one."""
+    from deepshard.zero.linear import LinearFunctionForZeroStage3, zero3_linear_wrap
+
+    torch.manual_seed(0)
+    for shape, with_bias in (((3, 5, 8), True), ((8,), True), ((2, 8), False)):
+        x, w, b = torch.randn(*shape, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+        b = b.requires_grad_() if with_bias else None
+        ours = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+        out = zero3_linear_wrap(*ours)
+        torch.testing.assert_close(out, nn.functional.linear(x, w, b))
+        assert "LinearFunctionForZeroStage3" in type(out.grad_fn).__name__
+        out.square().sum().backward()
+        nn.functional.linear(x, w, b).square().sum().backward()
+        for mine, ref in zip(ours, (x, w, b)):
+            if ref is not None:
+                torch.testing.assert_close(mine.grad, ref.grad)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    torch.testing.assert_close(torch.func.grad(lambda w: zero3_linear_wrap(x, w).sin().sum())(w),
+                               torch.func.grad(lambda w: nn.functional.linear(x, w).sin().sum())(w))
+    torch.testing.assert_close(torch.func.vmap(lambda r: LinearFunctionForZeroStage3.apply(r, w, None).sum())(x),
+                               (x @ w.t()).sum(-1))
+    w32 = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = zero3_linear_wrap(x, w32)
+    assert low.dtype == torch.bfloat16
+    low.float().sum().backward()
+    assert w32.grad.dtype == torch.float32
+    torch.testing.assert_close(w32.grad, x.sum(0).expand(4, 8), atol=0.05, rtol=0.02)
+    w_plain = w.clone().requires_grad_()
+    plain = zero3_linear_wrap(x, w_plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # around backward only: the gradients stay fp32's
+        plain.sum().backward()
+    torch.testing.assert_close(w_plain.grad, x.sum(0).expand(4, 8))

@@ -14,7 +14,6 @@ import pytest
 from deepshard.distributed import DistEnv, _first_host, default_timeout, resolve_dist_env
 from deepshard.launcher.cli import LaunchError, launch_mode, parse_args, plan_launch, select_nodes
 from deepshard.launcher.hostfile import (
-    assign_ranks,
     parse_hostfile,
     parse_node_spec,
     read_hostfile,
@@ -122,11 +121,6 @@ def test_num_nodes_and_num_gpus() -> None:
         resolve_resources(RES, num_gpus=3)
     with pytest.raises(ValueError, match="--num_nodes 4 .* 3 available"):
         resolve_resources(RES, num_nodes=4)
-
-
-def test_assign_ranks_hostfile_order_then_slots() -> None:
-    ranks = assign_ranks({"w1": [1, 3], "w0": [0]})
-    assert ranks == [("w1", 0, 1, 0), ("w1", 1, 3, 1), ("w0", 0, 0, 2)]
 
 
 # ------------------------------------------------------------------------------------- command line

@@ -9,21 +9,9 @@ import pytest
 
 from deepshard.launcher.cli import parse_args
 from deepshard.launcher.hostfile import decode_world_info, encode_world_info
-from deepshard.launcher.multinode import check_ssh, plan_mpi, plan_pdsh, plan_ssh, process_flags
+from deepshard.launcher.multinode import check_ssh, node_agent_argv, plan_runners, process_flags, remote_shell_command
+from deepshard.launcher.multinode import runner_command
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.multinode import (
-    PDSH_NODE_RANK,
-    hydra_command,
-    node_agent_argv,
-    openmpi_command,
-    pdsh_command,
-    pdsh_environment,
-    pdsh_remote_command,
-    remote_shell_command,
-    slurm_command,
-    ssh_check_command,
-    ssh_command,
-)
 
 WORLD = {"w0": [0, 1], "w1": [0, 1]}
 AGENT = ["py", "-u", "train.py", "--lr", "1"]
@@ -63,35 +51,41 @@ def test_remote_shell_command_quotes_everything() -> None:
 
 
 def test_ssh_commands() -> None:
-    assert ssh_command("w1", "cd /w && exec py", 2222, ["-i", "key"]) == \
+    assert runner_command("ssh", ["w1"], port=2222, extra=["-i", "key"], remote="cd /w && exec py") == \
         ["ssh", "-i", "key", "-p", "2222", "w1", "cd /w && exec py"]
-    assert ssh_command("w1", "true") == ["ssh", "w1", "true"]
-    check = ssh_check_command("w1", None, ["-o", "BatchMode=no"])
+    assert runner_command("ssh", ["w1"], remote="true") == ["ssh", "w1", "true"]
+    seen: list[list[str]] = []
+    check_ssh(["w1"], None, ["-o", "BatchMode=no"], run=lambda cmd, **kw: seen.append(cmd) or
+              subprocess.CompletedProcess(cmd, 0, "", ""))
     # the user's options come first (ssh keeps the first value of an option)
-    assert check == ["ssh", "-o", "BatchMode=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "w1", "true"]
+    assert seen == [["ssh", "-o", "BatchMode=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "w1", "true"]]
 
 
 def test_pdsh_command_node_rank_and_percent_escaping() -> None:
-    argv = node_agent_argv("T", PDSH_NODE_RANK, "w0", 5, "t.py", ["--fmt=%d"], python="py")
-    line = pdsh_remote_command(argv, {"P": "50%"}, "/w")
+    args = _args("--ssh_port", "2222", "--launcher_args", "-u 30")
+    args.user_args = ["--fmt=%d"]
+    spec, = plan_runners(args, "pdsh", WORLD, "w0", {"P": "50%"}, {"PDSH_SSH_ARGS_APPEND": "-i key", "KEEP": "1"},
+                         "/w", python="py")
+    line = spec.cmd[-1]
     assert "--node_rank=%n" in line and "--fmt=%%d" in line and "P=50%%" in line
     assert line.count("%n") == 1
-    assert pdsh_command(["w0", "w1"], line, ["-u", "30"]) == \
-        ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", "w0,w1", "-u", "30", line]
-    env = pdsh_environment({"PDSH_SSH_ARGS_APPEND": "-i key", "KEEP": "1"}, 2222)
-    assert env == {"PDSH_SSH_ARGS_APPEND": "-i key -p 2222", "KEEP": "1", "PDSH_RCMD_TYPE": "ssh"}
-    assert "PDSH_SSH_ARGS_APPEND" not in pdsh_environment({}, None)
+    assert spec.cmd == ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", "w0,w1", "-u", "30", line]
+    assert spec.env == {"PDSH_SSH_ARGS_APPEND": "-i key -p 2222", "KEEP": "1", "PDSH_RCMD_TYPE": "ssh"}
+    assert "PDSH_SSH_ARGS_APPEND" not in plan_runners(_args(), "pdsh", WORLD, "w0", {}, {}, "/w")[0].env
 
 
 def test_mpi_and_slurm_commands_start_one_agent_per_host() -> None:
-    world = {"w0": [0, 1, 2], "w1": [1]}  # any slots: each agent starts its host's own
-    assert openmpi_command(world, AGENT, ["MASTER_ADDR", "NCCL_DEBUG"], ["--mca", "btl", "^openib"]) == \
+    hosts = ["w0", "w1"]  # any slots: each agent starts its host's own
+    assert runner_command("openmpi", hosts, AGENT, exports=["MASTER_ADDR", "NCCL_DEBUG"],
+                          extra=["--mca", "btl", "^openib"]) == \
         ["mpirun", "-n", "2", "--host", "w0:1,w1:1", "--mca", "btl", "^openib", "-x", "MASTER_ADDR",
          "-x", "NCCL_DEBUG", *AGENT]
-    assert hydra_command(world, AGENT, ["A", "B"]) == \
-        ["mpirun", "-n", "2", "-ppn", "1", "-hosts", "w0,w1", "-genvlist", "A,B", *AGENT]
-    assert hydra_command({"w0": [0]}, AGENT, [], ["-v"])[:8] == ["mpirun", "-n", "1", "-ppn", "1", "-hosts", "w0", "-v"]
-    assert slurm_command(world, AGENT, ["--partition", "gpu"]) == \
+    for hydra in ("mpich", "impi", "mvapich"):
+        assert runner_command(hydra, hosts, AGENT, exports=["A", "B"]) == \
+            ["mpirun", "-n", "2", "-ppn", "1", "-hosts", "w0,w1", "-genvlist", "A,B", *AGENT]
+    assert runner_command("mpich", ["w0"], AGENT, extra=["-v"])[:8] == \
+        ["mpirun", "-n", "1", "-ppn", "1", "-hosts", "w0", "-v"]
+    assert runner_command("slurm", hosts, AGENT, extra=["--partition", "gpu"]) == \
         ["srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--nodelist", "w0,w1",
          "--kill-on-bad-exit=1", "--export=ALL", "--partition", "gpu", *AGENT]
 
@@ -117,7 +111,7 @@ def _args(*extra: str):
 def test_plan_ssh_one_agent_per_node() -> None:
     args = _args("--ssh_port", "2222", "--launcher_args=-i /k -o 'ProxyJump j'", "--max_restarts", "1",
                  "--enable_each_rank_log", "logs", "--bind_cores_to_rank", "--master_port", "7000")
-    specs = plan_ssh(args, WORLD, "w0", {"NCCL_DEBUG": "INFO"}, {"HOME": "/root"}, "/work", python="py")
+    specs = plan_runners(args, "ssh", WORLD, "w0", {"NCCL_DEBUG": "INFO"}, {"HOME": "/root"}, "/work", python="py")
     assert [s.label for s in specs] == ["node 0 (ssh w0)", "node 1 (ssh w1)"]
     assert all(s.stdin_pipe and s.env == {"HOME": "/root"} for s in specs)
     cmd = specs[1].cmd
@@ -135,7 +129,7 @@ def test_plan_ssh_one_agent_per_node() -> None:
 
 
 def test_plan_pdsh_single_command() -> None:
-    spec = plan_pdsh(_args("--ssh_port", "22"), WORLD, "w0", {}, {"X": "1"}, "/w", python="py")
+    spec, = plan_runners(_args("--ssh_port", "22"), "pdsh", WORLD, "w0", {}, {"X": "1"}, "/w", python="py")
     assert spec.cmd[:8] == ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", "w0,w1"]
     assert "--node_rank=%n" in spec.cmd[-1] and "--exit_on_stdin_close" not in spec.cmd[-1]
     assert spec.env["PDSH_RCMD_TYPE"] == "ssh" and spec.env["PDSH_SSH_ARGS_APPEND"] == "-p 22"
@@ -144,8 +138,8 @@ def test_plan_pdsh_single_command() -> None:
 def test_plan_mpi_starts_agents_exports_by_name_values_in_environment() -> None:
     args = _args("--master_port", "6000", "--launcher", "openmpi", "--launcher_args=--oversubscribe",
                  "--max_restarts", "2")
-    spec = plan_mpi(args, "openmpi", WORLD, "w0", {"NCCL_DEBUG": "WARN", "SECRET": "s3"}, {"HOME": "/h"},
-                    python="py")
+    spec, = plan_runners(args, "openmpi", WORLD, "w0", {"NCCL_DEBUG": "WARN", "SECRET": "s3"}, {"HOME": "/h"}, "/w",
+                         python="py")
     assert spec.cmd[:9] == ["mpirun", "-n", "2", "--host", "w0:1,w1:1", "--oversubscribe", "-x", "NCCL_DEBUG",
                             "-x"]
     agent = spec.cmd[spec.cmd.index("py"):]
@@ -159,9 +153,9 @@ def test_plan_mpi_starts_agents_exports_by_name_values_in_environment() -> None:
     assert "s3" not in " ".join(spec.cmd)  # values are not on the command line
     assert {k: spec.env[k] for k in ("HOME", "SECRET")} == {"HOME": "/h", "SECRET": "s3"}
     assert spec.label == "mpirun (2 node agents, 4 ranks)"
-    mpich = plan_mpi(_args("--module"), "mpich", WORLD, "w0", {}, {}, python="py")
+    mpich, = plan_runners(_args("--module"), "mpich", WORLD, "w0", {}, {}, "/w", python="py")
     assert "-genvlist" not in mpich.cmd and "--module" in mpich.cmd  # nothing to export; the agent runs -m
-    srun = plan_mpi(_args(), "slurm", {"w0": [1]}, "w0", {}, {}, python="py")  # slots are the agent's to pick
+    srun, = plan_runners(_args(), "slurm", {"w0": [1]}, "w0", {}, {}, "/w", python="py")  # slots are the agent's to pick
     assert srun.cmd[0] == "srun" and srun.cmd[-3:] == ["t.py", "--lr", "1"]
 
 

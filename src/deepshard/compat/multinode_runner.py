@@ -73,10 +73,11 @@ class MultiNodeRunner(ABC):
         """Refuse an ``--include``/``--exclude`` selection the backend cannot express (none by default)."""
 
     def _plan_mpi(self, environment: dict[str, str], active_resources: Mapping[str, Any]) -> list[str]:
-        from deepshard.launcher.multinode import plan_mpi
+        from deepshard.launcher.multinode import plan_runners
 
         world = _world(active_resources)
-        spec = plan_mpi(self.args, self.launcher, world, _master_addr(self.args, world), self.exports, environment)
+        spec, = plan_runners(self.args, self.launcher, world, _master_addr(self.args, world), self.exports, environment,
+                             "")
         return list(spec.cmd)
 
 
@@ -92,10 +93,11 @@ class PDSHRunner(MultiNodeRunner):
                 ) -> tuple[list[str], list[str], dict[str, str]]:
         import os
 
-        from deepshard.launcher.multinode import plan_pdsh
+        from deepshard.launcher.multinode import plan_runners
 
         world = _world(active_resources)
-        spec = plan_pdsh(self.args, world, _master_addr(self.args, world), self.exports, environment, os.getcwd())
+        spec, = plan_runners(self.args, "pdsh", world, _master_addr(self.args, world), self.exports, environment,
+                             os.getcwd())
         environment.update(spec.env)
         kill = ["pdsh", "-S", "-R", "ssh", "-w", ",".join(world), "pkill -f deepshard.launcher.node"]
         return list(spec.cmd), kill, environment

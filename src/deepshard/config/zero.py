@@ -160,6 +160,10 @@ class ZeroConfig(Section):
     during backward, and keep no gradient shard: 12Ψ/N instead of 16Ψ/N with fp32 Adam. Needs
     gradient_accumulation_steps 1, gradient_clipping 0, no fp16 loss scaling and no offload (each of
     those needs every gradient before the first update)."""
+    min_gather_size: Count = Field(0, ge=0, alias="stage3_min_gather_size")
+    """deepshard's own key (stage 3): a module whose subtree holds at most this many parameter elements is
+    gathered and reduced as one group, as FSDP2 does a ``fully_shard`` unit (``zero/stage3/units.py``): fewer,
+    larger collectives on models of many small layers. 0 (default): one group per module."""
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: Count = Field(0, alias="stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")

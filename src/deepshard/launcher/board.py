@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deepshard.launcher.options import env_seconds
-from deepshard.launcher.output import exit_status, output_block
+from deepshard.launcher.output import exit_status
 from deepshard.launcher.rank_streams import RankStream
+from deepshard.launcher.report import failure_text
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -61,10 +62,8 @@ class JobFailure:
 
 def format_job_failure(failure: JobFailure, full: bool) -> str:
     """The report: the headline, and with ``full`` the end of the failed rank's output."""
-    lines = [f"deepshard: {failure.headline()}"]
-    if full and failure.kind == "rank":
-        lines += output_block(f"rank {failure.rank} (host {failure.host})", failure.rank, failure.tail)
-    return "\n".join(lines)
+    return failure_text(f"deepshard: {failure.headline()}", f"rank {failure.rank} (host {failure.host})", failure.rank,
+                        failure.tail, full=full and failure.kind == "rank")
 
 
 class JobBoard:

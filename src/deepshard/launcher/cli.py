@@ -27,7 +27,6 @@ from deepshard.launcher.options import (
     add_resource_args,
     add_script_args,
     check_port_free,
-    expand_abbreviations,
     free_port,
     prepare_log_dir,
 )
@@ -56,10 +55,25 @@ def build_parser() -> LauncherParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The launcher's command line parsed (``sys.argv[1:]`` when None); flags before the script may be
-    abbreviated, as DeepSpeed's parser allows."""
-    parser = build_parser()
-    return parser.parse_args(expand_abbreviations(parser, sys.argv[1:] if argv is None else argv))
+    """The launcher's command line parsed (``sys.argv[1:]`` when None). Before the script a unique prefix of a
+    flag is that flag (argparse's own matching, as in DeepSpeed's parser); every word after the script is the
+    script's. argparse refuses a word it finds ambiguous anywhere (``train.py --h 3``: ``--help`` or
+    ``--hostfile``?): when the words before it already name the script, it and the rest go to the script."""
+    words, parser = list(sys.argv[1:] if argv is None else argv), build_parser()
+    parser.probing = True
+    try:
+        return parser.parse_args(words)
+    except argparse.ArgumentError as exc:
+        word = exc.message.partition("ambiguous option: ")[2].partition(" could match")[0]
+        cut = words.index(word) if word in words else 0
+        try:
+            head = parser.parse_args(words[:cut]) if cut else None
+        except argparse.ArgumentError:
+            head = None
+        if head is not None:
+            return argparse.Namespace(**{**vars(head), "user_args": [*head.user_args, *words[cut:]]})
+        parser.probing = False
+        parser.error(exc.message)
 
 
 def local_hostnames() -> set[str]:
@@ -211,18 +225,9 @@ def _prepare(args: argparse.Namespace, port_flag: str = "--master_port") -> Runn
 
 
 def _prepare_remote(args: argparse.Namespace, mode: str, active: dict[str, list[int]], master_addr: str) -> Runner:
-    exports, cwd = job_exports(os.environ), os.getcwd()
-    if mode in multinode.MPI_LAUNCHERS:
-        specs = [multinode.plan_mpi(args, mode, active, master_addr, exports, os.environ)]
-        logger.info("starting %d node agents with %s (master %s:%d)", len(active), specs[0].cmd[0], master_addr,
-                    args.master_port)
-        return lambda started: multinode.run_agents(specs, started)
-    if not args.no_ssh_check:
+    if mode in ("ssh", "pdsh") and not args.no_ssh_check:
         multinode.check_ssh(list(active), args.ssh_port, shlex.split(args.launcher_args))
-    if mode == "pdsh":
-        specs = [multinode.plan_pdsh(args, active, master_addr, exports, os.environ, cwd)]
-    else:
-        specs = multinode.plan_ssh(args, active, master_addr, exports, os.environ, cwd)
+    specs = multinode.plan_runners(args, mode, active, master_addr, job_exports(os.environ), os.environ, os.getcwd())
     logger.info("starting %d nodes with %s: %s (master %s:%d)", len(active), mode,
                 ", ".join(f"{h}[{len(s)}]" for h, s in active.items()), master_addr, args.master_port)
     return lambda started: multinode.run_agents(specs, started)

@@ -1,4 +1,4 @@
-"""Hostfiles, node specs (``--include`` / ``--exclude``) and rank assignment: pure functions, no processes."""
+"""Hostfiles, node specs (``--include`` / ``--exclude``) and the selection they make: pure functions, no processes."""
 from __future__ import annotations
 
 import base64
@@ -148,15 +148,6 @@ def resolve_resources(resources: dict[str, int], include: str = "", exclude: str
         raise ValueError(f"no slots left to launch on (hosts {dict(resources)}, include {include!r}, "
                          f"exclude {exclude!r}); keep at least one slot")
     return active
-
-
-def assign_ranks(active: dict[str, list[int]]) -> list[tuple[str, int, int, int]]:
-    """Number the selected slots: ``(host, local_rank, slot, global_rank)``, hosts in order, then slots."""
-    ranks: list[tuple[str, int, int, int]] = []
-    for host, slots in active.items():
-        for local_rank, slot in enumerate(slots):
-            ranks.append((host, local_rank, slot, len(ranks)))
-    return ranks
 
 
 def encode_world_info(active: dict[str, list[int]]) -> str:

@@ -14,10 +14,9 @@ from deepshard.launcher.options import LaunchError
 from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
 
 NODE_MODULE = "deepshard.launcher.node"
-MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
 SSH_SETTLE_S = 25.0  # how long the ssh launcher lets the other nodes' agents stop on their own after one failed
 PDSH_NODE_RANK = "@@DEEPSHARD_NODE_RANK@@"
-"""The ``node_rank`` of a pdsh command's agent: :func:`pdsh_remote_command` puts pdsh's ``%n`` there."""
+"""The ``node_rank`` of a pdsh command's agent: :func:`plan_runners` puts pdsh's ``%n`` there."""
 
 
 def node_agent_argv(world_token: str, node_rank: int | str | None, master_addr: str, master_port: int,
@@ -44,62 +43,32 @@ def remote_shell_command(argv: Sequence[str], exports: Mapping[str, str], cwd: s
     return " && ".join([*parts, "exec " + shlex.join(argv)])
 
 
-def ssh_command(host: str, remote_command: str, port: int | None = None,
-                extra_args: Sequence[str] = ()) -> list[str]:
-    """``ssh [EXTRA] [-p PORT] HOST 'COMMAND'`` (the user's ``--launcher_args`` first: ssh keeps the first value
-    of an option)."""
-    return ["ssh", *extra_args, *(["-p", str(port)] if port is not None else []), host, remote_command]
+HYDRA = "mpirun -n {n} -ppn 1 -hosts {hosts} EXTRA -genvlist=EXPORTS AGENT"
+RUNNERS = {
+    "ssh": "ssh EXTRA PORT {host} REMOTE",
+    "pdsh": "pdsh -S -R ssh -f 1024 -w {hosts} EXTRA REMOTE",
+    "openmpi": "mpirun -n {n} --host {hosts_one_slot} EXTRA -x=EXPORTS AGENT",
+    "mpich": HYDRA, "impi": HYDRA, "mvapich": HYDRA,
+    "slurm": "srun --nodes {n} --ntasks {n} --ntasks-per-node 1 --nodelist {hosts} --kill-on-bad-exit=1 --export=ALL "
+             "EXTRA AGENT",
+}
+"""Each launcher's command line, word by word: ``{n}`` nodes, ``{host}`` (ssh: one per node), ``{hosts}`` joined
+by commas (``{hosts_one_slot}``: ``w0:1,w1:1``), ``EXTRA`` the user's ``--launcher_args`` (ssh keeps the first value
+of an option, so the user's come first), ``PORT`` ssh's ``-p``, ``EXPORTS`` the exported variables' names after
+their flag (``-x`` before each, ``-genvlist`` before all), ``AGENT`` the node agent's argv, ``REMOTE`` the shell line
+that runs it on the node. ``-S``: pdsh exits with the largest remote code; MPI and Slurm start one agent per host
+(each reads its node rank from the runner's variables)."""
 
 
-def ssh_check_command(host: str, port: int | None = None, extra_args: Sequence[str] = ()) -> list[str]:
-    """``ssh ... -o BatchMode=yes -o ConnectTimeout=10 HOST true``: never prompts for a password (fails)."""
-    return ssh_command(host, "true", port, [*extra_args, "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
-
-
-def pdsh_remote_command(argv: Sequence[str], exports: Mapping[str, str], cwd: str,
-                        venv_script: str | None = None) -> str:
-    """The remote shell line for pdsh: every ``%`` doubled, then the node-rank placeholder -> ``%n``."""
-    line = remote_shell_command(argv, exports, cwd, venv_script)
-    return line.replace("%", "%%").replace(PDSH_NODE_RANK, "%n")
-
-
-def pdsh_command(hosts: Sequence[str], remote_command: str, extra_args: Sequence[str] = ()) -> list[str]:
-    """``pdsh -S -R ssh -f 1024 -w h1,h2 [EXTRA] 'COMMAND'`` (``-S``: pdsh exits with the largest remote code)."""
-    return ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", ",".join(hosts), *extra_args, remote_command]
-
-
-def pdsh_environment(base_env: Mapping[str, str], ssh_port: int | None) -> dict[str, str]:
-    """pdsh's environment: ``PDSH_RCMD_TYPE=ssh``, the ssh port added to ``PDSH_SSH_ARGS_APPEND``."""
-    env = {**base_env, "PDSH_RCMD_TYPE": "ssh"}
-    if ssh_port is not None:
-        env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {ssh_port}".strip()
-    return env
-
-
-def openmpi_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
-                    export_names: Sequence[str], extra_args: Sequence[str] = ()) -> list[str]:
-    """``mpirun -n K --host h1:1,h2:1 [EXTRA] -x NAME ... AGENT``: one agent per host, in hostfile order
-    (each reads its node rank from ``OMPI_COMM_WORLD_RANK``)."""
-    exports = [word for name in export_names for word in ("-x", name)]
-    return ["mpirun", "-n", str(len(world)), "--host", ",".join(f"{host}:1" for host in world), *extra_args,
-            *exports, *agent_argv]
-
-
-def hydra_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
-                  export_names: Sequence[str], extra_args: Sequence[str] = ()) -> list[str]:
-    """MPICH / Intel MPI / MVAPICH (Hydra): ``mpirun -n K -ppn 1 -hosts h1,h2 [EXTRA] -genvlist A,B AGENT``
-    (one agent per host; ``PMI_RANK``)."""
-    exports = ["-genvlist", ",".join(export_names)] if export_names else []
-    return ["mpirun", "-n", str(len(world)), "-ppn", "1", "-hosts", ",".join(world), *extra_args, *exports,
-            *agent_argv]
-
-
-def slurm_command(world: Mapping[str, Sequence[int]], agent_argv: Sequence[str],
-                  extra_args: Sequence[str] = ()) -> list[str]:
-    """``srun --nodes K --ntasks K --ntasks-per-node 1 --nodelist h1,h2 --kill-on-bad-exit=1 --export=ALL [EXTRA]
-    AGENT`` (one agent per node; the exported variables are in srun's environment)."""
-    return ["srun", "--nodes", str(len(world)), "--ntasks", str(len(world)), "--ntasks-per-node", "1",
-            "--nodelist", ",".join(world), "--kill-on-bad-exit=1", "--export=ALL", *extra_args, *agent_argv]
+def runner_command(launcher: str, hosts: Sequence[str], agent: Sequence[str] = (), *, extra: Sequence[str] = (),
+                   exports: Sequence[str] = (), port: int | None = None, remote: str = "") -> list[str]:
+    """``launcher``'s command line (:data:`RUNNERS`) for ``hosts``."""
+    words = {"EXTRA": list(extra), "PORT": [] if port is None else ["-p", str(port)], "AGENT": list(agent),
+             "REMOTE": [remote], "-x=EXPORTS": [w for name in exports for w in ("-x", name)],
+             "-genvlist=EXPORTS": ["-genvlist", ",".join(exports)] if exports else []}
+    fields = {"n": len(hosts), "host": hosts[0], "hosts": ",".join(hosts),
+              "hosts_one_slot": ",".join(f"{host}:1" for host in hosts)}
+    return [out for word in RUNNERS[launcher].split() for out in words.get(word, [word.format(**fields)])]
 
 
 def process_flags(args: argparse.Namespace) -> list[str]:
@@ -115,46 +84,34 @@ def process_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _agent_argv(args: argparse.Namespace, world: dict[str, list[int]], node_rank: int | str | None,
-                master_addr: str, exit_on_stdin_close: bool, python: str) -> list[str]:
-    return node_agent_argv(encode_world_info(world), node_rank, master_addr, args.master_port, args.user_script,
-                           args.user_args, max_restarts=args.max_restarts, process_flags=process_flags(args),
-                           exit_on_stdin_close=exit_on_stdin_close, python=python)
+def plan_runners(args: argparse.Namespace, launcher: str, world: dict[str, list[int]], master_addr: str,
+                 exports: Mapping[str, str], environ: Mapping[str, str], cwd: str,
+                 python: str = sys.executable) -> list[ProcessSpec]:
+    """The processes that start every node's agent: one ssh per node (its agent stops the job when ssh goes away),
+    or one pdsh, mpirun or srun for all. ssh and pdsh set the exported variables in the remote shell line; mpirun
+    and srun name them on the command line and carry their values in their environment (not shown by ``ps``)."""
+    extra, hosts = shlex.split(args.launcher_args), list(world)
 
+    def agent(node_rank: int | str | None, stdin: bool) -> list[str]:
+        return node_agent_argv(encode_world_info(world), node_rank, master_addr, args.master_port, args.user_script,
+                               args.user_args, max_restarts=args.max_restarts, process_flags=process_flags(args),
+                               exit_on_stdin_close=stdin, python=python)
 
-def plan_ssh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str, exports: Mapping[str, str],
-             environ: Mapping[str, str], cwd: str, python: str = sys.executable) -> list[ProcessSpec]:
-    """One ssh process per node, each starting that node's agent (which stops the job when ssh goes away)."""
-    extra, specs = shlex.split(args.launcher_args), []
-    for node_rank, host in enumerate(world):
-        argv = _agent_argv(args, world, node_rank, master_addr, True, python)
-        cmd = ssh_command(host, remote_shell_command(argv, exports, cwd, args.venv_script), args.ssh_port, extra)
-        specs.append(ProcessSpec(node_rank, cmd, dict(environ), label=f"node {node_rank} (ssh {host})",
-                                 stdin_pipe=True))
-    return specs
-
-
-def plan_pdsh(args: argparse.Namespace, world: dict[str, list[int]], master_addr: str, exports: Mapping[str, str],
-              environ: Mapping[str, str], cwd: str, python: str = sys.executable) -> ProcessSpec:
-    """One pdsh process starting every node's agent."""
-    argv = _agent_argv(args, world, PDSH_NODE_RANK, master_addr, False, python)
-    cmd = pdsh_command(list(world), pdsh_remote_command(argv, exports, cwd, args.venv_script),
-                       shlex.split(args.launcher_args))
-    return ProcessSpec(0, cmd, pdsh_environment(environ, args.ssh_port), label=f"pdsh ({len(world)} nodes)")
-
-
-def plan_mpi(args: argparse.Namespace, launcher: str, world: dict[str, list[int]], master_addr: str,
-             exports: Mapping[str, str], environ: Mapping[str, str], python: str = sys.executable) -> ProcessSpec:
-    """One mpirun / srun process starting a node agent on every host; the agents number themselves from the
-    runner's variables. The exported variables are named on the command line, their values travel in the
-    runner's environment (so they do not show in ``ps``)."""
-    argv, extra = _agent_argv(args, world, None, master_addr, False, python), shlex.split(args.launcher_args)
-    if launcher == "slurm":
-        cmd = slurm_command(world, argv, extra)
-    else:
-        cmd = (openmpi_command if launcher == "openmpi" else hydra_command)(world, argv, sorted(exports), extra)
+    if launcher == "ssh":
+        return [ProcessSpec(rank, runner_command("ssh", [host], extra=extra, port=args.ssh_port, remote=
+                                                 remote_shell_command(agent(rank, True), exports, cwd, args.venv_script)),
+                            dict(environ), label=f"node {rank} (ssh {host})", stdin_pipe=True)
+                for rank, host in enumerate(hosts)]
+    if launcher == "pdsh":  # pdsh reads % in the line: doubled, then its %n is the node rank
+        line = remote_shell_command(agent(PDSH_NODE_RANK, False), exports, cwd, args.venv_script)
+        env = {**environ, "PDSH_RCMD_TYPE": "ssh"}
+        if args.ssh_port is not None:
+            env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {args.ssh_port}".strip()
+        cmd = runner_command("pdsh", hosts, extra=extra, remote=line.replace("%", "%%").replace(PDSH_NODE_RANK, "%n"))
+        return [ProcessSpec(0, cmd, env, label=f"pdsh ({len(hosts)} nodes)")]
+    cmd = runner_command(launcher, hosts, agent(None, False), extra=extra, exports=sorted(exports))
     ranks = sum(len(slots) for slots in world.values())
-    return ProcessSpec(0, cmd, {**environ, **exports}, label=f"{cmd[0]} ({len(world)} node agents, {ranks} ranks)")
+    return [ProcessSpec(0, cmd, {**environ, **exports}, label=f"{cmd[0]} ({len(hosts)} node agents, {ranks} ranks)")]
 
 
 def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
@@ -163,7 +120,9 @@ def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
     ``LaunchError`` names the hosts that did not and what ssh said."""
     def probe(host: str) -> str | None:
         try:
-            done = run(ssh_check_command(host, port, extra_args), stdin=subprocess.DEVNULL, capture_output=True,
+            check = runner_command("ssh", [host], extra=[*extra_args, "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"],
+                                   port=port, remote="true")  # never prompts for a password: fails
+            done = run(check, stdin=subprocess.DEVNULL, capture_output=True,
                        text=True, timeout=15)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"{host}: {exc}"

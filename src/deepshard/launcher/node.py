@@ -82,7 +82,7 @@ def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] |
 
 def build_parser() -> argparse.ArgumentParser:
     """The agent's own command line (written by the launcher; see :mod:`.multinode`)."""
-    parser = argparse.ArgumentParser(prog="python -m deepshard.launcher.node",
+    parser = argparse.ArgumentParser(prog="python -m deepshard.launcher.node", allow_abbrev=False,
                                      description="deepshard's per-node agent (started by the launcher)")
     parser.add_argument("--world_info", required=True, help="the selected hosts and slots (base64 JSON)")
     parser.add_argument("--node_rank", type=int, default=-1,

@@ -9,7 +9,7 @@ import errno
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import NoReturn
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -125,47 +125,21 @@ def env_seconds(environ: Mapping[str, str], key: str, default: float) -> float:
 
 
 def add_script_args(parser: argparse.ArgumentParser) -> None:
-    """The user's script and everything after it. argparse matches launcher flags exactly (no prefixes), so
-    a script flag such as ``--h`` or ``--n`` after the script is the script's, never taken for a launcher
-    flag it abbreviates; abbreviations before the script are expanded first (:func:`expand_abbreviations`)."""
-    parser.allow_abbrev = False
+    """The user's script and everything after it (the script's own, whatever it looks like)."""
     parser.add_argument("user_script", help="the training script (a module name with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
 
 class LauncherParser(argparse.ArgumentParser):
-    """The launcher's parser: an ``ArgumentParser`` that also keeps, per flag, whether it takes a value
-    (``flag_values``), which :func:`expand_abbreviations` reads."""
+    """The launcher's parser; while ``probing``, an error raises ``ArgumentError`` instead of exiting (see
+    :func:`deepshard.launcher.cli.parse_args`)."""
 
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
-        flags = getattr(self, "flag_values", {})  # the constructor adds -h before this exists
-        flags.update({flag: action.nargs != 0 for flag in action.option_strings})
-        self.flag_values = flags
-        return action
+    probing = False
 
-
-def expand_abbreviations(parser: LauncherParser, argv: Sequence[str]) -> list[str]:
-    """``argv`` with each abbreviated launcher flag before the script spelled out (``--launcher_arg`` for
-    ``--launcher_args``, ``--num_g=2`` for ``--num_gpus=2``): DeepSpeed's parser accepts argparse's unique
-    prefixes there, so its command lines must run unchanged. The script and its arguments are left as they
-    are; a prefix of several flags is refused naming them, as argparse does."""
-    takes_value = parser.flag_values
-    out, words = [], list(argv)
-    while words:
-        word = words.pop(0)
-        if word == "--" or not word.startswith("-") or " " in word:
-            return out + [word] + words  # the script (argparse reads a word with a space as a value too)
-        flag, eq, value = word.partition("=")
-        if flag not in takes_value and flag.startswith("--"):
-            matches = [known for known in takes_value if known.startswith(flag) and known.startswith("--")]
-            if len(matches) > 1:
-                parser.error(f"ambiguous option: {flag} could match {', '.join(sorted(matches))}; spell it out")
-            flag = matches[0] if matches else flag
-        out.append(flag + eq + value)
-        if takes_value.get(flag) and not eq and words:
-            out.append(words.pop(0))  # the flag's value
-    return out
+    def error(self, message: str) -> NoReturn:
+        if self.probing:
+            raise argparse.ArgumentError(None, message)
+        super().error(message)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

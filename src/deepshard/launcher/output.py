@@ -128,13 +128,6 @@ def signal_group(group: int | None, sig: int) -> None:
         pass
 
 
-def output_block(name: str, rank: int | None, tail: str) -> list[str]:
-    """The report's lines quoting the end of a failed process's output."""
-    if not tail:
-        return [f"({name} printed nothing)"]
-    return [f"----- last output of {name} -----", tail, f"----- end of rank {rank} output -----"]
-
-
 def describe_exit(returncode: int) -> str:
     """``Popen.returncode`` in words: ``code 3``, or ``signal SIGKILL`` for a negative code."""
     if returncode < 0:

@@ -43,27 +43,34 @@ def others_outcome(streams: RankStreams, failed: RankStream, stopped: Collection
     return "".join(f"; {part}" for part in parts)
 
 
+def failure_text(headline: str, name: str, rank: int | None, tail: str, trace: str | None = None,
+                 log_path: str | None = None, full: bool = True) -> str:
+    """A failed rank in a report (one machine's and the job board's alike): ``headline``, then with ``full`` its
+    traceback (from its error file) and the end of its output (``name``: how the rank is called; the output is left
+    out when it ends with that traceback), then where its full log is."""
+    lines = [headline]
+    if full and trace:
+        lines += [f"----- traceback of rank {rank} (its error file) -----", trace.rstrip()]
+    if full and not (trace and trace.strip().splitlines()[-1] in tail):
+        lines += [f"----- last output of {name} -----", tail] if tail else [f"({name} printed nothing)"]
+    if full and (tail or trace):
+        lines.append(f"----- end of rank {rank} output -----")
+    return "\n".join(lines + ([f"full log of rank {rank}: {log_path}"] if log_path else []))
+
+
 def report_local(failed: RankStream, streams: RankStreams, stopped: Collection[int]) -> None:
-    """One node's report: early exits, the ranks' one-line errors, then who failed and its last output."""
+    """One node's report: early exits, the ranks' one-line errors, then who failed and its last output (unless
+    its one-line error said it all)."""
     early = early_exits(streams, failed)
     if early is not None:
         print(early, file=sys.stderr, flush=True)
     errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
     if errors:
         print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
-    reported = any(failed.rank in ranks for ranks in errors.values())
-    lines = [f"deepshard: {failed.who} exited with {failed.exit}{others_outcome(streams, failed, stopped)}"]
-    tail, trace = failed.text(), error_file_traceback(failed.error_file)
-    if trace and not reported:
-        lines += [f"----- traceback of rank {failed.rank} (its error file) -----", trace.rstrip()]
-    if not reported and not (trace and trace.strip().splitlines()[-1] in tail):
-        lines += ([f"----- last output of rank {failed.rank} -----", tail] if tail else
-                  [f"(rank {failed.rank} printed nothing)"])
-    if not reported and (tail or trace):
-        lines.append(f"----- end of rank {failed.rank} output -----")
-    if failed.log_path:
-        lines.append(f"full log of rank {failed.rank}: {failed.log_path}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
+    headline = f"deepshard: {failed.who} exited with {failed.exit}{others_outcome(streams, failed, stopped)}"
+    print(failure_text(headline, failed.name, failed.rank, failed.text(), error_file_traceback(failed.error_file),
+                       failed.log_path, full=not any(failed.rank in ranks for ranks in errors.values())),
+          file=sys.stderr, flush=True)
 
 
 def error_file_traceback(path: str) -> str | None:

@@ -12,8 +12,10 @@ from deepshard.zero.stage3.init import Init
 from deepshard.zero.stage3.param_status import ZeroParamStatus
 from deepshard.zero.stage3.surface import external_registry
 from deepshard.zero.strategy import StrategyContext, ZeroStrategy
+from deepshard.zero.tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "StrategyContext", "ZeroParamStatus", "ZeroStrategy",
+__all__ = ["GatheredParameters", "Init", "StrategyContext", "TiledLinear", "TiledLinearReturnBias",
+           "ZeroParamStatus", "ZeroStrategy",
            "register_external_parameter", "unregister_external_parameter", "unwrap_model_for_generation"]
 
 

@@ -16,6 +16,9 @@ Settings (environment variables, read when a dataset is built):
   seed, so each run would start from other initial weights; building a dataset seeds torch's global
   generator with this value (the tutorial builds its datasets just before its network), so every run,
   library and ZeRO stage starts from the same weights.
+- ``CIFAR_STANDIN_TORCH_SEED`` (default: ``CIFAR_STANDIN_SEED``): torch's global generator alone (the initial
+  weights, the loader's shuffle, the gate's random draws), the data unchanged: runs that differ only in
+  their random stream, to measure a training run's own spread.
 """
 from torchvision import datasets, transforms
 

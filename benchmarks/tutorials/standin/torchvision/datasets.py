@@ -71,7 +71,8 @@ class CIFAR10(Dataset):
         self.transform, self.target_transform = transform, target_transform
         self.data, labels = make_images(count, seed, 0 if train else 1)
         self.targets = labels.tolist()
-        torch.manual_seed(seed)  # the tutorial seeds nothing: its network is built right after this
+        # the tutorial seeds nothing: its network is built right after this, then its loader shuffles
+        torch.manual_seed(_env_int("CIFAR_STANDIN_TORCH_SEED", seed))
 
     def __len__(self) -> int:
         return len(self.targets)

@@ -1,6 +1,7 @@
 """ZeRO stage 3: parameters, gradients and optimizer state all partitioned (Rajbhandari et al. 2020).
 
-Each module's direct parameters form a group (trainable and frozen ones apart) whose flat, padded values
+Each module's direct parameters form a group (trainable and frozen ones apart; ``stage3_min_gather_size``
+coalesces small modules' subtrees into one group each: ``units.py``) whose flat, padded values
 are split in equal chunks across ranks (``partition.FlatLayout`` with one bucket per group). A rank
 holds its chunks of every group (``param_store``), the fp32 masters of its trainable chunks in 16-bit
 training and its chunk of the optimizer state (``states``), and its chunk of the gradients: 16Ψ/N bytes
@@ -36,22 +37,8 @@ from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
 from deepshard.zero.stage3.param_gather import ParamGather, param_gathers
 from deepshard.zero.stage3.reduce import Stage3Reducer
+from deepshard.zero.stage3.units import discover_groups
 from deepshard.zero.strategy import Capabilities, StrategyContext, ZeroStrategy
-
-
-def discover_groups(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter], list[str]]]:
-    """(module name, params, param names) per module and requires_grad, each parameter once."""
-    seen: set[int] = set()
-    names = {id(p): saved_name(p, n) for n, p in module.named_parameters()}  # experts: their global names
-    out = []
-    for mod_name, m in module.named_modules():
-        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        for trainable in (True, False):
-            ps = [p for p in own if p.requires_grad == trainable]
-            if ps:
-                out.append((mod_name or "<root>", ps, [names[id(p)] for p in ps]))
-    return out
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -74,7 +61,7 @@ class Stage3Strategy(ZeroStrategy):
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = comm.watchdog
-        discovered = discover_groups(module)
+        discovered, self.units = discover_groups(module, int(zcfg.min_gather_size))
         trainable = [d for d in discovered if d[1][0].requires_grad]
         frozen = [d for d in discovered if not d[1][0].requires_grad]
         if not trainable:
@@ -236,7 +223,8 @@ class Stage3Strategy(ZeroStrategy):
 
     def _groups_by_module(self, module: torch.nn.Module) -> dict[int, list[ShardedGroup]]:
         """The groups each module's forward needs: its own parameters and registered external ones; a
-        *leaf* module (see ``is_z3_leaf``) needs its whole subtree and its descendants get no hooks."""
+        *leaf* module (see ``is_z3_leaf``) needs its whole subtree and its descendants get no hooks; a
+        *unit* (``units.py``) needs its whole subtree too (one group), and its descendants keep theirs."""
         group_of = {id(p): g for g in self.groups + self.frozen_groups for p in g.params}
         out: dict[int, list[ShardedGroup]] = {}
         inside_leaf: set[int] = set()
@@ -244,7 +232,8 @@ class Stage3Strategy(ZeroStrategy):
             if id(m) in inside_leaf:
                 continue
             leaf = is_z3_leaf(m)
-            params = list(m.parameters(recurse=leaf)) + list(m.__dict__.get(surface.EXTERNAL, {}).values())
+            whole = leaf or id(m) in self.units
+            params = list(m.parameters(recurse=whole)) + list(m.__dict__.get(surface.EXTERNAL, {}).values())
             if leaf:
                 inside_leaf.update(id(d) for d in m.modules() if d is not m)
             needed: list[ShardedGroup] = []
