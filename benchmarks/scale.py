@@ -4,6 +4,7 @@ what one machine holds, one rank's view of N ranks (``deepshard dryrun``'s fake 
     python benchmarks/scale.py real --sizes 2,4,8            # real processes (resumable: done sizes are kept)
     python benchmarks/scale.py dry --sizes 2,4,...,4096      # dry runs of the first and last rank
     python benchmarks/scale.py plot                          # docs/images/scale.svg + the table for docs
+    python benchmarks/scale.py plot --table docs/scale.md    # the figure from the rows the docs show
 
 For each rank: CPU time per step of the training thread (compute and the Python that issues collectives;
 not gloo's threads, not waiting for peers), ``initialize`` time, process groups created, bytes and files
@@ -154,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figure", type=Path, default=FIGURE)
     parser.add_argument("--force", action="store_true", help="measure sizes already in the results again")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per real world")
+    parser.add_argument("--table", type=Path, help="plot: read the rows from this page's table (docs/scale.md) "
+                                                   "instead of --results")
     args = parser.parse_args(argv)
     if args.mode == "plot":
-        from benchmarks.scale_plot import write_figure
+        from benchmarks.scale_plot import rows_from_table, write_figure
 
-        rows = [json.loads(line) for line in args.results.read_text().splitlines()]
+        rows = (rows_from_table(args.table.read_text()) if args.table is not None
+                else [json.loads(line) for line in args.results.read_text().splitlines()])
         print(write_figure(rows, args.figure))
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s]

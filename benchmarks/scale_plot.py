@@ -1,8 +1,13 @@
 """The figure and table of ``benchmarks/scale.py``'s results: per-rank costs against the rank count, real
-processes (solid) and dry runs (dashed), log-scaled N. Hand-written SVG: no plotting library needed."""
+processes (solid) and dry runs (dashed), log-scaled N. Hand-written SVG: no plotting library needed.
+
+The figure is drawn from result rows (``benchmarks/results/scale.jsonl``, not checked in) or from the table
+this module writes, read back from a page that holds it (``rows_from_table``): the figure in the docs is
+drawn from the rows the docs show, measured on a quiet machine."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,3 +104,27 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{worst('init_s'):.2f} | {worst('groups_created')} | {load} | {worst('save_s'):.2f} | "
                      f"{worst('collective_bytes') / 1024:.1f} |")
     return "\n".join(lines)
+
+
+_ROW = re.compile(r"^\|\s*(\w+) (real|dry)\s*\|" + r"([^|]*)\|" * 7 + r"\s*$")
+
+
+def rows_from_table(text: str) -> list[dict[str, Any]]:
+    """The rows of a table ``table()`` wrote, found in ``text`` (a Markdown page), as result rows of one
+    rank each (the worst rank's figures, which is what the figure plots). Raises when there is none."""
+    rows = []
+    for line in text.splitlines():
+        match = _ROW.match(line.strip())
+        if match is None:
+            continue
+        layout, mode, n, cpu_ms, init_s, groups, load, save_s, kib = (c.strip() for c in match.groups())
+        load_mib, _, files = load.partition(" ")
+        rank = {"rank": 0, "cpu_step_s": float(cpu_ms) / 1e3, "init_s": float(init_s), "groups_created": int(groups),
+                "load_bytes": None if load_mib == "-" else float(load_mib) * 2**20,
+                "load_files": int(files.strip("()")) if files else None, "save_s": float(save_s),
+                "collective_bytes": float(kib) * 1024}
+        rows.append({"mode": mode, "layout": layout, "n": int(n), "ranks": [rank]})
+    if not rows:
+        raise ValueError("no row of the scale table (| dp real | 2 | ... |) found: pass the page that holds it "
+                         "(docs/scale.md)")
+    return rows

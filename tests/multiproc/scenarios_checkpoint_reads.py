@@ -2,7 +2,7 @@
 
 A pipeline stage reads the manifest, the engine files, its own RNG file and the rank files of its own
 stage, each exactly once (verified as it is read), and nothing of the other stage; a data-parallel rank
-never opens another rank's RNG file and never reads a file twice. Under ZeRO 1-2 a rank reads the tensor
+never opens another rank's RNG file and never reads a file twice. Under ZeRO 1-3 a rank reads the tensor
 file of its own partition only (bytes ~ its share), and the weights and optimizer state come back equal."""
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def pipeline_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {"stage": coord.pp, "reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "p"), "same": same}
 
 
-def data_parallel_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    """dp=world at ZeRO-2 on a model with a buffer and a frozen layer: save, load, count."""
+def data_parallel_reads(rank: int, world: int, tmp: str, stage: int = 2) -> dict[str, Any]:
+    """dp=world at ZeRO ``stage`` on a model with a buffer and a frozen layer: save, load, count."""
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": optimizer_config(), "zero_optimization": {"stage": 2}}
+              "optimizer": optimizer_config(), "zero_optimization": {"stage": stage}}
     engine, *_ = deepshard.initialize(model=make_model(), config=config)
     batch = make_batches(1, 2 * world)[0]
     engine.backward(engine(*micro_slice(batch, 2, 0, rank, world)))
@@ -73,6 +73,10 @@ def data_parallel_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
         fresh.load_checkpoint(tmp, tag="d")
     same = all(torch.equal(a, b) for a, b in zip(engine.module.state_dict().values(), fresh.module.state_dict().values()))
     same = same and _equal(_states(engine, engine.module), _states(fresh, fresh.module))
+    if stage == 3:  # the forward of the loaded engine uses the gathered weights: the same loss as the saver's
+        x = micro_slice(batch, 2, 0, rank, world)
+        with torch.no_grad():
+            same = same and torch.equal(engine(*x), fresh(*x))
     dist.barrier()
     return {"reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "d"), "same": same}
 
@@ -80,4 +84,5 @@ def data_parallel_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def checkpoint_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Both scenarios in one world."""
     return {"pipeline": pipeline_reads(rank, world, os.path.join(tmp, "pipe")),
-            "dp": data_parallel_reads(rank, world, os.path.join(tmp, "dp"))}
+            "dp": data_parallel_reads(rank, world, os.path.join(tmp, "dp")),
+            "dp3": data_parallel_reads(rank, world, os.path.join(tmp, "dp3"), stage=3)}

@@ -1,5 +1,5 @@
 """Each rank reads and verifies only the checkpoint files it loads (issue: every rank used to hash every
-file of the checkpoint, N x the checkpoint's size at N ranks), and under ZeRO 1-2 only the tensor file of
+file of the checkpoint, N x the checkpoint's size at N ranks), and under ZeRO 1-3 only the tensor file of
 its own partition (every rank used to read its whole stage's state to take 1/N of it)."""
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def test_a_pipeline_stage_reads_only_its_own_stage_files_each_once(reads: list[d
         assert total <= 0.35 * whole, f"rank {rank} read {total} of {whole} per-rank bytes"
 
 
-def test_a_data_parallel_rank_reads_no_other_ranks_rng_and_each_file_once(reads: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("key", ["dp", "dp3"])  # ZeRO-2, ZeRO-3
+def test_a_data_parallel_rank_reads_no_other_ranks_rng_and_each_file_once(reads: list[dict[str, Any]], key: str) -> None:
     for rank, result in enumerate(reads):
-        dp = result["dp"]
+        dp = result[key]
         assert dp["same"] is True
         got, sizes = dp["reads"], dp["sizes"]
         rngs = {name for name in got if name.startswith("rng_rank")}

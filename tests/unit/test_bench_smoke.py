@@ -383,3 +383,21 @@ def test_background_load_spins_for_the_block_only() -> None:
     assert procs[0].poll() is not None, "the background process outlived the measurement"
     run = {"settings": {"background_load": 2}, "rows": []}
     assert "2 busy processes beside the engines" in report.format_table(run)
+
+
+def test_the_scale_figure_reads_back_the_table_the_docs_show() -> None:
+    """``scale.py plot --table docs/scale.md`` draws the docs' figure from the docs' rows: every row parses,
+    the worst-rank figures survive (the table written again equals the page's), and a page without the
+    table is refused."""
+    from benchmarks.scale_plot import rows_from_table, table
+
+    page = (ROOT / "docs" / "scale.md").read_text()
+    shown = [line for line in page.splitlines() if line.startswith(("| dp ", "| pp2 "))]
+    rows = rows_from_table(page)
+    assert len(rows) == len(shown) > 10
+    assert table(rows).splitlines()[2:] == shown
+    first = next(r for r in rows if (r["mode"], r["layout"], r["n"]) == ("real", "dp", 2))["ranks"][0]
+    assert shown[0].startswith("| dp real | 2 |")
+    assert first["cpu_step_s"] == pytest.approx(float(shown[0].split("|")[3]) / 1e3)
+    with pytest.raises(ValueError, match="scale table"):
+        rows_from_table("no table here")

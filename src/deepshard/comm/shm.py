@@ -40,8 +40,9 @@ pairwise form receives ``N - 1`` chunks (the same on 2 ranks, ``N - 2`` chunks l
 fingerprint of each slot's collective (its sequence number, kind and size, as the pairwise tags). A rank
 writes round ``t`` once every peer has read round ``t - 2`` (the slot is free); it reads once every peer
 has written round ``t`` with the same fingerprint (ranks that issued different collectives raise instead
-of exchanging the wrong data). Waits yield the core 200 times, then sleep 30 us at a time (never a
-long busy spin: on 2 cores the compute threads need the CPU).
+of exchanging the wrong data). Waits yield the core 200 times, then sleep: 30 us at first, then for 5%
+of the time already waited, at most 10 ms (never a long busy spin: on 2 cores the compute threads need
+the CPU; and a long wait, for peers that wait for a core, wakes up ~100 times a second, not ~10,000).
 
 **Rendezvous.** At a group's first run the ranks exchange (host name, a token from group rank 0, their
 process ids) over pairwise TCP, under the same deadline; only when every rank is on this host,

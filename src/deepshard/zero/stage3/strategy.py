@@ -354,8 +354,18 @@ class Stage3Strategy(ZeroStrategy):
                            **({"zero_groups": self.ctx.zero_groups.describe()} if self.ctx.zero_groups is not None
                               else {})})
 
+    def load_share(self) -> dict[str, list[tuple[int, int]]]:
+        """This rank's chunk of every trainable tensor: the parameter shard, the fp32 masters and the
+        optimizer state all cover the same ranges (``ShardedOptimizer`` over the one layout), and a
+        ``write_full`` keeps only this rank's chunk of the values it is given. Frozen parameters and
+        buffers are not restricted (read whole, from the first rank's files)."""
+        return self.opt_shard.share(self.names)
+
     @torch.no_grad()
     def load_state(self, full: FullState, load_optimizer_states: bool) -> None:
+        """Values outside this rank's chunks may be zeros (a reader reads only ``load_share``'s ranges):
+        each group keeps only its own chunk, and the groups held gathered (persistent ones) are gathered
+        again from the chunks afterwards, as after an optimizer step."""
         names = {id(p): saved_name(p, n) for n, p in self.module.named_parameters()}  # experts: global names
         stored = [saved_name(v, k) for k, v in self.module.state_dict(keep_vars=True).items()]
         absent = {k for k in stored if not full.has(k)}  # non-strict loads
@@ -378,6 +388,7 @@ class Stage3Strategy(ZeroStrategy):
             if name in full.module_extra:
                 b.copy_(full.module_extra[name])
         self.opt_shard.load(full, self.optimizer, load_optimizer_states)
+        self._after_update()
 
     def _current_values(self, group: Any) -> list[torch.Tensor]:
         """The full values of a group's parameters (a collective: every rank calls it for the same group)."""
