@@ -16,7 +16,7 @@ so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is
   ``engine.backward``, ``engine.step``, ``engine.memory_report``, ``engine.comms_logger``), with
   ``reduce_bucket_size`` = DDP's 25 MB; ``deepshard-z3-sib`` is stage 3 with its opt-in
   ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N); ``deepshard-z0-after-backward`` is stage 0
-  with ``overlap_comm: false``, the buckets reduced once backward is done, and ``deepshard-z3-units`` stage 3
+  with ``overlap_comm: false``, the buckets reduced once backward is done (``deepshard-z0-overlap``: ``true``), and ``deepshard-z3-units`` stage 3
   with ``stage3_min_gather_size`` = DDP's 25 MB (each module subtree that small gathered as one group, as
   FSDP2 gathers a block); neither runs unless named in ``--engines``.
 
@@ -100,6 +100,7 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in [
     # stage 0 reducing once backward is done (DeepSpeed's stage-0 schedule), to compare with its default
     # (all-reduces overlapped with backward) on a host
     EngineSpec("deepshard-z0-after-backward", "deepshard", 0, overlap_comm=False, default=False),
+    EngineSpec("deepshard-z0-overlap", "deepshard", 0, overlap_comm=True, default=False),  # the other forced one
     # stage 3 gathering each module subtree of at most DDP's bucket (25 MB) as one group, as FSDP2 gathers
     # each fully_shard unit (the GPT's blocks; the MLPs' blocks are larger and stay one group per Linear)
     EngineSpec("deepshard-z3-units", "deepshard", 3, units=True, default=False),
