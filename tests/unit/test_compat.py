@@ -73,6 +73,13 @@ def test_missing_features_fail_by_name(shim: None) -> None:
 
     with pytest.raises(AttributeError, match="deepspeed.no_such_name is not provided by this 'deepspeed'"):
         deepspeed.no_such_name  # noqa: B018
+    # the writers / per-rank readers of DeepSpeed's safe_* family import (the full readers beside them work) and
+    # refuse when called, naming what to use
+    from deepspeed.utils import safe_get_local_grad, safe_set_full_fp32_param, safe_update_full_grad_vectorized
+
+    for refused in (safe_get_local_grad, safe_set_full_fp32_param, safe_update_full_grad_vectorized):
+        with pytest.raises(NotImplementedError, match=f"{refused.__name__} is not provided.*GatheredParameters"):
+            refused(torch.nn.Parameter(torch.zeros(2)), torch.ones(2))
 
 
 def test_sequence_parallel_names_resolve(shim: None) -> None:
@@ -180,3 +187,11 @@ def test_zero_init_refuses_a_one_rank_group_under_a_multiprocess_launch(monkeypa
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def test_accelerator_answers_deepspeeds_name_attribute() -> None:
+    """``get_accelerator()._name``: DeepSpeed's attribute naming the kind, read in messages (its tests' skips)."""
+    import deepshard
+
+    assert deepshard.accelerator.get_accelerator()._name == "cpu"

@@ -54,6 +54,11 @@ class DeviceAccelerator:
     def backend(self) -> str:
         return "nccl" if self.kind == "cuda" else "gloo"
 
+    @property
+    def _name(self) -> str:
+        """DeepSpeed's accelerator attribute naming its kind (``"cpu"``, ``"cuda"``), read in messages."""
+        return self.kind
+
     def set_device(self, device_index: int | None = None) -> None:
         """Make this process's CUDA device current (DeepSpeed's ``set_device(i)`` takes an index)."""
         if self.kind == "cuda":
