@@ -13,8 +13,9 @@ import pytest
 
 from tests.multiproc.device import ENV, KINDS
 
-# the time per test file, printed at the end; a time limit per test; the longest files first to the xdist workers
-pytest_plugins = ["tests.timing", "tests.watchdog", "tests.file_order"]
+# the time per test file, printed at the end; a time limit per test; the longest files first to the xdist workers;
+# the checkout compiled to bytecode once (for processes under PYTHONDONTWRITEBYTECODE=1)
+pytest_plugins = ["tests.timing", "tests.watchdog", "tests.file_order", "tests.bytecode"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

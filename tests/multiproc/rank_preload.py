@@ -4,7 +4,8 @@
 pytest session imports this module (torch, torch.distributed, deepshard's modules and the scenario
 modules the ranks run), then forks a fresh process for every rank of every world. A rank so started
 costs a few hundredths of a CPU second instead of the ~1.8 s of a spawned interpreter importing torch
-and deepshard, and it still begins from the same state: nothing but imports happened in the server.
+and deepshard (and the ~1.2 s more of torch._dynamo, which torch imports at the first optimizer a process
+builds), and it still begins from the same state: nothing but imports happened in the server.
 
 Two rules keep the fork safe. The server never runs a torch operation (an OpenMP or intra-op thread pool
 created before ``fork`` is unusable in the child), so OpenMP is pinned to one thread before torch loads
@@ -30,8 +31,11 @@ _FIRST_RNG = torch.random.get_rng_state()  # a new interpreter's generator, befo
 
 import tests.multiproc  # noqa: E402
 
-# deepshard imports lazily; these are the modules nearly every rank reaches
-EAGER = ("deepshard", "deepshard.bootstrap", "deepshard.engine", "deepshard.config", "deepshard.zero",
+# deepshard imports lazily; these are the modules nearly every rank reaches. torch._dynamo first: torch wraps
+# Optimizer.__init__ in torch._disable_dynamo, which imports torch._dynamo (and sympy) when a process builds
+# its first optimizer, about 1.2 CPU seconds in every rank that builds an engine if the server has not
+# (0.04 s with it here); importing it starts no thread and runs no torch operation
+EAGER = ("torch._dynamo", "deepshard", "deepshard.bootstrap", "deepshard.engine", "deepshard.config", "deepshard.zero",
          "deepshard.comm", "deepshard.pipe", "deepshard.checkpoint", "deepshard.runtime.lr_schedules",
          "tests.multiproc.device", "tests.multiproc.harness")
 
