@@ -137,9 +137,10 @@ def init_memory(rank: int, world: int) -> dict[str, Any]:
     _set_mmap_threshold()
     torch.manual_seed(0)
     full_bytes = 16 * 1024 * 1024 * 4
+    init = deepshard.zero.Init  # imports the package (lazy) before the baseline: its modules are not the model
     base = _current_rss()
     _reset_peak()
-    with deepshard.zero.Init():
+    with init():
         model = Wide()
     peak = _peak_rss() - base
     held = sum(p.ds_tensor.numel() * 4 for p in model.parameters())
