@@ -125,6 +125,27 @@ def test_adaptive_overlap_times_both_schedules_and_keeps_the_faster(overlapped_m
         AdaptiveOverlap(probes=0)
 
 
+def test_adaptive_overlap_keeps_what_the_ranks_agree_on_not_its_own_timing() -> None:
+    """Every rank must keep the same schedule: the decision is taken on the medians combined over the
+    ranks (``agree``), here with another rank whose overlapped backwards were far slower."""
+    from deepshard.zero.schedule import AdaptiveOverlap
+
+    now = [0.0]
+    seen: list[tuple[float, float]] = []
+
+    def agree(overlapped: float, after: float) -> tuple[float, float]:
+        seen.append((overlapped, after))
+        return overlapped + 0.050, after + 0.010  # the other rank: 50 ms overlapped, 10 ms after backward
+
+    chooser = AdaptiveOverlap(probes=2, settle=0, clock=lambda: now[0], agree=agree)
+    for _ in range(4):
+        mode = chooser.next_overlap()
+        now[0] += (0.010 if mode else 0.020)  # this rank alone would keep overlapping
+        chooser.finished()
+    assert seen == [(pytest.approx(0.010), pytest.approx(0.020))]
+    assert chooser.choice is False and chooser.next_overlap() is False
+
+
 class _Done:
     def wait(self) -> None:
         return None

@@ -12,8 +12,11 @@ So when the config leaves ``zero_optimization.overlap_comm`` unset, :class:`Adap
 reducing backwards (from ``begin_backward`` to the end of ``end_backward``: backward plus whatever of
 the reduction it waits for) both ways, alternating, and keeps the faster one; it probes again every
 ``recheck_every`` reducing backwards, since the load on a host changes. ``overlap_comm`` true or false
-forces a schedule. Both schedules issue the same collectives in the same order with the same values, so
-the choice changes timing only, never the results, and ranks that choose differently still match.
+forces a schedule. Both schedules issue the same collectives with the same values, so the choice changes
+timing only, never the results. The ranks still decide together (``agree``: the medians summed over the
+group, one two-number all-reduce per decision): a rank that overlapped while another reduced afterwards
+would order its bucket all-reduces differently against collectives issued inside backward (a mixture of
+experts layer's all-to-all, a tensor-parallel all-reduce) on a group the two share.
 """
 from __future__ import annotations
 
@@ -31,12 +34,16 @@ class AdaptiveOverlap:
     its ``end_backward`` is done."""
 
     def __init__(self, probes: int = 2, settle: int = 1, recheck_every: int = 500,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 agree: Callable[[float, float], tuple[float, float]] | None = None) -> None:
         if probes < 1 or settle < 0 or recheck_every < 1:
             raise ValueError(f"AdaptiveOverlap(probes={probes}, settle={settle}, recheck_every={recheck_every}): "
                              "probes and recheck_every must be >= 1, settle >= 0")
         self.probes, self.settle, self.recheck_every = probes, settle, recheck_every
         self.clock = clock
+        self.agree = agree
+        """Combines this rank's two medians with the other ranks' (a sum over the group), so every rank keeps the
+        same schedule; None on one process."""
         self.choice: bool | None = None
         """The schedule kept after the last probe (True: overlapped); None while the first probe runs."""
         self.decisions = 0
@@ -76,6 +83,8 @@ class AdaptiveOverlap:
 
     def _decide(self) -> None:
         overlapped, after = (statistics.median(self._times[m]) for m in (True, False))
+        if self.agree is not None:
+            overlapped, after = self.agree(overlapped, after)
         choice = overlapped <= after
         if choice != self.choice:
             logger.info("zero_optimization.overlap_comm unset: %s (median backward + reduction %.1f ms "

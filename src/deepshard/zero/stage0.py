@@ -69,7 +69,13 @@ class Stage0Strategy(ZeroStrategy):
         self.schedule: AdaptiveOverlap | None = None
         """Times both reduction schedules and keeps the faster, when ``overlap_comm`` is unset."""
         if adaptive_overlap(ctx.zero_config) and ctx.comm.size > 1 and ctx.deterministic_steps == 0:
-            self.schedule = AdaptiveOverlap()
+            self.schedule = AdaptiveOverlap(agree=self._summed_over_ranks)
+
+    def _summed_over_ranks(self, overlapped: float, after: float) -> tuple[float, float]:
+        """The schedule timings summed over the data-parallel group, so every rank keeps the same schedule."""
+        times = torch.tensor([overlapped, after], dtype=torch.float32, device=self.ctx.device)
+        self.ctx.comm.all_reduce_control(times, "the reduction schedule's timings (overlap_comm unset)")
+        return float(times[0]), float(times[1])
 
     def _deterministic_sum(self, ctx: StrategyContext) -> dict[str, float]:
         """The deterministic mode's sum over micro-steps (``zero/canonical.py``): contiguous where it can be
