@@ -1,6 +1,7 @@
 """Launcher e2e helper for restarts: every rank meets through ``deepshard.init_distributed``, all-reduces a
 few times, then says when its attempt was ready, where it met and which machine it shares with which ranks;
-rank 1 exits with code 3 once every rank has said so, on every attempt before ``--attempts`` - 1 (the last ends cleanly)."""
+rank 1 exits with code 3 once every rank has said so, on every attempt before ``--attempts`` - 1 (the last
+ends cleanly)."""
 import argparse
 import os
 import time
