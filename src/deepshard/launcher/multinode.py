@@ -1,5 +1,6 @@
 """Start a multi-node job from one machine: one node agent per machine, through ssh, pdsh, mpirun or srun.
-The command builders are pure (argument lists; nothing runs); :func:`run_agents` runs them."""
+The command builders are pure (argument lists; nothing runs); :func:`run_agents` runs them under the supervisor
+(:func:`supervise_ranks`), which starts them together, forwards their output and stops them together."""
 from __future__ import annotations
 
 import argparse

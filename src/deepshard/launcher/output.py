@@ -1,5 +1,5 @@
 """The ranks' output on its way to the launcher's terminal, and how their ends are told and brought about (used by
-torch's agent path, :mod:`.rank_streams`, and by the runner supervisor, :mod:`.supervisor`)."""
+torch's agent path, :mod:`.rank_streams`, and by the runner supervisor in :mod:`.multinode`)."""
 from __future__ import annotations
 
 import os
