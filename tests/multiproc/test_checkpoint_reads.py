@@ -95,8 +95,10 @@ def test_a_deepspeed_tag_rank_reads_only_the_optimizer_files_of_its_share(reads:
     the optimizer files holding its share and the model-states file(s) (metadata, buffers, ZeRO-3's frozen
     pieces), each once. deepshard partitions differently (ZeRO-2: a 1/N range of its flat order, gradient order;
     ZeRO-3: 1/N of each module's parameters laid end to end), so a share meets a few of DeepSpeed's
-    partitions (model order; ZeRO-3: every parameter cut on its own): those files only (on this tiny model a
-    share can meet all four, as its small biases are cut four ways; every rank reading every file fails)."""
+    partitions (model order; ZeRO-3: every parameter cut on its own): those files only. Under ZeRO-2 that is
+    2-3 of the 4 files here. Under ZeRO-3 a rank's share of a module's parameters meets every file holding a
+    piece of one of them, and DeepSpeed cuts even a bias N ways: on this tiny model every share meets all
+    four files (reading only the bytes of a share within a file is not done yet)."""
     files = 0
     for rank, result in enumerate(reads):
         ds = result[key]["deepspeed"]
@@ -110,4 +112,5 @@ def test_a_deepspeed_tag_rank_reads_only_the_optimizer_files_of_its_share(reads:
         for name, n in got.items():
             assert n == sizes[name], f"rank {rank} read {n} bytes of {name} ({sizes[name]} bytes)"
         files += len(optim)
-    assert files < WORLD * WORLD, "every rank read every optimizer file"
+    if stage < 3:
+        assert files < WORLD * WORLD, "every rank read every optimizer file"
