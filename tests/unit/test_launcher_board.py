@@ -24,7 +24,7 @@ from deepshard.launcher.local import TORCH_SETS
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import Output
-from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, RankWatch, shim_argv
+from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, shim_argv, watch_ranks
 from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, open_rendezvous, watchdog
 from deepshard.launcher.report import others_outcome
 
@@ -272,15 +272,15 @@ def test_rank_shim_binds_sets_runs_reports_and_refuses_an_unguarded_start(tmp_pa
              "os.environ['CROSS_SIZE'], os.environ['FROM_JOB'], 'DEEPSHARD_RANK_STATUS' in os.environ])); sys.exit(3)")
     python, args = shim_argv([sys.executable, "-c", probe], os.getpid(), [(), tuple(cores)], {"FROM_JOB": "y"}, False)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    watch = RankWatch(str(tmp_path / "status"), lambda *a: seen.append(("start", a)),
-                      lambda *a: seen.append(("exit", a)))
+    status = str(tmp_path / "status")
+    unwatch = watch_ranks(status, lambda *a: seen.append(("start", a)), lambda *a: seen.append(("exit", a)))
     output = tmp_path / "output"
     os.mkfifo(output)
     reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)
     env = {**os.environ, "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2", "GROUP_RANK": "1",
-           "GROUP_WORLD_SIZE": "3", STATUS_ENV: watch.path, OUTPUT_ENV: str(output)}
+           "GROUP_WORLD_SIZE": "3", STATUS_ENV: status, OUTPUT_ENV: str(output)}
     shim = subprocess.run([python, *args], env=env, capture_output=True, text=True, timeout=30, start_new_session=True)
-    watch.close()
+    unwatch()
     assert shim.returncode == 3 and shim.stdout == "", shim.stderr  # the rank's output went to its pipe
     with os.fdopen(reader, "rb") as pipe:
         report = json.loads(pipe.read().decode())
@@ -294,8 +294,7 @@ def test_rank_shim_binds_sets_runs_reports_and_refuses_an_unguarded_start(tmp_pa
 
 def _link(board: JobBoard) -> JobLink:
     link = JobLink(board, {})
-    if link.heartbeat is not None:
-        link.heartbeat.stop()
+    link.stopped.set()  # no heartbeat thread left behind
     return link
 
 
@@ -321,10 +320,7 @@ def test_agent_check_decisions() -> None:
     link1.new_attempt()
     assert link1.check(1, force=True) is None  # the next attempt starts clean
 
-    class _Beat:
-        lost = "Connection reset"
-
-    link1.heartbeat = _Beat()  # type: ignore[assignment]
+    link1.heartbeat_lost = "Connection reset"  # what the heartbeat sets once node 0's store stops answering
     link1.new_attempt()
     gone = link1.check(1, force=True)
     assert gone is not None and gone.kind == "lost" and gone.node == 0 and "Connection reset" in gone.what
@@ -382,12 +378,12 @@ def test_the_shim_outlives_a_signalled_rank_reports_it_and_ends_by_its_signal(tm
         rank = "import time\nprint('ready', flush=True)\ntime.sleep(30)\n"
     python, args = shim_argv([sys.executable, "-c", rank], os.getpid(), None, {}, False)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    watch = RankWatch(str(tmp_path / "status"), lambda *a: seen.append(("start", a)),
-                      lambda *a: seen.append(("exit", a)))
+    status = str(tmp_path / "status")
+    unwatch = watch_ranks(status, lambda *a: seen.append(("start", a)), lambda *a: seen.append(("exit", a)))
     output = tmp_path / "output"
     os.mkfifo(output)
     reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)
-    env = {**os.environ, "LOCAL_RANK": "0", STATUS_ENV: watch.path, OUTPUT_ENV: str(output)}
+    env = {**os.environ, "LOCAL_RANK": "0", STATUS_ENV: status, OUTPUT_ENV: str(output)}
     shim = subprocess.Popen([python, *args], env=env, start_new_session=True)
     deadline = time.monotonic() + 30
     while not seen and time.monotonic() < deadline:  # the shim holds the pipe once it reported the start
@@ -401,6 +397,6 @@ def test_the_shim_outlives_a_signalled_rank_reports_it_and_ends_by_its_signal(tm
             os.kill(seen[0][1][1], sig)
         said = pipe.read().decode()
     assert shim.wait(30) == -sig
-    watch.close()
+    unwatch()
     assert [kind for kind, _ in seen] == ["start", "exit"] and seen[1][1][2] == -sig
     assert said == ("got 1\n" if sig == signal.SIGTERM else "")
