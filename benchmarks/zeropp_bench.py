@@ -37,7 +37,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "qwz_qgz": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
 }
 """The ``zero_optimization`` keys of each layout (ZeRO stage 3 in all)."""
-WORLD, PER_NODE, PORT = 4, 2, 29611
+WORLD, PER_NODE = 4, 2
 
 
 # ----------------------------------------------------------------------------------------- the worker
@@ -106,11 +106,13 @@ def worker(case: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------- the driver
 def run_layout(nodes: Any, addr: str, case: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Start the 4 ranks of ``case`` (2 per namespace) and return rank 0's JSON line."""
+    from benchmarks.spawn import free_port
+    port = free_port()  # a fresh port per run: two runs at once must not meet on one rendezvous
     procs = []
     for rank in range(WORLD):
         node = rank // PER_NODE
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % PER_NODE), WORLD_SIZE=str(WORLD),
-                   LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(node), MASTER_ADDR=addr, MASTER_PORT=str(PORT),
+                   LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(node), MASTER_ADDR=addr, MASTER_PORT=str(port),
                    GLOO_SOCKET_IFNAME=nodes.devices[node], OMP_NUM_THREADS=str(case["threads"]),
                    DEEPSHARD_ACCELERATOR="cpu", PYTHONPATH=str(REPO_ROOT), PYTHONWARNINGS="ignore")
         cmd = [*nodes.prefix(node), sys.executable, __file__, "--worker", json.dumps(case)]
