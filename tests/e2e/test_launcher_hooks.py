@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
+from deepshard.launcher.multinode import ProcessSpec, supervise_ranks
 from tests.e2e.test_launcher import SCRIPTS, _gone, _launch
 
 

@@ -104,7 +104,7 @@ def accounting_and_getters(rank: int, world: int, tmp: str) -> dict[str, Any]:
             out[(stage, key)] = {
                 "report": engine.memory_report(),
                 "shard": engine.strategy.layout.shard_numel,
-                "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
+                "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad},
                 "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in params.items()
                                if p.requires_grad},
                 "files": sorted(p.name for d in Path(tmp).iterdir() if d.name.endswith(f"-rank{rank}")

@@ -91,7 +91,13 @@ def save_models(rank: int, world: int, tmp: str, gather: bool) -> dict[str, Any]
     run_steps(engine, make_token_batches(2, 8), 8 // world, 1, rank, world)
     ok = engine.save_16bit_model(tmp, "model.safetensors")
     consolidated = engine._zero3_consolidated_16bit_state_dict()
-    full = {n: safe_get_full_fp32_param(p).to(torch.bfloat16) for n, p in engine.module.named_parameters()}
+    full = {}
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            full[n] = safe_get_full_fp32_param(p).to(torch.bfloat16)
+        else:  # a frozen parameter has no fp32 copy (safe_get_full_fp32_param answers None): read it gathered
+            with deepshard.zero.GatheredParameters([p]):
+                full[n] = p.detach().clone()
     return {"ok": ok, "consolidated": consolidated, "full": full}
 
 

@@ -79,12 +79,14 @@ def test_safe_get_full_helpers_match_reference(getters: tuple[int, list[dict[str
     model, opt = _reference_state_after(2, seed=21)
     for out in outs:  # every rank gets the full tensors
         for name, p in model.named_parameters():
+            if not p.requires_grad:  # DeepSpeed's answer: the optimizer holds no fp32 copy of a frozen parameter
+                assert out["fp32"][name] is None, name
+                continue
             assert rel_err(out["fp32"][name], p.detach()) < 1e-5, name
-            if p.requires_grad:
-                assert rel_err(out["grad"][name], p.grad) < 1e-5, name
-                assert rel_err(out["exp_avg"][name], opt.state[p]["exp_avg"]) < 1e-5, name
-    for name in outs[0]["fp32"]:
-        assert torch.equal(outs[0]["fp32"][name], outs[1]["fp32"][name])
+            assert rel_err(out["grad"][name], p.grad) < 1e-5, name
+            assert rel_err(out["exp_avg"][name], opt.state[p]["exp_avg"]) < 1e-5, name
+    for name, value in outs[0]["fp32"].items():
+        assert value is None and outs[1]["fp32"][name] is None or torch.equal(value, outs[1]["fp32"][name]), name
 
 
 def _reference_after_writes(stage: int) -> dict[str, dict[str, torch.Tensor]]:

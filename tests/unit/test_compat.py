@@ -199,3 +199,48 @@ def test_accelerator_answers_deepspeeds_name_attribute() -> None:
     import deepshard
 
     assert deepshard.accelerator.get_accelerator()._name == "cpu"
+
+
+def test_zeropp_weight_quantizer_round_trips_within_half_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``partition_parameters.CUDAQuantizer`` (ZeRO++'s 8-bit weight quantizer under DeepSpeed's name): groups
+    of at most 8000 values (a multiple of 8), one scale max|x|/127 per group computed here from the fp16
+    values, each value back within half a step, in the dtype asked for; the kernel stays replaceable."""
+    from deepshard.compat import cuda_quantizer
+    from deepshard.compat.partition_parameters import CUDAQuantizer
+
+    monkeypatch.setattr(CUDAQuantizer, "quantizer_cuda_module", None)
+    torch.manual_seed(0)
+    param = torch.randn(3 * 6000, dtype=torch.bfloat16) * torch.linspace(0.01, 3.0, 3 * 6000).to(torch.bfloat16)
+    q, scales = CUDAQuantizer().quantize(param)
+    assert q.dtype == torch.int8 and q.numel() == param.numel() and scales.numel() == 3  # 3 groups of 6000
+    halves = param.to(torch.half).float().view(3, 6000)
+    step = halves.abs().amax(dim=1) / 127
+    assert torch.allclose(scales, step, rtol=1e-6)
+    back = CUDAQuantizer().dequantize(q, scales, dtype=torch.bfloat16)
+    assert back.dtype == torch.bfloat16
+    error = (back.float().view(3, 6000) - halves).abs()
+    assert bool((error <= step[:, None] / 2 + halves.abs() / 2**8 + 1e-6).all())  # + bf16's own rounding
+    as_half = CUDAQuantizer().dequantize(q, scales)
+    assert as_half.dtype == torch.half
+    error = (as_half.float().view(3, 6000) - halves).abs()
+    assert bool((error <= step[:, None] / 2 + halves.abs() / 2**10 + 1e-6).all())
+    assert float(error.max()) > float(step.min()) / 8  # it did quantize (8 bits, not fp16's 11)
+    assert cuda_quantizer.quantization_groups(8 * 1001, 8000) == 7  # the fewest groups with a size in 8s
+    with pytest.raises(ValueError, match="multiple of 8 values, got 12"):
+        CUDAQuantizer().quantize(torch.ones(12))
+    with pytest.raises(NotImplementedError, match="symmetrically only"):
+        cuda_quantizer.BlockQuantizerKernel().quantize(torch.ones(16), 2, 8, quant_type=1)
+
+    class Recording:  # a stand-in kernel, as DeepSpeed's tests swap one in
+        Symmetric = 0
+
+        def quantize(self, values, groups, num_bits, quant_type):
+            return values.to(torch.int8), torch.full((groups,), float(values.dtype == torch.half))
+
+        def dequantize(self, quantized, scales, num_groups, num_bits, quant_type):
+            return quantized.to(torch.half) * scales[0]
+
+    monkeypatch.setattr(CUDAQuantizer, "quantizer_cuda_module", Recording())
+    q, scales = CUDAQuantizer().quantize(torch.full((16,), 2.0, dtype=torch.bfloat16))
+    assert scales.tolist() == [1.0]  # the kernel was handed fp16; 16 values make one group
+    assert CUDAQuantizer().dequantize(q, scales, dtype=torch.float32).tolist() == [2.0] * 16

@@ -125,6 +125,9 @@ def test_wait_exited_skips_lost_nodes_and_nodes_that_never_came() -> None:
     node1.mark_exited()
     assert node0.wait_exited(0.0, skip=[2]) == []
     assert node0.wait_exited(0.0) == [2]
+    threading.Timer(0.1, node2.mark_exited).start()
+    t0 = time.monotonic()
+    assert node0.wait_exited(10.0) == [] and time.monotonic() - t0 < 5  # node 2 left during the wait: it ends
     never = _boards()
     never[1].register("{}")
     never[1].mark_exited()

@@ -5,7 +5,8 @@ wraps torch's tensor constructors to place and cast new tensors; deepshard's doe
 module's parameters when the module's ``__init__`` returns), so the constructor hook that transformers
 swaps (``zero_wrapper_for_fp_tensor_constructor``) is the identity here, and ``_orig_torch_arange`` is
 torch's own ``arange``. ``ZeroParamStatus`` is the state ``param.ds_status`` reports
-(:mod:`deepshard.zero.stage3.param_status`).
+(:mod:`deepshard.zero.stage3.param_status`). ``CUDAQuantizer`` is ZeRO++'s weight quantizer
+(:mod:`deepshard.compat.cuda_quantizer`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from deepshard.accelerator import get_accelerator
+from deepshard.compat.cuda_quantizer import CUDAQuantizer
 from deepshard.zero import (GatheredParameters, Init, ZeroParamStatus, register_external_parameter,
                             unregister_external_parameter)
 from deepshard.zero.stage3.init import single_rank_group_contradiction
@@ -46,5 +48,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
+__all__ = ["CUDAQuantizer", "GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
            "partitioned_param_data_shape", "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

@@ -46,10 +46,14 @@ def _strategy_of(param: "torch.nn.Parameter"):  # noqa: ANN202 - returns a ZeroS
 
 
 def safe_get_full_fp32_param(param: "torch.nn.Parameter") -> "torch.Tensor | None":
-    """The full fp32 value of ``param`` (its master copy when training in 16 bits), on every rank."""
+    """The full fp32 value of ``param`` (its master copy when training in 16 bits), on every rank. None for a
+    frozen parameter (``requires_grad`` False) of a model an engine trains, as in DeepSpeed: the optimizer
+    holds no fp32 copy of it; read the parameter itself (under ZeRO-3 inside ``GatheredParameters``)."""
     strategy = _strategy_of(param)
     if strategy is None:
         return param.detach().float().clone()
+    if not param.requires_grad:
+        return None
     return strategy.full_fp32_param(param)
 
 

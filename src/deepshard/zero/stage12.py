@@ -127,6 +127,11 @@ class Stage12Strategy(ZeroStrategy):
     def end_backward(self) -> None:
         self.reducer.end_backward()
 
+    def hold_gradients(self, hold: bool) -> None:
+        super().hold_gradients(hold)
+        if isinstance(self.reducer, Stage2Reducer):
+            self.reducer.holding = hold
+
     # ---------------------------------------------------------------------------------------- step
     def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
         if not by_copies:
@@ -204,6 +209,8 @@ class Stage12Strategy(ZeroStrategy):
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
+        if self.gradients_held and param.grad is not None:
+            return param.grad.detach().float().clone()  # inside coalesce_grad_reduction(): the local, unreduced one
         return self.opt_shard.full_grad(param)
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:

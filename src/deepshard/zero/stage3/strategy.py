@@ -257,6 +257,10 @@ class Stage3Strategy(ZeroStrategy):
         self.reducer.begin_backward()
         self._boundary = reduce
 
+    def hold_gradients(self, hold: bool) -> None:
+        super().hold_gradients(hold)
+        self.reducer.holding = hold
+
     @torch.no_grad()
     def _step_group(self, gi: int, chunk: torch.Tensor) -> None:
         """Step in backward: update group ``gi``'s pieces from its averaged, reduced chunk."""
@@ -327,6 +331,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.grads.zero_()
+        self.reducer.held.clear()
         self._fused_sq.zero_()
         for p in self.params:
             p.grad = None
@@ -428,6 +433,9 @@ class Stage3Strategy(ZeroStrategy):
             raise RuntimeError("safe_get_full_grad: with zero_optimization.optimizer_step_in_backward each "
                                "gradient is applied and dropped during backward; turn the option off to read "
                                "gradients")
+        held = self.reducer.held.get(id(param)) if self.gradients_held else None
+        if held is not None:  # inside coalesce_grad_reduction(): the local, unreduced sum
+            return held.detach().float().clone()
         return self.opt_shard.full_grad(param, _full_shape(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
