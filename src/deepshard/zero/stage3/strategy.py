@@ -63,7 +63,8 @@ class Stage3Strategy(ZeroStrategy):
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = comm.watchdog
-        discovered, self.units = discover_groups(module, int(zcfg.min_gather_size))
+        discovered, self.units = discover_groups(module, zcfg.gather_unit_size,
+                                                 lambda p: id(ctx.reduction_group(p)))
         trainable = [d for d in discovered if d[1][0].requires_grad]
         frozen = [d for d in discovered if not d[1][0].requires_grad]
         if not trainable:
