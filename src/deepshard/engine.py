@@ -16,6 +16,7 @@ from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
 from deepshard.engine_client_calls import EngineClientCalls
+from deepshard.engine_coalesce import EngineCoalescing, GradContextMisuse
 from deepshard.engine_ds_names import EngineDeepSpeedNames
 from deepshard.parts import EngineParts
 from deepshard.precision import LossScaler, make_loss_scaler
@@ -87,6 +88,9 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
         self.seq_parallel_group = topology.sp.group if parts.sequence_parallel is not None else None
         self.seq_data_parallel_group = topology.seq_dp.group
         self.seq_dp_world_size = topology.seq_dp.size
+
+    pipeline_parallelism: bool = False
+    """DeepSpeed's engine flag: True for the pipeline engine."""
 
     # the training counters live in ``self.state`` (step.TrainState); these keep DeepSpeed's attribute names
     global_steps = _StateField("global_steps")
@@ -334,9 +338,9 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch
             self.monitor = None
 
 
-class DeepShardEngine(EngineCore):
+class DeepShardEngine(EngineCoalescing, EngineCore):
     """Returned by ``deepshard.initialize`` for a plain model: DeepSpeed's ``forward`` / ``backward`` /
-    ``step`` training calls over the shared core."""
+    ``step`` training calls over the shared core, and ``coalesce_grad_reduction`` (``engine_coalesce.py``)."""
 
     def __init__(self, parts: EngineParts) -> None:
         super().__init__(parts)
@@ -355,11 +359,24 @@ class DeepShardEngine(EngineCore):
         """Override the boundary (Accelerate does this); pass the value for every micro-step."""
         self._boundary_override = bool(is_boundary)
 
+    @property
+    def _is_gradient_accumulation_boundary(self) -> bool | None:
+        """DeepSpeed's attribute: the boundary set by ``set_gradient_accumulation_boundary`` (None: not set,
+        the micro-step counter decides)."""
+        return self._boundary_override
+
+    @_is_gradient_accumulation_boundary.setter
+    def _is_gradient_accumulation_boundary(self, value: bool | None) -> None:
+        self._boundary_override = None if value is None else bool(value)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside skip the gradient reduction (local accumulation only)."""
+        if self._coalescing:
+            raise GradContextMisuse("no_sync() cannot be used inside a coalesce_grad_reduction() block (it holds "
+                                    "the gradients local already); leave the outer block first")
         if not self.strategy.capabilities.no_sync:
-            raise RuntimeError(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
+            raise GradContextMisuse(f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: "
                                "gradients are partitioned as they are produced; use gradient_accumulation_steps")
         self._no_sync_depth += 1
         try:
@@ -392,7 +409,7 @@ class DeepShardEngine(EngineCore):
         return module_is_compiled(self.module)
 
     def _prepare_backward(self) -> None:
-        reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
+        reduce = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0 and not self._coalescing
         self.strategy.begin_backward(reduce)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -434,9 +451,10 @@ class DeepShardEngine(EngineCore):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Apply the update at the accumulation boundary (clipping, fp16 overflow skip, LR schedule);
         a no-op between boundaries except for counting the micro-step."""
-        if self._no_sync_depth > 0:
-            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the no_sync() block "
-                               "for the micro-step that should synchronize and step")
+        if self._no_sync_depth > 0 or self._coalescing:
+            raise GradContextMisuse("engine.step() was called inside engine.no_sync() or "
+                                    "engine.coalesce_grad_reduction(); leave the block for the micro-step that "
+                                    "should synchronize and step")
         boundary = self.is_gradient_accumulation_boundary()
         with self.tools.time("step"):
             self.strategy.end_backward()

@@ -52,7 +52,8 @@ def train(rank: int, world: int, stage: int, dtype: str, offload: str) -> dict[s
         engine.step()
         losses.append(float(loss.detach().float()))
         norms.append(engine.get_global_grad_norm())
-    params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()
+              if p.requires_grad}  # a frozen parameter has no fp32 copy (None)
     engine.destroy()
     return {"losses": losses, "norms": norms, "params": params}
 
@@ -126,7 +127,8 @@ def layout_run(rank: int, world: int, stage: int, offload: str, steps: int, firs
             engine.step()
     if save is not None:
         engine.save_checkpoint(save)
-    params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
+              if p.requires_grad}  # a frozen parameter has no fp32 copy (None)
     engine.destroy()
     return params
 

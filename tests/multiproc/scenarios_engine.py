@@ -1,6 +1,7 @@
 """What each rank runs for the engine-API tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,57 @@ def no_sync_and_boundary(rank: int, world: int) -> dict[str, Any]:
     results["boundary"] = full_weights(engine2)
     results["applied"] = applied
     return results
+
+
+def _reductions(engine: Any) -> int:
+    """Reducing collectives (reduce-scatter, all-reduce, reduce) since the comms logger's reset: the
+    gradient reductions (ZeRO-3's parameter all-gathers are not counted)."""
+    return sum(s["calls"] for op, s in engine.comms_logger.summary().items() if "reduce" in op)
+
+
+def coalesced_reduction(rank: int, world: int) -> dict[str, Any]:
+    """engine.coalesce_grad_reduction() at ZeRO 1-3 against the same two backward passes without it (the
+    first not at the boundary): the weights after each step, and the reductions counted inside the block and
+    up to its exit (over the whole window without it) (fp32, SGD: sensitive to the gradient's magnitude)."""
+    batches = make_batches(2, 4 * world, seed=9)
+    out: dict[str, Any] = {}
+    for stage in (1, 2, 3):
+        cfg = _config(micro=2, gas=1, optimizer=sgd_config(), zero_optimization={"stage": stage})
+        for coalesce in (False, True):
+            engine, *_ = deepshard.initialize(model=make_model(), config=cfg)
+            counts: list[tuple[int, int]] = []
+            for batch in batches:
+                engine.comms_logger.reset()
+                block = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+                with block:
+                    for m in range(2):
+                        engine.set_gradient_accumulation_boundary(m == 1)
+                        engine.backward(engine(*micro_slice(batch, 2, m, rank, world)))
+                    inside = _reductions(engine)
+                counts.append((inside, _reductions(engine)))
+                engine.step()
+            key = "coalesced" if coalesce else "plain"
+            out[(stage, key)] = {"weights": full_weights(engine), "counts": counts}
+            if coalesce:
+                out[(stage, "refusals")] = _coalesce_refusals(engine)
+            engine.destroy()
+    return out
+
+
+def _coalesce_refusals(engine: Any) -> list[str]:
+    """What step() and no_sync() inside the block, and a nested block, raise (type: message)."""
+    out = []
+    for inner in (engine.step, engine.no_sync, engine.coalesce_grad_reduction):
+        try:
+            with engine.coalesce_grad_reduction():
+                result = inner()
+                if hasattr(result, "__enter__"):
+                    with result:
+                        pass
+            out.append("no error")
+        except (RuntimeError, AssertionError) as err:
+            out.append(f"{type(err).__name__}: {err}")
+    return out
 
 
 def api_surface(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -196,5 +248,6 @@ def engine_contract(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Every scenario of tests/multiproc/test_engine_api.py in one world (a spawn each cost more than the
     scenarios): each builds its own engines; accounting runs first, before any other engine's traffic."""
     return {"accounting": accounting(rank, world), "no_sync": no_sync_and_boundary(rank, world),
+            "coalesce": coalesced_reduction(rank, world),
             "api": api_surface(rank, world, tmp), "two_engines": two_engines_interleaved(rank, world),
             "predivide": predivide_and_comm_dtype(rank, world)}

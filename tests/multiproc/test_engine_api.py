@@ -101,6 +101,28 @@ def test_no_sync_accumulates_locally_then_reduces_once(contract: dict[str, Any])
     assert out["applied"] == [False, True, False, True]
 
 
+def test_coalesce_grad_reduction_reduces_once_with_the_plain_update(contract: dict[str, Any]) -> None:
+    out = contract["coalesce"]
+    ref = _sum_loss_reference(make_batches(2, 4 * WORLD, seed=9), WORLD)
+    for stage in (1, 2, 3):
+        plain, coalesced = out[(stage, "plain")], out[(stage, "coalesced")]
+        for name, value in ref.items():  # the single-process run of both backward passes
+            assert rel_err(plain["weights"][name], value) <= 1e-6, (stage, name)
+            assert rel_err(coalesced["weights"][name], value) <= 1e-6, (stage, name)
+            if stage == 1:  # the plain window holds its first backward locally too: the same sums, bit for bit
+                assert torch.equal(plain["weights"][name], coalesced["weights"][name]), name
+        assert [inside for inside, _ in coalesced["counts"]] == [0, 0], stage  # nothing reduced in the block
+        at_exit, window = [n for _, n in coalesced["counts"]], [n for _, n in plain["counts"]]
+        assert all(n > 0 for n in at_exit), (stage, at_exit)
+        if stage == 1:
+            assert at_exit == window
+        else:  # stages 2 and 3 reduce every backward without the block: twice the reductions
+            assert all(2 * c == p for c, p in zip(at_exit, window)), (stage, at_exit, window)
+        step, no_sync, nested = out[(stage, "refusals")]
+        for refusal, words in ((step, "engine.step()"), (no_sync, "no_sync() cannot be used"), (nested, "nested")):
+            assert refusal.startswith("GradContextMisuse: ") and words in refusal, refusal
+
+
 @pytest.fixture(scope="module")
 def api(contract: dict[str, Any]) -> dict[str, Any]:
     return contract["api"]

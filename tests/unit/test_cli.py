@@ -14,7 +14,8 @@ import pytest
 
 from deepshard.accelerate import launch_config as ac
 from deepshard import commands
-from deepshard.launcher import cli, rank_errors
+from deepshard.launcher import cli
+from deepshard.launcher import report as rank_errors
 from deepshard.accelerate.cli import build_launch_parser, config_main
 from deepshard.launcher.options import LaunchError
 from deepshard.compat.run import COMPAT_RUN, KEEP_DEEPSPEED, REPLACE_ENV, route_ranks

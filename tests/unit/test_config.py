@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import pathlib
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -259,9 +260,32 @@ def test_duplicate_json_key_in_file_is_an_error(tmp_path: pathlib.Path) -> None:
 
 
 def test_invalid_json_reports_line_and_column(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "broken.json"
-    path.write_text('{\n  "train_batch_size": 4,\n  "fp16": {"enabled": true,}\n}\n')
-    with pytest.raises(ConfigError, match=r"broken.json' is not valid JSON: .* at line 3, column 28"):
+    path = tmp_path / "broken.json"  # not Hjson either (a file that is Hjson is read where hjson is installed)
+    path.write_text('{\n  "train_batch_size": 4,\n  "fp16": {"enabled": true]\n}\n')
+    with pytest.raises(ConfigError, match=r"broken.json' is not valid JSON: .* at line 3, column 27"):
+        load_config(str(path), 1)
+
+
+HJSON_TEXT = '{\n  # DeepSpeed reads config files as Hjson\n  train_batch_size: 4\n  zero_optimization: {stage: 2}\n}\n'
+
+
+def test_hjson_config_file_is_read_where_hjson_is_installed(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("hjson", reason="the optional hjson package is not installed")
+    path = tmp_path / "ds.json"
+    path.write_text(HJSON_TEXT)
+    cfg = load_config(str(path), 2)
+    assert _batch(cfg) == (4, 2, 1) and cfg.zero_stage == 2
+    path.write_text('{\n  a: 1\n  a: 2\n}\n')
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):
+        load_config(str(path), 1)
+
+
+def test_hjson_config_file_without_hjson_says_to_install_it(tmp_path: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "hjson", None)  # import hjson raises ImportError
+    path = tmp_path / "ds.json"
+    path.write_text(HJSON_TEXT)
+    with pytest.raises(ConfigError, match=r"(?s)is not valid JSON: .* at line 2.*pip install hjson"):
         load_config(str(path), 1)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepshard.optim import Lamb, Lion, build_optimizer
+from deepshard.optim.fused_adam import FusedAdam, FusedAdamW
 
 
 def _param(values: list[float], grad: list[float]) -> torch.nn.Parameter:
@@ -20,11 +21,13 @@ def _param(values: list[float], grad: list[float]) -> torch.nn.Parameter:
 # ----------------------------------------------------------------------------- name resolution
 
 @pytest.mark.parametrize("type_name, params, cls, expected", [
-    ("Adam", {"lr": 0.01}, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.0}),
+    ("Adam", {"lr": 0.01}, FusedAdamW, {"lr": 0.01, "weight_decay": 0.0}),
+    ("adam", {"adam_w_mode": False}, FusedAdam, {"weight_decay": 0.0, "decoupled_weight_decay": False}),
     ("adam", {"adam_w_mode": False, "torch_adam": True}, torch.optim.Adam,
      {"weight_decay": 0.0}),
-    ("AdamW", {"adam_w_mode": False}, torch.optim.AdamW, {"weight_decay": 0.0}),
-    ("ADAMW", {"weight_decay": 0.1, "bias_correction": True}, torch.optim.AdamW,
+    ("Adam", {"torch_adam": True}, torch.optim.AdamW, {"weight_decay": 0.0}),
+    ("AdamW", {"adam_w_mode": False}, FusedAdamW, {"weight_decay": 0.0}),
+    ("ADAMW", {"weight_decay": 0.1, "bias_correction": True}, FusedAdamW,
      {"weight_decay": 0.1}),
     ("SGD", {"lr": 0.1, "momentum": 0.9}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     ("sgd", {"lr": 0.2}, torch.optim.SGD, {"lr": 0.2}),
@@ -47,6 +50,17 @@ def test_name_resolves_to_class_and_hyperparameters(type_name: str, params: dict
     for key, value in expected.items():
         assert opt.param_groups[0][key] == value, key
     assert params == original  # the config dict is not modified
+
+
+def test_config_adam_is_deepspeeds_fused_adam_and_torchs_adamw() -> None:
+    # DeepSpeed's tests check isinstance(optimizer, FusedAdam); code written for torch checks AdamW
+    opt = build_optimizer("Adam", {"lr": 0.01}, torch.nn.Linear(3, 2).parameters())
+    assert isinstance(opt, FusedAdam) and isinstance(opt, torch.optim.AdamW) and opt.adam_w_mode
+    from deepshard.ops.adam import FusedAdam as OpsFusedAdam
+
+    assert OpsFusedAdam is FusedAdam
+    l2 = build_optimizer("Adam", {"adam_w_mode": False}, torch.nn.Linear(3, 2).parameters())
+    assert isinstance(l2, FusedAdam) and not isinstance(l2, torch.optim.AdamW) and not l2.adam_w_mode
 
 
 def test_betas_list_becomes_tuple_and_param_groups_pass_through() -> None:
@@ -248,7 +262,7 @@ def test_params_without_grad_are_skipped() -> None:
     ("MuAdamW", {}, ["not supported", "mup.MuAdamW"]),
     ("MuSGD", {}, ["not supported", "'SGD'"]),
     ("Adam", {"lr_rate": 0.1}, ["optimizer 'Adam'", "'lr_rate'", "did you mean 'lr'",
-                                "accepted: lr, betas"]),
+                                "accepted: lr, bias_correction, betas"]),
     ("Lamb", {"momentum": 0.9}, ["optimizer 'Lamb'", "'momentum'", "max_coeff"]),
     ("SGD", {"betas": [0.9, 0.99]}, ["optimizer 'SGD'", "'betas'", "momentum"]),
     ("Adam", {"max_grad_norm": 1.0}, ["max_grad_norm", "gradient_clipping"]),

@@ -118,6 +118,37 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_checkpointing_configure_sets_the_default_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepshard.checkpointing as ckpt
+
+    monkeypatch.setattr(ckpt._Configured, "options", None)  # restored after the test
+    kept_on_cpu = []
+    real = torch.autograd.graph.save_on_cpu
+
+    def spy(*args: object, **kwargs: object) -> object:
+        kept_on_cpu.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", spy)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    layer(x).tanh().sum().backward()
+    want = layer.weight.grad.clone()
+    assert not deepspeed.checkpointing.is_configured()
+    deepspeed.checkpointing.checkpoint(lambda t: layer(t).tanh(), x)
+    assert kept_on_cpu == []
+    deepspeed.checkpointing.configure(None, deepspeed_config={"train_batch_size": 1, "activation_checkpointing": {
+        "cpu_checkpointing": True}})
+    assert deepspeed.checkpointing.is_configured()
+    layer.zero_grad()
+    deepspeed.checkpointing.checkpoint(lambda t: layer(t).tanh(), x).sum().backward()
+    assert kept_on_cpu == [True]
+    torch.testing.assert_close(layer.weight.grad, want)
+    deepspeed.checkpointing.configure(None, checkpoint_in_cpu=False)  # arguments override, defaults otherwise
+    deepspeed.checkpointing.checkpoint(lambda t: layer(t).tanh(), x)
+    assert kept_on_cpu == [True]
+
+
 def test_errors_and_deepspeed_import_path() -> None:
     assert deepspeed.pipe.PipelineModule is PipelineModule
     assert deepspeed.pipe.LayerSpec is LayerSpec and deepspeed.pipe.TiedLayerSpec is TiedLayerSpec

@@ -86,7 +86,7 @@ REFUSED_NAMES["deepspeed.comm.CCLBackend"] = (
 _CHECKPOINTING = ("activation checkpointing's module-level setup; use the config's activation_checkpointing "
                   "section and deepspeed.checkpointing.checkpoint(fn, *args) instead (tensor-parallel dropout "
                   "streams are deepshard.tp.random's)")
-for _name in ("configure", "is_configured", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+for _name in ("get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
               "model_parallel_reconfigure_tp_seed"):
     REFUSED_NAMES[f"deepspeed.checkpointing.{_name}"] = _CHECKPOINTING
     REFUSED_NAMES[f"deepspeed.runtime.activation_checkpointing.checkpointing.{_name}"] = _CHECKPOINTING

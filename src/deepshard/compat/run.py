@@ -22,7 +22,7 @@ import sys
 from collections.abc import MutableMapping
 
 from deepshard.compat import REPLACE_ENV, install, installed_deepspeed, is_installed
-from deepshard.launcher.rank_errors import VERBOSE_ENV, report
+from deepshard.launcher.report import VERBOSE_ENV, report
 from deepshard.utils.logging import logger
 
 COMPAT_RUN = "deepshard.compat.run"

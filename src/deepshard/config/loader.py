@@ -2,7 +2,9 @@
 
 JSON files are read strictly: a key repeated in one object is an error (plain ``json`` would keep the
 last value silently, so a config could say ``"stage": 3`` twice and mean neither), and a syntax error
-is reported with its line and column and the offending line.
+is reported with its line and column and the offending line. A config file that is not JSON is read as
+Hjson (comments, unquoted keys and strings, optional commas), as DeepSpeed reads its config files, where
+the optional ``hjson`` package is installed; without it the JSON error says to install it.
 """
 from __future__ import annotations
 
@@ -51,20 +53,43 @@ def _key_lines(text: str, key: str) -> list[int]:
     return [i for i, line in enumerate(text.splitlines(), start=1) if pattern.search(line)]
 
 
-def parse_json_text(text: str, origin: str) -> dict[str, Any]:
-    """Parse JSON text that must be an object; errors name ``origin`` and the line/column."""
+def _duplicate_error(text: str, key: str, origin: str) -> ConfigError:
+    lines = _key_lines(text, key)
+    at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+    return ConfigError(f"duplicate key '{key}' in {origin}{at}: a JSON object may name a key "
+                       "only once (otherwise the last value wins silently); remove one of them")
+
+
+def parse_json_text(text: str, origin: str, hjson_fallback: bool = False) -> dict[str, Any]:
+    """Parse JSON text that must be an object; errors name ``origin`` and the line/column.
+    ``hjson_fallback``: text that is not JSON is parsed as Hjson (config files, as DeepSpeed does)."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as dup:
-        lines = _key_lines(text, dup.key)
-        at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
-        raise ConfigError(f"duplicate key '{dup.key}' in {origin}{at}: a JSON object may name a key "
-                          "only once (otherwise the last value wins silently); remove one of them") from None
+        raise _duplicate_error(text, dup.key, origin) from None
     except json.JSONDecodeError as err:
-        raise ConfigError(_syntax_message(err, origin)) from None
+        if not hjson_fallback:
+            raise ConfigError(_syntax_message(err, origin)) from None
+        data = _parse_hjson(text, origin, err)
     if not isinstance(data, dict):
         raise ConfigError(f"{origin} must hold a JSON object ({{...}}), got {type(data).__name__}")
     return data
+
+
+def _parse_hjson(text: str, origin: str, json_error: json.JSONDecodeError) -> Any:
+    """``text`` read as Hjson (a superset of JSON; duplicate keys refused as in JSON), or the JSON error."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(_syntax_message(json_error, origin) + "\n(if the file is Hjson, as DeepSpeed accepts: "
+                          "comments, unquoted keys or strings, no commas, install the optional hjson package "
+                          "to read it: pip install hjson)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as dup:
+        raise _duplicate_error(text, dup.key, origin) from None
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(_syntax_message(json_error, origin) + f"\n(nor is it valid Hjson: {err})") from None
 
 
 def _syntax_message(err: json.JSONDecodeError, origin: str) -> str:
@@ -79,7 +104,7 @@ def _syntax_message(err: json.JSONDecodeError, origin: str) -> str:
 
 
 def read_json_file(path: str) -> dict[str, Any]:
-    """Read and parse a JSON config file (strict, duplicate keys rejected)."""
+    """Read and parse a JSON config file (strict, duplicate keys rejected; Hjson where ``hjson`` is installed)."""
     origin = f"config file '{path}'"
     try:
         with open(path, encoding="utf-8") as handle:
@@ -90,7 +115,7 @@ def read_json_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{origin} is a directory; give the path of the JSON file") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{origin} is not UTF-8 text: {err}") from None
-    return parse_json_text(text, origin)
+    return parse_json_text(text, origin, hjson_fallback=True)
 
 
 def _decode_base64(text: str) -> Optional[str]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from deepshard.commands import DefaultsHelpFormatter, add_command_list, find_command, run_command
 from deepshard.compat.run import real_deepspeed, route_ranks
-from deepshard.launcher import multinode, node, rank_errors
+from deepshard.launcher import multinode, node, report
 from deepshard.launcher.envfile import env_file_paths, job_exports, read_env_files
 from deepshard.launcher.hostfile import parse_node_spec, read_hostfile, resolve_resources
 from deepshard.launcher.local import AgentJob, detect_cuda_devices
@@ -262,7 +262,7 @@ def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())
     if args.verbose:
-        os.environ[rank_errors.VERBOSE_ENV] = "1"
+        os.environ[report.VERBOSE_ENV] = "1"
     if sys.stderr.isatty():  # the ranks' output reaches a terminal through the launcher: rank 0 shows bars
         os.environ.setdefault(PROGRESS_ENV, "1")
     try:
@@ -277,7 +277,7 @@ def launch(args: argparse.Namespace, argv: list[str], port_flag: str = "--master
         return _error(exc)
     pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepshard") if args.save_pid else None
     try:
-        with rank_errors.error_dir(os.environ):
+        with report.error_dir(os.environ):
             return run(None if pid_file is None else lambda pids: _write_pid_file(pid_file, pids))
     except (LaunchError, ValueError) as exc:
         if raise_errors:

@@ -1,17 +1,24 @@
 """Start a multi-node job from one machine: one node agent per machine, through ssh, pdsh, mpirun or srun.
-The command builders are pure (argument lists; nothing runs); :func:`run_agents` runs them."""
+The command builders are pure (argument lists; nothing runs); :func:`run_agents` runs them under the supervisor
+(:func:`supervise_ranks`), which starts them together, forwards their output and stops them together."""
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 from deepshard.launcher.hostfile import encode_world_info
 from deepshard.launcher.options import LaunchError
-from deepshard.launcher.supervisor import ProcessSpec, supervise_ranks
+from deepshard.launcher.output import Output, describe_exit, exit_status, pump, signal_group
+from deepshard.utils.logging import logger
 
 NODE_MODULE = "deepshard.launcher.node"
 SSH_SETTLE_S = 25.0  # how long the ssh launcher lets the other nodes' agents stop on their own after one failed
@@ -139,10 +146,144 @@ def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
 
 def run_agents(specs: list[ProcessSpec], on_started: Callable[[list[int]], None] | None) -> int:
     """Supervise the ssh / pdsh / mpirun / srun processes; the node agents report failures themselves."""
-    result = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S,
-                             noun="node" if len(specs) > 1 else "runner")
-    if result.failure is not None:
-        print(f"deepshard: the job failed with exit code {result.exit_code} ({result.failure.label} ended "
-              f"first, with {result.failure.describe_exit()}); node 0's report above names the rank "
-              "that failed", file=sys.stderr, flush=True)
-    return result.exit_code
+    code, failed = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S,
+                                   noun="node" if len(specs) > 1 else "runner")
+    if failed is not None:
+        print(f"deepshard: the job failed with exit code {code} ({failed.spec.label} ended first, with "
+              f"{describe_exit(failed.proc.returncode)}); node 0's report above names the rank that failed",
+              file=sys.stderr, flush=True)
+    return code
+
+
+# ---------------------------------------------------------------------- the runner processes
+
+GRACE_S = 5.0
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process the supervisor starts (an ssh, pdsh, mpirun or srun command); ``rank`` is its index, ``label``
+    how reports name it (e.g. ``node 1 (ssh worker-1)``). ``stdin_pipe``: a stdin pipe the launcher holds open
+    (ssh: the remote side sees end-of-file when the launcher dies); otherwise stdin is ``/dev/null``."""
+
+    rank: int
+    cmd: list[str]
+    env: dict[str, str]
+    label: str | None = None
+    stdin_pipe: bool = False
+
+
+@dataclass
+class Child:
+    """A started process: its spec, ``Popen`` (``returncode``: ``-N`` for signal N) and the end of its output."""
+
+    spec: ProcessSpec
+    proc: subprocess.Popen
+    tail: bytearray = field(default_factory=bytearray)
+    reader: threading.Thread | None = None
+
+    def text(self) -> str:
+        return bytes(self.tail).decode("utf-8", errors="replace").rstrip()
+
+
+def _start(specs: Sequence[ProcessSpec], out: Output) -> list[Child]:
+    children: list[Child] = []
+    try:
+        for spec in specs:
+            proc = subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.PIPE if spec.stdin_pipe else
+                                    subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                                    start_new_session=True)
+            children.append(child := Child(spec, proc))
+            child.reader = threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
+                                            name=f"deepshard-out-{spec.rank}", daemon=True)
+            child.reader.start()
+    except OSError as exc:
+        _stop(children, signal.SIGTERM)
+        failed = specs[len(children)]
+        raise RuntimeError(f"cannot start {failed.label or ' '.join(failed.cmd)}: {exc}") from exc
+    return children
+
+
+def _stop(children: Sequence[Child], sig: int, grace_s: float = GRACE_S) -> None:
+    """``sig`` to the process groups of ``children`` still running (their stdin closed first); SIGKILL what is
+    left after ``grace_s``; reap all and drain their output."""
+    for child in children:
+        if child.proc.stdin is not None:
+            try:
+                child.proc.stdin.close()
+            except OSError:
+                pass
+        if child.proc.poll() is None:
+            signal_group(child.proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+    for child in children:
+        if child.reader is not None:
+            child.reader.join(2.0)
+
+
+def _ended(running: list[Child]) -> list[Child]:
+    """Remove and return the children of ``running`` that exited (their orphaned helpers get SIGTERM)."""
+    ended = [child for child in running if child.proc.poll() is not None]
+    for child in ended:
+        running.remove(child)
+        signal_group(child.proc.pid, signal.SIGTERM)
+    return ended
+
+
+def _supervise(children: list[Child], signals: list[int], settle_s: float, noun: str) -> tuple[int, Child | None]:
+    running = list(children)
+    while running:
+        if signals:
+            print(f"deepshard: received {signal.Signals(signals[0]).name}; forwarding it to {len(running)} running "
+                  f"{noun}s", file=sys.stderr, flush=True)
+            _stop(children, signals[0])
+            return 128 + signals[0], None
+        time.sleep(_POLL_S)
+        failed = next((child for child in _ended(running) if child.proc.returncode != 0), None)
+        if failed is not None:
+            deadline = time.monotonic() + settle_s  # the others may end on their own (their agents heard of it)
+            while running and time.monotonic() < deadline and not signals:
+                time.sleep(_POLL_S)
+                _ended(running)
+            _stop(children, signal.SIGTERM)
+            return exit_status(failed.proc.returncode), failed
+    _stop(children, signal.SIGTERM, 0.0)
+    return 0, None
+
+
+def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int]], None] | None = None,
+                    settle_s: float = 0.0, noun: str = "process") -> tuple[int, Child | None]:
+    """Start one process per spec and supervise them until all succeed, one fails (the others get
+    ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
+    (forwarded); every process is reaped. ``on_started`` gets the pids once all started. Returns the exit
+    status and the process that failed first (None if none did)."""
+    signals: list[int] = []
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
+                 for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            children = _start(specs, Output())
+        except RuntimeError as exc:
+            print(f"deepshard: {exc}", file=sys.stderr, flush=True)
+            return 1, None
+        logger.info("started %d %ss: %s", len(children), noun,
+                    ", ".join(f"{c.spec.label or noun + ' ' + str(c.spec.rank)} pid {c.proc.pid}" for c in children))
+        if on_started is not None:
+            on_started([child.proc.pid for child in children])
+        try:
+            return _supervise(children, signals, settle_s, noun)
+        except BaseException:
+            _stop(children, signal.SIGKILL, grace_s=0.0)
+            raise
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)

@@ -1,5 +1,5 @@
 """The ranks' output on its way to the launcher's terminal, and how their ends are told and brought about (used by
-torch's agent path, :mod:`.rank_streams`, and by the runner supervisor, :mod:`.supervisor`)."""
+torch's agent path, :mod:`.rank_streams`, and by the runner supervisor in :mod:`.multinode`)."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 TAIL_BYTES = 8192
@@ -136,32 +135,3 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"code {returncode}"
-
-
-_NOISE = re.compile(r"GLHF|Connection closed by peer|Connection reset by peer|Broken pipe|^frame #\d+|"
-                    r"^Exception raised from|<omitting python frames>|\[c10d\]|ProcessGroupGloo|TCPStore|"
-                    r"terminate called after|gloo::")
-
-
-_OWN = re.compile(r"CollectiveTimeout|deepshard|^(\[rank\d+\]: )?[\w.]+(Error|Exception|Timeout): ")
-
-
-def fold_noise(text: str) -> tuple[str, int]:
-    """``text`` without the lines of a backend's lost-connection fallout (gloo's "Connection closed by
-    peer" warnings, c10d's C++ frames), and how many lines were folded. Python's exception lines and the
-    library's own diagnoses stay."""
-    kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
-    return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
-
-
-@contextmanager
-def signal_handlers(handler: Callable[[int, Any], Any], signals: Sequence[int]) -> Iterator[None]:
-    """``handler`` for ``signals`` while the block runs (main thread only); the old handlers after."""
-    saved: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        saved = {sig: signal.signal(sig, handler) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)

@@ -1,15 +1,90 @@
-"""The report of a failed attempt on one machine: ranks that left early, the ranks' one-line errors, which rank
-failed first with its traceback and last output, what happened to the others, then their output since."""
+"""A failed attempt in words. The ranks' side: an error a rank reports as one line rather than a traceback
+(:func:`report`, into ``DEEPSHARD_ERROR_DIR``), printed once per message by the launcher. The launcher's side, for
+one machine: ranks that left early, the ranks' one-line errors, which rank failed first with its traceback and last
+output, what happened to the others, then their output since, its lost-connection noise folded."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
-from collections.abc import Collection
+import tempfile
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from deepshard.launcher import rank_errors
-from deepshard.launcher.output import fold_noise
-from deepshard.launcher.rank_streams import RankStream, RankStreams
+if TYPE_CHECKING:  # the launcher starts without torch: rank_streams is torch's LogsSpecs
+    from deepshard.launcher.rank_streams import RankStream, RankStreams
+
+ERROR_DIR_ENV = "DEEPSHARD_ERROR_DIR"
+VERBOSE_ENV = "DEEPSHARD_VERBOSE"
+
+
+def report(message: str, environ: Mapping[str, str] = os.environ) -> None:
+    """A rank's side: tell the launcher (a file in ``DEEPSHARD_ERROR_DIR``) or, run alone, the terminal."""
+    where = environ.get(ERROR_DIR_ENV)
+    if where and os.path.isdir(where):
+        Path(where, f"rank{environ.get('RANK', '0')}.txt").write_text(message, encoding="utf-8")
+        return
+    print(f"deepshard: error: {message}\n(set {VERBOSE_ENV}=1 for the traceback)", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def error_dir(environ: MutableMapping[str, str]) -> Iterator[str]:
+    """A fresh directory for the ranks' messages, named in ``environ`` (which the ranks inherit) while
+    the launch runs; removed afterwards."""
+    saved = environ.get(ERROR_DIR_ENV)
+    with tempfile.TemporaryDirectory(prefix="deepshard-errors-", ignore_cleanup_errors=True) as path:
+        environ[ERROR_DIR_ENV] = path
+        try:
+            yield path
+        finally:
+            if saved is None:
+                environ.pop(ERROR_DIR_ENV, None)
+            else:
+                environ[ERROR_DIR_ENV] = saved
+
+
+def collect(directory: str | None) -> dict[str, list[int]]:
+    """``{message: [ranks that reported it]}`` from ``directory`` (empty when unset or missing)."""
+    found: dict[str, list[int]] = {}
+    if not directory or not os.path.isdir(directory):
+        return found
+    for path in sorted(Path(directory).glob("rank*.txt")):
+        try:
+            rank = int(path.stem[len("rank"):])
+            message = path.read_text(encoding="utf-8").strip()
+        except (ValueError, OSError):
+            continue
+        found.setdefault(message, []).append(rank)
+    return {message: sorted(ranks) for message, ranks in found.items()}
+
+
+def format_errors(errors: dict[str, list[int]]) -> str:
+    """One ``deepshard: error`` paragraph per distinct message, naming its ranks."""
+    lines = []
+    for message, ranks in errors.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines.append(f"deepshard: error ({who}): {message}")
+    lines.append(f"(the traceback: deepshard --verbose ..., or {VERBOSE_ENV}=1)")
+    return "\n".join(lines)
+
+
+_NOISE = re.compile(r"GLHF|Connection closed by peer|Connection reset by peer|Broken pipe|^frame #\d+|"
+                    r"^Exception raised from|<omitting python frames>|\[c10d\]|ProcessGroupGloo|TCPStore|"
+                    r"terminate called after|gloo::")
+
+
+_OWN = re.compile(r"CollectiveTimeout|deepshard|^(\[rank\d+\]: )?[\w.]+(Error|Exception|Timeout): ")
+
+
+def fold_noise(text: str) -> tuple[str, int]:
+    """``text`` without the lines of a backend's lost-connection fallout (gloo's "Connection closed by
+    peer" warnings, c10d's C++ frames), and how many lines were folded. Python's exception lines and the
+    library's own diagnoses stay."""
+    kept = [line for line in text.splitlines() if not _NOISE.search(line) or _OWN.search(line)]
+    return "\n".join(kept).strip("\n"), len(text.splitlines()) - len(kept)
 
 
 def early_exits(streams: RankStreams, failed: RankStream) -> str | None:
@@ -64,9 +139,9 @@ def report_local(failed: RankStream, streams: RankStreams, stopped: Collection[i
     early = early_exits(streams, failed)
     if early is not None:
         print(early, file=sys.stderr, flush=True)
-    errors = rank_errors.collect(os.environ.get(rank_errors.ERROR_DIR_ENV))
+    errors = collect(os.environ.get(ERROR_DIR_ENV))
     if errors:
-        print(rank_errors.format_errors(errors), file=sys.stderr, flush=True)
+        print(format_errors(errors), file=sys.stderr, flush=True)
     headline = f"deepshard: {failed.who} exited with {failed.exit}{others_outcome(streams, failed, stopped)}"
     print(failure_text(headline, failed.name, failed.rank, failed.text(), error_file_traceback(failed.error_file),
                        failed.log_path, full=not any(failed.rank in ranks for ranks in errors.values())),

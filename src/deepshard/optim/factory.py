@@ -2,10 +2,12 @@
 
 Optimizers (the type is matched case-insensitively, as DeepSpeed does for its own names):
 
-- ``Adam``: ``torch.optim.AdamW`` when DeepSpeed's ``adam_w_mode`` is true (its default),
-  ``torch.optim.Adam`` (L2 penalty in the gradient) when it is false. ``AdamW`` is always
-  ``torch.optim.AdamW``. ``weight_decay`` defaults to 0, as in DeepSpeed's FusedAdam (torch's
-  AdamW would default to 0.01). DeepSpeed-only keys (``torch_adam``, ``adam_w_mode``,
+- ``Adam``: DeepSpeed's :class:`deepshard.optim.fused_adam.FusedAdam` (``deepspeed.ops.adam.FusedAdam``), as DeepSpeed builds: when its
+  ``adam_w_mode`` is true (the default) a :class:`~deepshard.optim.fused_adam.FusedAdamW`, which is also a
+  ``torch.optim.AdamW`` (the same update); when it is false a FusedAdam with the L2 penalty in the
+  gradient (a ``torch.optim.Adam``). ``AdamW`` is always the FusedAdamW. With ``torch_adam: true`` they
+  are torch's own ``AdamW`` / ``Adam``, as in DeepSpeed. ``weight_decay`` defaults to 0, as in
+  DeepSpeed's FusedAdam (torch's AdamW would default to 0.01). DeepSpeed-only keys (``torch_adam``,
   ``set_grad_none``, ``fp32_optimizer_states``, ``bias_correction: true``) are dropped.
 - ``Lamb`` -> :class:`deepshard.optim.Lamb` (FusedLamb's parameters and defaults).
 - ``Lion`` -> :class:`deepshard.optim.Lion` with FusedLion's defaults (lr 1e-3, betas
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from deepshard.config.base import ConfigError
+from deepshard.optim.fused_adam import FusedAdam, FusedAdamW
 from deepshard.optim.lamb import Lamb
 from deepshard.optim.lion import Lion
 from deepshard.optim.lr_schedules import (VALID_LR_SCHEDULES, LRRangeTest, LRSchedulerLike,
@@ -107,8 +110,11 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None,
         label, alternatives = _UNSUPPORTED[key]
         raise ConfigError(f"optimizer type '{type_name}' (DeepSpeed's {label}) is not supported "
                          f"by deepshard; use {alternatives}")
+    adam_w_mode = None
     if key in ("adam", "adamw"):
         cls = _adam_class(key, params)
+        if issubclass(cls, FusedAdam) and not issubclass(cls, torch.optim.AdamW):
+            adam_w_mode = False
     elif key == "lamb":
         cls = Lamb
     elif key == "onebitadam":
@@ -122,6 +128,8 @@ def build_optimizer(type_name: str, params: dict[str, Any] | None,
         cls = _torch_optimizer_class(type_name)
     dropped = _DEEPSPEED_ONLY_KEYS.get(key, {})
     params = _drop_deepspeed_only(type_name, params, dropped)
+    if adam_w_mode is not None:  # FusedAdam with the L2 penalty: the one setting the class needs told
+        params["adam_w_mode"] = adam_w_mode
     params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
     _check_params(cls, f"optimizer '{type_name}'", params, skip=("params",),
                   also_accepted=list(dropped), prefix="optimizer.params")
@@ -162,13 +170,17 @@ def _reject_auto(params: dict[str, Any], section: str) -> None:
 
 
 def _adam_class(key: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
-    """AdamW (decoupled weight decay) or Adam (L2), following DeepSpeed's ``adam_w_mode``."""
+    """AdamW (decoupled weight decay) or Adam (L2), following DeepSpeed's ``adam_w_mode``: DeepSpeed's
+    FusedAdam classes, or torch's with ``torch_adam``."""
     adam_w_mode = params.get("adam_w_mode", True)
     params.setdefault("weight_decay", 0.0)
     if key == "adamw" and not adam_w_mode:
         logger.warning("optimizer 'AdamW' ignores adam_w_mode=false (as DeepSpeed does); use "
                        "type 'Adam' with adam_w_mode false for an L2 penalty")
-    return torch.optim.AdamW if key == "adamw" or adam_w_mode else torch.optim.Adam
+    decoupled = key == "adamw" or adam_w_mode
+    if params.get("torch_adam"):
+        return torch.optim.AdamW if decoupled else torch.optim.Adam
+    return FusedAdamW if decoupled else FusedAdam
 
 
 def _drop_deepspeed_only(type_name: str, params: dict[str, Any],
@@ -258,7 +270,7 @@ def _check_params(cls: type, label: str, params: dict[str, Any], skip: tuple[str
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in fields):
         return
     named = [p for p in fields if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-    accepted = [p.name for p in named] + list(also_accepted or [])
+    accepted = list(dict.fromkeys([p.name for p in named] + list(also_accepted or [])))
     unknown = [name for name in params if name not in accepted]
     if unknown:
         described = ", ".join(_quote_with_hint(name, accepted) for name in unknown)

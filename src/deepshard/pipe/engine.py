@@ -90,6 +90,8 @@ class PipelineEngine(EngineCore):
     and ``step`` raise ``PipelineError``. It shares the engine core (accessors, checkpoints, reporting) and
     its one step path (``self.runner``) with the plain engine; it inherits no training call."""
 
+    pipeline_parallelism = True
+
     def __init__(self, parts: EngineParts) -> None:
         if parts.tied is None or not isinstance(parts.module, PipelineModule):
             raise TypeError(f"PipelineEngine trains a PipelineModule with its tied-weight groups (EngineParts.tied); "

@@ -255,13 +255,16 @@ class Stage2Reducer(_OrderedLauncher):
         self.tree = StepTree(self.shard) if tree_factor is not None else None
         self.tree_factor = tree_factor
         self.boundary = True
+        self.holding = False
+        """``engine.coalesce_grad_reduction()``: backward passes leave their gradients on ``.grad`` (autograd
+        adds them up) and reduce nothing; the next reducing backward (the block's exit) reduces the sum."""
         for p in params:
             p.grad = None
 
     def begin_backward(self, reduce: bool) -> None:
         super().begin_backward(reduce)
-        # stage 2 cannot hold unreduced full gradients between micro-steps: it always reduces
-        self.active = True
+        # stage 2 keeps no unreduced full gradient between micro-steps (it always reduces), unless told to
+        self.active = not self.holding
         self.boundary = reduce
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -294,6 +297,8 @@ class Stage2Reducer(_OrderedLauncher):
     def end_backward(self) -> None:
         launched = self.active
         super().end_backward()
+        if not launched:  # holding: the gradients stay on .grad
+            return
         for p in self.params:  # a parameter whose bucket was reduced before it got a gradient
             p.grad = None
         if self.tree is not None and launched:

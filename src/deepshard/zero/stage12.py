@@ -17,6 +17,7 @@ import torch
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.canonical import contiguous_split
+from deepshard.zero.fragment_access import FragmentAccess, stage12_access
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.module_values import load_module_values, module_extra_state
@@ -126,6 +127,11 @@ class Stage12Strategy(ZeroStrategy):
     def end_backward(self) -> None:
         self.reducer.end_backward()
 
+    def hold_gradients(self, hold: bool) -> None:
+        super().hold_gradients(hold)
+        if isinstance(self.reducer, Stage2Reducer):
+            self.reducer.holding = hold
+
     # ---------------------------------------------------------------------------------------- step
     def norm_sources(self, by_copies: bool) -> dict[int, list[Pieces]]:
         if not by_copies:
@@ -203,12 +209,17 @@ class Stage12Strategy(ZeroStrategy):
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
+        if self.gradients_held and param.grad is not None:
+            return param.grad.detach().float().clone()  # inside coalesce_grad_reduction(): the local, unreduced one
         return self.opt_shard.full_grad(param)
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
         return self.opt_shard.full_state(param, key)
+
+    def fragment_access(self) -> FragmentAccess:
+        return stage12_access(self.opt_shard, self.stage)
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""

@@ -197,6 +197,23 @@ class ZeroStrategy(ABC):
     def end_backward(self) -> None:
         """Finish every gradient reduction started by this backward. Safe to call twice."""
 
+    # ------------------------------------------------------------------------- coalesced reduction
+    def hold_gradients(self, hold: bool) -> None:
+        """``engine.coalesce_grad_reduction()``: while held, backward passes (told not to reduce) add their
+        gradients into local, unreduced ones and issue no collective; ``reduce_held`` reduces them once.
+        Stages that hold a backward's gradients whenever it is not at the boundary (1) need nothing more;
+        stages that otherwise reduce every backward (2, 3) extend this."""
+        self.gradients_held = hold
+
+    gradients_held: bool = False
+    """Inside ``engine.coalesce_grad_reduction()``: ``full_grad`` reads the local, unreduced gradient."""
+
+    def reduce_held(self) -> None:
+        """Reduce the held gradients once, every bucket (group) in order, as a boundary backward would have."""
+        self.hold_gradients(False)
+        self.begin_backward(True)
+        self.end_backward()
+
     # -------------------------------------------------------------------------------------- step
     grads_sharded: bool = True
     """True when this rank holds 1/dp of the reduced gradient (stages 1-3): its sum of squares is summed
@@ -292,7 +309,8 @@ class ZeroStrategy(ABC):
         optimizer_state, buffers, comm_buckets."""
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The full fp32 value of ``param`` (the master copy where one exists)."""
+        """The full fp32 value of ``param`` (the master copy where one exists; a frozen parameter's value:
+        ``safe_get_full_fp32_param`` answers None for it, as DeepSpeed, but checkpoints and tests read it)."""
         return param.detach().float().clone()
 
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -302,3 +320,9 @@ class ZeroStrategy(ABC):
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         """The full optimizer state ``key`` (e.g. ``exp_avg``) of ``param``."""
         return None
+
+    def fragment_access(self) -> Any:
+        """The writers and local readers of ``deepshard.utils`` (``safe_set_full_*``, ``safe_*_local_*``) over
+        this strategy's state: a ``zero.fragment_access.FragmentAccess`` (or ``WholeAccess`` at stage 0)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support writing its training state "
+                                  "(deepspeed.utils.safe_set_*): use ZeRO stage 0-3's strategies")

@@ -50,6 +50,11 @@ class Stage3Reducer:
         self.in_flight = InFlightQueue(max_in_flight, self._finish)
         self.launched: set[int] = set()
         self.open = False  # between begin_backward and end_backward
+        self.holding = False
+        """``engine.coalesce_grad_reduction()``: each gradient is added into ``held`` (its parameter's local,
+        unreduced sum over the block's backward passes) instead of being reduced; the next launch of its
+        group reduces the sum."""
+        self.held: dict[int, torch.Tensor] = {}
         self.ready: list[int] = [0] * len(groups)
         self.expected = [sum(1 for p in g.params if p.requires_grad) for g in groups]
         self.group_of: dict[int, int] = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
@@ -64,13 +69,34 @@ class Stage3Reducer:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         gi = self.group_of[id(p)]
         self.ready[gi] += 1
+        if self.holding:
+            self._hold(p)
         if self.ready[gi] == self.expected[gi] and gi not in self.launched and gi not in self.deferred:
-            self._launch(gi)
+            if not self.holding:
+                self._launch(gi)
             group = self.groups[gi]
             if group.users == 0:
                 group.reshard()
                 if self.on_release is not None:
                     self.on_release(group)
+
+    def _hold(self, p: torch.nn.Parameter) -> None:
+        """Move ``p``'s new gradient into its held sum (autograd starts the next backward from no ``.grad``)."""
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        held = self.held.get(id(p))
+        if held is None:
+            self.held[id(p)] = grad
+        else:
+            held.add_(grad)
+
+    def _grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """``p``'s gradient to reduce: the held sum plus what ``.grad`` holds, either alone where one is None."""
+        held, grad = self.held.pop(id(p), None), p.grad
+        if held is None:
+            return grad
+        return held if grad is None else held.add_(grad)
 
     def _launch(self, gi: int) -> None:
         """Reduce-scatter the group's ``.grad`` tensors as autograd produced them (no staging copy on
@@ -79,7 +105,8 @@ class Stage3Reducer:
         group = self.groups[gi]
         pieces = []
         for p, n in zip(group.params, group.numels):
-            pieces.append(grad_piece(p.grad, n, group.dtype, group.device, self.comm_dtype, self.predivide))
+            pieces.append(grad_piece(self._grad_of(p), n, group.dtype, group.device, self.comm_dtype,
+                                     self.predivide))
             p.grad = None
         if group.comm is self.comm:
             work = self.grad_reduce.start_pieces(pieces, group.chunk, key=2 * group.index + 2)
@@ -107,7 +134,11 @@ class Stage3Reducer:
         backward (False for a second call)."""
         closing, self.open = self.open, False
         for gi in range(len(self.groups)):
-            if gi not in self.launched:
+            if self.holding:  # a gradient that reached .grad without its hook (none expected): held too
+                for p in self.groups[gi].params:
+                    if p.grad is not None:
+                        self._hold(p)
+            elif gi not in self.launched:
                 self._launch(gi)
         self.in_flight.drain()
         return closing

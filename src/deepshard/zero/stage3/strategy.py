@@ -31,7 +31,9 @@ from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm
+from deepshard.zero.fragment_access import FragmentAccess
 from deepshard.zero.stage3 import hook_surface, surface
+from deepshard.zero.stage3.fragment_writes import stage3_access
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -61,7 +63,8 @@ class Stage3Strategy(ZeroStrategy):
         self.steps_in_backward = step_in_backward
         comm, policy, zcfg = ctx.comm, ctx.precision, ctx.zero_config
         self.watchdog = comm.watchdog
-        discovered, self.units = discover_groups(module, int(zcfg.min_gather_size))
+        discovered, self.units = discover_groups(module, zcfg.gather_unit_size,
+                                                 lambda p: id(ctx.reduction_group(p)))
         trainable = [d for d in discovered if d[1][0].requires_grad]
         frozen = [d for d in discovered if not d[1][0].requires_grad]
         if not trainable:
@@ -255,6 +258,10 @@ class Stage3Strategy(ZeroStrategy):
         self.reducer.begin_backward()
         self._boundary = reduce
 
+    def hold_gradients(self, hold: bool) -> None:
+        super().hold_gradients(hold)
+        self.reducer.holding = hold
+
     @torch.no_grad()
     def _step_group(self, gi: int, chunk: torch.Tensor) -> None:
         """Step in backward: update group ``gi``'s pieces from its averaged, reduced chunk."""
@@ -325,6 +332,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.grads.zero_()
+        self.reducer.held.clear()
         self._fused_sq.zero_()
         for p in self.params:
             p.grad = None
@@ -426,12 +434,18 @@ class Stage3Strategy(ZeroStrategy):
             raise RuntimeError("safe_get_full_grad: with zero_optimization.optimizer_step_in_backward each "
                                "gradient is applied and dropped during backward; turn the option off to read "
                                "gradients")
+        held = self.reducer.held.get(id(param)) if self.gradients_held else None
+        if held is not None:  # inside coalesce_grad_reduction(): the local, unreduced sum
+            return held.detach().float().clone()
         return self.opt_shard.full_grad(param, _full_shape(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None or not param.requires_grad:
             return None
         return self.opt_shard.full_state(param, key, _full_shape(param))
+
+    def fragment_access(self) -> FragmentAccess:
+        return stage3_access(self)
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
