@@ -16,9 +16,11 @@ so their configs set ``"gradient_clipping": 0.0``. Mixed precision (``bf16``) is
   ``engine.backward``, ``engine.step``, ``engine.memory_report``, ``engine.comms_logger``), with
   ``reduce_bucket_size`` = DDP's 25 MB; ``deepshard-z3-sib`` is stage 3 with its opt-in
   ``optimizer_step_in_backward`` (no gradient shard: 12Ψ/N); ``deepshard-z0-after-backward`` is stage 0
-  with ``overlap_comm: false``, the buckets reduced once backward is done (``deepshard-z0-overlap``: ``true``), and ``deepshard-z3-units`` stage 3
-  with ``stage3_min_gather_size`` = DDP's 25 MB (each module subtree that small gathered as one group, as
-  FSDP2 gathers a block); neither runs unless named in ``--engines``.
+  with ``overlap_comm: false``, the buckets reduced once backward is done (``deepshard-z0-overlap``: ``true``);
+  ``deepshard-z3`` keeps stage 3's default ``stage3_min_gather_size`` (each module subtree of at most
+  6,553,600 elements, DDP's 25 MB of fp32, gathered as one group, as FSDP2 gathers a block) and
+  ``deepshard-z3-per-module`` turns it off (``0``: one group per module), for comparison; none of these
+  three comparisons runs unless named in ``--engines``.
 
 A runner that cannot run raises ``EngineUnavailable`` with a status: ``not implemented`` (deepshard
 raises NotImplementedError for a stage that has not landed), ``refused: <reason>`` (the engine
@@ -82,7 +84,7 @@ class EngineSpec:
     offload: bool = False
     step_in_backward: bool = False  # deepshard's zero_optimization.optimizer_step_in_backward
     overlap_comm: bool | None = None  # deepshard's zero_optimization.overlap_comm (None: left to the stage)
-    units: bool = False  # deepshard's stage3_min_gather_size = DDP's 25 MB bucket (False: left out)
+    per_module: bool = False  # deepshard's stage3_min_gather_size 0: one group per module (False: left out)
     default: bool = True  # run when --engines is not given
 
     @property
@@ -101,9 +103,10 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in [
     # (all-reduces overlapped with backward) on a host
     EngineSpec("deepshard-z0-after-backward", "deepshard", 0, overlap_comm=False, default=False),
     EngineSpec("deepshard-z0-overlap", "deepshard", 0, overlap_comm=True, default=False),  # the other forced one
-    # stage 3 gathering each module subtree of at most DDP's bucket (25 MB) as one group, as FSDP2 gathers
-    # each fully_shard unit (the GPT's blocks; the MLPs' blocks are larger and stay one group per Linear)
-    EngineSpec("deepshard-z3-units", "deepshard", 3, units=True, default=False),
+    # stage 3 with one gather group per module, to compare with its default (each module subtree of at most
+    # DDP's 25 MB of fp32 one group, as FSDP2 gathers each fully_shard unit: the GPT's blocks; the MLPs'
+    # blocks are larger and stay one group per Linear)
+    EngineSpec("deepshard-z3-per-module", "deepshard", 3, per_module=True, default=False),
 ]}
 
 
@@ -228,8 +231,8 @@ class DeepShardRunner(Runner):
             zero["optimizer_step_in_backward"] = True
         if self.spec.overlap_comm is not None:
             zero["overlap_comm"] = self.spec.overlap_comm
-        if self.spec.units:
-            zero["stage3_min_gather_size"] = ctx.bucket_elements(grad_size)
+        if self.spec.per_module:
+            zero["stage3_min_gather_size"] = 0
         config = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch,
             "gradient_accumulation_steps": 1,

@@ -11,6 +11,7 @@ import torch
 
 from deepshard.accelerator import DeviceAccelerator as Accelerator
 from deepshard.comm.group import CommGroup
+from deepshard.comm.scratch import release
 from deepshard.config import DeepShardConfig, dtype_from_name
 from deepshard.precision import PrecisionPolicy
 from deepshard.topology import Topology
@@ -83,6 +84,7 @@ def broadcast_module(module: torch.nn.Module, comm: CommGroup, skip: set[int] | 
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+        release(flat)  # now, not when gloo's worker thread drops the broadcast (comm/scratch.py)
 
 
 def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:

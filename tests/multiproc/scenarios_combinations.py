@@ -301,10 +301,13 @@ def topology(pp: int, tp: int, dp: int, sp: int = 1) -> Any:
     return _TOPOLOGIES[(pp, tp, dp, sp)]
 
 
-def config(cell: Cell, gas: int, directory: str) -> dict[str, Any]:
+def config(cell: Cell, gas: int, directory: str, coalesce: bool = True) -> dict[str, Any]:
+    """``coalesce``: stage 3 gathers small blocks as one group each (the default); False: one per module."""
     zero: dict[str, Any] = {"stage": cell.zero}
     if cell.zero == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if not coalesce:
+            zero["stage3_min_gather_size"] = 0
     if cell.offload == "optimizer":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": os.path.join(directory, "swap")}
     if cell.offload == "params":
@@ -340,12 +343,13 @@ def make_model(cell: Cell) -> tuple[nn.Module, Any]:
     return Flat(specs), topo
 
 
-def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = None) -> tuple[Any, nn.Module, Any]:
+def build(cell: Cell, gas: int, directory: str, model: Optional[nn.Module] = None,
+          coalesce: bool = True) -> tuple[Any, nn.Module, Any]:
     """(engine, module, topology) of ``cell``'s grid; raises what ``initialize`` refuses."""
     import deepshard
 
     made, topo = (model, topology(cell.pp, cell.tp, cell.dp, cell.sp)) if model is not None else make_model(cell)
-    engine = deepshard.initialize(model=made, config=config(cell, gas, directory), mpu=topo)[0]
+    engine = deepshard.initialize(model=made, config=config(cell, gas, directory, coalesce), mpu=topo)[0]
     if isinstance(made, Flat):
         made.use_sequence_parallel(engine.sequence_parallel)
     return engine, made, topo
@@ -433,6 +437,8 @@ def run_cell(cell: Cell, directory: str) -> dict[str, Any]:
         engine.destroy()
         return {"refused": None}
     out: dict[str, Any] = {"refused": None}
+    if cell.zero == 3:  # small blocks gathered as one group each, by default (zero/stage3/units.py)
+        out["units"] = len(engine.strategy.units)
     steps = [train_step(engine, cell, topo, batch, cell.gas) for batch in data[:STEPS - 1]]
     out["loss"] = max(rel(loss, want) for (loss, _), want in zip(steps, ref["losses"]))
     out["norm"] = max(rel(norm, want) for (_, norm), want in zip(steps, ref["norms"]))
@@ -468,12 +474,14 @@ def _exports(cell: Cell, directory: str, want: dict[str, torch.Tensor]) -> dict[
 
 def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint loaded by ``reload_cell``'s engine (same global batch): its next step against the
-    reference's next step."""
+    reference's next step. A stage-3 engine resumes with one group per module (``stage3_min_gather_size``
+    0), whatever groups wrote the checkpoint: the groups are the run's, not the checkpoint's."""
     other = reload_cell(cell)
     gas = cell.dp * cell.gas // other.dp
     torch.manual_seed(99)  # other initial values: the load must replace them
     try:
-        engine, model, topo = build(other, gas, os.path.join(directory, "again"))
+        engine, model, topo = build(other, gas, os.path.join(directory, "again"), coalesce=False)
+        units = len(getattr(engine.strategy, "units", ()))
         engine.load_checkpoint(directory, tag="t")
         loss, norm = train_step(engine, other, topo, data[STEPS - 1], gas)
         params = worst(whole_params(engine, model, topo), ref["params"][STEPS - 1])
@@ -483,7 +491,7 @@ def _resumed(cell: Cell, directory: str, data: list[torch.Tensor], ref: dict[str
             raise
         return {"resume": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"}
     return {"resume_loss": rel(loss, ref["losses"][STEPS - 1]), "resume_norm": rel(norm, ref["norms"][STEPS - 1]),
-            "resume_params": params, "reloaded_as": other.id}
+            "resume_params": params, "reloaded_as": other.id, "resumed_units": units}
 
 
 def matrix_world(rank: int, world: int, directory: str, only: Optional[list[str]] = None) -> dict[str, Any]:

@@ -36,6 +36,10 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
         "numel": {n: (p.ds_numel, tuple(p.ds_shape), tuple(p.shape)) for n, p in model.named_parameters()},
         "fragments": {n: p.ds_tensor.detach().clone() for n, p in model.named_parameters()},
     }
+    per_module = deepshard.initialize(model=make_transformer(), config=z3_config(  # DeepSpeed's groups: one a module
+        8 // world, 1, stage3_param_persistence_threshold=NORM_NUMEL, stage3_min_gather_size=0))[0]
+    out["persist_per_module"] = {n: p.ds_persist for n, p in per_module.module.named_parameters()}
+    per_module.destroy()
     w = model.frozen.weight
     w.all_gather()
     out["gathered"] = (_status(w), w.detach().clone())

@@ -65,6 +65,12 @@ def accounting(rank: int, world: int) -> dict[str, Any]:
             "comms": engine.comms_logger.summary()}
 
 
+def _gathered_mean(w: torch.nn.Parameter) -> float:
+    """The mean of ``w``'s full value, read gathered (a frozen parameter has no fp32 master to ask for)."""
+    with deepshard.zero.GatheredParameters(w):
+        return float(w.detach().float().mean())
+
+
 def gathered_parameters(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = deepshard.initialize(model=make_transformer(), config=z3_config(8 // world, 1))
     w = engine.module.frozen.weight
@@ -73,10 +79,10 @@ def gathered_parameters(rank: int, world: int) -> dict[str, Any]:
         out["inside_shape"] = tuple(w.shape)
         if rank == 0:
             w.fill_(0.25)
-    out["after_modifier"] = float(safe_get_full_fp32_param(w).mean())
+    out["after_modifier"] = _gathered_mean(w)  # frozen: safe_get_full_fp32_param answers None, as DeepSpeed's
     with deepshard.zero.GatheredParameters([w, engine.module.head.weight], modifier_rank=None):
         w.fill_(-1.0)  # discarded: no modifier rank
-    out["after_none"] = float(safe_get_full_fp32_param(w).mean())
+    out["after_none"] = _gathered_mean(w)
     # a trainable parameter, in bf16 masters too
     with deepshard.zero.GatheredParameters(engine.module.norm.weight, modifier_rank=1), torch.no_grad():
         if rank == 1:

@@ -69,6 +69,18 @@ def test_cell(matrix: dict[str, dict[str, Any]], cell: Cell) -> None:
         assert value <= tol, f"{key}: relative error {value:.3g} > {tol} ({result}){where}"
 
 
+def test_stage3_cells_coalesce_by_default_and_resume_per_module(matrix: dict[str, dict[str, Any]]) -> None:
+    """Every valid stage-3 cell trained with its small blocks gathered as one group each (the default
+    ``stage3_min_gather_size``; not with ZeRO++'s quantized blocks, which it leaves per module) and its
+    checkpoint resumed with one group per module (``test_cell`` checks the values of both)."""
+    trained = [c for c in cells() if c.zero == 3 and not refusal_substrings(c) and not known_failure(c)]
+    assert trained
+    for cell in trained:
+        units = matrix[cell.id].get("units")
+        assert units is not None and (units == 0) == (cell.zeropp == "zeropp"), (cell.id, matrix[cell.id])
+        assert matrix[cell.id].get("resumed_units", 0) == 0, (cell.id, matrix[cell.id])
+
+
 def test_pipeline_module_has_its_grid(matrix: dict[str, dict[str, Any]]) -> None:
     """A pipeline model's ``mpu()`` is its grid, before ``initialize`` and after it (DeepSpeed's pipeline
     scripts build their sampler from ``net.mpu().get_data_parallel_rank()``)."""

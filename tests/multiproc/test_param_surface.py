@@ -34,9 +34,14 @@ def test_ids_are_positions_and_the_same_on_every_rank(surface: list[dict[str, An
 def test_status_shape_and_persistence_after_initialize(surface: list[dict[str, Any]]) -> None:
     ref = dict(make_transformer().named_parameters())
     for name, status in surface[0]["status"].items():
-        # the LayerNorms' groups (32 elements) are the ones under the persistence threshold
-        persistent = name.rsplit(".", 1)[0] in ("norm", "block.norm1", "block.norm2")
+        # the LayerNorms' groups (32 elements) are the ones under the persistence threshold; by default the
+        # block (2,224 elements) is one group (stage3_min_gather_size), its LayerNorms sharded with it
+        persistent = name.rsplit(".", 1)[0] == "norm"
         assert surface[0]["persist"][name] is persistent, name
+        # with one group per module (stage3_min_gather_size 0) each LayerNorm is its own, kept, as DeepSpeed
+        # keeps every parameter of at most the threshold
+        alone = name.rsplit(".", 1)[0] in ("norm", "block.norm1", "block.norm2")
+        assert surface[0]["persist_per_module"][name] is alone, name
         assert status == ("AVAILABLE" if persistent else "NOT_AVAILABLE"), name
         numel, ds_shape, shape = surface[0]["numel"][name]
         assert (numel, ds_shape) == (ref[name].numel(), tuple(ref[name].shape)), name

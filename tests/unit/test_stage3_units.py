@@ -35,7 +35,7 @@ def _layout(net: nn.Module, min_gather: int) -> list[tuple[str, list[str]]]:
     return [(name, names) for name, _, names in groups]
 
 
-def test_one_group_per_module_by_default() -> None:
+def test_one_group_per_module_when_off() -> None:
     layout = _layout(_Net(), 0)
     assert [name for name, _ in layout] == ["embed", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm",
                                             "blocks.1.fc1", "blocks.1.fc2", "head", "frozen"]
@@ -67,8 +67,27 @@ def test_trainable_and_frozen_stay_apart_inside_a_unit() -> None:
     assert first == [("blocks.0", [True] * 4), ("blocks.0", [False, False])]
 
 
+def test_a_unit_never_mixes_domains() -> None:
+    """A subtree whose parameters are reduced over different ranks (an expert-parallel MoE layer's experts
+    beside its gate) is no unit; its submodules still can be."""
+    net = _Net()
+    blocks = net.blocks
+    domain = lambda p: 1 if p is blocks[1].fc2.weight else 0  # noqa: E731 - one "expert" parameter
+    _, unit_ids = discover_groups(net, 10**9, domain)
+    named = {id(m): n for n, m in net.named_modules()}
+    assert sorted(named[u] for u in unit_ids) == ["blocks.0"]
+    _, unit_ids = discover_groups(net, 10**9, lambda p: 0)
+    assert sorted(named[u] for u in unit_ids) == ["blocks"]
+
+
 def test_the_config_key() -> None:
-    assert ZeroConfig(stage=3).min_gather_size == 0
+    assert ZeroConfig(stage=3).min_gather_size == 25 * 2**20 // 4  # on by default: DDP's 25 MB bucket of fp32
+    assert ZeroConfig(stage=3, stage3_min_gather_size=0).min_gather_size == 0
+    assert ZeroConfig(stage=3).gather_unit_size == 25 * 2**20 // 4
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        # quantized blocks spanning a LayerNorm's and a Linear's values lose precision: off unless asked for
+        assert ZeroConfig(stage=3, **{key: True}).gather_unit_size == 0
+        assert ZeroConfig(stage=3, stage3_min_gather_size=9, **{key: True}).gather_unit_size == 9
     assert ZeroConfig(stage=3, stage3_min_gather_size=2_000_000).min_gather_size == 2_000_000
     with pytest.raises(ValueError):
         ZeroConfig(stage=3, stage3_min_gather_size=-1)

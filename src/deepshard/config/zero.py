@@ -160,10 +160,12 @@ class ZeroConfig(Section):
     during backward, and keep no gradient shard: 12Ψ/N instead of 16Ψ/N with fp32 Adam. Needs
     gradient_accumulation_steps 1, gradient_clipping 0, no fp16 loss scaling and no offload (each of
     those needs every gradient before the first update)."""
-    min_gather_size: Count = Field(0, ge=0, alias="stage3_min_gather_size")
+    min_gather_size: Count = Field(6_553_600, ge=0, alias="stage3_min_gather_size")
     """deepshard's own key (stage 3): a module whose subtree holds at most this many parameter elements is
     gathered and reduced as one group, as FSDP2 does a ``fully_shard`` unit (``zero/stage3/units.py``): fewer,
-    larger collectives on models of many small layers. 0 (default): one group per module."""
+    larger collectives on models of many small layers. Default 6,553,600 (DDP's 25 MB bucket of fp32
+    values), which adds at most that much to the gathered parameters; 0: one group per module. Left out
+    with ZeRO++'s quantized weights or gradients: 0 (``gather_unit_size``)."""
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: Count = Field(0, alias="stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
@@ -248,6 +250,18 @@ class ZeroConfig(Section):
                 logger.warning("zero_optimization.%s is not implemented by deepshard and is ignored", key)
 
     # convenience ---------------------------------------------------------------------------
+    @property
+    def gather_unit_size(self) -> int:
+        """``stage3_min_gather_size`` as stage 3 applies it: as given when the config sets it; left out, 0
+        (one group per module) under ZeRO++'s quantized weights or gradients, whose blocks would then span
+        parameters of different scales (a LayerNorm's weights beside a Linear's) and lose precision; else
+        the default."""
+        quantized = self.zero_quantized_weights or self.zero_quantized_nontrainable_weights or \
+            self.zero_quantized_gradients
+        if quantized and "min_gather_size" not in self.model_fields_set:
+            return 0
+        return int(self.min_gather_size)
+
     @property
     def offload_optimizer_device(self) -> str:
         """``"none"``, ``"cpu"`` or ``"nvme"`` (``"none"`` when the section is absent)."""

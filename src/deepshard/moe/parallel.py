@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from deepshard.comm.scratch import release
 from deepshard.moe.layer import MoE
 from deepshard.placement import expert_of, mark_expert
 from deepshard.topology import Topology
@@ -99,4 +100,5 @@ def broadcast_experts(model: nn.Module, topology: Topology) -> None:
         for p in params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        release(flat)  # now, not when gloo's worker thread drops the broadcast (comm/scratch.py)
 

@@ -7,8 +7,8 @@ parallel size and offload) + the larger of the two transient phases:
 * **forward/backward**: activations, measured by a dry run of the model on fake tensors (no memory is
   used; the micro-batch's shapes, the compute dtype and the model's own activation checkpointing are
   what they will be), plus what the stage keeps in flight while gradients are reduced (stages 1-2: up
-  to two buckets of incoming chunks; stage 3: the gathered groups of the prefetch window and one
-  group's full gradient);
+  to two buckets of incoming chunks; stage 3: the largest group gathered with its full gradient, and the
+  next one prefetched; the groups are those stage 3 forms, ``stage3_min_gather_size`` included);
 * **optimizer step**: 16-bit training makes an fp32 copy of the gradients it owns; a per-tensor Adam
   makes two temporaries the size of its largest tensor.
 
@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from deepshard.profiling.flop_count import full_numel
+from deepshard.zero.stage3.units import discover_groups
 
 # optimizer state bytes per trainable parameter (fp32 state)
 STATE_BYTES: dict[str, int] = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "deepspeedcpuadam": 8,
@@ -38,20 +39,17 @@ class ModelFacts:
     trainable: int
     frozen: int
     largest_tensor: int
-    group_sizes: tuple[int, ...]  # trainable elements per module's own parameters (ZeRO-3 groups)
+    group_sizes: tuple[int, ...]  # trainable elements per ZeRO-3 group (a module's own, or a unit's subtree)
     frozen_group_sizes: tuple[int, ...]
     buffer_bytes: int
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelFacts":
-        seen: set[int] = set()
-        groups: list[int] = []
-        frozen_groups: list[int] = []
-        for module in model.modules():
-            mine = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for p in mine)
-            groups.append(sum(full_numel(p) for p in mine if p.requires_grad))
-            frozen_groups.append(sum(full_numel(p) for p in mine if not p.requires_grad))
+    def of(cls, model: torch.nn.Module, min_gather: int = 0) -> "ModelFacts":
+        """``min_gather``: ``stage3_min_gather_size`` as stage 3 applies it (0: one group per module)."""
+        found, _ = discover_groups(model, min_gather)
+        sizes = [(ps[0].requires_grad, sum(full_numel(p) for p in ps)) for _, ps, _ in found]
+        groups = [n for trainable, n in sizes if trainable]
+        frozen_groups = [n for trainable, n in sizes if not trainable]
         params = [p for p in model.parameters()]
         return cls(trainable=sum(groups), frozen=sum(frozen_groups),
                    largest_tensor=max((full_numel(p) for p in params), default=0),
@@ -181,7 +179,7 @@ def estimate_run_memory(model: torch.nn.Module, config: Any, inputs: Sequence[An
     zcfg = config.zero_optimization
     stage, dtype = int(zcfg.stage), config.model_dtype
     compute = torch.tensor([], dtype=dtype).element_size()
-    facts = ModelFacts.of(model)
+    facts = ModelFacts.of(model, zcfg.gather_unit_size if stage == 3 else 0)
     states = model_state_bytes(facts, stage, dp_size, compute, _state_bytes(config.optimizer),
                                int(zcfg.stage3_param_persistence_threshold))
     notes = []
@@ -193,9 +191,9 @@ def estimate_run_memory(model: torch.nn.Module, config: Any, inputs: Sequence[An
         bucket = min(int(zcfg.reduce_bucket_size), facts.trainable)
         in_flight = 2 * bucket * compute * (dp_size - 1) // max(dp_size, 1)
     elif stage == 3:
-        big = max((g for g in facts.group_sizes + facts.frozen_group_sizes
-                   if g > int(zcfg.stage3_param_persistence_threshold)), default=0)
-        in_flight = 3 * big * compute
+        big = sorted((g for g in facts.group_sizes + facts.frozen_group_sizes
+                      if g > int(zcfg.stage3_param_persistence_threshold)), reverse=True) + [0, 0]
+        in_flight = (2 * big[0] + big[1]) * compute  # gathered + its full gradient, the next one prefetched
     else:
         in_flight = 0
     fp32_grad_copy = 4 * owned if compute < 4 else 0
