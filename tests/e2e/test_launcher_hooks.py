@@ -7,6 +7,7 @@ import sys
 import time
 
 from deepshard.launcher.multinode import ProcessSpec, supervise_ranks
+from deepshard.launcher.output import describe_exit
 from tests.e2e.test_launcher import SCRIPTS, _gone, _launch
 
 
@@ -20,12 +21,11 @@ def test_a_failure_names_the_first_and_settle_lets_others_finish() -> None:
     specs = [_spec(0, "import os; print('bye', flush=True); os._exit(4)", label="node 0 (ssh a)"),
              _spec(1, slow_ok)]
     t0 = time.monotonic()
-    result = supervise_ranks(specs, on_started=started.extend, settle_s=10)
+    code, failure = supervise_ranks(specs, on_started=started.extend, settle_s=10)
     settled = time.monotonic() - t0
-    failure = result.failure
-    assert failure is not None and (failure.rank, failure.exit_code, failure.tail, failure.label) == \
+    assert failure is not None and (failure.spec.rank, code, failure.text(), failure.spec.label) == \
         (0, 4, "bye", "node 0 (ssh a)")
-    assert result.exit_code == 4 and failure.describe_exit() == "code 4"
+    assert describe_exit(failure.proc.returncode) == "code 4"
     assert 1.4 < settled < 8  # rank 1 was left to finish its 1.5 s sleep, not stopped
     assert len(started) == 2 and all(_gone(pid) for pid in started)
     long_sleep = [specs[0], _spec(1, "import time; time.sleep(20)")]
@@ -38,10 +38,10 @@ def test_stdin_pipe_is_held_open_and_closed_on_stop() -> None:
     # the reader exits as soon as its stdin reaches end-of-file; the other process fails after ~1 s
     reader = "import sys; sys.stdin.read(); print('eof', flush=True)"
     t0 = time.monotonic()
-    result = supervise_ranks([_spec(0, reader, stdin_pipe=True), _spec(1, "import time; time.sleep(1); exit(2)")])
-    assert result.failure is not None and result.failure.rank == 1 and time.monotonic() - t0 > 1.0
-    with_devnull = supervise_ranks([_spec(0, reader)])
-    assert with_devnull.exit_code == 0  # /dev/null: EOF at once
+    failing = _spec(1, "import time; time.sleep(1); exit(2)")
+    code, failure = supervise_ranks([_spec(0, reader, stdin_pipe=True), failing])
+    assert failure is not None and failure.spec.rank == 1 and code == 2 and time.monotonic() - t0 > 1.0
+    assert supervise_ranks([_spec(0, reader)]) == (0, None)  # /dev/null: EOF at once
 
 
 def test_max_restarts_on_one_machine() -> None:

@@ -77,8 +77,27 @@ def data_parallel_reads(rank: int, world: int, tmp: str, stage: int = 2) -> dict
         x = micro_slice(batch, 2, 0, rank, world)
         with torch.no_grad():
             same = same and torch.equal(engine(*x), fresh(*x))
+    return {"reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "d"), "same": same,
+            "deepspeed": _deepspeed_reads(engine, config, Path(tmp), world, stage)}
+
+
+def _deepspeed_reads(engine: Any, config: dict[str, Any], tmp: Path, world: int, stage: int) -> dict[str, Any]:
+    """The same tag written in DeepSpeed's layout for this grid (rank 0 converts), loaded by an engine of other
+    initial weights while its reads are counted: what comes back must equal the saver's state."""
+    from deepshard.checkpoint.deepspeed_format.write import read_source, write_deepspeed
+
+    target = tmp / "deepspeed"
+    if dist.get_rank() == 0:
+        write_deepspeed(read_source(tmp / "d"), target, "d", world, stage, lambda items, what: items)
     dist.barrier()
-    return {"reads": _reads(ledger), "sizes": _sizes(Path(tmp) / "d"), "same": same}
+    fresh, *_ = deepshard.initialize(model=make_model(seed=5), config=config)
+    with track_io() as ledger:
+        fresh.load_checkpoint(str(target), tag="d")
+    same = _equal(_states(engine, engine.module), _states(fresh, fresh.module))
+    numels = [(n, int(getattr(p, "ds_numel", p.numel()))) for n, p in fresh.module.named_parameters() if p.requires_grad]
+    dist.barrier()
+    return {"reads": _reads(ledger), "sizes": _sizes(target / "d"), "same": same,
+            "share": fresh.strategy.load_share(), "numels": numels}
 
 
 def checkpoint_reads(rank: int, world: int, tmp: str) -> dict[str, Any]:

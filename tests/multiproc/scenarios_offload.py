@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import deepshard
-from deepshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepshard.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+                             safe_set_full_fp32_param, safe_set_full_optimizer_state)
 from deepshard.zero.offload.policy import FORCE_CPU_OFFLOAD_ENV
 from tests.multiproc.models import make_batches, make_token_batches, make_transformer
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps, train
@@ -109,8 +110,26 @@ def accounting_and_getters(rank: int, world: int, tmp: str) -> dict[str, Any]:
                 "files": sorted(p.name for d in Path(tmp).iterdir() if d.name.endswith(f"-rank{rank}")
                                 for p in d.iterdir()) if key == "nvme" else [],  # (the other rank's may go)
             }
+            out[(stage, key)]["written"] = write_back(params, stage)
             engine.destroy()
     return out
+
+
+def write_back(params: dict[str, torch.nn.Parameter], stage: int) -> dict[str, Any]:
+    """safe_set_full_fp32_param / safe_set_full_optimizer_state into the offloaded (or resident) fp32 masters
+    and states of a bf16 run, read back; at stage 3 also this rank's local parts and its bf16 ds_tensor."""
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    g = torch.Generator().manual_seed(7)
+    values = {n: torch.rand(tuple(getattr(p, "ds_shape", p.shape)), generator=g) for n, p in trainable.items()}
+    for n, p in trainable.items():
+        safe_set_full_fp32_param(p, values[n])
+        safe_set_full_optimizer_state(p, values[n] / 2, "exp_avg_sq")
+    out = {n: (values[n], safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg_sq"))
+           for n, p in trainable.items()}
+    if stage == 3:
+        return {"full": out, "local": {n: (safe_get_local_fp32_param(p), p.ds_tensor.detach().clone())
+                                       for n, p in trainable.items()}}
+    return {"full": out, "model": {n: p.detach().clone() for n, p in trainable.items()}}
 
 
 def everything(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What each rank runs for the ZeRO stage 1/2 specific tests: accounting, the safe_get_full_* helpers
+"""What each rank runs for the ZeRO stage 1/2 specific tests: accounting, the safe_get/set_* helpers
 and checkpoints that move between process counts and stages."""
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from typing import Any
 import torch
 
 import deepshard
-from deepshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+from deepshard.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                             safe_get_local_fp32_param, safe_get_local_optimizer_state, safe_set_full_fp32_param,
+                             safe_set_full_grad, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                             safe_set_local_optimizer_state)
 from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 
@@ -55,7 +58,45 @@ def safe_getters(rank: int, world: int, stage: int) -> dict[str, Any]:
            "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params.items()
                        if p.requires_grad}}
+    out["writes"] = safe_writers(engine, rank, world, stage)
+    return out
+
+
+def written(params: dict[str, torch.nn.Parameter], seed: int) -> dict[str, torch.Tensor]:
+    """A value for each trainable parameter, the same on every rank (and in the test's reference)."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.rand(tuple(getattr(p, "ds_shape", p.shape)), generator=g) for n, p in params.items()
+            if p.requires_grad}
+
+
+def safe_writers(engine: Any, rank: int, world: int, stage: int) -> dict[str, Any]:
+    """DeepSpeed's safe_set_full_* (and at stage 3 the local calls) between backward and step and after it;
+    then one more step from the written state (the test repeats it on single-process PyTorch)."""
+    params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+    values, grads = written(params, 1), written(params, 2)
+    for n, p in params.items():
+        safe_set_full_fp32_param(p, values[n])
+        safe_set_full_grad(p, grads[n])
+    out: dict[str, Any] = {"fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
+                           "grad": {n: safe_get_full_grad(p) for n, p in params.items()}}
     engine.step()
+    out["stepped"] = {n: safe_get_full_fp32_param(p) for n, p in params.items()}
+    states = {"exp_avg": written(params, 3), "exp_avg_sq": written(params, 4)}
+    for key, by_name in states.items():
+        for n, p in params.items():
+            safe_set_full_optimizer_state(p, by_name[n], key)
+    out["states"] = {key: {n: safe_get_full_optimizer_state(p, key) for n, p in params.items()} for key in states}
+    if stage == 3:  # this rank's parts: read, doubled and written back (fp32 value, exp_avg), read again
+        out["local"] = {n: (safe_get_local_fp32_param(p), p.ds_tensor.detach().clone()) for n, p in params.items()}
+        for n, p in params.items():
+            safe_set_local_fp32_param(p, 2 * out["local"][n][0])
+            safe_set_local_optimizer_state(p, 2 * safe_get_local_optimizer_state(p, "exp_avg"), "exp_avg")
+        out["local_after"] = {n: (safe_get_local_fp32_param(p), p.ds_tensor.detach().clone(),
+                                  safe_get_local_optimizer_state(p, "exp_avg")) for n, p in params.items()}
+    x, y = micro_slice(make_batches(1, 2 * world, seed=22)[0], 2, 0, rank, world)
+    engine.backward(engine(x, y))
+    engine.step()
+    out["final"] = {n: safe_get_full_fp32_param(p) for n, p in params.items()}
     return out
 
 

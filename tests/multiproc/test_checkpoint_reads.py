@@ -69,3 +69,48 @@ def test_a_data_parallel_rank_reads_no_other_ranks_rng_and_each_file_once(reads:
 
 def _tensor_files(sizes: dict[str, int]) -> set[str]:
     return {name for name in sizes if name.startswith("zero_rank") and name.endswith(".safetensors")}
+
+
+def _deepspeed_partitions_of(share: dict[str, list[tuple[int, int]]], numels: list[tuple[str, int]], stage: int,
+                             world: int) -> set[int]:
+    """The data-parallel ranks whose DeepSpeed optimizer file holds part of ``share``, from DeepSpeed's layout:
+    ZeRO-3 cuts each parameter in ``ceil(n / N)`` pieces; ZeRO 1-2 cut the parameters laid end to end in model
+    order, padded to a multiple of ``2 N``, in N equal partitions."""
+    size = -(-sum(n for _, n in numels) // (2 * world)) * 2
+    out, offset = set(), 0
+    for name, n in numels:
+        piece = -(-n // world)
+        for r in range(world):
+            lo, hi = (r * piece, (r + 1) * piece) if stage == 3 else (r * size - offset, (r + 1) * size - offset)
+            if any(a < min(hi, n) and max(lo, 0) < b for a, b in share.get(name, [(0, n)])):
+                out.add(r)
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize("key,stage", [("dp", 2), ("dp3", 3)])
+def test_a_deepspeed_tag_rank_reads_only_the_optimizer_files_of_its_share(reads: list[dict[str, Any]], key: str,
+                                                                        stage: int) -> None:
+    """The same state written in DeepSpeed's layout (one optimizer file per data-parallel rank): each rank reads
+    the optimizer files holding its share and the model-states file(s) (metadata, buffers, ZeRO-3's frozen
+    pieces), each once. deepshard partitions differently (ZeRO-2: a 1/N range of its flat order, gradient order;
+    ZeRO-3: 1/N of each module's parameters laid end to end), so a share meets a few of DeepSpeed's
+    partitions (model order; ZeRO-3: every parameter cut on its own): those files only. Under ZeRO-2 that is
+    2-3 of the 4 files here. Under ZeRO-3 a rank's share of a module's parameters meets every file holding a
+    piece of one of them, and DeepSpeed cuts even a bias N ways: on this tiny model every share meets all
+    four files (reading only the bytes of a share within a file is not done yet)."""
+    files = 0
+    for rank, result in enumerate(reads):
+        ds = result[key]["deepspeed"]
+        assert ds["same"] is True, f"rank {rank}: the state loaded from the DeepSpeed tag differs from the saver's"
+        got, sizes = ds["reads"], ds["sizes"]
+        optim = {name for name in got if name.endswith("optim_states.pt")}
+        expected = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                    for r in _deepspeed_partitions_of(ds["share"], ds["numels"], stage, WORLD)}
+        assert optim == expected, f"rank {rank} read {sorted(optim)}, holding its share: {sorted(expected)}"
+        assert set(got) - optim <= {name for name in sizes if name.endswith("model_states.pt")}, sorted(got)
+        for name, n in got.items():
+            assert n == sizes[name], f"rank {rank} read {n} bytes of {name} ({sizes[name]} bytes)"
+        files += len(optim)
+    if stage < 3:
+        assert files < WORLD * WORLD, "every rank read every optimizer file"

@@ -105,6 +105,24 @@ def test_safe_get_full_helpers_read_offloaded_state(acct: dict[Any, Any], stage:
     assert ("params.swp" in got["files"]) == (stage == 3)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("where", ["ref", "nvme"])
+def test_safe_set_full_helpers_write_offloaded_state(acct: dict[Any, Any], stage: int, where: str) -> None:
+    """bf16 training: a written fp32 value lands in the fp32 masters (on disk with nvme) and, in bf16, in the
+    model (stage 3: this rank's ds_tensor); a written state in the (offloaded) state."""
+    got = acct[(stage, where)]["written"]
+    for name, (value, fp32, exp_avg_sq) in got["full"].items():
+        assert torch.equal(fp32, value) and torch.equal(exp_avg_sq, value / 2), name
+        if stage == 2:
+            assert torch.equal(got["model"][name], value.to(torch.bfloat16)), name
+            continue
+        local, ds_tensor = got["local"][name]
+        assert local.dtype == torch.float32 and ds_tensor.dtype == torch.bfloat16
+        assert torch.equal(ds_tensor, local.to(torch.bfloat16)), name
+        assert local.numel() == 0 or any(torch.equal(local, value.reshape(-1)[i:i + local.numel()])
+                                         for i in range(value.numel() - local.numel() + 1)), name
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: Any) -> list[dict[int, dict[str, Any]]]:
     return run_world(checkpoints, WORLD, str(tmp_path_factory.mktemp("ckpt")))

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: memory and traffic against the ZeRO formulas; for stages 1-3 the safe_get_full_*
+"""ZeRO stages 1 and 2: memory and traffic against the ZeRO formulas; for stages 1-3 the safe_get/set_*
 helpers and checkpoints saved on 2 processes resumed on 1, 2, 3 and 4 processes under any stage 0-3."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from deepshard.zero.grad_norm import LIMBS
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_batches, make_model, micro_slice, reference_run, rel_err
-from tests.multiproc.scenarios_zero12 import GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world
+from tests.multiproc.scenarios_zero12 import (GLOBAL_BATCH, accounting, resume_world, safe_getters, save_world,
+                                              written)
 
 WORLD = 2
 
@@ -68,9 +69,13 @@ def _reference_state_after(steps: int, seed: int) -> tuple[torch.nn.Module, torc
     return model, opt
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_safe_get_full_helpers_match_reference(stage: int) -> None:
-    outs = run_world(safe_getters, WORLD, stage)
+@pytest.fixture(scope="module", params=[1, 2, 3])
+def getters(request: Any) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, run_world(safe_getters, WORLD, request.param)
+
+
+def test_safe_get_full_helpers_match_reference(getters: tuple[int, list[dict[str, Any]]]) -> None:
+    stage, outs = getters
     model, opt = _reference_state_after(2, seed=21)
     for out in outs:  # every rank gets the full tensors
         for name, p in model.named_parameters():
@@ -82,6 +87,62 @@ def test_safe_get_full_helpers_match_reference(stage: int) -> None:
             assert rel_err(out["exp_avg"][name], opt.state[p]["exp_avg"]) < 1e-5, name
     for name, value in outs[0]["fp32"].items():
         assert value is None and outs[1]["fp32"][name] is None or torch.equal(value, outs[1]["fp32"][name]), name
+
+
+def _reference_after_writes(stage: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``safe_writers`` on single-process PyTorch: the written values and gradients, a clipped AdamW step, the
+    written optimizer states (at stage 3 the value and exp_avg doubled, as each rank doubles its part), one
+    more step on the next batch."""
+    model, opt = _reference_state_after(2, seed=21)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    values, grads = written(params, 1), written(params, 2)
+    states = {"exp_avg": written(params, 3), "exp_avg_sq": written(params, 4)}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(values[n])
+            p.grad = grads[n].clone()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    out = {"stepped": {n: p.detach().clone() for n, p in params.items()}}
+    with torch.no_grad():
+        for n, p in params.items():
+            for key, by_name in states.items():
+                opt.state[p][key] = by_name[n].clone() * (2 if stage == 3 and key == "exp_avg" else 1)
+            p.mul_(2 if stage == 3 else 1)
+    opt.zero_grad()
+    x, y = make_batches(1, 2 * WORLD, seed=22)[0]
+    model(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    out["final"] = {n: p.detach().clone() for n, p in params.items()}
+    return out
+
+
+def test_safe_set_helpers_write_every_rank_s_part(getters: tuple[int, list[dict[str, Any]]]) -> None:
+    """The writers against torch: what is written reads back exactly on every rank, and the steps taken from
+    it are the reference's; at stage 3 the local parts, in rank order, are the full values and ds_tensor."""
+    stage, outs = getters
+    ref = _reference_after_writes(stage)
+    names = dict(make_model().named_parameters())
+    values, grads = written(names, 1), written(names, 2)
+    states = {"exp_avg": written(names, 3), "exp_avg_sq": written(names, 4)}
+    for out in (o["writes"] for o in outs):
+        assert set(out["fp32"]) == set(values) and len(values) > 0
+        for name in values:
+            assert torch.equal(out["fp32"][name], values[name]) and torch.equal(out["grad"][name], grads[name]), name
+            assert rel_err(out["stepped"][name], ref["stepped"][name]) < 1e-5, name
+            for key, by_name in states.items():
+                assert torch.equal(out["states"][key][name], by_name[name]), (key, name)
+            assert rel_err(out["final"][name], ref["final"][name]) < 1e-5, name
+    if stage != 3:
+        return
+    for name, full in outs[0]["writes"]["stepped"].items():
+        local = [o["writes"]["local"][name] for o in outs]
+        after = [o["writes"]["local_after"][name] for o in outs]
+        assert torch.equal(torch.cat([value for value, _ in local]), full.reshape(-1)), name
+        assert all(torch.equal(value, ds_tensor) for value, ds_tensor in local), name
+        assert all(torch.equal(a[0], 2 * value) and torch.equal(a[1], 2 * value) for a, (value, _) in zip(after, local))
+        assert torch.equal(torch.cat([a[2] for a in after]), 2 * states["exp_avg"][name].reshape(-1)), name
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,44 @@ def test_written_directory_reads_back_whole(tmp_path: Path, stage: int, dp: int)
     assert (tmp_path / "latest").read_text() == "global_step4"
 
 
+def _partition_ranges(stage: int, dp: int, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """Rank ``rank``'s ranges of each parameter in DeepSpeed's layout (computed here from its definition:
+    ZeRO-3 cuts each parameter in ``ceil(n / dp)`` pieces; ZeRO 1-2 cut the concatenation, padded to a multiple
+    of ``2 * dp``, in ``dp`` equal partitions)."""
+    numels = {n: int(torch.Size(s).numel()) for n, s in SHAPES.items()}
+    size = -(-sum(numels.values()) // (2 * dp)) * 2
+    out, offset = {}, 0
+    for name, n in numels.items():
+        piece = -(-n // dp)
+        lo, hi = (rank * piece, (rank + 1) * piece) if stage == 3 else (rank * size - offset, (rank + 1) * size - offset)
+        lo, hi = max(lo, 0), min(hi, n)
+        out[name] = [(lo, hi)] if lo < hi else []
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize("stage,dp", [(1, 3), (2, 2), (3, 3)])
+def test_a_share_reads_only_the_optimizer_files_holding_it(tmp_path: Path, stage: int, dp: int) -> None:
+    from deepshard.checkpoint.ledger import track_io
+    from deepshard.checkpoint.share import LoadShare
+
+    src = _source()
+    tag_dir = write_deepspeed(src, tmp_path, "global_step4", dp, stage, _quiet)
+    for rank in range(dp):
+        ranges = _partition_ranges(stage, dp, rank)
+        with track_io() as ledger:
+            full = read_full_state(tag_dir, share=LoadShare(ranges, {}, rank))
+        optim = [name for name in ledger.names_read() if name.endswith("optim_states.pt")]
+        assert optim == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"], (rank, optim)
+        assert full.param_groups[0]["params"] == list(SHAPES)
+        for name, spans in ranges.items():
+            for a, b in spans:
+                assert torch.equal(full.params[name].reshape(-1)[a:b], src.full.params[name].reshape(-1)[a:b]), name
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(full.optim[name][key][a:b], src.full.optim[name][key][a:b]), (name, key)
+            assert float(full.optim[name]["step"]) == 4.0
+
+
 def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     tag_dir = tmp_path / "global_step1"

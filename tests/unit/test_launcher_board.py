@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from deepshard.launcher.board import JobBoard, JobFailure
 from deepshard.launcher.board import JobLink, format_job_failure
@@ -23,8 +24,8 @@ from deepshard.launcher.local import TORCH_SETS
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import Output
-from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, RankWatch, shim_argv
-from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, Watchdog, open_rendezvous
+from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, shim_argv, watch_ranks
+from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, open_rendezvous, watchdog
 from deepshard.launcher.report import others_outcome
 
 HOSTS = ["node-a", "node-b", "node-c"]
@@ -154,59 +155,81 @@ def test_a_real_c10d_rendezvous_is_served_joined_and_refused_with_the_flag_to_ch
         open_rendezvous(nowhere, "{}", is_host=False)
 
 
-class _Inner:
-    """torch's c10d handler as the wrapper sees it: a rendezvous that completes (or times out)."""
+def _meet(*handlers: JobRendezvous) -> list[RendezvousInfo | Exception]:
+    """Every handler's ``next_rendezvous`` at once (as on separate machines), first handler first; the infos, or
+    what each raised."""
+    found: list[RendezvousInfo | Exception] = [RuntimeError("no answer")] * len(handlers)
 
-    def __init__(self, store: dist.Store, rank: int = 1, world: int = 3, timeout: bool = False) -> None:
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+    def join(n: int) -> None:
+        try:
+            found[n] = handlers[n].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            found[n] = exc
 
-    def next_rendezvous(self) -> RendezvousInfo:
-        if self.timeout:
-            raise RendezvousTimeoutError("timed out")
-        return RendezvousInfo(self.store, self.rank, self.world, RendezvousStoreInfo("elsewhere", 1))
+    threads = [threading.Thread(target=join, args=(n,), daemon=True) for n in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)  # torch numbers the nodes by arrival (or creation): the first handler comes first
+    for thread in threads:
+        thread.join(60)
+    return found
+
+
+def _pair(hosts: list[str], fingerprints: tuple[str, str] = ("{}", "{}"), node_ranks: tuple[int, int] = (0, 1),
+          join_timeout_s: float = 1.0) -> tuple[JobRendezvous, JobRendezvous]:
+    """Two nodes of a static job in a real c10d rendezvous: the first serves its store."""
+    place = Place(f"127.0.0.1:{_free_port()}", hosts, node_ranks[0], len(hosts), len(hosts), "127.0.0.1",
+                  join_timeout_s)
+    host = open_rendezvous(place, fingerprints[0], is_host=True)
+    client = open_rendezvous(Place(**{**place.__dict__, "node_rank": node_ranks[1]}), fingerprints[1], is_host=False)
+    return host, client
 
 
 def test_static_node_ranks_come_from_the_hostfile_and_each_attempt_gets_a_fresh_store() -> None:
-    node0, node1, _ = _boards()
-    round_store = dist.HashStore()
-    for board in (node0, node1, JobBoard(node0.store, 2, HOSTS)):
-        board.register("{}")
-    place = Place("127.0.0.1:1", HOSTS, 0, 3, 3, "127.0.0.1", join_timeout_s=5.0)
-    first = JobRendezvous(_Inner(round_store, rank=2), place, node0)  # c10d numbered node 0 by arrival
-    second = JobRendezvous(_Inner(round_store, rank=0), Place(**{**place.__dict__, "node_rank": 1}), node1)
+    first, second = _pair(HOSTS[:2], node_ranks=(1, 0), join_timeout_s=30.0)  # torch numbers the server 0
     ports = []
-    for _ in range(2):  # two attempts
-        info = first.next_rendezvous()
-        theirs = second.next_rendezvous()
-        assert (info.rank, info.world_size, theirs.rank) == (0, 3, 1)
-        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
-        assert theirs.bootstrap_store_info.master_port == info.bootstrap_store_info.master_port
-        ports.append(info.bootstrap_store_info.master_port)
-    assert ports[0] != ports[1] and 1 not in ports  # a new store each attempt, never torch's bootstrap one
+    try:
+        for _ in range(2):  # two attempts
+            info, theirs = _meet(first, second)
+            assert isinstance(info, RendezvousInfo) and isinstance(theirs, RendezvousInfo), (info, theirs)
+            assert (info.rank, info.world_size, theirs.rank) == (1, 2, 0)
+            assert theirs.bootstrap_store_info.master_addr == "127.0.0.1"
+            assert theirs.bootstrap_store_info.master_port == info.bootstrap_store_info.master_port
+            ports.append(theirs.bootstrap_store_info.master_port)
+        assert first.use_agent_store and first.get_run_id() == "deepshard"
+    finally:
+        first.shutdown()
+        second.shutdown()
+    endpoint = int(first.place.endpoint.rpartition(":")[2])
+    assert ports[0] != ports[1] and endpoint not in ports  # a new store each attempt, never torch's own
 
 
 def test_a_node_that_never_joined_is_named_and_a_mismatched_job_refused() -> None:
-    node0, node1, _ = _boards()
-    node0.register("{}")
-    node1.register("{}")
-    place = Place("host:29500", HOSTS, 0, 3, 3, "host", join_timeout_s=3.0)
-    late = JobRendezvous(_Inner(dist.HashStore(), timeout=True), place, node0)
-    with pytest.raises(RendezvousFailed, match="attempt 0: node 2 \\(node-c\\) did not join within 3 s "
-                                               "\\(DEEPSHARD_JOIN_TIMEOUT\\).*host:29500"):
-        late.next_rendezvous()
-    JobBoard(node0.store, 2, HOSTS).register('{"other": 1}')
-    wrong = JobRendezvous(_Inner(dist.HashStore()), place, node0)
-    with pytest.raises(LaunchError, match="does not match node 0's"):
-        wrong.next_rendezvous()
+    node0, node1 = _pair(HOSTS)  # node 2 never comes
+    try:
+        late, = _meet(node0)
+        assert isinstance(late, RendezvousFailed) and re.match(
+            r"attempt 0: node 2 \(node-c\) did not join within 1 s \(DEEPSHARD_JOIN_TIMEOUT\).*127.0.0.1:",
+            str(late)), late
+    finally:
+        node0.shutdown()
+        node1.shutdown()
+    node0, node1 = _pair(HOSTS[:2], ("{}", '{"other": 1}'))
+    try:
+        wrong = _meet(node0, node1)
+        assert all(isinstance(e, LaunchError) and "does not match node 0's" in str(e) for e in wrong), wrong
+    finally:
+        node0.shutdown()
+        node1.shutdown()
 
 
 def test_the_watchdog_names_what_it_waited_for() -> None:
     said: list[str] = []
     fired = threading.Event()
-    dog = Watchdog(lambda message: (said.append(message), fired.set()))
-    with dog.watch("attempt 3: the nodes meeting", 0.05):
+    expire = lambda message: (said.append(message), fired.set())  # noqa: E731
+    with watchdog("attempt 3: the nodes meeting", 0.05, expire):
         assert fired.wait(5)
-    with dog.watch("quick", 5.0):
+    with watchdog("quick", 5.0, expire):
         pass
     assert said == ["attempt 3: the nodes meeting: still waiting after 0 s; giving up (the job cannot go on)"]
 
@@ -249,15 +272,15 @@ def test_rank_shim_binds_sets_runs_reports_and_refuses_an_unguarded_start(tmp_pa
              "os.environ['CROSS_SIZE'], os.environ['FROM_JOB'], 'DEEPSHARD_RANK_STATUS' in os.environ])); sys.exit(3)")
     python, args = shim_argv([sys.executable, "-c", probe], os.getpid(), [(), tuple(cores)], {"FROM_JOB": "y"}, False)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    watch = RankWatch(str(tmp_path / "status"), lambda *a: seen.append(("start", a)),
-                      lambda *a: seen.append(("exit", a)))
+    status = str(tmp_path / "status")
+    unwatch = watch_ranks(status, lambda *a: seen.append(("start", a)), lambda *a: seen.append(("exit", a)))
     output = tmp_path / "output"
     os.mkfifo(output)
     reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)
     env = {**os.environ, "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2", "GROUP_RANK": "1",
-           "GROUP_WORLD_SIZE": "3", STATUS_ENV: watch.path, OUTPUT_ENV: str(output)}
+           "GROUP_WORLD_SIZE": "3", STATUS_ENV: status, OUTPUT_ENV: str(output)}
     shim = subprocess.run([python, *args], env=env, capture_output=True, text=True, timeout=30, start_new_session=True)
-    watch.close()
+    unwatch()
     assert shim.returncode == 3 and shim.stdout == "", shim.stderr  # the rank's output went to its pipe
     with os.fdopen(reader, "rb") as pipe:
         report = json.loads(pipe.read().decode())
@@ -271,8 +294,7 @@ def test_rank_shim_binds_sets_runs_reports_and_refuses_an_unguarded_start(tmp_pa
 
 def _link(board: JobBoard) -> JobLink:
     link = JobLink(board, {})
-    if link.heartbeat is not None:
-        link.heartbeat.stop()
+    link.stopped.set()  # no heartbeat thread left behind
     return link
 
 
@@ -298,10 +320,7 @@ def test_agent_check_decisions() -> None:
     link1.new_attempt()
     assert link1.check(1, force=True) is None  # the next attempt starts clean
 
-    class _Beat:
-        lost = "Connection reset"
-
-    link1.heartbeat = _Beat()  # type: ignore[assignment]
+    link1.heartbeat_lost = "Connection reset"  # what the heartbeat sets once node 0's store stops answering
     link1.new_attempt()
     gone = link1.check(1, force=True)
     assert gone is not None and gone.kind == "lost" and gone.node == 0 and "Connection reset" in gone.what
@@ -359,12 +378,12 @@ def test_the_shim_outlives_a_signalled_rank_reports_it_and_ends_by_its_signal(tm
         rank = "import time\nprint('ready', flush=True)\ntime.sleep(30)\n"
     python, args = shim_argv([sys.executable, "-c", rank], os.getpid(), None, {}, False)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    watch = RankWatch(str(tmp_path / "status"), lambda *a: seen.append(("start", a)),
-                      lambda *a: seen.append(("exit", a)))
+    status = str(tmp_path / "status")
+    unwatch = watch_ranks(status, lambda *a: seen.append(("start", a)), lambda *a: seen.append(("exit", a)))
     output = tmp_path / "output"
     os.mkfifo(output)
     reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)
-    env = {**os.environ, "LOCAL_RANK": "0", STATUS_ENV: watch.path, OUTPUT_ENV: str(output)}
+    env = {**os.environ, "LOCAL_RANK": "0", STATUS_ENV: status, OUTPUT_ENV: str(output)}
     shim = subprocess.Popen([python, *args], env=env, start_new_session=True)
     deadline = time.monotonic() + 30
     while not seen and time.monotonic() < deadline:  # the shim holds the pipe once it reported the start
@@ -378,6 +397,6 @@ def test_the_shim_outlives_a_signalled_rank_reports_it_and_ends_by_its_signal(tm
             os.kill(seen[0][1][1], sig)
         said = pipe.read().decode()
     assert shim.wait(30) == -sig
-    watch.close()
+    unwatch()
     assert [kind for kind, _ in seen] == ["start", "exit"] and seen[1][1][2] == -sig
     assert said == ("got 1\n" if sig == signal.SIGTERM else "")

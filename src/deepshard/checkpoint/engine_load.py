@@ -48,8 +48,8 @@ def _read_part(engine: CheckpointedEngine, reader: TagReader, strict: bool,
                with_optimizer: bool) -> tuple[Resume, FullState]:
     """This rank's part of a load, read and checked, nothing of the engine changed yet: the engine record
     and the weights (and optimizer state), their names checked against the model."""
-    resume = reader.resume(engine.topology.rank, engine.topology.dims)
     full = reader.full_state(engine.module, with_optimizer, _share(engine))
+    resume = reader.resume(engine.topology.rank, engine.topology.dims)  # after: from the files the share read
     check_model_names(engine.module, full, strict, reader.path)
     return resume, full
 

@@ -18,6 +18,7 @@ from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint import ledger, schema
 from deepshard.checkpoint.deepspeed_format.detect import is_deepspeed_tag
 from deepshard.checkpoint.deepspeed_format.read import read_engine_record, read_full_state
+from deepshard.checkpoint.deepspeed_format.safe_load import load_pt
 from deepshard.checkpoint.fragments import read_fragments
 from deepshard.checkpoint.layout import localize
 from deepshard.checkpoint.share import LoadShare
@@ -122,15 +123,30 @@ class DeepShardTag(TagReader):
 
 
 class DeepSpeedTag(TagReader):
-    """A tag DeepSpeed's ``save_checkpoint`` wrote, read without running a pickle (``deepspeed_format``)."""
+    """A tag DeepSpeed's ``save_checkpoint`` wrote, read without running a pickle (``deepspeed_format``). With a
+    share, a rank reads the optimizer files holding its ranges (on the saving grid: its own) and the
+    model-states file(s), each once: what ``full_state`` read is kept until ``resume`` has taken the engine
+    record from it (a load calls them in that order; ``resume`` alone reads what it needs)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._kept: dict[Path, Any] = {}
+
+    def _load(self, path: Path) -> Any:
+        if path not in self._kept:
+            self._kept[path] = load_pt(path)
+        return self._kept[path]
 
     def full_state(self, module: Optional[torch.nn.Module], with_optimizer: bool,
                    share: Optional[LoadShare] = None) -> FullState:
-        full = read_full_state(self.path, with_optimizer)  # DeepSpeed's files: every rank reads them whole
+        full = read_full_state(self.path, with_optimizer, share, self._load)
         return localize(full, module) if module is not None else full
 
     def resume(self, rank: int, dims: ParallelDims) -> Resume:
-        record = read_engine_record(self.path)
+        try:
+            record = read_engine_record(self.path, self._load, rank, list(self._kept))
+        finally:
+            self._kept.clear()
         logger.info("loading DeepSpeed checkpoint %s (ZeRO stage %d, written by %d data-parallel ranks)",
                     self.path, record.zero_stage, record.dp_world_size)
         return Resume(global_steps=record.global_steps, global_samples=record.global_samples,

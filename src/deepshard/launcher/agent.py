@@ -21,7 +21,7 @@ from deepshard.launcher.board import JobFailure, JobLink, StoreLost
 from deepshard.launcher.local import AgentJob
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, signal_group
-from deepshard.launcher.rank_streams import STATUS_ENV, RankStream, RankStreams, RankWatch, shim_argv
+from deepshard.launcher.rank_streams import STATUS_ENV, RankStream, RankStreams, shim_argv, watch_ranks
 from deepshard.launcher.rendezvous import JobRendezvous, RendezvousFailed
 from deepshard.launcher.report import report_held, report_local
 from deepshard.utils.logging import logger
@@ -57,7 +57,7 @@ class JobWatch:
         self.stopping = False
         self.groups: dict[int, int] = {}  # local rank -> the process group torch started its shim in
         self.running_at_signal: int | None = None
-        self._watch: RankWatch | None = None
+        self._unwatch: Callable[[], None] | None = None
         self._saved: dict[int, Any] = {}
         self._lock = threading.Lock()
 
@@ -71,8 +71,8 @@ class JobWatch:
         if self.link is not None:
             self.link.new_attempt()
         path = self.streams.path(f"attempt{attempt}-status.pipe")
-        self._watch = RankWatch(path, lambda local, pid, group: self._started(attempt, local, pid, group),
-                                lambda local, pid, code: self._exited(attempt, local, pid, code))
+        self._unwatch = watch_ranks(path, lambda local, pid, group: self._started(attempt, local, pid, group),
+                                    lambda local, pid, code: self._exited(attempt, local, pid, code))
         for env in envs.values():
             env[STATUS_ENV] = path
 
@@ -168,9 +168,9 @@ class JobWatch:
     def attempt_ended(self, restarting: bool) -> None:
         """Every rank of the attempt is gone: drain their output and report (raises ``JobStopped`` where the job
         must end instead of restarting)."""
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         self.streams.finish()
         stop = self.job_failure if self.job_failure is not None and not self.job_failure.restartable else None
         self.report(restarting and stop is None)

@@ -166,29 +166,6 @@ class JobBoard:
             time.sleep(poll_s)
 
 
-class Heartbeat:
-    """A daemon thread calling ``board.beat()`` every ``interval_s``; ``lost`` holds the error once the store
-    stops answering."""
-
-    def __init__(self, board: JobBoard, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
-        self._board, self._interval_s = board, interval_s
-        self._stop = threading.Event()
-        self.lost: str | None = None
-        threading.Thread(target=self._run, name="deepshard-heartbeat", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._board.beat()
-            except StoreLost as exc:
-                self.lost = None if self._stop.is_set() else str(exc)
-                return
-            self._stop.wait(self._interval_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def _watch_stdin() -> threading.Event:
     """The ssh launcher holds the agent's stdin open: the event is set at end-of-file (the launcher went away)."""
     closed = threading.Event()
@@ -214,7 +191,10 @@ class JobLink:
         board.heartbeat_timeout_s = env_seconds(environ, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
         self.report_on_node0 = report_on_node0
         self.stdin_closed = _watch_stdin() if stdin_close else None
-        self.heartbeat = Heartbeat(board) if self.node_rank != 0 else None
+        self.stopped = threading.Event()  # set: the heartbeat ends
+        self.heartbeat_lost: str | None = None  # the store's error, once it stopped answering a heartbeat
+        if self.node_rank != 0:
+            threading.Thread(target=self._beat, name="deepshard-heartbeat", daemon=True).start()
         self.lost: list[int] = []
         self.seen: JobFailure | None = None
         self.mine: JobFailure | None = None  # this node's own rank failure, until reported
@@ -223,6 +203,16 @@ class JobLink:
     @property
     def host(self) -> str:
         return self.hosts[self.node_rank]
+
+    def _beat(self) -> None:
+        """Every node but 0 counts a heartbeat on the board every :data:`HEARTBEAT_INTERVAL_S` (node 0 watches)."""
+        while not self.stopped.is_set():
+            try:
+                self.board.beat()
+            except StoreLost as exc:
+                self.heartbeat_lost = None if self.stopped.is_set() else str(exc)
+                return
+            self.stopped.wait(HEARTBEAT_INTERVAL_S)
 
     def new_attempt(self) -> None:
         """What an ended attempt saw does not stop the next one."""
@@ -253,8 +243,8 @@ class JobLink:
         if self.stdin_closed is not None and self.stdin_closed.is_set():
             self.seen = self._abort_with(JobFailure("abort", self.node_rank, self.host, "the launcher's ssh "
                                                     "connection", "closed (launcher stopped)", 1, restartable=False))
-        elif self.heartbeat is not None and self.heartbeat.lost is not None:
-            self.seen = self.store_lost(self.heartbeat.lost)
+        elif self.heartbeat_lost is not None:
+            self.seen = self.store_lost(self.heartbeat_lost)
         else:
             try:
                 self.seen = self.board.abort() or self.board.failure(attempt)
@@ -326,8 +316,7 @@ class JobLink:
 
     def close(self) -> None:
         """End of the job: node 0 waits (briefly) for the others to leave before its store goes away."""
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self.stopped.set()
         try:
             if self.node_rank == 0:
                 self.board.wait_exited(EXIT_WAIT_S, skip=self.lost)

@@ -146,13 +146,13 @@ def check_ssh(hosts: Sequence[str], port: int | None, extra_args: Sequence[str],
 
 def run_agents(specs: list[ProcessSpec], on_started: Callable[[list[int]], None] | None) -> int:
     """Supervise the ssh / pdsh / mpirun / srun processes; the node agents report failures themselves."""
-    result = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S,
-                             noun="node" if len(specs) > 1 else "runner")
-    if result.failure is not None:
-        print(f"deepshard: the job failed with exit code {result.exit_code} ({result.failure.label} ended "
-              f"first, with {result.failure.describe_exit()}); node 0's report above names the rank "
-              "that failed", file=sys.stderr, flush=True)
-    return result.exit_code
+    code, failed = supervise_ranks(specs, on_started=on_started, settle_s=SSH_SETTLE_S,
+                                   noun="node" if len(specs) > 1 else "runner")
+    if failed is not None:
+        print(f"deepshard: the job failed with exit code {code} ({failed.spec.label} ended first, with "
+              f"{describe_exit(failed.proc.returncode)}); node 0's report above names the rank that failed",
+              file=sys.stderr, flush=True)
+    return code
 
 
 # ---------------------------------------------------------------------- the runner processes
@@ -175,49 +175,26 @@ class ProcessSpec:
 
 
 @dataclass
-class _Child:
+class Child:
+    """A started process: its spec, ``Popen`` (``returncode``: ``-N`` for signal N) and the end of its output."""
+
     spec: ProcessSpec
     proc: subprocess.Popen
     tail: bytearray = field(default_factory=bytearray)
     reader: threading.Thread | None = None
 
-
-@dataclass(frozen=True)
-class RankFailure:
-    """The first process of a group that exited non-zero (``returncode``: ``-N`` for signal N)."""
-
-    rank: int
-    pid: int
-    returncode: int
-    tail: str = ""
-    label: str | None = None
-
-    @property
-    def exit_code(self) -> int:
-        return exit_status(self.returncode)
-
-    def describe_exit(self) -> str:
-        return describe_exit(self.returncode)
+    def text(self) -> str:
+        return bytes(self.tail).decode("utf-8", errors="replace").rstrip()
 
 
-@dataclass(frozen=True)
-class GroupResult:
-    """How a supervised group ended: all succeeded (``exit_code`` 0), one failed (``failure``), or the
-    launcher got a signal (``signal``)."""
-
-    exit_code: int
-    failure: RankFailure | None = None
-    signal: int | None = None
-
-
-def _start(specs: Sequence[ProcessSpec], out: Output) -> list[_Child]:
-    children: list[_Child] = []
+def _start(specs: Sequence[ProcessSpec], out: Output) -> list[Child]:
+    children: list[Child] = []
     try:
         for spec in specs:
             proc = subprocess.Popen(spec.cmd, env=spec.env, stdin=subprocess.PIPE if spec.stdin_pipe else
                                     subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                                     start_new_session=True)
-            children.append(child := _Child(spec, proc))
+            children.append(child := Child(spec, proc))
             child.reader = threading.Thread(target=pump, args=(proc.stdout, child, out, None, False),
                                             name=f"deepshard-out-{spec.rank}", daemon=True)
             child.reader.start()
@@ -228,7 +205,7 @@ def _start(specs: Sequence[ProcessSpec], out: Output) -> list[_Child]:
     return children
 
 
-def _stop(children: Sequence[_Child], sig: int, grace_s: float = GRACE_S) -> None:
+def _stop(children: Sequence[Child], sig: int, grace_s: float = GRACE_S) -> None:
     """``sig`` to the process groups of ``children`` still running (their stdin closed first); SIGKILL what is
     left after ``grace_s``; reap all and drain their output."""
     for child in children:
@@ -251,7 +228,7 @@ def _stop(children: Sequence[_Child], sig: int, grace_s: float = GRACE_S) -> Non
             child.reader.join(2.0)
 
 
-def _ended(running: list[_Child]) -> list[_Child]:
+def _ended(running: list[Child]) -> list[Child]:
     """Remove and return the children of ``running`` that exited (their orphaned helpers get SIGTERM)."""
     ended = [child for child in running if child.proc.poll() is not None]
     for child in ended:
@@ -260,14 +237,14 @@ def _ended(running: list[_Child]) -> list[_Child]:
     return ended
 
 
-def _supervise(children: list[_Child], signals: list[int], settle_s: float, noun: str) -> GroupResult:
+def _supervise(children: list[Child], signals: list[int], settle_s: float, noun: str) -> tuple[int, Child | None]:
     running = list(children)
     while running:
         if signals:
             print(f"deepshard: received {signal.Signals(signals[0]).name}; forwarding it to {len(running)} running "
                   f"{noun}s", file=sys.stderr, flush=True)
             _stop(children, signals[0])
-            return GroupResult(128 + signals[0], signal=signals[0])
+            return 128 + signals[0], None
         time.sleep(_POLL_S)
         failed = next((child for child in _ended(running) if child.proc.returncode != 0), None)
         if failed is not None:
@@ -276,18 +253,17 @@ def _supervise(children: list[_Child], signals: list[int], settle_s: float, noun
                 time.sleep(_POLL_S)
                 _ended(running)
             _stop(children, signal.SIGTERM)
-            result = RankFailure(failed.spec.rank, failed.proc.pid, failed.proc.returncode,
-                                 bytes(failed.tail).decode("utf-8", errors="replace").rstrip(), failed.spec.label)
-            return GroupResult(result.exit_code, failure=result)
+            return exit_status(failed.proc.returncode), failed
     _stop(children, signal.SIGTERM, 0.0)
-    return GroupResult(0)
+    return 0, None
 
 
 def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int]], None] | None = None,
-                    settle_s: float = 0.0, noun: str = "process") -> GroupResult:
+                    settle_s: float = 0.0, noun: str = "process") -> tuple[int, Child | None]:
     """Start one process per spec and supervise them until all succeed, one fails (the others get
     ``settle_s`` seconds to end on their own, then are stopped), or the launcher gets SIGINT/SIGTERM
-    (forwarded); every process is reaped. ``on_started`` gets the pids once all started."""
+    (forwarded); every process is reaped. ``on_started`` gets the pids once all started. Returns the exit
+    status and the process that failed first (None if none did)."""
     signals: list[int] = []
     saved: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -298,7 +274,7 @@ def supervise_ranks(specs: Sequence[ProcessSpec], on_started: Callable[[list[int
             children = _start(specs, Output())
         except RuntimeError as exc:
             print(f"deepshard: {exc}", file=sys.stderr, flush=True)
-            return GroupResult(1)
+            return 1, None
         logger.info("started %d %ss: %s", len(children), noun,
                     ", ".join(f"{c.spec.label or noun + ' ' + str(c.spec.rank)} pid {c.proc.pid}" for c in children))
         if on_started is not None:

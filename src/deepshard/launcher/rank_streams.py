@@ -3,7 +3,7 @@ for every rank. The shim ties itself and the rank to the agent (Linux's ``PR_SET
 agent), pins the rank's cores, sets deepshard's variables, sends the rank's output to a named pipe the launcher reads
 (:class:`RankStreams`, the ``LogsSpecs`` torch's agent is given), runs the rank's command as its child, writes
 ``start <local rank> <pid> <process group>`` and ``exit <local rank> <pid> <returncode>`` to a status pipe
-(:class:`RankWatch`), and ends as the rank did. So the first failure holds the other ranks' output before their
+(:func:`watch_ranks`), and ends as the rank did. So the first failure holds the other ranks' output before their
 fallout arrives, and the other ranks are stopped at once, while torch's agent still starts, reaps and restarts the
 shims on its own schedule. The agent's signals go to the whole process group (torch's and deepshard's alike), so the
 rank gets each once, and the shim, which ignores them, waits for the rank's exit to report it."""
@@ -92,32 +92,30 @@ def open_fifo(path: str) -> tuple[int, int]:
     return read_fd, write_fd
 
 
-class RankWatch:
-    """Watches one attempt's ranks through the shim's pipe at ``path``: ``on_start(local_rank, pid, pgid)``, then
-    ``on_exit(local_rank, pid, returncode)`` (``Popen``'s convention: ``-N`` for signal N)."""
+def watch_ranks(path: str, on_start: Callable[[int, int, int], None],
+                on_exit: Callable[[int, int, int], None]) -> Callable[[], None]:
+    """Watch one attempt's ranks through the shim's pipe at ``path``: ``on_start(local_rank, pid, pgid)``, then
+    ``on_exit(local_rank, pid, returncode)`` (``Popen``'s convention: ``-N`` for signal N). Returns the call that
+    ends the watch once the attempt is over (every shim gone): the reader takes the last reports and ends."""
+    read_fd, write_fd = open_fifo(path)
 
-    def __init__(self, path: str, on_start: Callable[[int, int, int], None],
-                 on_exit: Callable[[int, int, int], None]) -> None:
-        self.path, self._on_start, self._on_exit = path, on_start, on_exit
-        read_fd, self._write_fd = open_fifo(path)
-        self._reader = threading.Thread(target=self._read, args=(read_fd,), name="deepshard-rank-status", daemon=True)
-        self._reader.start()
-
-    def _read(self, read_fd: int) -> None:
+    def read() -> None:
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
             pending = b""
             while chunk := pipe.read(4096):
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     what, *numbers = line.split()
-                    (self._on_start if what == b"start" else self._on_exit)(*(int(n) for n in numbers))
+                    (on_start if what == b"start" else on_exit)(*(int(n) for n in numbers))
 
-    def close(self) -> None:
-        """The attempt is over (every shim gone): let the reader take the last reports and end."""
-        if self._write_fd >= 0:
-            os.close(self._write_fd)
-            self._write_fd = -1
-        self._reader.join(2.0)
+    reader = threading.Thread(target=read, name="deepshard-rank-status", daemon=True)
+    reader.start()
+
+    def close() -> None:
+        os.close(write_fd)
+        reader.join(2.0)
+
+    return close
 
 
 @dataclass

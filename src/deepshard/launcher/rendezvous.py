@@ -1,7 +1,7 @@
 """How the node agents meet: torch's c10d rendezvous (the one ``torchrun --rdzv_backend c10d`` uses), static
-jobs included (min = max nodes), behind a ``RendezvousHandler`` that adds deepshard's part through the public
-interface: hostfile node ranks for static jobs, a fresh store (on a free port of the first node) for every
-attempt's ranks, the attempt hooks of :mod:`.agent`, and a watchdog over every wait of a (re)start."""
+jobs included (min = max nodes), its public handler subclassed to add deepshard's part: hostfile node ranks for
+static jobs, a fresh store (on a free port of the first node) for every attempt's ranks, the attempt hooks of
+:mod:`.agent`, and a watchdog over every wait of a (re)start."""
 from __future__ import annotations
 
 import datetime
@@ -17,13 +17,13 @@ from typing import Protocol
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
 from deepshard.launcher.board import JobBoard, StoreLost
 from deepshard.launcher.options import LaunchError
@@ -48,24 +48,19 @@ class RendezvousFailed(RuntimeError):
     """The nodes did not meet: the message names what was waited for and how to fix it."""
 
 
-class Watchdog:
-    """Bounds a wait that torch or the network could stretch forever: if ``watch(what, seconds)`` is still open
-    when the time is up, ``on_expire`` gets a message naming what was waited for (by default it is printed and
-    the agent exits with status 1; its ranks die with it)."""
-
-    def __init__(self, on_expire: Callable[[str], None] | None = None) -> None:
-        self._on_expire = on_expire or _give_up
-
-    @contextmanager
-    def watch(self, what: str, seconds: float) -> Iterator[None]:
-        timer = threading.Timer(seconds, self._on_expire, args=(f"{what}: still waiting after {seconds:.0f} s; "
-                                                                "giving up (the job cannot go on)",))
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            timer.cancel()
+@contextmanager
+def watchdog(what: str, seconds: float, on_expire: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Bounds a wait that torch or the network could stretch forever: if the block is still open when the time is
+    up, ``on_expire`` gets a message naming ``what`` was waited for (by default it is printed and the agent exits
+    with status 1; its ranks die with it)."""
+    timer = threading.Timer(seconds, on_expire or _give_up, args=(f"{what}: still waiting after {seconds:.0f} s; "
+                                                                  "giving up (the job cannot go on)",))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _give_up(message: str) -> None:
@@ -89,18 +84,15 @@ class Place:
     join_timeout_s: float
 
 
-class JobRendezvous(RendezvousHandler):
-    """torch's c10d handler (``inner``), with each attempt's node rank, ranks' store and hooks deepshard's."""
+class JobRendezvous(DynamicRendezvousHandler):
+    """torch's c10d rendezvous handler, with each attempt's node rank, ranks' store and hooks deepshard's
+    (:func:`open_rendezvous` makes one for a ``place``)."""
 
-    def __init__(self, inner: RendezvousHandler, place: Place, board: JobBoard | None = None,
-                 watchdog: Watchdog | None = None) -> None:
-        self.inner, self.place, self.board = inner, place, board
-        self.watchdog = watchdog or Watchdog()
-        self.hooks: AttemptHooks | None = None
-        self.attempt = -1
-        self._ranks_store: TCPStore | None = None  # this attempt's, on the first node: the previous one closes
-
-    # ---------------------------------------------------------------------- torch's interface
+    place: Place
+    board: JobBoard | None = None
+    hooks: AttemptHooks | None = None
+    attempt = -1
+    ranks_store: TCPStore | None = None  # this attempt's, on the first node: the previous one closes
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self.attempt >= 0 and self.hooks is not None:
@@ -108,47 +100,29 @@ class JobRendezvous(RendezvousHandler):
         self.attempt += 1
         where = f"attempt {self.attempt}: "
         limit = self.place.join_timeout_s + STORE_TIMEOUT_S + WATCHDOG_MARGIN_S
-        with self.watchdog.watch(f"{where}the nodes meeting in torch's c10d rendezvous at {self.place.endpoint}",
-                                 limit):
+        with watchdog(f"{where}the nodes meeting in torch's c10d rendezvous at {self.place.endpoint}", limit):
             info = self._meet(where)
         rank, world = self._rank(info)
-        with self.watchdog.watch(f"{where}node 0's store for the ranks (announced in the rendezvous store)",
-                                 STORE_TIMEOUT_S + WATCHDOG_MARGIN_S):
+        with watchdog(f"{where}node 0's store for the ranks (announced in the rendezvous store)",
+                      STORE_TIMEOUT_S + WATCHDOG_MARGIN_S):
             bootstrap = self._fresh_store(info.store, rank)
         return RendezvousInfo(info.store, rank, world, bootstrap)
-
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
 
     @property
     def use_agent_store(self) -> bool:
         return True  # the ranks connect to the store this handler serves; none of them hosts one
 
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self) -> None:
-        self.inner.set_closed()
-
     def num_nodes_waiting(self) -> int:
-        if self.hooks is None:
-            return self.inner.num_nodes_waiting()
-        if self.hooks.tick():
+        if self.hooks is not None and self.hooks.tick():
             return 0  # this attempt ends on the ranks' exits: a failure, not a change of nodes
-        waiting = self.inner.num_nodes_waiting()
-        return self.hooks.nodes_waiting(waiting) if waiting else 0
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self.inner.shutdown()
+        waiting = super().num_nodes_waiting()
+        return self.hooks.nodes_waiting(waiting) if waiting and self.hooks is not None else waiting
 
     # ---------------------------------------------------------------------- deepshard's part
 
     def _meet(self, where: str) -> RendezvousInfo:
         try:
-            return self.inner.next_rendezvous()
+            return super().next_rendezvous()
         except RendezvousTimeoutError:
             raise RendezvousFailed(f"{where}{self._absent()} within {self.place.join_timeout_s:.0f} s "
                                    f"(DEEPSHARD_JOIN_TIMEOUT); start the same command there, check that it can "
@@ -181,35 +155,34 @@ class JobRendezvous(RendezvousHandler):
         of the rendezvous: nothing a dead rank published is found by its successor."""
         port = None
         if rank == 0:
-            self._ranks_store = TCPStore(self.place.rank0_addr or "0.0.0.0", 0, is_master=True,
+            self.ranks_store = TCPStore(self.place.rank0_addr or "0.0.0.0", 0, is_master=True,
                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-            port = self._ranks_store.port
+            port = self.ranks_store.port
         # this round's store (torch prefixes it by round): the same on every node, whatever each one counts
         return RendezvousStoreInfo.build(rank, PrefixStore("deepshard/ranks", store), self.place.rank0_addr,
                                          server_port=port)
 
 
 def open_rendezvous(place: Place, fingerprint: str, is_host: bool | None) -> JobRendezvous:
-    """torch's c10d handler for ``place`` (node 0 serving its store when ``is_host``; None: torch decides by
-    the endpoint's name, for elastic jobs), wrapped; static multi-node jobs also get their board."""
+    """torch's c10d rendezvous for ``place`` (node 0 serving its store when ``is_host``; None: torch decides by the
+    endpoint's name, for elastic jobs); static multi-node jobs also get their board."""
     params = RendezvousParameters("c10d", place.endpoint, RUN_ID, place.min_nodes, place.max_nodes,
-                                  local_addr=None, join_timeout=int(place.join_timeout_s), last_call_timeout=2,
-                                  read_timeout=STORE_TIMEOUT_S,
-                                  **({} if is_host is None else {"is_host": is_host}))
+                                  read_timeout=STORE_TIMEOUT_S, **({} if is_host is None else {"is_host": is_host}))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the ranks' store is this module's
     client = None if is_host is not False else _reach(place)
+    timeout = RendezvousTimeout(datetime.timedelta(seconds=int(place.join_timeout_s)), datetime.timedelta(seconds=2))
     try:
-        inner = get_rendezvous_handler(params)
+        backend, store = create_backend(params)
+        rdzv = JobRendezvous.from_backend(RUN_ID, store, backend, place.min_nodes, place.max_nodes, timeout=timeout)
     except Exception as exc:  # torch raises RendezvousConnectionError or RuntimeError with the cause inside
         cause = exc.__cause__ or exc
         raise RendezvousFailed(_cannot_open(place, is_host, str(cause).splitlines()[0] if str(cause) else
                                             type(cause).__name__)) from exc
-    board = None
+    rdzv.place = place
     if place.node_rank is not None and len(place.hosts) > 1:
-        store = PrefixStore(f"deepshard/{RUN_ID}", client or _reach(place))
-        board = JobBoard(store, place.node_rank, place.hosts)
-        board.register(fingerprint)
-    return JobRendezvous(inner, place, board)
+        rdzv.board = JobBoard(PrefixStore(f"deepshard/{RUN_ID}", client or _reach(place)), place.node_rank, place.hosts)
+        rdzv.board.register(fingerprint)
+    return rdzv
 
 
 def _cannot_open(place: Place, is_host: bool | None, detail: str) -> str:

@@ -7,6 +7,11 @@ from deepshard.utils.logging import log_dist, logger, set_log_level_from_string
 from deepshard.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                                             set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
                                             unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
+from deepshard.utils.tensor_fragment import (safe_get_local_fp32_param, safe_get_local_grad,
+                                             safe_get_local_optimizer_state, safe_set_full_fp32_param,
+                                             safe_set_full_grad, safe_set_full_optimizer_state,
+                                             safe_set_local_fp32_param, safe_set_local_grad,
+                                             safe_set_local_optimizer_state, safe_update_full_grad_vectorized)
 
 if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
     import torch
@@ -14,32 +19,13 @@ if TYPE_CHECKING:  # torch is imported lazily so the launcher starts fast
 __all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", "set_log_level_from_string", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "z3_leaf_parameter"]
-
-
-_WRITERS = ("safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-            "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_get_local_grad",
-            "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-            "safe_set_local_optimizer_state")
-"""DeepSpeed's writers and per-rank (local) readers of the sharded training state: importable (code that imports
-the whole family to use the full readers works), refused when called."""
-
-
-def _refused(name: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"deepspeed.utils.{name} is not provided by deepshard: of DeepSpeed's safe_* family it reads full values "
-            "only (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, on every rank); to "
-            "change parameters write them inside deepspeed.zero.GatheredParameters(params, modifier_rank=0), or "
-            "save, edit and load a checkpoint")
-    refuse.__name__ = refuse.__qualname__ = name
-    refuse.__doc__ = f"DeepSpeed's ``{name}``: refused when called (see the error for what to use)."
-    return refuse
+           "z3_leaf_parameter", "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_get_local_grad",
+           "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
+           "safe_set_local_optimizer_state"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WRITERS:
-        return _refused(name)
     if name == "RepeatingLoader":
         from deepshard.data import RepeatingLoader
 

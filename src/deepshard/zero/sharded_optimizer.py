@@ -154,3 +154,46 @@ class ShardedOptimizer:
 
     def full_state(self, param: torch.nn.Parameter, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         return self.assemble(param, lambda i: self.states.piece_state(i).get(key), shape)
+
+    # ------------------------------------------------------------------------- writes, this rank's part
+    def owns(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` is one of the trainable parameters this optimizer partitions (with or without
+        pieces on this rank)."""
+        ids = self.__dict__.get("_param_ids")
+        if ids is None:
+            ids = self._param_ids = {id(p) for p in self.params}
+        return id(param) in ids
+
+    def scatter(self, param: torch.nn.Parameter, value: torch.Tensor,
+                write: Callable[[int, torch.Tensor], None]) -> None:
+        """The inverse of ``assemble``, without communication: ``write(i, part)`` for each of this rank's pieces
+        of ``param``, ``part`` the piece's range of the full ``value`` (the same on every rank)."""
+        flat = value.detach().reshape(-1)
+        for i in self.pieces_of_param.get(id(param), []):
+            f = self.fragments[i]
+            write(i, flat[f.start:f.start + f.numel])
+
+    def local(self, param: torch.nn.Parameter, piece: Callable[[int], torch.Tensor | None]) -> torch.Tensor:
+        """This rank's part of ``param`` (its pieces end to end, fp32, 1-D; empty when it holds none)."""
+        parts = [piece(i) for i in self._ordered(param)]
+        if any(v is None for v in parts):
+            raise KeyError("a piece of the parameter has no such value (an optimizer state before the first step?)")
+        return torch.cat([v.reshape(-1).float() for v in parts]) if parts else \
+            torch.zeros(0, dtype=torch.float32, device=self.device)
+
+    def write_local(self, param: torch.nn.Parameter, value: torch.Tensor,
+                    write: Callable[[int, torch.Tensor], None]) -> None:
+        """Split ``value`` (as long as ``local`` of ``param``) over this rank's pieces of it: ``write(i, part)``."""
+        flat, offset = value.detach().reshape(-1), 0
+        ordered = self._ordered(param)
+        numel = sum(self.fragments[i].numel for i in ordered)
+        if flat.numel() != numel:
+            raise ValueError(f"this rank holds {numel} elements of the parameter (its ds_tensor), the value given "
+                             f"has {flat.numel()}: pass a tensor of this rank's part, as the local readers return")
+        for i in ordered:
+            n = self.fragments[i].numel
+            write(i, flat[offset:offset + n])
+            offset += n
+
+    def _ordered(self, param: torch.nn.Parameter) -> list[int]:
+        return sorted(self.pieces_of_param.get(id(param), []), key=lambda i: self.fragments[i].start)

@@ -21,6 +21,7 @@ from deepshard.precision.cast import cast_module
 from deepshard.shard_state import (FragmentRecord, FullState, ShardState, export_param_groups, restore_param_groups,
                                    slice_state)
 from deepshard.zero.buckets import BucketedAllReduce
+from deepshard.zero.fragment_access import WholeAccess
 from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.master import MasterWeights, param_names, trainable_params
 from deepshard.zero.grad_norm import Pieces, exact_norm
@@ -233,6 +234,9 @@ class Stage0Strategy(ZeroStrategy):
 
     def full_fp32_param(self, param: torch.nn.Parameter) -> torch.Tensor:
         return self._master_or_param(param).detach().float().clone()
+
+    def fragment_access(self) -> WholeAccess:
+        return WholeAccess(self.optimizer, self._master_or_param)
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None:

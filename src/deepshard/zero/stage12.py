@@ -17,6 +17,7 @@ import torch
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import FullState, ShardState
 from deepshard.zero.canonical import contiguous_split
+from deepshard.zero.fragment_access import FragmentAccess, stage12_access
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
 from deepshard.zero.master import param_names, trainable_params
 from deepshard.zero.module_values import load_module_values, module_extra_state
@@ -216,6 +217,9 @@ class Stage12Strategy(ZeroStrategy):
         if self.optimizer is None or not param.requires_grad:
             return None
         return self.opt_shard.full_state(param, key)
+
+    def fragment_access(self) -> FragmentAccess:
+        return stage12_access(self.opt_shard, self.stage)
 
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""

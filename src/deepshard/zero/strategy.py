@@ -320,3 +320,9 @@ class ZeroStrategy(ABC):
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
         """The full optimizer state ``key`` (e.g. ``exp_avg``) of ``param``."""
         return None
+
+    def fragment_access(self) -> Any:
+        """The writers and local readers of ``deepshard.utils`` (``safe_set_full_*``, ``safe_*_local_*``) over
+        this strategy's state: a ``zero.fragment_access.FragmentAccess`` (or ``WholeAccess`` at stage 0)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support writing its training state "
+                                  "(deepspeed.utils.safe_set_*): use ZeRO stage 0-3's strategies")

@@ -7,12 +7,16 @@ at ZeRO 1-2, ``fp32_flat_groups`` at ZeRO-3), cut back into tensors with ``param
 weights come from the model-states files. Pipeline checkpoints hold one model-states and optimizer set
 per stage (``mp_rank_<stage>``): their names are the whole model's, so stages read together give the
 whole model.
+
+With a :class:`~deepshard.checkpoint.share.LoadShare` (a ZeRO 1-3 strategy loading only its own ranges),
+only the optimizer files holding those ranges are read (``share_files.py``); ``load`` reads one file (a
+reader passes one that keeps what the engine record already read, so no file is read twice).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -21,7 +25,10 @@ import deepshard.checkpoint.deepspeed_format.experts as moe
 from deepshard.checkpoint.deepspeed_format.allowlist import DeepSpeedRecord, DynamicLossScalerRecord
 from deepshard.checkpoint.deepspeed_format.flat import numel_of, split_zero12, split_zero3
 from deepshard.checkpoint.deepspeed_format.safe_load import load_pt
+from deepshard.checkpoint.deepspeed_format.share_files import (estimated_sizes, zero3_ranks, zero12_ranks,
+                                                                zeros_like_file)
 from deepshard.checkpoint.io import CheckpointError
+from deepshard.checkpoint.share import LoadShare
 from deepshard.shard_state import FullState
 
 ENGINE_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -45,16 +52,22 @@ class EngineRecord:
     ds_config: dict[str, Any] = field(default_factory=dict)
 
 
-def read_engine_record(tag_dir: Path) -> EngineRecord:
-    """Counters, LR scheduler, loss scaler and client state (from the first model-states file and the
-    first optimizer file)."""
+Loader = Callable[[Path], Any]
+
+
+def read_engine_record(tag_dir: Path, load: Loader = load_pt, rank: int = 0, read: Sequence[Path] = ()) -> EngineRecord:
+    """Counters, LR scheduler, loss scaler and client state (from the first model-states file and one
+    optimizer file: every rank's holds them; the first of ``read``, the files this load read already, else
+    that of data-parallel rank ``rank`` modulo the saved data-parallel size)."""
     mp_rank = _first_mp_rank(tag_dir)
-    first = load_pt(detect.model_state_files(tag_dir, mp_rank)[0])
+    first = load(detect.model_state_files(tag_dir, mp_rank)[0])
     scaler: dict[str, Any] = {"kind": "static", "scale": 1.0}
     stage = 0
-    optim_path = _optim_path(tag_dir, 0, mp_rank)
+    dp = int(first.get("dp_world_size", 1) or 1)
+    done = [p for p in read if (m := detect.OPTIM_STATES.match(p.name)) and int(m.group(3)) == mp_rank]
+    optim_path = done[0] if done else _optim_path(tag_dir, rank % dp, mp_rank) or _optim_path(tag_dir, 0, mp_rank)
     if optim_path is not None:
-        osd = load_pt(optim_path)["optimizer_state_dict"]
+        osd = load(optim_path)["optimizer_state_dict"]
         stage = int(osd.get("zero_stage", 0))
         scaler = loss_scaler_state(osd.get("loss_scaler"))
     return EngineRecord(
@@ -93,13 +106,16 @@ def _optim_path(tag_dir: Path, dp_rank: int, mp_rank: int) -> Path | None:
     return None
 
 
-def read_full_state(tag_dir: Path, with_optimizer: bool = True) -> FullState:
-    """Every stage's (``mp_rank``'s) parameters, optimizer state and module extras, merged by name."""
+def read_full_state(tag_dir: Path, with_optimizer: bool = True, share: Optional[LoadShare] = None,
+                    load: Loader = load_pt) -> FullState:
+    """Every stage's (``mp_rank``'s) parameters, optimizer state and module extras, merged by name; with
+    ``share``, the values outside its ranges are zeros (their files were not read)."""
     ranks = detect.mp_ranks(tag_dir) or [_first_mp_rank(tag_dir)]
     merged = FullState({}, {}, {}, None, {}, {}, {}, {})
     frozen: set[str] = set()
     for mp_rank in ranks:
-        part = _read_slice(tag_dir, mp_rank, with_optimizer, pipeline=len(ranks) > 1 or bool(detect.layer_files(tag_dir)))
+        part = _read_slice(tag_dir, mp_rank, with_optimizer, len(ranks) > 1 or bool(detect.layer_files(tag_dir)),
+                           share, load)
         for name in ("params", "optim", "optim_kinds", "module_extra", "aliases", "shapes", "meta"):
             getattr(merged, name).update(getattr(part, name))
         frozen |= set(part.meta.get("frozen_params", []))
@@ -120,9 +136,10 @@ def _merge_groups(have: list[dict[str, Any]] | None, new: list[dict[str, Any]]) 
     return have
 
 
-def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: bool) -> FullState:
+def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: bool, share: Optional[LoadShare],
+                load: Loader) -> FullState:
     model_files = detect.model_state_files(tag_dir, mp_rank)
-    first = load_pt(model_files[0])
+    first = load(model_files[0])
     mp_world = int(first.get("mp_world_size", 1) or 1)
     if mp_world > 1 and not pipeline:
         raise CheckpointError(f"{model_files[0]}: a tensor-parallel DeepSpeed checkpoint (mp_world_size {mp_world}) "
@@ -133,7 +150,8 @@ def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: boo
     if shapes_groups is None:
         return _read_stage0(tag_dir, first, model_files[0], pipeline, layers, mp_rank)
     optim_files = [_required_optim(tag_dir, r, mp_rank, dp) for r in range(dp)]
-    osds = [load_pt(p)["optimizer_state_dict"] for p in optim_files]
+    osds = _read_optims(optim_files, None if layers else share, shapes_groups, load,
+                        stage3=model_files[0].name.startswith("zero_pp_rank_"))
     stage = int(osds[0].get("zero_stage", 1))
     full = FullState({}, {}, {}, [], {}, dict(first.get("shared_params") or {}), {},
                      {"zero_stage": stage, "dp_world_size": dp})
@@ -153,12 +171,44 @@ def _read_slice(tag_dir: Path, mp_rank: int, with_optimizer: bool, pipeline: boo
             full.optim[name] = state
             full.optim_kinds[name] = {k: ("scalar" if v.dim() == 0 else "elementwise") for k, v in state.items()}
         full.param_groups[owner.get(g, g)]["params"] += list(named)
-    full.module_extra.update(_module_extra(tag_dir, first, model_files, stage, pipeline))
+    full.module_extra.update(_module_extra(tag_dir, first, model_files, stage, pipeline, load))
     full.module_extra.update({k: v for k, v in moe.expert_weights(tag_dir, layers, mp_rank).items()
                               if k not in full.params})  # an expert's buffers
     buffers = set(first.get("buffer_names") or [])
     full.meta["frozen_params"] = [k for k in full.module_extra if k not in buffers]
     return full
+
+
+def _read_optims(paths: list[Path], share: Optional[LoadShare], shapes_groups: Any, load: Loader, stage3: bool
+                 ) -> list[dict[str, Any]]:
+    """Every data-parallel rank's optimizer state; with ``share``, only the files holding its ranges are
+    read (first one of those the layout predicts, its own when it is one: that file says the partition
+    sizes), the others stand in as zeros."""
+    if share is None:
+        return [load(p)["optimizer_state_dict"] for p in paths]
+    dp = len(paths)
+    own = share.rank % dp if share.rank is not None else 0
+    likely = (zero3_ranks(share, shapes_groups, dp) if stage3
+              else zero12_ranks(share, shapes_groups, dp, estimated_sizes(shapes_groups, dp), None))
+    mine = own if own in likely or not likely else min(likely)
+    first = load(paths[mine])["optimizer_state_dict"]
+    stage = int(first.get("zero_stage", 1))
+    if stage == 3:
+        needed = zero3_ranks(share, shapes_groups, dp)
+    else:
+        sizes = [t.numel() for t in first["single_partition_of_fp32_groups"]]
+        needed = zero12_ranks(share, shapes_groups, dp, sizes, first.get("param_alignment_paddings"))
+    blank: Optional[dict[str, Any]] = None
+    out = []
+    for r, path in enumerate(paths):
+        if r == mine:
+            out.append(first)
+        elif r in needed:
+            out.append(load(path)["optimizer_state_dict"])
+        else:
+            blank = blank if blank is not None else zeros_like_file(first, stage)
+            out.append(blank)
+    return out
 
 
 def _required_optim(tag_dir: Path, dp_rank: int, mp_rank: int, dp: int) -> Path:
@@ -233,26 +283,26 @@ def _group_hparams(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _module_extra(tag_dir: Path, first: dict[str, Any], model_files: list[Path], stage: int,
-                  pipeline: bool) -> dict[str, torch.Tensor]:
+                  pipeline: bool, load: Loader) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters: from the state dict (ZeRO 0-2, pipeline layer files) or, for
     ZeRO-3's frozen parameters, joined from every rank's ``frozen_param_fragments``."""
     trainable = {n for shapes in first.get("param_shapes") or [] for n in shapes}
-    module = _module_state(tag_dir, first) if pipeline else first.get("module") or {}
+    module = _module_state(tag_dir, first, load) if pipeline else first.get("module") or {}
     out = {k: v for k, v in module.items() if k not in trainable and torch.is_tensor(v)}
     frozen_shapes = first.get("frozen_param_shapes") or {}
     if stage == 3 and frozen_shapes:
-        frags = [load_pt(p).get("frozen_param_fragments") or {} for p in model_files]
+        frags = [load(p).get("frozen_param_fragments") or {} for p in model_files]
         for name, shape in frozen_shapes.items():
             flat = torch.cat([f[name].reshape(-1) for f in frags])[:numel_of(shape)]
             out[name] = flat.view(tuple(int(d) for d in shape)).clone()
     return out
 
 
-def _module_state(tag_dir: Path, first: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _module_state(tag_dir: Path, first: dict[str, Any], load: Loader = load_pt) -> dict[str, torch.Tensor]:
     """A pipeline's state dict from its ``layer_XX-model_states.pt`` files (keys ``<layer>.<name>``)."""
     out: dict[str, torch.Tensor] = {}
     for index, path in sorted(detect.layer_files(tag_dir).items()):
-        for key, value in load_pt(path).items():
+        for key, value in load(path).items():
             out[f"{index}.{key}"] = value
     return out
 

@@ -15,6 +15,7 @@ import torch
 
 from deepshard.checkpoint.deepspeed_format.allowlist import ALLOWED
 from deepshard.checkpoint.io import CheckpointError
+from deepshard.checkpoint.ledger import note_read
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -26,6 +27,7 @@ def load_pt(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"DeepSpeed checkpoint file {path} does not exist: the checkpoint is incomplete "
                               "(a rank's file was not written or not copied); copy the whole tag directory")
+    note_read(path, path.stat().st_size)  # torch.load reads every record of the file
     with torch.serialization.safe_globals([(cls, name) for name, cls in ALLOWED.items()]):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -34,6 +34,11 @@ class ResidentGradShard:
         """Add ``alpha * values`` to the range at ``start``."""
         self.tensor[start:start + values.numel()].add_(values, alpha=alpha)
 
+    @torch.no_grad()
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Replace the range at ``start`` (``deepshard.utils.safe_set_*_grad``)."""
+        self.tensor[start:start + values.numel()].copy_(values.reshape(-1))
+
     def pieces(self, spans: list[tuple[int, int]]) -> Sequence[torch.Tensor]:
         """Views of the ``(start, numel)`` ranges."""
         return [self.tensor[s:s + n] for s, n in spans]
@@ -98,6 +103,13 @@ class OffloadedGradShard:
             if start not in self.written:
                 self._write(start, torch.zeros(numel, dtype=self.dtype))
         self._wait_writes()
+
+    @torch.no_grad()
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Replace the range at ``start`` (``deepshard.utils.safe_set_*_grad``): every range is settled first
+        (``ready``), so the write lands on what backward left and nothing later overwrites it with zeros."""
+        self.ready()
+        self.backing.write(GRADS, start, values.detach().reshape(-1).to("cpu", self.dtype, copy=True)).wait()
 
     def piece(self, start: int, numel: int) -> torch.Tensor:
         """A fresh copy of the range's gradient (read from the backing)."""

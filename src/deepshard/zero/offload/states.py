@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -119,6 +119,12 @@ class ShardStates(ABC):
         """Set piece values (``None``: keep) and, when ``states`` is given, replace the optimizer state."""
 
     @abstractmethod
+    def write_piece(self, i: int, value: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite piece ``i``'s fp32 value (unless ``value`` is None) and the elementwise optimizer states
+        named in ``state`` (each must exist already: the optimizer creates them at its first step). The
+        caller publishes a new value to the model (``deepshard.utils.safe_set_*``)."""
+
+    @abstractmethod
     def memory(self) -> dict[str, int]:
         """Bytes: ``master_weights`` (resident), ``offloaded`` (host or disk), ``offload_buffers``."""
 
@@ -201,6 +207,31 @@ class ResidentStates(ShardStates):
             if state:
                 self.optimizer.state[fp] = state
 
+    @torch.no_grad()
+    def write_piece(self, i: int, value: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+        fp = self.params[i]
+        if value is not None:
+            fp.copy_(value.reshape(-1))
+        held = self.optimizer.state.get(fp, {}) if self.optimizer is not None else {}
+        for key, v in state.items():
+            check_writable(key, (k for k, t in held.items() if torch.is_tensor(t) and t.dim() > 0), held,
+                           self.pieces[i].name)
+            held[key].copy_(v.reshape(-1))
+
     def memory(self) -> dict[str, int]:
         return {"master_weights": 0 if self.masters is None else self.masters.numel() * 4,
                 "offloaded": 0, "offload_buffers": 0}
+
+
+def check_writable(key: str, elementwise: Iterable[str], held: dict[str, Any], name: str) -> None:
+    """Refuse a write of optimizer state ``key`` of a piece of parameter ``name`` unless it is one of the
+    piece's ``elementwise`` states (``held``: its states by name, scalars included, for the message)."""
+    elementwise = set(elementwise)
+    if key in elementwise:
+        return
+    if key in held:
+        raise ValueError(f"optimizer state {key!r} of parameter '{name}' is a scalar ({held[key]!r}), not a "
+                         "per-element tensor: only elementwise states (such as Adam's exp_avg) can be written")
+    have = sorted(elementwise) or "none yet"
+    raise KeyError(f"parameter '{name}' has no optimizer state {key!r} to write (it has {have}): the optimizer "
+                   "creates its state at its first step; write optimizer states after a step")

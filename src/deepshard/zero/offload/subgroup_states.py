@@ -36,7 +36,7 @@ from deepshard.zero.offload.backing import Backing
 from deepshard.zero.offload.buffers import BufferPool
 from deepshard.zero.offload.grad_store import GRADS, LazyPieces
 from deepshard.zero.offload.mapped import MappedFileBacking
-from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec
+from deepshard.zero.offload.states import Publish, ShardStates, StatesSpec, check_writable
 from deepshard.zero.offload.subgroups import SubGroup, plan_subgroups, split_fragments
 from deepshard.zero.offload.swapper import IOOp
 
@@ -478,6 +478,20 @@ class SubGroupStates(ShardStates):
                     self.optimizer.state[fp] = dict(self.scalars[i])
                 else:
                     self.optimizer.state.pop(fp, None)
+
+    @torch.no_grad()
+    def write_piece(self, i: int, value: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+        p = self.pieces[i]
+        if value is not None and not self.has_masters:
+            self.params[i].data.copy_(value.reshape(-1))
+        elif value is not None:
+            backing, file = self._master_at
+            backing.write(file, p.shard_start, value.detach().reshape(-1).to("cpu", torch.float32, copy=True))
+        for key, v in state.items():
+            check_writable(key, self.piece_keys[i], self.scalars[i], p.name)
+            copy = v.detach().reshape(-1).to("cpu", self.keys[key], copy=True)
+            self.backing.write(_state_name(key), p.shard_start, copy)
+        self.backing.flush()
 
     # ------------------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:

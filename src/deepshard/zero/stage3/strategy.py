@@ -31,7 +31,9 @@ from deepshard.zero.partition import FlatLayout
 from deepshard.zero.stage0 import optimizer_state_bytes, tensor_bytes
 from deepshard.zero.grad_norm import Pieces
 from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squared_norm
+from deepshard.zero.fragment_access import FragmentAccess
 from deepshard.zero.stage3 import hook_surface, surface
+from deepshard.zero.stage3.fragment_writes import stage3_access
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -441,6 +443,9 @@ class Stage3Strategy(ZeroStrategy):
         if self.optimizer is None or not param.requires_grad:
             return None
         return self.opt_shard.full_state(param, key, _full_shape(param))
+
+    def fragment_access(self) -> FragmentAccess:
+        return stage3_access(self)
 
     @torch.no_grad()
     def consolidated_state_dict(self, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
