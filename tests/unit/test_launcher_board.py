@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import Output
 from deepshard.launcher.rank_streams import OUTPUT_ENV, STATUS_ENV, RankStream, RankStreams, shim_argv, watch_ranks
-from deepshard.launcher.rendezvous import JobRendezvous, Place, RendezvousFailed, open_rendezvous, watchdog
+from deepshard.launcher.rendezvous import JobRendezvous, RendezvousFailed, open_rendezvous, watchdog
 from deepshard.launcher.report import others_outcome
 
 HOSTS = ["node-a", "node-b", "node-c"]
@@ -137,9 +138,9 @@ def test_wait_exited_skips_lost_nodes_and_nodes_that_never_came() -> None:
 
 def test_a_real_c10d_rendezvous_is_served_joined_and_refused_with_the_flag_to_change() -> None:
     port = _free_port()
-    place = Place(f"127.0.0.1:{port}", HOSTS[:2], 0, 2, 2, "127.0.0.1", join_timeout_s=1.0)
-    host = open_rendezvous(place, "{}", is_host=True)
-    client = open_rendezvous(Place(**{**place.__dict__, "node_rank": 1}), "{}", is_host=False)
+    job = NodeJob({host: [0] for host in HOSTS[:2]}, 0, "t.py", [], "127.0.0.1", port)
+    host = open_rendezvous(job, 1.0, is_host=True)
+    client = open_rendezvous(replace(job, node_rank=1), 1.0, is_host=False)
     assert host.board is not None and client.board is not None and host.board.missing() == []
     client.board.publish_failure(0, FAIL)
     assert host.board.failure(0) == FAIL
@@ -149,10 +150,10 @@ def test_a_real_c10d_rendezvous_is_served_joined_and_refused_with_the_flag_to_ch
         busy = f"127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(RendezvousFailed, match=f"node 0 cannot serve the rendezvous store at {busy}.*"
                                                    "pick another --master_port"):
-            open_rendezvous(Place(**{**place.__dict__, "endpoint": busy}), "{}", is_host=True)
-    nowhere = Place(**{**place.__dict__, "endpoint": f"127.0.0.1:{_free_port()}", "node_rank": 1})
+            open_rendezvous(replace(job, master_port=taken.getsockname()[1]), 1.0, is_host=True)
+    nowhere = replace(job, master_port=_free_port(), node_rank=1)
     with pytest.raises(RendezvousFailed, match="cannot reach the rendezvous store at 127.0.0.1:.*within 1 s"):
-        open_rendezvous(nowhere, "{}", is_host=False)
+        open_rendezvous(nowhere, 1.0, is_host=False)
 
 
 def _meet(*handlers: JobRendezvous) -> list[RendezvousInfo | Exception]:
@@ -175,13 +176,14 @@ def _meet(*handlers: JobRendezvous) -> list[RendezvousInfo | Exception]:
     return found
 
 
-def _pair(hosts: list[str], fingerprints: tuple[str, str] = ("{}", "{}"), node_ranks: tuple[int, int] = (0, 1),
-          join_timeout_s: float = 1.0) -> tuple[JobRendezvous, JobRendezvous]:
+def _pair(hosts: list[str], node_ranks: tuple[int, int] = (0, 1), join_timeout_s: float = 1.0,
+          restarts: tuple[int, int] = (0, 0)) -> tuple[JobRendezvous, JobRendezvous]:
     """Two nodes of a static job in a real c10d rendezvous: the first serves its store."""
-    place = Place(f"127.0.0.1:{_free_port()}", hosts, node_ranks[0], len(hosts), len(hosts), "127.0.0.1",
-                  join_timeout_s)
-    host = open_rendezvous(place, fingerprints[0], is_host=True)
-    client = open_rendezvous(Place(**{**place.__dict__, "node_rank": node_ranks[1]}), fingerprints[1], is_host=False)
+    job = NodeJob({host: [0] for host in hosts}, node_ranks[0], "t.py", [], "127.0.0.1", _free_port(),
+                  max_restarts=restarts[0])
+    host = open_rendezvous(job, join_timeout_s, is_host=True)
+    client = open_rendezvous(replace(job, node_rank=node_ranks[1], max_restarts=restarts[1]), join_timeout_s,
+                             is_host=False)
     return host, client
 
 
@@ -200,8 +202,7 @@ def test_static_node_ranks_come_from_the_hostfile_and_each_attempt_gets_a_fresh_
     finally:
         first.shutdown()
         second.shutdown()
-    endpoint = int(first.place.endpoint.rpartition(":")[2])
-    assert ports[0] != ports[1] and endpoint not in ports  # a new store each attempt, never torch's own
+    assert ports[0] != ports[1] and first.job.master_port not in ports  # a new store each attempt, never torch's own
 
 
 def test_a_node_that_never_joined_is_named_and_a_mismatched_job_refused() -> None:
@@ -214,7 +215,7 @@ def test_a_node_that_never_joined_is_named_and_a_mismatched_job_refused() -> Non
     finally:
         node0.shutdown()
         node1.shutdown()
-    node0, node1 = _pair(HOSTS[:2], ("{}", '{"other": 1}'))
+    node0, node1 = _pair(HOSTS[:2], restarts=(0, 1))  # node 1 was told --max_restarts 1
     try:
         wrong = _meet(node0, node1)
         assert all(isinstance(e, LaunchError) and "does not match node 0's" in str(e) for e in wrong), wrong

@@ -227,7 +227,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
                                  python)
     spec = WorkerSpec(role="default", local_world_size=job.nproc, rdzv_handler=rdzv, entrypoint=entrypoint,
                       args=tuple(args), max_restarts=job.max_restarts, monitor_interval=MONITOR_INTERVAL_S)
-    barrier_s = EXIT_BARRIER_S if link is not None else rdzv.place.join_timeout_s
+    barrier_s = EXIT_BARRIER_S if link is not None else rdzv.join_timeout_s
     agent = LocalElasticAgent(spec, streams, exit_barrier_timeout=barrier_s, shutdown_timeout=GRACE_S)
     where, shut = (f"node {link.node_rank} ({link.host}): " if link is not None else ""), True
 
@@ -268,7 +268,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
         return say(f"attempt {watch.attempt + 1}: {str(exc).splitlines()[0]}", 1)
     except RendezvousError as exc:  # torch's rendezvous lost its store while the ranks ran
         cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
-        return say(f"the rendezvous store at {rdzv.place.endpoint} (node 0's agent) stopped answering: {exc}{cause}", 1)
+        return say(f"the rendezvous store at {rdzv.job.endpoint} (node 0's agent) stopped answering: {exc}{cause}", 1)
     finally:
         streams.cleanup()
         _close(rdzv, link, shut)

@@ -120,6 +120,16 @@ class NodeJob:
     def host(self) -> str:
         return self.hosts[self.node_rank]
 
+    @property
+    def endpoint(self) -> str:
+        """Where node 0's agent serves torch's c10d rendezvous store."""
+        return f"{self.master_addr}:{self.master_port}"
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """The fewest and most nodes of the rendezvous: ``elastic``'s, else every node of the world."""
+        return self.elastic or (len(self.world), len(self.world))
+
     def fingerprint(self) -> str:
         """What every node must agree on (compared through the rendezvous store)."""
         return json.dumps({"world": self.world, "max_restarts": self.max_restarts, "master_port": self.master_port},

@@ -22,21 +22,17 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
     from deepshard.launcher.board import JobLink
-    from deepshard.launcher.rendezvous import Place, RendezvousFailed, open_rendezvous
+    from deepshard.launcher.rendezvous import RendezvousFailed, open_rendezvous
 
     ajob = node_agent_job(job, base_env, available_cores)
-    timeout = env_seconds(base_env, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S)
-    endpoint, nodes = f"{job.master_addr}:{job.master_port}", len(job.hosts)
+    timeout, nodes = env_seconds(base_env, "DEEPSHARD_JOIN_TIMEOUT", JOIN_TIMEOUT_S), len(job.hosts)
     if job.elastic is not None:
-        place = Place(endpoint, job.hosts, None, job.elastic[0], job.elastic[1], None, timeout)
-        logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, endpoint, *job.elastic)
-    else:
-        place = Place(endpoint, job.hosts, job.node_rank, nodes, nodes, job.master_addr, timeout)
-        if nodes > 1:
-            logger.info("node %d (%s): %s the rendezvous (c10d) at %s", job.node_rank, job.host,
-                        "serving" if job.node_rank == 0 else "joining", endpoint)
+        logger.info("node %s: elastic rendezvous (c10d) at %s for %d..%d nodes", job.host, job.endpoint, *job.elastic)
+    elif nodes > 1:
+        logger.info("node %d (%s): %s the rendezvous (c10d) at %s", job.node_rank, job.host,
+                    "serving" if job.node_rank == 0 else "joining", job.endpoint)
     try:
-        rdzv = open_rendezvous(place, job.fingerprint(), None if job.elastic else job.node_rank == 0)
+        rdzv = open_rendezvous(job, timeout, None if job.elastic else job.node_rank == 0)
     except RendezvousFailed as exc:
         where = f"node {job.node_rank} ({job.host}): " if nodes > 1 else ""
         print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)

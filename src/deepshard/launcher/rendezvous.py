@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -26,6 +25,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
 from deepshard.launcher.board import JobBoard, StoreLost
+from deepshard.launcher.local import NodeJob
 from deepshard.launcher.options import LaunchError
 
 RUN_ID = "deepshard"
@@ -68,27 +68,13 @@ def _give_up(message: str) -> None:
     os._exit(1)
 
 
-@dataclass(frozen=True)
-class Place:
-    """Where this node stands in the job: static jobs have hostfile node ranks (``node_rank``), elastic ones
-    take torch's (``node_rank`` None) and accept ``min_nodes..max_nodes``. ``endpoint``: ``master_addr:master_port``,
-    where node 0's agent serves the rendezvous store; ``rank0_addr``: how the ranks reach the first node (None:
-    its name, as torch does)."""
-
-    endpoint: str
-    hosts: list[str]
-    node_rank: int | None
-    min_nodes: int
-    max_nodes: int
-    rank0_addr: str | None
-    join_timeout_s: float
-
-
 class JobRendezvous(DynamicRendezvousHandler):
     """torch's c10d rendezvous handler, with each attempt's node rank, ranks' store and hooks deepshard's
-    (:func:`open_rendezvous` makes one for a ``place``)."""
+    (:func:`open_rendezvous` makes one for a node's ``job``: static jobs have its hostfile node rank, elastic ones
+    torch's)."""
 
-    place: Place
+    job: NodeJob
+    join_timeout_s: float
     board: JobBoard | None = None
     hooks: AttemptHooks | None = None
     attempt = -1
@@ -99,8 +85,8 @@ class JobRendezvous(DynamicRendezvousHandler):
             self.hooks.attempt_ended(restarting=True)  # the previous attempt's ranks are gone
         self.attempt += 1
         where = f"attempt {self.attempt}: "
-        limit = self.place.join_timeout_s + STORE_TIMEOUT_S + WATCHDOG_MARGIN_S
-        with watchdog(f"{where}the nodes meeting in torch's c10d rendezvous at {self.place.endpoint}", limit):
+        limit = self.join_timeout_s + STORE_TIMEOUT_S + WATCHDOG_MARGIN_S
+        with watchdog(f"{where}the nodes meeting in torch's c10d rendezvous at {self.job.endpoint}", limit):
             info = self._meet(where)
         rank, world = self._rank(info)
         with watchdog(f"{where}node 0's store for the ranks (announced in the rendezvous store)",
@@ -124,88 +110,91 @@ class JobRendezvous(DynamicRendezvousHandler):
         try:
             return super().next_rendezvous()
         except RendezvousTimeoutError:
-            raise RendezvousFailed(f"{where}{self._absent()} within {self.place.join_timeout_s:.0f} s "
+            raise RendezvousFailed(f"{where}{self._absent()} within {self.join_timeout_s:.0f} s "
                                    f"(DEEPSHARD_JOIN_TIMEOUT); start the same command there, check that it can "
-                                   f"reach {self.place.endpoint}, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)") from None
+                                   f"reach {self.job.endpoint}, or raise DEEPSHARD_JOIN_TIMEOUT (seconds)") from None
         except RendezvousClosedError:
-            raise RendezvousFailed(f"{where}the rendezvous at {self.place.endpoint} was closed: another node "
+            raise RendezvousFailed(f"{where}the rendezvous at {self.job.endpoint} was closed: another node "
                                    "ended the job") from None
 
     def _absent(self) -> str:
         if self.board is None:
-            return f"fewer than {self.place.min_nodes} node(s) joined the rendezvous"
+            return f"fewer than {self.job.node_range[0]} node(s) joined the rendezvous"
         try:
             missing = self.board.missing()
         except StoreLost:
             missing = []
-        return f"{', '.join(f'node {n} ({self.place.hosts[n]})' for n in missing) or 'some nodes'} did not join"
+        return f"{', '.join(f'node {n} ({self.job.hosts[n]})' for n in missing) or 'some nodes'} did not join"
 
     def _rank(self, info: RendezvousInfo) -> tuple[int, int]:
         """Static jobs: the hostfile's node rank, once every node's command line is known to match."""
-        if self.place.node_rank is None:
+        if self.job.elastic is not None:
             return info.rank, info.world_size
         if self.board is not None:
             problem = self.board.check_job()
             if problem is not None:
                 raise LaunchError(problem)
-        return self.place.node_rank, len(self.place.hosts)
+        return self.job.node_rank, len(self.job.hosts)
 
     def _fresh_store(self, store: Store, rank: int) -> RendezvousStoreInfo:
         """Each attempt's ranks meet in a new store on a free port of the first node, announced in this round
         of the rendezvous: nothing a dead rank published is found by its successor."""
-        port = None
+        port, rank0_addr = None, None if self.job.elastic else self.job.master_addr  # elastic: node 0's name
         if rank == 0:
-            self.ranks_store = TCPStore(self.place.rank0_addr or "0.0.0.0", 0, is_master=True,
+            self.ranks_store = TCPStore(rank0_addr or "0.0.0.0", 0, is_master=True,
                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
             port = self.ranks_store.port
         # this round's store (torch prefixes it by round): the same on every node, whatever each one counts
-        return RendezvousStoreInfo.build(rank, PrefixStore("deepshard/ranks", store), self.place.rank0_addr,
+        return RendezvousStoreInfo.build(rank, PrefixStore("deepshard/ranks", store), rank0_addr,
                                          server_port=port)
 
 
-def open_rendezvous(place: Place, fingerprint: str, is_host: bool | None) -> JobRendezvous:
-    """torch's c10d rendezvous for ``place`` (node 0 serving its store when ``is_host``; None: torch decides by the
-    endpoint's name, for elastic jobs); static multi-node jobs also get their board."""
-    params = RendezvousParameters("c10d", place.endpoint, RUN_ID, place.min_nodes, place.max_nodes,
-                                  read_timeout=STORE_TIMEOUT_S, **({} if is_host is None else {"is_host": is_host}))
+def open_rendezvous(job: NodeJob, join_timeout_s: float, is_host: bool | None) -> JobRendezvous:
+    """torch's c10d rendezvous for this node's ``job`` at ``master_addr:master_port`` (node 0 serving its store
+    when ``is_host``; None: torch decides by the endpoint's name, for elastic jobs); static multi-node jobs also
+    get their board."""
+    low, high = job.node_range
+    params = RendezvousParameters("c10d", job.endpoint, RUN_ID, low, high, read_timeout=STORE_TIMEOUT_S,
+                                  **({} if is_host is None else {"is_host": is_host}))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the ranks' store is this module's
-    client = None if is_host is not False else _reach(place)
-    timeout = RendezvousTimeout(datetime.timedelta(seconds=int(place.join_timeout_s)), datetime.timedelta(seconds=2))
+    client = None if is_host is not False else _reach(job.endpoint, join_timeout_s)
+    timeout = RendezvousTimeout(datetime.timedelta(seconds=int(join_timeout_s)), datetime.timedelta(seconds=2))
     try:
         backend, store = create_backend(params)
-        rdzv = JobRendezvous.from_backend(RUN_ID, store, backend, place.min_nodes, place.max_nodes, timeout=timeout)
+        rdzv = JobRendezvous.from_backend(RUN_ID, store, backend, low, high, timeout=timeout)
     except Exception as exc:  # torch raises RendezvousConnectionError or RuntimeError with the cause inside
         cause = exc.__cause__ or exc
-        raise RendezvousFailed(_cannot_open(place, is_host, str(cause).splitlines()[0] if str(cause) else
-                                            type(cause).__name__)) from exc
-    rdzv.place = place
-    if place.node_rank is not None and len(place.hosts) > 1:
-        rdzv.board = JobBoard(PrefixStore(f"deepshard/{RUN_ID}", client or _reach(place)), place.node_rank, place.hosts)
-        rdzv.board.register(fingerprint)
+        raise RendezvousFailed(_cannot_open(job.endpoint, join_timeout_s, is_host, str(cause).splitlines()[0]
+                                            if str(cause) else type(cause).__name__)) from exc
+    rdzv.job, rdzv.join_timeout_s = job, join_timeout_s
+    if job.elastic is None and len(job.hosts) > 1:
+        store = PrefixStore(f"deepshard/{RUN_ID}", client or _reach(job.endpoint, join_timeout_s))
+        rdzv.board = JobBoard(store, job.node_rank, job.hosts)
+        rdzv.board.register(job.fingerprint())
     return rdzv
 
 
-def _cannot_open(place: Place, is_host: bool | None, detail: str) -> str:
+def _cannot_open(endpoint: str, join_timeout_s: float, is_host: bool | None, detail: str) -> str:
     if is_host:
-        return (f"node 0 cannot serve the rendezvous store at {place.endpoint} ({detail}); the port must be free: "
+        return (f"node 0 cannot serve the rendezvous store at {endpoint} ({detail}); the port must be free: "
                 "pick another --master_port")
-    return (f"cannot reach the rendezvous store at {place.endpoint} within {place.join_timeout_s:.0f} s ({detail}); "
+    return (f"cannot reach the rendezvous store at {endpoint} within {join_timeout_s:.0f} s ({detail}); "
             "start node 0 with the same command, check --master_addr / --master_port, and that the port is open "
             "between the nodes")
 
 
-def _reach(place: Place) -> TCPStore:
+def _reach(endpoint: str, join_timeout_s: float) -> TCPStore:
     """A client of node 0's rendezvous store, tried in short attempts until the join timeout (so Ctrl-C is
     honoured while node 0 is not up yet)."""
-    host, _, port = place.endpoint.rpartition(":")
-    deadline = time.monotonic() + place.join_timeout_s
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + join_timeout_s
     while True:
         attempt = max(0.1, min(CONNECT_ATTEMPT_S, deadline - time.monotonic()))
         try:
             store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=attempt))
         except RuntimeError as exc:
             if time.monotonic() >= deadline:
-                raise RendezvousFailed(_cannot_open(place, False, str(exc).splitlines()[0])) from exc
+                raise RendezvousFailed(_cannot_open(endpoint, join_timeout_s, False, str(exc).splitlines()[0])) from exc
             continue
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return store
