@@ -52,14 +52,16 @@ class ReadsChildWeight(torch.nn.Module):
 
 
 def leaf_module_hint(world: int) -> dict[str, Any]:
-    """The error of a module that reads a child's weight names set_z3_leaf_modules; marked as a leaf,
-    the same module trains."""
+    """A module that reads a child's weight trains: marked as a leaf, and unmarked too (the read gathers the
+    weight, as in DeepSpeed); compiled, where reads are not watched, its error names set_z3_leaf_modules."""
     out: dict[str, Any] = {}
-    for leaf in (False, True):
+    for leaf in (False, True, "compiled"):
         torch.manual_seed(0)
+        torch._dynamo.reset()
         model = ReadsChildWeight()
-        if leaf:
+        if leaf is True:
             deepshard.utils.set_z3_leaf_modules(model, [ReadsChildWeight])
+        model = torch.compile(model, backend=BACKEND) if leaf == "compiled" else model
         engine, *_ = deepshard.initialize(model=model, config=_config(3, world))
         try:
             loss = engine(torch.randn(GLOBAL_BATCH // world, 8))

@@ -11,7 +11,7 @@ from torch import nn
 import deepshard
 from deepshard.zero import ZeroParamStatus
 from tests.multiproc.device import rank_device
-from tests.multiproc.models import make_token_batches, make_transformer
+from tests.multiproc.models import make_token_batches, make_transformer, micro_slice
 from tests.multiproc.scenarios_stage0 import full_weights, run_steps
 from tests.multiproc.scenarios_stage3 import z3_config
 
@@ -170,8 +170,16 @@ def external_world(rank: int, world: int) -> dict[str, Any]:
     listed = [p is model.a.weight for _, p in model.b.ds_external_parameters()]
     losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
     dist.barrier()
-    return {"listed": listed, "is_external": model.a.weight.is_external_param, "losses": losses,
-            "weights": full_weights(engine)}
+    out = {"listed": listed, "is_external": model.a.weight.is_external_param, "losses": losses,
+           "weights": full_weights(engine)}
+    # undeclared: the root reads a.weight (released after a's forward) and passes it to b; reading it gathers it
+    # and registers it on the root, as DeepSpeed does
+    engine, *_ = deepshard.initialize(model=make_external(False), config=z3_config(8 // world, 1))
+    model = engine.module
+    out["undeclared"] = {"losses": run_steps(engine, external_batches(), 8 // world, 1, rank, world),
+                         "weights": full_weights(engine), "registered": list(model._external_params.values()) ==
+                         [model.a.weight], "status": _status(model.a.weight)}
+    return out
 
 
 def _gather_if_partitioned(*params: torch.nn.Parameter) -> Any:
@@ -274,5 +282,21 @@ def frozen_base_world(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = deepshard.initialize(model=make_frozen_base(),
                                       config=z3_config(8 // world, 1, stage3_prefetch_bucket_size=8))
     losses = run_steps(engine, external_batches(), 8 // world, 1, rank, world)
-    return {"losses": losses, "weights": full_weights(engine),
-            "after": sorted({p.ds_status.name for p in engine.module.parameters()})}
+    out = {"losses": losses, "weights": full_weights(engine),
+           "after": sorted({p.ds_status.name for p in engine.module.parameters()})}
+    # the same with PyTorch's own loss.backward() (no engine.backward): the backward is opened and closed
+    # around autograd's run, and what the recompute gathered is released when it ends
+    engine, *_ = deepshard.initialize(model=make_frozen_base(),
+                                      config=z3_config(8 // world, 1, stage3_prefetch_bucket_size=8))
+    losses, released = [], []
+    for batch in external_batches():
+        x, y = micro_slice(batch, 8 // world, 0, rank, world)
+        loss = engine(x, y)
+        loss.backward()
+        released.append(sorted({p.ds_status.name for p in engine.module.parameters()}))
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    out["direct"] = {"losses": losses, "weights": full_weights(engine), "released": released}
+    return out

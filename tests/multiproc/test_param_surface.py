@@ -105,9 +105,11 @@ def test_register_external_parameter_trains_like_reference() -> None:
     ref_losses, ref_w = train_reference(model, opt, external_batches(), 0.5)
     for r in results:
         assert r["listed"] == [True] and r["is_external"] is True
-        assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
-        for name, value in ref_w.items():
-            assert rel_err(r["weights"][name], value) <= FP32_RTOL, name
+        for got in (r, r["undeclared"]):  # registered, and found by reading it in the root's forward
+            assert got["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
+            for name, value in ref_w.items():
+                assert rel_err(got["weights"][name], value) <= FP32_RTOL, name
+        assert r["undeclared"]["registered"] is True and r["undeclared"]["status"] == "NOT_AVAILABLE"
 
 
 def test_a_weight_read_directly_in_a_custom_backward_trains_like_reference() -> None:
@@ -133,7 +135,9 @@ def test_frozen_base_under_non_reentrant_checkpointing_trains_like_reference() -
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     ref_losses, ref_w = train_reference(model, opt, external_batches(), 0.5)
     for r in results:
-        assert r["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
-        for name, value in ref_w.items():
-            assert rel_err(r["weights"][name], value) <= FP32_RTOL, name
+        for got in (r, r["direct"]):  # engine.backward, and loss.backward()
+            assert got["losses"] == pytest.approx(ref_losses, rel=FP32_RTOL)
+            for name, value in ref_w.items():
+                assert rel_err(got["weights"][name], value) <= FP32_RTOL, name
         assert r["after"] == ["NOT_AVAILABLE"]  # everything released after the step
+        assert r["direct"]["released"] == [["NOT_AVAILABLE"]] * 3  # and after each backward, before the step

@@ -13,6 +13,7 @@ RENAMED: dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters": "deepshard.compat.partition_parameters",
     "deepspeed.runtime.config": "deepshard.compat.runtime_config",
     "deepspeed.runtime.zero.stage3": "deepshard.compat.zero_stage3",
+    "deepspeed.runtime.zero.parameter_offload": "deepshard.zero.stage3.param_dict",
     "deepspeed.runtime.zero.stage_1_and_2": "deepshard.compat.zero_stage_1_and_2",
     "deepspeed.runtime.dataloader": "deepshard.data",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "deepshard.checkpointing",

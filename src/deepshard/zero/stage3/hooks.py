@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
+from deepshard.zero.stage3.param_dict import install as watch_reads, uninstall as unwatch_reads, watchable
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
+from deepshard.zero.stage3.surface import external_registry
 
 
 class Stage3Hooks:
@@ -39,7 +41,10 @@ class Stage3Hooks:
 
     def __init__(self, module: torch.nn.Module, groups_of: dict[int, list[ShardedGroup]],
                  prefetch_elements: int, max_live: int = 1 << 62, max_reuse: int = 0,
-                 before_backward: Callable[[], None] | None = None) -> None:
+                 before_backward: Callable[[], None] | None = None,
+                 lifecycle: "Lifecycle | None" = None) -> None:
+        """``lifecycle``: the strategy's calls at the start of a forward of the whole model and at the start
+        and end of each backward, however backward is called."""
         self.groups_of = groups_of
         self.prefetch_elements = max(int(prefetch_elements), 0)
         self.max_live = max(int(max_live), 0)
@@ -52,10 +57,19 @@ class Stage3Hooks:
         self._after: list[int] = []  # per order position: gathered elements used after it in forward
         self.recording = True
         self.before_backward = before_backward
+        self.lifecycle = lifecycle
         # per module: the groups each of its recomputes (forward inside backward) gathered, to release
         self._recomputed: dict[int, list[list[ShardedGroup]]] = {}
         self.module = module
         self.handles: list[Any] = []
+        self._group_of_param = {id(p): g for g in self.all_groups for p in g.params}
+        self.stack: list[torch.nn.Module] = []  # the hooked modules whose forward is running, outermost first
+        self.in_forward = False  # inside the root module's forward (not a recompute): touched parameters gather
+        self._cleanup_queued = False
+        self.watch_reads = watchable(module)
+        if self.watch_reads:
+            watch_reads(module)
+        groups_of.setdefault(id(module), [])  # the root is always hooked: the caller of last resort
         self.install()
 
     def install(self) -> None:
@@ -64,15 +78,22 @@ class Stage3Hooks:
         self.remove()
         for m in self.module.modules():
             groups = self.groups_of.get(id(m))
-            if groups:
+            if groups or m is self.module:
                 self.handles.append(m.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, groups))))
                 self.handles.append(m.register_forward_hook(_eager(functools.partial(self._post_forward, groups))))
 
     # ----------------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ShardedGroup], module: torch.nn.Module, args: Any) -> None:
         if in_backward():
+            self._queue_cleanup()
             self._pre_recompute(groups, module)
             return
+        if module is self.module:
+            self._reset()
+            self.in_forward = self.watch_reads
+            if self.watch_reads:
+                watch_reads(module)  # modules attached since the last forward
+        self.stack.append(module)
         for g in groups:
             g.users += 1
             g.unshard()
@@ -96,9 +117,81 @@ class Stage3Hooks:
         if in_backward():
             self._post_recompute(module)
             return
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        if module is self.module:
+            self.in_forward = False
+        else:
+            self._adopt_returned(_tensors(output))
         for g in groups:
             g.users -= 1
             if g.users == 0 and not (training and self._reused_soon(g)):
+                g.reshard()
+
+    # --------------------------------------------------------------- parameters of other modules
+    def touched(self, param: torch.nn.Parameter) -> None:
+        """A released parameter was read (``module.weight``) during the forward of a module that does not
+        gather it (``params.GatheringParameters``): gather it now, and make it an external parameter of the
+        innermost running hooked module, which gathers it from now on (as ``register_external_parameter``
+        would have) and releases it when its forward ends."""
+        group = self._group_of_param.get(id(param))
+        if group is None or not self.in_forward or not self.stack or in_backward():
+            return
+        self._adopt(self.stack[-1], param, group)
+        group.wait_for_unshard()
+
+    def _adopt_returned(self, outputs: list[torch.Tensor]) -> None:
+        """Parameters a module returns from forward stay gathered for its caller (the innermost running hooked
+        module), whose external parameters they become unless a running module has them already."""
+        if not self.stack:
+            return
+        for t in outputs:
+            group = self._group_of_param.get(id(t))
+            if group is not None and not any(id(t) in external_registry(m) for m in self.stack):
+                self._adopt(self.stack[-1], t, group)  # type: ignore[arg-type]
+
+    def _adopt(self, owner: torch.nn.Module, param: torch.nn.Parameter, group: ShardedGroup) -> None:
+        external_registry(owner)[id(param)] = param
+        param.__dict__["is_external_param"] = True
+        needed = self.groups_of[id(owner)]  # (the list its hooks were given: they see the new group)
+        if group not in needed:
+            needed.append(group)
+            group.users += 1  # what the owner's pre-forward would have done; its post-forward undoes it
+            group.unshard()
+
+    # ------------------------------------------------------------------------- end of a backward
+    def _queue_cleanup(self) -> None:
+        """Once per backward: release, when autograd's engine finishes it, the frozen groups it gathered (no
+        gradient reduction releases them), however backward was called (``engine.backward``,
+        ``loss.backward()``, ``engine.scale(loss).backward()``)."""
+        if not self._cleanup_queued:
+            self._cleanup_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            if self.lifecycle is not None:
+                self.lifecycle.backward_started()
+
+    def _after_backward(self) -> None:
+        self._cleanup_queued = False
+        if self.lifecycle is not None:
+            self.lifecycle.backward_ended()
+        self._recomputed.clear()
+        for g in self.all_groups:
+            if g.users == 0 and not g.requires_grad:
+                g.reshard()
+
+    def _reset(self) -> None:
+        """A new forward of the whole model: nothing of an earlier, interrupted forward or backward (an
+        exception) may stay gathered or counted."""
+        for m in self.stack:
+            for g in self.groups_of.get(id(m), []):
+                g.users = max(g.users - 1, 0)
+        self.stack.clear()
+        if self.lifecycle is not None:
+            self.lifecycle.forward_started()
+        self._recomputed.clear()
+        self._cleanup_queued = False
+        for g in self.all_groups:
+            if g.users == 0:
                 g.reshard()
 
     # ----------------------------------------------------------------- recompute (checkpointing)
@@ -138,6 +231,7 @@ class Stage3Hooks:
 
     # ---------------------------------------------------------------------------------- backward
     def _pre_backward(self, groups: list[ShardedGroup], grad: torch.Tensor) -> None:
+        self._queue_cleanup()
         if self.before_backward is not None:
             self.before_backward()
         for g in groups:
@@ -197,10 +291,26 @@ class Stage3Hooks:
                 total += 0 if self.order[i].persistent else self.order[i].numel
         self.recording = False
 
+    def detach(self) -> None:
+        """Hooks off and plain parameter dicts again (``engine.destroy()``)."""
+        self.remove()
+        if self.watch_reads:
+            unwatch_reads(self.module)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+class Lifecycle(Protocol):
+    """What the strategy does at the edges of a forward and a backward (``Stage3Strategy``)."""
+
+    def forward_started(self) -> None: ...
+
+    def backward_started(self) -> None: ...
+
+    def backward_ended(self) -> None: ...
 
 
 def in_backward() -> bool:

@@ -111,7 +111,7 @@ class Stage3Strategy(ZeroStrategy):
                                      deferred=self._leaf_group_indices(module), average_chunks=self.tree is None)
         self.hooks = Stage3Hooks(module, self._groups_by_module(module), self._prefetch_window(),
                                  int(zcfg.stage3_max_live_parameters), int(zcfg.stage3_max_reuse_distance),
-                                 before_backward=self.reducer.finish_in_flight)
+                                 before_backward=self.reducer.finish_in_flight, lifecycle=self)
         self.opt_shard = ShardedOptimizer(self.states, self.layout, self.params, comm, ctx.device,
                                           group_of=ctx.reduction_group)
         pieces = self.opt_shard.fragments
@@ -261,6 +261,29 @@ class Stage3Strategy(ZeroStrategy):
     def hold_gradients(self, hold: bool) -> None:
         super().hold_gradients(hold)
         self.reducer.holding = hold
+
+    # ------------------------------------------------ backward without engine.backward (the hooks call)
+    _implicit = False
+
+    def backward_started(self) -> None:
+        """A backward begins that ``engine.backward`` / ``engine.scale`` did not announce (``loss.backward()``
+        on the engine's output): open the reduction as they would."""
+        if not self.reducer.open:
+            self._implicit = True
+            self.begin_backward(True)
+
+    def backward_ended(self) -> None:
+        """Autograd finished a backward: close an unannounced one (its reductions, its gathered groups)."""
+        if self._implicit:
+            self._implicit = False
+            self.end_backward()
+
+    def forward_started(self) -> None:
+        """A forward of the whole model while a backward is still open: the backward was interrupted (an
+        exception): finish its reductions, so nothing of it stays gathered or in flight."""
+        if self.reducer.open:
+            self._implicit = False
+            self.end_backward()
 
     @torch.no_grad()
     def _step_group(self, gi: int, chunk: torch.Tensor) -> None:
@@ -486,7 +509,7 @@ class Stage3Strategy(ZeroStrategy):
     def remove_hooks(self) -> None:
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
-        self.hooks.remove()
+        self.hooks.detach()
         hook_surface.detach(self.optimizer)
         surface.detach(self.module)
         self.close()
