@@ -91,12 +91,12 @@ def test_mpi_and_slurm_commands_start_one_agent_per_host() -> None:
 
 
 def test_node_rank_from_the_runners_variables() -> None:
-    from deepshard.launcher.node import node_rank_from_env, with_node_rank
+    from deepshard.launcher.node import with_node_rank
 
-    assert node_rank_from_env({"OMPI_COMM_WORLD_RANK": "3"}) == (3, "OMPI_COMM_WORLD_RANK")
-    assert node_rank_from_env({"PMI_RANK": "1", "SLURM_PROCID": "0"}) == (1, "PMI_RANK")
-    assert node_rank_from_env({"SLURM_PROCID": "2"}) == (2, "SLURM_PROCID")
-    assert node_rank_from_env({"SLURM_PROCID": "x"}) is None and node_rank_from_env({}) is None
+    for env, rank in (({"OMPI_COMM_WORLD_RANK": "3"}, 3), ({"PMI_RANK": "1", "SLURM_PROCID": "0"}, 1),
+                      ({"PMIX_RANK": "4"}, 4), ({"MV2_COMM_WORLD_RANK": "5"}, 5), ({"SLURM_PROCID": "2"}, 2),
+                      ({"SLURM_PROCID": "x"}, -1), ({}, -1)):  # -1: none found, --node_rank stays unset
+        assert with_node_rank(_args("--no_ssh"), env).node_rank == rank, env
     assert with_node_rank(_args("--no_ssh"), {"SLURM_PROCID": "1"}).node_rank == 1
     assert with_node_rank(_args("--no_ssh", "--node_rank", "0"), {"SLURM_PROCID": "1"}).node_rank == 0
 

@@ -45,24 +45,14 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
 NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
-def node_rank_from_env(environ: Mapping[str, str]) -> tuple[int, str] | None:
-    """``(node rank, variable)`` from an MPI or Slurm runner's variables, or None outside one."""
-    for name in NODE_RANK_VARIABLES:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value), name
-    return None
-
-
 def with_node_rank(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
-    """``args`` with ``--node_rank`` filled in from the runner's variables when it was not given."""
-    if args.node_rank >= 0:
+    """``args`` with ``--node_rank`` filled in, when it was not given, from the first of
+    :data:`NODE_RANK_VARIABLES` that an MPI or Slurm runner set to a number."""
+    found = next((name for name in NODE_RANK_VARIABLES if environ.get(name, "").isdigit()), None)
+    if args.node_rank >= 0 or found is None:
         return args
-    found = node_rank_from_env(environ)
-    if found is None:
-        return args
-    logger.info("node rank %d from %s (started by an MPI / Slurm runner)", *found)
-    return argparse.Namespace(**{**vars(args), "node_rank": found[0]})
+    logger.info("node rank %s from %s (started by an MPI / Slurm runner)", environ[found], found)
+    return argparse.Namespace(**{**vars(args), "node_rank": int(environ[found])})
 
 
 def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] | None:
