@@ -46,6 +46,11 @@ class PlanError(ConfigError):
             message = f"this run combines {len(conflicts)} things deepshard cannot build together:\n{lines}"
         super().__init__(message)
 
+    def __reduce__(self) -> tuple[type, tuple[list[Conflict]]]:
+        """Pickled with its conflicts: an error raised in a worker process (multiprocessing re-raises it in
+        the parent) keeps its message, instead of being rebuilt from the message text."""
+        return type(self), (self.conflicts,)
+
 
 @dataclass(frozen=True)
 class Plan:

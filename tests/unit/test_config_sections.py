@@ -135,6 +135,13 @@ def test_defaults_match_deepspeed() -> None:
     assert cfg.steps_per_print is None and cfg.gradient_allreduce_op == "mean"
     assert cfg.zero_force_ds_cpu_optimizer is True and cfg.managed_gradient_accumulation is True
     assert cfg.model_dtype == torch.float32 and not cfg.zero_enabled
+    # DeepSpeed reads these top-level flags as plain values tested for truth: 1 / 0 stand for true / false
+    flags = load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 1,
+                         "zero_force_ds_cpu_optimizer": 0}, 1)
+    assert flags.zero_allow_untested_optimizer is True and flags.zero_force_ds_cpu_optimizer is False
+    for wrong in (2, "1", 1.0):
+        with pytest.raises(ConfigError, match="zero_allow_untested_optimizer"):
+            load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": wrong}, 1)
 
 
 @pytest.mark.parametrize("stage, given, expected", [(3, None, True), (2, None, False), (1, None, False),

@@ -65,6 +65,9 @@ def test_every_conflict_is_listed_at_once() -> None:
     text = str(err.value)
     assert text.startswith("this run combines 4 things") and all(f"  {i}. " in text for i in range(1, 5))
     assert isinstance(err.value, ConfigError) and isinstance(err.value, ValueError)  # what callers catch
+    # re-raised across processes (multiprocessing pickles it): the same conflicts and message, not its characters
+    again = __import__("pickle").loads(__import__("pickle").dumps(err.value))
+    assert type(again) is PlanError and again.conflicts == err.value.conflicts and str(again) == text
 
 
 def test_a_compressed_optimizer_instance_is_checked_like_the_config_type() -> None:

@@ -107,6 +107,19 @@ Count = Annotated[int, BeforeValidator(_integral)]
 """An integer field (bucket sizes, thresholds, buffer counts) that also accepts integral floats."""
 
 
+def _zero_or_one(value: Any) -> Any:
+    """Let the integers 1 and 0 stand for true and false (any other value is left to the strict check)."""
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
+
+
+ScalarFlag = Annotated[bool, BeforeValidator(_zero_or_one)]
+"""A top-level on/off key that DeepSpeed reads as a plain value and tests for truth, so clients write
+``1`` / ``0`` for it (DeepSpeed's own tests write ``"zero_allow_untested_optimizer": 1``); other
+non-booleans are still refused."""
+
+
 # ------------------------------------------------------------------------------- section base
 
 def drop_auto_values(data: dict[str, Any], section_path: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from deepshard.config.base import AUTO, ConfigError, DtypeName, Section, exact_error
+from deepshard.config.base import AUTO, ConfigError, DtypeName, ScalarFlag, Section, exact_error
 from deepshard.config.batch import BATCH_KEYS, resolve_batch_sizes
 from deepshard.config.inert import check_inert
 from deepshard.config.loose_sections import check_loose_sections
@@ -56,9 +56,9 @@ class DeepShardConfig(Section):
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Max global gradient norm; 0 disables clipping (default 1.0 as in DeepSpeed >= 0.19.3)."""
-    zero_allow_untested_optimizer: bool = False
+    zero_allow_untested_optimizer: ScalarFlag = False
     """Accepted for DeepSpeed compatibility; deepshard accepts any optimizer with any stage."""
-    zero_force_ds_cpu_optimizer: bool = True
+    zero_force_ds_cpu_optimizer: ScalarFlag = True
 
     # precision
     fp16: FP16Config = Field(default_factory=FP16Config)
