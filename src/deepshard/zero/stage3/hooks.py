@@ -181,7 +181,9 @@ class Stage3Hooks:
 
     def _reset(self) -> None:
         """A new forward of the whole model: nothing of an earlier, interrupted forward or backward (an
-        exception) may stay gathered or counted."""
+        exception) may stay gathered or counted (a group gathered on purpose, by ``param.all_gather()``,
+        stays when nothing was interrupted)."""
+        interrupted = bool(self.stack) or bool(self._recomputed)
         for m in self.stack:
             for g in self.groups_of.get(id(m), []):
                 g.users = max(g.users - 1, 0)
@@ -190,9 +192,10 @@ class Stage3Hooks:
             self.lifecycle.forward_started()
         self._recomputed.clear()
         self._cleanup_queued = False
-        for g in self.all_groups:
-            if g.users == 0:
-                g.reshard()
+        if interrupted:
+            for g in self.all_groups:
+                if g.users == 0:
+                    g.reshard()
 
     # ----------------------------------------------------------------- recompute (checkpointing)
     def _pre_recompute(self, groups: list[ShardedGroup], module: torch.nn.Module) -> None:
