@@ -55,20 +55,28 @@ class AutoEPConfig:
                              "tensor-parallel ranks")
 
 
+def fused_weight(module: nn.Module, name: str) -> Tensor:
+    """The fused experts' 3-D weight ``name`` (``gate_up_proj`` or ``down_proj``) of ``module``."""
+    weight = getattr(module, name)
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"AutoEP: {type(module).__name__}.{name} is {type(weight).__name__}, not the fused experts' "
+                        "3-D weight; AutoEP splits modules holding gate_up_proj and down_proj as parameters")
+    return weight
+
+
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every fused-experts module of ``model`` (both 3-D parameters, one slice per
     expert along dimension 0), in module order."""
     found = []
     for name, module in model.named_modules():
-        params = [getattr(module, f, None) for f in FUSED]
-        if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params) and \
-                params[0].shape[0] == params[1].shape[0]:  # type: ignore[union-attr]
+        params = [p for p in (getattr(module, f, None) for f in FUSED) if isinstance(p, nn.Parameter) and p.dim() == 3]
+        if len(params) == len(FUSED) and params[0].shape[0] == params[1].shape[0]:
             found.append((name, module))
     return found
 
 
 def _check_layout(name: str, module: nn.Module, size: int) -> int:
-    experts = int(module.gate_up_proj.shape[0])  # type: ignore[union-attr]
+    experts = int(fused_weight(module, "gate_up_proj").shape[0])
     bad = [flag for flag in UNSUPPORTED_LAYOUTS if getattr(module, flag, False)]
     if bad or getattr(module, "is_concatenated", True) is False:
         raise NotImplementedError(f"AutoEP: experts module {name} ({type(module).__name__}) has {bad or 'interleaved'} "
@@ -119,7 +127,7 @@ class ExpertParallelForward:
 
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         module = self.module
-        local = int(module.gate_up_proj.shape[0])  # type: ignore[union-attr]
+        local = int(fused_weight(module, "gate_up_proj").shape[0])
         total = local * self.size
         width = hidden_states.shape[-1]
         experts = top_k_index.reshape(-1)
@@ -164,14 +172,16 @@ class ExpertParallelForward:
         module = self.module
         out = torch.zeros_like(tokens)
         gate: Callable[[Tensor], Tensor] = getattr(module, "_apply_gate", None) or self._gate_up
+        gate_up_proj, down_proj = fused_weight(module, "gate_up_proj"), fused_weight(module, "down_proj")
         for e in range(local):
             rows = (ids == e).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 continue
-            hidden = gate(nn.functional.linear(tokens.index_select(0, rows), module.gate_up_proj[e]))  # type: ignore[index]
-            out = out.index_copy(0, rows, nn.functional.linear(hidden, module.down_proj[e]))  # type: ignore[index]
+            hidden = gate(nn.functional.linear(tokens.index_select(0, rows), gate_up_proj[e]))
+            out = out.index_copy(0, rows, nn.functional.linear(hidden, down_proj[e]))
         return out
 
     def _gate_up(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.module.act_fn(gate) * up  # type: ignore[operator]
+        act_fn: Callable[[Tensor], Tensor] = getattr(self.module, "act_fn")
+        return act_fn(gate) * up

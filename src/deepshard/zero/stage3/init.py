@@ -213,14 +213,14 @@ class Init:
                 fn(module)
             return module
 
-        torch.nn.Module.apply = apply  # type: ignore[method-assign]
+        setattr(torch.nn.Module, "apply", apply)  # patched while the context is open
         del orig_apply
         return self
 
     def _wrap_class(self, cls: type, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         if "__init__" in cls.__dict__ and cls not in self._patched:
             self._patched[cls] = cls.__dict__["__init__"]
-            cls.__init__ = wrap(cls.__dict__["__init__"])  # type: ignore[misc]
+            setattr(cls, "__init__", wrap(cls.__dict__["__init__"]))
 
     def _hook_new_classes(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         """Wrap the ``__init__`` of every ``nn.Module`` subclass created while the context is open."""
@@ -236,19 +236,19 @@ class Init:
                 super(module_cls, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
             init_ctx._wrap_class(cls, wrap)
 
-        module_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        setattr(module_cls, "__init_subclass__", classmethod(init_subclass))
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
         if self._orig_init_subclass is not None:
-            torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[method-assign]
+            setattr(torch.nn.Module, "__init_subclass__", self._orig_init_subclass)
         elif "__init_subclass__" in torch.nn.Module.__dict__:
             del torch.nn.Module.__init_subclass__
         self._orig_init_subclass = None
         for cls, init in self._patched.items():
-            cls.__init__ = init  # type: ignore[misc]
+            setattr(cls, "__init__", init)
         self._patched.clear()
         if self._orig_apply is not None:
-            torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
+            setattr(torch.nn.Module, "apply", self._orig_apply)
             self._orig_apply = None
