@@ -30,9 +30,9 @@ MISTAKES = {
         + re.escape(" (case-insensitive), or pass your own optimizer as initialize(optimizer=...)")),
     "misspelt optimizer parameter": (
         {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decayy": 0.1}}},
-        re.escape("deepshard: error (ranks 0, 1): optimizer 'AdamW' (torch.optim.adamw.AdamW) does not accept "
-                  "optimizer.params 'weight_decayy' (did you mean 'weight_decay'?); accepted: lr, betas, eps, "
-                  "weight_decay, ") + r"[a-z0-9_]+(, [a-z0-9_]+)*"),
+        re.escape("deepshard: error (ranks 0, 1): optimizer 'AdamW' (deepshard.optim.fused_adam.FusedAdamW) does "
+                  "not accept optimizer.params 'weight_decayy' (did you mean 'weight_decay'?); accepted: lr, "
+                  "bias_correction, betas, eps, adam_w_mode, weight_decay, ") + r"[a-z0-9_]+(, [a-z0-9_]+)*"),
     "unknown scheduler type": (
         {"train_batch_size": 2, "optimizer": OPTIMIZER, "scheduler": {"type": "WarmupLRR", "params": {}}},
         re.escape("deepshard: error (ranks 0, 1): unknown scheduler type 'WarmupLRR' (did you mean 'WarmupLR' or "
