@@ -28,6 +28,7 @@ STATUS_ENV = "DEEPSHARD_RANK_STATUS"
 OUTPUT_ENV = "DEEPSHARD_RANK_OUTPUT"
 """The variables naming the shim's pipes in each rank's environment (it removes them before the command runs):
 the one it reports on, and the one it sends the rank's stdout and stderr to."""
+READER_END_S = 30.0  # how long an ended attempt waits for the rank-status reader's last callbacks
 
 RANK_SHIM = """\
 import ctypes, json, os, signal, sys
@@ -113,7 +114,10 @@ def watch_ranks(path: str, on_start: Callable[[int, int, int], None],
 
     def close() -> None:
         os.close(write_fd)
-        reader.join(2.0)
+        # the last report may still be in flight (a failure published to the job board over the network): the
+        # agent must not report or exit before it lands. EOF comes as soon as the shims are gone, so this waits
+        # for the callbacks, not for the pipe; the bound covers a store that stopped answering.
+        reader.join(READER_END_S)
 
     return close
 
