@@ -28,6 +28,12 @@ from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
 
 
+class LossError(ValueError, AssertionError):
+    """A loss ``engine.backward`` / ``engine.scale`` cannot use (not one element, or without grad). A
+    ValueError; also an AssertionError, which DeepSpeed raises there, so code that catches its error still
+    catches this one."""
+
+
 class _StateField:
     """An engine attribute that reads and writes one counter of ``engine.state``."""
 
@@ -414,7 +420,7 @@ class DeepShardEngine(EngineCoalescing, EngineCore):
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """PyTorch-style backward: ``engine.scale(loss).backward()`` then ``engine.step()``."""
-        self._check_loss(loss)
+        self._check_loss(loss, "scale")
         self._record_loss(loss)
         _, scaled = self.runner.for_backward(loss)
         self._prepare_backward()
@@ -439,14 +445,14 @@ class DeepShardEngine(EngineCoalescing, EngineCore):
         self._window_losses.append(self._last_loss)
 
     @staticmethod
-    def _check_loss(loss: torch.Tensor) -> None:
+    def _check_loss(loss: torch.Tensor, caller: str = "backward") -> None:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-            raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}; reduce it first "
-                             "(e.g. loss.mean())")
+            raise LossError(f"engine.{caller} expects the loss as a scalar tensor, got {shape}; reduce it first "
+                            "(e.g. loss.mean()), or call output.backward(gradient) yourself for a non-scalar output")
         if not loss.requires_grad:
-            raise ValueError("the loss passed to engine.backward does not require grad: was it computed "
-                             "under torch.no_grad(), or are all parameters frozen?")
+            raise LossError(f"the loss passed to engine.{caller} does not require grad: was it computed "
+                            "under torch.no_grad(), or are all parameters frozen?")
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Apply the update at the accumulation boundary (clipping, fp16 overflow skip, LR schedule);
