@@ -362,7 +362,12 @@ class DeepShardEngine(EngineCoalescing, EngineCore):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Override the boundary (Accelerate does this); pass the value for every micro-step."""
+        """Override the boundary (Accelerate does this); pass the value for every micro-step. Refused, as
+        DeepSpeed refuses it, with ``managed_gradient_accumulation`` false: every step() is the boundary."""
+        if not self._config.managed_gradient_accumulation:
+            raise GradContextMisuse("set_gradient_accumulation_boundary() with managed_gradient_accumulation false: "
+                                    "the caller owns the boundary, every step() is one; drop the call, or set "
+                                    "managed_gradient_accumulation true to mark boundaries yourself")
         self._boundary_override = bool(is_boundary)
 
     @property
