@@ -251,6 +251,8 @@ class DeepShardRunner(Runner):
                                     "has no offloaded category")
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.ctx.bf16 and x.is_floating_point():  # inputs reach the model as given, as in DeepSpeed
+            x = x.to(torch.bfloat16)
         loss = self.engine(x, y)
         self.engine.backward(loss)
         self.engine.step()
