@@ -104,7 +104,7 @@ def partition(params: Iterable[torch.nn.Parameter]) -> None:
     """Release the groups of ``params`` that nothing is using (a forward, ``GatheredParameters``)."""
     for g in groups_of(params):
         if g.users == 0:
-            g.reshard()
+            g.reshard(hand_over=True)
 
 
 class ParamCall:
