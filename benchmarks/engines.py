@@ -223,6 +223,7 @@ class DeepShardRunner(Runner):
     def setup(self, model: torch.nn.Module, ctx: RunContext) -> None:
         import deepshard
 
+        self.ctx = ctx
         grad_size = 2 if ctx.bf16 else 4
         zero: dict[str, Any] = {"stage": self.spec.stage, "reduce_bucket_size": ctx.bucket_elements(grad_size)}
         if self.spec.offload:
