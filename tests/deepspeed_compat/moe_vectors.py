@@ -1,6 +1,8 @@
 """The MoE layer's vectors under whichever library answers ``import deepspeed`` (DeepSpeed 0.19.8 in its
 venv, or deepshard through its shim): REFERENCE_MOE 8.3's setup (seed 0, 24 tokens of width 16, 4 experts
-of a 16-32-16 MLP) in every gating mode, two forwards and backwards each, written as JSON.
+of a 16-32-16 MLP) in every gating mode, two forwards and backwards each; and the gating functions of
+``deepspeed.moe.sharded_moe`` (``top1gating`` / ``top2gating`` / ``topkgating``, dense and sparse) on seeded
+logits, with the sparse routes' dispatch and combine; written as JSON.
 
     python moe_vectors.py OUT.json            # run by test_moe_vectors.py under both libraries
 """
@@ -52,8 +54,51 @@ def run_case(options: dict[str, Any]) -> list[dict[str, Any]]:
     return steps
 
 
+GATING: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {
+    "top1": ("top1gating", (1.0, 0), {"use_rts": False}),
+    "top1_rts": ("top1gating", (0.5, 0), {}),
+    "top1_no_drop": ("top1gating", (1.0, 0), {"drop_tokens": False}),
+    "top1_rsample": ("top1gating", (1.0, 2), {"noisy_gate_policy": "RSample"}),
+    "top2": ("top2gating", (1.0, 0), {}),
+    "top2_no_sampling": ("top2gating", (0.5, 0), {"top2_2nd_expert_sampling": False}),
+    "top2_no_drop": ("top2gating", (1.0, 0), {"drop_tokens": False}),
+    "top3_probs": ("topkgating", (3, 0.5, 0), {}),
+    "top3_position": ("topkgating", (3, 0.5, 0), {"drop_policy": "position"}),
+    "top2k_position_min_capacity": ("topkgating", (2, 0.25, 9), {"drop_policy": "position"}),
+    "top3_no_drop": ("topkgating", (3, 1.0, 0), {"drop_tokens": False}),
+}
+"""Gating-function calls: (function, positional arguments after the logits, keyword arguments)."""
+
+
+def _listed(value: Any) -> Any:
+    return value.detach().reshape(-1).tolist() if isinstance(value, torch.Tensor) else value
+
+
+def run_gating(name: str) -> dict[str, Any]:
+    """One gating call, dense then sparse (each from seed 1: 24 tokens, 6 experts), and the sparse
+    routes' dispatch buffer and combined output for seeded tokens and expert outputs."""
+    import deepspeed.moe.sharded_moe as sharded_moe
+
+    function, args, options = GATING[name]
+    out: dict[str, Any] = {}
+    for sparse in (False, True):
+        torch.manual_seed(1)
+        logits = torch.randn(24, 6)
+        result = getattr(sharded_moe, function)(logits, *args, sparse_routes=sparse, **options)
+        out["sparse" if sparse else "dense"] = [_listed(v) for v in result]
+    l_aux, capacity, experts, indices, locations, gates, _ = result
+    capacity = int(capacity)
+    slots = sharded_moe._route_slots(indices, locations, experts, capacity)
+    hidden, expert_out = torch.randn(24, 8), torch.randn(experts * capacity, 8)
+    out["encoded"] = _listed(sharded_moe._sparse_encode(hidden, slots, experts, capacity))
+    out["decoded"] = _listed(sharded_moe._sparse_decode(expert_out, slots, gates, 24))
+    return out
+
+
 def main(out: str) -> None:
-    json.dump({name: run_case(options) for name, options in CASES.items()}, open(out, "w"))
+    vectors: dict[str, Any] = {name: run_case(options) for name, options in CASES.items()}
+    vectors["gating"] = {name: run_gating(name) for name in GATING}
+    json.dump(vectors, open(out, "w"))
 
 
 if __name__ == "__main__":

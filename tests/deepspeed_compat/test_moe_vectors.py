@@ -2,7 +2,8 @@
 and without RTS, no-drop, RSample, Jitter, used_token, eval; top-2 with and without sampling; top-3;
 residual), two forward/backward passes each. Outputs, l_aux and gradients must agree to 1e-4 relative
 (measured: bit-identical), exp_counts exactly, and the generator must be left where DeepSpeed leaves it (the
-same random draws in the same order)."""
+same random draws in the same order). The gating functions of ``deepspeed.moe.sharded_moe`` too, called
+directly in each mode, dense and sparse: every returned tensor equal to DeepSpeed's."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.deepspeed_compat.ds_support import require_deepspeed, run_in_deepspeed
-from tests.deepspeed_compat.moe_vectors import CASES, run_case
+from tests.deepspeed_compat.moe_vectors import CASES, GATING, run_case, run_gating
 
 SCRIPT = Path(__file__).with_name("moe_vectors.py")
 
@@ -61,3 +62,16 @@ def test_moe_layer_matches_deepspeed(shim: None, deepspeed_vectors: dict, case: 
         _close(a["grads"][name], b["grads"][name], f"{case} gradient of {name}")
     _close(a["x_grad"], b["x_grad"], f"{case} input gradient")
     assert a["next_draws"] == b["next_draws"], f"{case}: the layer drew other random numbers than DeepSpeed's"
+
+
+@pytest.mark.parametrize("name", list(GATING))
+def test_gating_function_matches_deepspeed(shim: None, deepspeed_vectors: dict, name: str) -> None:
+    ours, theirs = run_gating(name), deepspeed_vectors["gating"][name]
+    assert sorted(ours) == sorted(theirs)
+    for part in ours:
+        assert len(ours[part]) == len(theirs[part]), f"{name} {part}: {len(ours[part])} values vs DeepSpeed's"
+        for i, (a, b) in enumerate(zip(ours[part], theirs[part])):
+            if isinstance(a, list):
+                _close(a, b, f"{name} {part}[{i}]")
+            else:
+                assert a == pytest.approx(b, rel=1e-5), f"{name} {part}[{i}]: {a} vs DeepSpeed's {b}"

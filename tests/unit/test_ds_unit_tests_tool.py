@@ -145,3 +145,27 @@ def test_report_lists_gaps_with_curated_or_first_line_reasons() -> None:
     partial = report.render(results, [], ["a/test_*.py", "moe/test_*.py", "comm/test_*.py", "launcher/test_*.py"])
     assert "do not cover (the overall figure above does not count them): `comm/test_*.py`, `launcher/test_*.py`." \
         in partial
+
+
+def test_report_gives_a_second_figure_without_the_implementation_internal_files() -> None:
+    """The overall line counts every judged file; the line under it leaves out the files that unit-test
+    DeepSpeed's private implementation modules (report.IMPLEMENTATION_INTERNAL), naming each with its counts."""
+    def tests(file: str, outcomes: list[str]) -> dict:
+        return {f"unit/{file}::t{i}": {"outcome": o, "why": "", "ws": [1], "seconds": 0.0}
+                for i, o in enumerate(outcomes)}
+
+    files = {"a/test_x.py": (["passed"] * 4, ["passed", "passed", "passed", "failed"]),
+             "v1/moe/test_autoep_unit.py": (["passed"] * 3, ["failed"] * 3),
+             "checkpoint/test_autotp_uc_checkpoint.py": (["passed", "skipped"], ["failed", "skipped"])}
+    results = {"meta": {}, "files": {name: {"deepspeed": {"tests": tests(name, ds)},
+                                            "deepshard": {"tests": tests(name, ours), "collect_errors": []}}
+                                     for name, (ds, ours) in files.items()}}
+    assert report.is_implementation_internal("v1/moe/test_autoep_autotp_dispatch.py")
+    assert report.is_implementation_internal("v1/moe/test_fused_expert_layout.py")
+    assert not report.is_implementation_internal("v1/moe/test_moe.py")
+    text = report.render(results, [])
+    assert "**Overall: 3 of the 8 tests that pass on DeepSpeed pass on deepshard (38%).**" in text
+    assert "**Without the implementation-internal files: 3 of the 4 tests that pass on DeepSpeed pass on " \
+           "deepshard (75%).** It leaves out 4 tests that pass on DeepSpeed, in 2 files, because" in text
+    assert "`checkpoint/test_autotp_uc_checkpoint.py` (0 of 1), `v1/moe/test_autoep_unit.py` (0 of 3)." in text
+    assert text.index("**Overall") < text.index("**Without the implementation-internal files")

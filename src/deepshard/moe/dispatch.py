@@ -23,7 +23,7 @@ from torch import Tensor
 
 from deepshard.moe.gate import Routing
 
-__all__ = ["all_to_all", "combine", "dispatch", "route_slots"]
+__all__ = ["all_to_all", "combine", "dispatch", "flat_slots", "route_slots"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -57,9 +57,14 @@ def all_to_all(group: Any, data: Tensor) -> Tensor:
 def route_slots(routing: Routing) -> Tensor:
     """``[k, S]`` flat slot index ``expert * capacity + slot`` of every route; a dropped route points at
     the spare slot ``E * capacity`` that dispatch leaves empty and combine reads as zero."""
-    spare = routing.num_experts * routing.capacity
-    flat = routing.experts * routing.capacity + routing.slots
-    return torch.where(routing.experts >= 0, flat, torch.full_like(flat, spare))
+    return flat_slots(routing.experts, routing.slots, routing.num_experts, routing.capacity)
+
+
+def flat_slots(experts: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """:func:`route_slots` from the routes' tensors: ``experts`` ``[k, S]`` (-1 for a dropped route) and
+    ``slots`` ``[k, S]``, of any integer dtype; int64 flat indices into ``[E * capacity + 1]``."""
+    flat = experts.long() * capacity + slots.long()
+    return torch.where(experts >= 0, flat, torch.full_like(flat, num_experts * capacity))
 
 
 def dispatch(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:

@@ -15,7 +15,8 @@ seeded as a DeepSpeed run routes every token as DeepSpeed does:
 * top-2: Gumbel noise ``[S, E]`` (train and eval, unless ``top2_2nd_expert_sampling`` is off) picks the
   second expert; second choices queue behind every first choice of the same expert; both weights are
   renormalised over the kept routes.
-* top-k (k > 2): no random draws; an over-full expert keeps the tokens with the largest gate values.
+* top-k (k > 2): no random draws; an over-full expert keeps the tokens with the largest gate values (or,
+  with ``drop_policy='position'``, its first tokens).
 * Jitter (training only) multiplies the gate's fp32 input by a uniform ``[S, d]`` draw in [0.99, 1.01].
 
 Capacity is per rank: ``max(ceil(S / E * capacity_factor * k'), min_capacity)`` with ``k' = 1, 2, k``.
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["NOISY_GATE_POLICIES", "Routing", "TopKGate", "capacity_for", "top1_routing", "top2_routing",
+__all__ = ["DROP_POLICIES", "NOISY_GATE_POLICIES", "Routing", "TopKGate", "capacity_for", "top1_routing", "top2_routing",
            "topk_routing"]
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -164,10 +165,19 @@ def top2_routing(logits: Tensor, capacity_factor: float, min_capacity: int, drop
                    exp_counts)
 
 
+DROP_POLICIES = ("probs", "position")
+"""How top-k routing chooses an over-full expert's tokens (DeepSpeed's ``drop_policy``): the largest gate
+values, or the first tokens in order."""
+
+
 def topk_routing(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-                 max_over_group: Optional[MaxOverGroup] = None) -> Routing:
+                 max_over_group: Optional[MaxOverGroup] = None, drop_policy: str = "probs") -> Routing:
     """Top-k routing (k > 2) of ``logits`` ``[S, E]`` (fp32): an over-full expert keeps the tokens with the
-    largest gate values (DeepSpeed's ``drop_policy='probs'``); weights renormalised over kept routes."""
+    largest gate values (``drop_policy='probs'``, the default) or its first tokens in token order
+    (``'position'``); weights renormalised over kept routes."""
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"Invalid drop_policy: {drop_policy!r}; use one of {DROP_POLICIES} ('probs' keeps an "
+                         "over-full expert's tokens with the largest gate values, 'position' its first tokens)")
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     if k > num_experts:
@@ -178,9 +188,12 @@ def topk_routing(logits: Tensor, k: int, capacity_factor: float, min_capacity: i
     l_aux = _balance_loss(gates, mask).mean() * num_experts * num_experts / k
     if drop_tokens:
         capacity = capacity_for(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        chosen_gates = torch.zeros_like(gates).scatter(1, top_experts, top_gates)
-        kept = torch.topk(chosen_gates, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
-        mask = mask & torch.zeros_like(gates, dtype=torch.bool).scatter_(0, kept, True)
+        if drop_policy == "position":
+            mask = mask & torch.lt(torch.cumsum(mask, dim=0) - 1, capacity)
+        else:
+            chosen_gates = torch.zeros_like(gates).scatter(1, top_experts, top_gates)
+            kept = torch.topk(chosen_gates, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
+            mask = mask & torch.zeros_like(gates, dtype=torch.bool).scatter_(0, kept, True)
     else:
         capacity = _no_drop_capacity(exp_counts, max_over_group)
     positions = torch.cumsum(mask, dim=0) - 1
