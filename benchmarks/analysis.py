@@ -178,14 +178,18 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             r["vs_ddp"] = ratio(r["step_time"], ddp["step_time"]) if ddp else None
             r["mem_vs_ddp"] = ratio(r["peak_rss"], ddp["peak_rss"]) if ddp else None
             alts = peers_of(r, ok)
-            if r["family"] == "deepshard" and alts:
-                best = min(alts, key=lambda a: a["step_time"])
-                r["best_alternative"], r["vs_best_alternative"] = best["engine"], r["step_time"] / best["step_time"]
+            # stage 3's target is DDP's step time too (it trades bytes for memory, not time)
+            watched = alts + [ddp] if ddp is not None and r["stage"] == 3 else alts
+            if r["family"] == "deepshard" and watched:
+                if alts:
+                    best = min(alts, key=lambda a: a["step_time"])
+                    r["best_alternative"] = best["engine"]
+                    r["vs_best_alternative"] = r["step_time"] / best["step_time"]
                 # slower outside the spread: even this row's fastest repeat is slower than the peer's slowest
-                r["slower_than"] = [a["engine"] for a in alts if spread_of(r)[0] > spread_of(a)[1]]
+                r["slower_than"] = [a["engine"] for a in watched if spread_of(r)[0] > spread_of(a)[1]]
                 # the CPU per step against each of those peers: above 1 more work, at or below 1 more waiting
                 r["cpu_vs_slower"] = {a["engine"]: ratio(r.get("cpu_time"), a.get("cpu_time"))
-                                      for a in alts if a["engine"] in r["slower_than"]}
+                                      for a in watched if a["engine"] in r["slower_than"]}
         check_losses(ok)
 
 

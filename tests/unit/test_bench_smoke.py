@@ -244,9 +244,16 @@ def test_repeats_merge_to_the_median_and_slower_rows_are_flagged() -> None:
     within = _row("deepshard-z0", "deepshard", 0, [2.3, 2.5, 2.35])  # slower median, inside DDP's spread
     outside = _row("deepshard-z1", "deepshard", 1, [3.0, 3.1, 3.2])
     ds1 = _row("deepspeed-z1", "deepspeed", 1, [2.5, 2.6, 2.9])
-    rows = [ddp, within, outside, ds1]
+    z3 = _row("deepshard-z3", "deepshard", 3, [2.5, 2.6, 2.7])  # inside FSDP2's spread, outside DDP's
+    fsdp = _row("fsdp2", "torch", 3, [2.4, 2.6, 2.8])
+    rows = [ddp, within, outside, ds1, z3, fsdp]
     analysis.add_comparisons(rows)
     assert within["slower_than"] == [] and outside["slower_than"] == ["deepspeed-z1"]
+    assert z3["slower_than"] == ["ddp"]  # stage 3's target is DDP's step time as well as its peers'
+    alone = _row("deepshard-z3", "deepshard", 3, [2.5, 2.6, 2.7])  # no stage-3 peer ran: still held to DDP
+    analysis.add_comparisons([ddp, alone])
+    assert alone["slower_than"] == ["ddp"] and "vs_best_alternative" not in alone
+    assert report.row_cells(alone)[4] == "SLOWER than ddp"
     assert "SLOWER" in report.row_cells(outside)[4] and "SLOWER" not in report.row_cells(within)[4]
     assert report.row_cells(ddp)[1] == "2,200 (2,000-2,400)"
     failed = analysis.merge_repeats([{**_row("x", "ddp", 0, [1.0])}, {"status": "error", "reason": "boom"}])
