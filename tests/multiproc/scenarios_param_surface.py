@@ -75,6 +75,10 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
                 model.head.weight.mul_(2.0)
     out["fragment_after_write"] = model.head.weight.ds_tensor.detach().clone()
     out["full_after_write"] = full_weights(engine)["head.weight"]
+    part = model.head.weight.ds_tensor  # DeepSpeed's tests set a partition's values this way
+    part.data = torch.full_like(part.data, float(rank + 1))
+    out["part_numel"] = part.numel()
+    out["full_after_data_set"] = full_weights(engine)["head.weight"]
     return out
 
 

@@ -80,6 +80,11 @@ def test_a_modifier_rank_write_reaches_every_rank_and_ds_tensor(surface: list[di
     for r in surface:
         assert torch.equal(r["full_after_write"], expected)
     assert torch.equal(torch.cat([r["fragment_after_write"] for r in surface]), expected.reshape(-1))
+    # `ds_tensor.data = t` writes this rank's part (DeepSpeed's partition is the tensor itself): every rank
+    # then gathers each rank's values in rank order
+    parts = torch.cat([torch.full((r["part_numel"],), float(i + 1)) for i, r in enumerate(surface)])
+    for r in surface:
+        assert torch.equal(r["full_after_data_set"].reshape(-1), parts.to(r["full_after_data_set"].dtype))
 
 
 def test_generation_with_hooks_off_then_training_matches_reference() -> None:
