@@ -101,10 +101,23 @@ def summarize_case(case: dict[str, Any], ranks: list[dict[str, Any]], psi: int, 
         comm_ops={op: {k: v / measured for k, v in s.items()} for op, s in ops.items()},
         formula_state=model_state_formula(stage, psi, int(case["nprocs"]), case["dtype"], keeps_grads),
         analytic_volume=analytic_volume_elements(stage, psi, int(case["nprocs"])))
+    row["cpu_time"] = busiest_cpu(ranks, warmup)
     row["state_vs_formula"] = ratio(state if state is not None else None, row["formula_state"])
     row["live_vs_formula"] = ratio(row["live_tensor_bytes"], row["formula_state"])
     row["volume_vs_analytic"] = ratio(volume_elements, row["analytic_volume"])
     return row
+
+
+def busiest_cpu(ranks: list[dict[str, Any]], warmup: int) -> float | None:
+    """CPU seconds per measured step of the busiest rank (every thread of its process), median over the
+    steps; None for results recorded without them. Beside the step time it tells work from waiting: on
+    contended cores an engine can take longer per step at the same or less CPU per step (its ranks wait
+    for a core or for each other), which no change of its computation would remove."""
+    if not all(r.get("step_cpu_times") for r in ranks):
+        return None
+    steps = range(warmup, len(ranks[0]["step_cpu_times"]))
+    busiest = [max(r["step_cpu_times"][i] for r in ranks) for i in steps]
+    return statistics.median(busiest) if busiest else None
 
 
 NOISY_SPREAD = 1.5  # slowest / fastest measured step above which a step time is marked as disturbed
@@ -126,8 +139,14 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
                repeats=len(runs), repeat_step_times=medians, spread=(min(medians), max(medians)),
                step_times=[t for r in runs for t in r["step_times"]],
                peak_rss=statistics.median(r["peak_rss"] for r in runs),
+               cpu_time=_median_or_none([r.get("cpu_time") for r in runs]),
                final_losses=[r["final_loss"] for r in runs])
     return row
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def spread_of(row: dict[str, Any]) -> tuple[float, float]:
@@ -159,11 +178,18 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             r["vs_ddp"] = ratio(r["step_time"], ddp["step_time"]) if ddp else None
             r["mem_vs_ddp"] = ratio(r["peak_rss"], ddp["peak_rss"]) if ddp else None
             alts = peers_of(r, ok)
-            if r["family"] == "deepshard" and alts:
-                best = min(alts, key=lambda a: a["step_time"])
-                r["best_alternative"], r["vs_best_alternative"] = best["engine"], r["step_time"] / best["step_time"]
+            # stage 3's target is DDP's step time too (it trades bytes for memory, not time)
+            watched = alts + [ddp] if ddp is not None and r["stage"] == 3 else alts
+            if r["family"] == "deepshard" and watched:
+                if alts:
+                    best = min(alts, key=lambda a: a["step_time"])
+                    r["best_alternative"] = best["engine"]
+                    r["vs_best_alternative"] = r["step_time"] / best["step_time"]
                 # slower outside the spread: even this row's fastest repeat is slower than the peer's slowest
-                r["slower_than"] = [a["engine"] for a in alts if spread_of(r)[0] > spread_of(a)[1]]
+                r["slower_than"] = [a["engine"] for a in watched if spread_of(r)[0] > spread_of(a)[1]]
+                # the CPU per step against each of those peers: above 1 more work, at or below 1 more waiting
+                r["cpu_vs_slower"] = {a["engine"]: ratio(r.get("cpu_time"), a.get("cpu_time"))
+                                      for a in watched if a["engine"] in r["slower_than"]}
         check_losses(ok)
 
 

@@ -227,12 +227,20 @@ def _notes(rows: list[dict[str, Any]]) -> list[str]:
     slower = [r for r in rows if r["status"] == "ok" and r.get("slower_than")]
     if slower:
         notes.append("SLOWER than a peer outside the spread (deepshard's fastest repeat slower than the peer's "
-                     "slowest): " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']} N={r['nprocs']} vs "
-                                              f"{', '.join(r['slower_than'])}" for r in slower))
+                     "slowest; in brackets deepshard's CPU per step against the peer's: at or below 1, the extra "
+                     "time is waiting for cores or peers, not work): " + ", ".join(
+                         f"{r['engine']} {r['workload']} {r['dtype']} N={r['nprocs']} vs "
+                         f"{', '.join(_with_cpu(peer, r) for peer in r['slower_than'])}" for r in slower))
     crashed = [r for r in rows if r["status"] == "error"]
     if crashed:
         notes.append("crashed: " + ", ".join(f"{r['engine']} {r['workload']} {r['dtype']}" for r in crashed))
     return notes
+
+
+def _with_cpu(peer: str, row: dict[str, Any]) -> str:
+    """``peer (CPU/step 0.95x)``, or the peer alone when either run has no CPU times."""
+    cpu = (row.get("cpu_vs_slower") or {}).get(peer)
+    return peer if cpu is None else f"{peer} (CPU/step {cpu:.2f}x)"
 
 
 def main(argv: list[str] | None = None) -> int:

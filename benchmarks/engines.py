@@ -223,6 +223,7 @@ class DeepShardRunner(Runner):
     def setup(self, model: torch.nn.Module, ctx: RunContext) -> None:
         import deepshard
 
+        self.ctx = ctx
         grad_size = 2 if ctx.bf16 else 4
         zero: dict[str, Any] = {"stage": self.spec.stage, "reduce_bucket_size": ctx.bucket_elements(grad_size)}
         if self.spec.offload:
@@ -251,6 +252,8 @@ class DeepShardRunner(Runner):
                                     "has no offloaded category")
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.ctx.bf16 and x.is_floating_point():  # inputs reach the model as given, as in DeepSpeed
+            x = x.to(torch.bfloat16)
         loss = self.engine(x, y)
         self.engine.backward(loss)
         self.engine.step()

@@ -181,6 +181,8 @@ def _train(rank: int, args: argparse.Namespace, mode: str, path: Path) -> dict[s
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.micro_batch, 16, hidden, generator=g)
     y = torch.randn(args.micro_batch, 16, hidden, generator=g)
+    if args.dtype == "bf16":  # inputs reach the model as given (as in DeepSpeed): in its dtype
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
     steps: list[dict[str, float]] = []
     peak = PeakRSS()
     for i in range(args.steps + 1):

@@ -73,7 +73,7 @@ def row_cells(r: dict[str, Any]) -> list[str]:
     state_ratio = r["state_vs_formula"] if r["model_state"] is not None else r["live_vs_formula"]
     loss = f"{r['final_loss']:.5f}" + ("" if r.get("loss_ok", True) else " MISMATCH")
     if r.get("slower_than"):
-        best_cell += " SLOWER"
+        best_cell = f"{best_cell} SLOWER" if best is not None else "SLOWER than " + ", ".join(r["slower_than"])
     return [r["engine"], step_cell(r), f"{r['throughput']:,.0f}", _num(r.get("vs_ddp")),
             best_cell,
             _mib(r["peak_rss"]), _num(r.get("mem_vs_ddp")), state_cell, _num(state_ratio), _mib(r["comm_bytes"]),

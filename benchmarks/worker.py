@@ -31,17 +31,19 @@ def _train(runner: Any, case: dict[str, Any], workload: Any, rank: int, world_si
     peak.reset()
     warmup, steps, seed = int(case["warmup"]), int(case["steps"]), int(case["seed"])
     times: list[float] = []
+    cpu: list[float] = []  # CPU seconds of the whole process (every thread: compute, gloo's) per step
     losses: list[float] = []
     for step in range(warmup + steps):
         x, y = workload.batch(seed, step, rank, world_size)
         if step == warmup:
             runner.comm_reset()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(runner.step(x, y))
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     comm = runner.comm_ops()
-    return {"step_times": times, "losses": losses, "comm_ops": comm, "peak_rss": peak.peak(),
+    return {"step_times": times, "step_cpu_times": cpu, "losses": losses, "comm_ops": comm, "peak_rss": peak.peak(),
             "peak_method": peak.method, "rss_end": current_rss(), "live_tensor_bytes": live_tensor_bytes(),
             "model_state": runner.model_state()}
 

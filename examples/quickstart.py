@@ -15,7 +15,8 @@ engine, optimizer, _, lr_scheduler = deepspeed.initialize(
 
 for step in range(100):
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), 32, device=engine.device)
-    loss = torch.nn.functional.mse_loss(engine(x).float(), x.sum(dim=1, keepdim=True))
+    # inputs reach the model as given (as in DeepSpeed): cast them to its dtype, bf16 in this config
+    loss = torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), x.sum(dim=1, keepdim=True))
     engine.backward(loss)
     engine.step()
     if engine.global_rank == 0 and step % 20 == 0:

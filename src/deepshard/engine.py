@@ -399,9 +399,9 @@ class DeepShardEngine(EngineCoalescing, EngineCore):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.tools.on_forward(self, inputs, kwargs)
         with self.tools.time("forward"):
-            inputs = self.precision.cast_inputs(inputs)
-            kwargs = self.precision.cast_inputs(kwargs)
-            with explain_sharded_parameter_errors(self.strategy.capabilities.partitioned_parameters):
+            inputs = self.precision.cast_inputs(inputs)  # DeepSpeed's rule: fp16.auto_cast only, positional only
+            with explain_sharded_parameter_errors(self.strategy.capabilities.partitioned_parameters), \
+                    self.precision.forward_errors((inputs, kwargs)):
                 return self.module(*inputs, **kwargs)
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:

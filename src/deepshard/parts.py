@@ -92,7 +92,7 @@ def precision_policy(cfg: DeepShardConfig) -> PrecisionPolicy:
     comm_dtype = dtype_from_name(cfg.communication_data_type) if cfg.communication_data_type else None
     buffer_dtype = dtype_from_name(cfg.data_types.buffer_dtype) if cfg.data_types.buffer_dtype else None
     return PrecisionPolicy(param_dtype=param_dtype, master_dtype=torch.float32, comm_dtype=comm_dtype,
-                           buffer_dtype=buffer_dtype)
+                           buffer_dtype=buffer_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
 
 
 def build_client_optimizer(model: torch.nn.Module, cfg: DeepShardConfig, optimizer: OptimizerArg,

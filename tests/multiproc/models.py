@@ -54,6 +54,14 @@ def micro_slice(batch: tuple[torch.Tensor, torch.Tensor], micro: int, micro_step
     return x[start:start + micro].to(device), y[start:start + micro].to(device)
 
 
+def model_inputs(engine: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``inputs`` with the floating-point ones cast to the dtype the engine's model computes in
+    (``engine.get_data_types()[0]``), as a DeepSpeed user casts them for a bf16 / fp16 model: the engine, like
+    DeepSpeed's, passes inputs to the model unchanged. Integer tensors (labels, token ids) stay as they are."""
+    dtype = engine.get_data_types()[0]
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+
+
 def optimizer_config(lr: float = 1e-2) -> dict[str, Any]:
     return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}
 

@@ -72,6 +72,7 @@ def workload(name: str, save_dir: str) -> Callable[[], None]:
 
 def _train(name: str, save_dir: str) -> None:
     import deepshard
+    from tests.multiproc.models import model_inputs
 
     extra = dict(WORKLOADS[name])
     kind = extra.pop("model", "tiny")
@@ -91,7 +92,7 @@ def _train(name: str, save_dir: str) -> None:
         batch = _batch(kind, step, 2 * gas * dp)
         for k in range(gas):
             rows = slice((k * dp + dp_rank) * 2, (k * dp + dp_rank) * 2 + 2)
-            engine.backward(engine(*(t[rows] for t in batch)))
+            engine.backward(engine(*model_inputs(engine, *(t[rows] for t in batch))))
             engine.step()
     engine.save_checkpoint(save_dir, tag="end")
 

@@ -79,7 +79,7 @@ def buffers(rank: int) -> dict[str, Any]:
             config["data_types"] = {"buffer_dtype": buffer_dtype}
         engine, *_ = deepshard.initialize(model=model, config=config)
         with torch.no_grad():
-            got = float(engine(x))
+            got = float(engine(x.to(torch.bfloat16)))  # inputs reach the model as given, as in DeepSpeed
             want = float(reference(x.to(torch.bfloat16)))
         out[(stage, buffer_dtype)] = {
             "dtypes": {n: str(b.dtype) for n, b in engine.module.named_buffers()},

@@ -12,6 +12,7 @@ import deepshard
 from deepshard.config import load_config
 from deepshard.profiling.memory_estimator import estimate_run_memory
 from deepshard.profiling.memory_tracker import TensorMemoryTracker
+from tests.multiproc.models import model_inputs
 
 MICRO, D_IN, CLASSES = 32, 32, 10
 
@@ -48,11 +49,11 @@ def measure_one(rank: int, world: int, stage: int, bf16: bool, ckpt: bool) -> di
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(MICRO, D_IN, generator=g), torch.randint(0, CLASSES, (MICRO,), generator=g)
     for _ in range(1):  # optimizer state exists from the first step on
-        engine.backward(engine(x, y))
+        engine.backward(engine(*model_inputs(engine, x, y)))
         engine.step()
     report = engine.memory_report()
     with TensorMemoryTracker("cpu") as tracker:
-        engine.backward(engine(x, y))
+        engine.backward(engine(*model_inputs(engine, x, y)))
         engine.step()
     engine.destroy()
     estimate = estimate_run_memory(MemNet(ckpt), load_config(cfg, dp_world_size=world), (x, y), world)

@@ -23,8 +23,8 @@ def _status(p: torch.nn.Parameter) -> str:
 
 
 def surface_world(rank: int, world: int) -> dict[str, Any]:
-    """The attributes after initialize, all_gather / partition, status inside a forward, ds_tensor after
-    a write-back by GatheredParameters."""
+    """The attributes after initialize, tensors taken inside GatheredParameters read after it, all_gather /
+    partition, status inside a forward, ds_tensor after a write-back by GatheredParameters."""
     cfg = z3_config(8 // world, 1, stage3_param_persistence_threshold=NORM_NUMEL)
     engine, *_ = deepshard.initialize(model=make_transformer(), config=cfg)
     model = engine.module
@@ -36,6 +36,12 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
         "numel": {n: (p.ds_numel, tuple(p.ds_shape), tuple(p.shape)) for n, p in model.named_parameters()},
         "fragments": {n: p.ds_tensor.detach().clone() for n, p in model.named_parameters()},
     }
+    with deepshard.zero.GatheredParameters(list(model.parameters())):  # what DeepSpeed's TestZeroToFP32 keeps:
+        kept = {n: p.detach().cpu() for n, p in model.named_parameters()}  # on a CPU, the parameter's storage
+        state = model.state_dict()
+    out["kept"] = {n: t.clone() for n, t in kept.items()}  # read after the release
+    out["kept_state"] = {k: v.clone() for k, v in state.items()}
+    out["status_after_kept"] = {n: _status(p) for n, p in model.named_parameters()}
     per_module = deepshard.initialize(model=make_transformer(), config=z3_config(  # DeepSpeed's groups: one a module
         8 // world, 1, stage3_param_persistence_threshold=NORM_NUMEL, stage3_min_gather_size=0))[0]
     out["persist_per_module"] = {n: p.ds_persist for n, p in per_module.module.named_parameters()}
@@ -69,6 +75,10 @@ def surface_world(rank: int, world: int) -> dict[str, Any]:
                 model.head.weight.mul_(2.0)
     out["fragment_after_write"] = model.head.weight.ds_tensor.detach().clone()
     out["full_after_write"] = full_weights(engine)["head.weight"]
+    part = model.head.weight.ds_tensor  # DeepSpeed's tests set a partition's values this way
+    part.data = torch.full_like(part.data, float(rank + 1))
+    out["part_numel"] = part.numel()
+    out["full_after_data_set"] = full_weights(engine)["head.weight"]
     return out
 
 

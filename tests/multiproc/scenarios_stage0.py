@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import deepshard
 from tests.multiproc.device import rank_device
-from tests.multiproc.models import make_batches, make_model, micro_slice, optimizer_config, sgd_config
+from tests.multiproc.models import make_batches, make_model, micro_slice, model_inputs, optimizer_config, sgd_config
 
 
 def train(rank: int, world: int, micro: int, gas: int, steps: int, *, dtype: str = "fp32", clip: float = 0.5,
@@ -48,7 +48,7 @@ def run_steps(engine: Any, batches: list, micro: int, gas: int, rank: int, world
         total = torch.zeros(1, device=rank_device())  # the CPU unless the suite runs with --device cuda
         for k in range(gas):
             x, y = micro_slice(batch, micro, k, rank, world)
-            loss = engine(x, y)
+            loss = engine(*model_inputs(engine, x, y))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -123,7 +123,7 @@ def overflow_world(rank: int, world: int) -> dict[str, Any]:
     for step, batch in enumerate(batches):
         before = {k: v.clone() for k, v in full_weights(engine).items()}
         x, y = micro_slice(batch, 2, 0, rank, world)
-        loss = engine(x, y)
+        loss = engine(*model_inputs(engine, x, y))
         if step == 2 and rank == world - 1:
             loss = loss * float("inf")
         engine.backward(loss)

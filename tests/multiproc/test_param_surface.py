@@ -48,6 +48,16 @@ def test_status_shape_and_persistence_after_initialize(surface: list[dict[str, A
         assert shape == (tuple(ref[name].shape) if persistent else (0,)), name
 
 
+def test_tensors_taken_inside_gathered_parameters_keep_their_values(surface: list[dict[str, Any]]) -> None:
+    """The release at the context's exit lets go of the gathered values instead of freeing them in place (as
+    DeepSpeed swaps param.data for an empty tensor), so what the user took inside stays whole."""
+    for r in surface:
+        for name, value in make_transformer().named_parameters():
+            assert torch.equal(r["kept"][name], value.detach()), name
+            assert torch.equal(r["kept_state"][name], value.detach()), name
+        assert r["status_after_kept"] == r["status"]  # released again: as right after initialize
+
+
 def test_ds_tensor_parts_in_rank_order_are_the_parameter(surface: list[dict[str, Any]]) -> None:
     for name, value in make_transformer().named_parameters():
         parts = [r["fragments"][name] for r in surface]
@@ -70,6 +80,11 @@ def test_a_modifier_rank_write_reaches_every_rank_and_ds_tensor(surface: list[di
     for r in surface:
         assert torch.equal(r["full_after_write"], expected)
     assert torch.equal(torch.cat([r["fragment_after_write"] for r in surface]), expected.reshape(-1))
+    # `ds_tensor.data = t` writes this rank's part (DeepSpeed's partition is the tensor itself): every rank
+    # then gathers each rank's values in rank order
+    parts = torch.cat([torch.full((r["part_numel"],), float(i + 1)) for i, r in enumerate(surface)])
+    for r in surface:
+        assert torch.equal(r["full_after_data_set"].reshape(-1), parts.to(r["full_after_data_set"].dtype))
 
 
 def test_generation_with_hooks_off_then_training_matches_reference() -> None:

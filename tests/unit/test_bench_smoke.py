@@ -57,11 +57,17 @@ def test_rank_slices_make_the_global_batch() -> None:
 
 
 def _ranks(times: list[list[float]], losses: list[list[float]], volume: int, state: dict | None = None,
-           peak: int = 1000) -> list[dict]:
+           peak: int = 1000, cpu: float | None = None) -> list[dict]:
+    """Per-rank results; ``cpu``: every step's CPU seconds are this fraction of its wall time (rank 1 a
+    tenth below rank 0), left out when None (results recorded before CPU times were)."""
     ops = {"all_reduce": {"calls": 2, "elements": volume, "bytes": 4 * volume, "volume_elements": volume,
                           "volume_bytes": 4 * volume}}
-    return [{"status": "ok", "step_times": t, "losses": loss, "comm_ops": ops, "peak_rss": peak, "rss_base": 100,
-             "live_tensor_bytes": 16 * PSI, "model_state": state} for t, loss in zip(times, losses)]
+    ranks = [{"status": "ok", "step_times": t, "losses": loss, "comm_ops": ops, "peak_rss": peak, "rss_base": 100,
+              "live_tensor_bytes": 16 * PSI, "model_state": state} for t, loss in zip(times, losses)]
+    if cpu is not None:
+        for k, r in enumerate(ranks):
+            r["step_cpu_times"] = [t * cpu * (1 - 0.1 * k) for t in r["step_times"]]
+    return ranks
 
 
 def _case(engine: str) -> dict:
@@ -224,9 +230,9 @@ def test_chart_draws_the_spread_of_the_timed_steps(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _row(engine: str, family: str, stage: int, medians: list[float]) -> dict:
+def _row(engine: str, family: str, stage: int, medians: list[float], cpu: float | None = None) -> dict:
     runs = [analysis.summarize_case(_case(engine), _ranks([[9, m, m * 1.1, m * 0.9]] * 2, [[4, 3, 2, 1]] * 2,
-                                                          3 * 2 * PSI, peak=100 + i), PSI, 64, family, stage)
+                                                          3 * 2 * PSI, peak=100 + i, cpu=cpu), PSI, 64, family, stage)
             for i, m in enumerate(medians)]
     return analysis.merge_repeats(runs)
 
@@ -238,13 +244,38 @@ def test_repeats_merge_to_the_median_and_slower_rows_are_flagged() -> None:
     within = _row("deepshard-z0", "deepshard", 0, [2.3, 2.5, 2.35])  # slower median, inside DDP's spread
     outside = _row("deepshard-z1", "deepshard", 1, [3.0, 3.1, 3.2])
     ds1 = _row("deepspeed-z1", "deepspeed", 1, [2.5, 2.6, 2.9])
-    rows = [ddp, within, outside, ds1]
+    z3 = _row("deepshard-z3", "deepshard", 3, [2.5, 2.6, 2.7])  # inside FSDP2's spread, outside DDP's
+    fsdp = _row("fsdp2", "torch", 3, [2.4, 2.6, 2.8])
+    rows = [ddp, within, outside, ds1, z3, fsdp]
     analysis.add_comparisons(rows)
     assert within["slower_than"] == [] and outside["slower_than"] == ["deepspeed-z1"]
+    assert z3["slower_than"] == ["ddp"]  # stage 3's target is DDP's step time as well as its peers'
+    alone = _row("deepshard-z3", "deepshard", 3, [2.5, 2.6, 2.7])  # no stage-3 peer ran: still held to DDP
+    analysis.add_comparisons([ddp, alone])
+    assert alone["slower_than"] == ["ddp"] and "vs_best_alternative" not in alone
+    assert report.row_cells(alone)[4] == "SLOWER than ddp"
     assert "SLOWER" in report.row_cells(outside)[4] and "SLOWER" not in report.row_cells(within)[4]
     assert report.row_cells(ddp)[1] == "2,200 (2,000-2,400)"
     failed = analysis.merge_repeats([{**_row("x", "ddp", 0, [1.0])}, {"status": "error", "reason": "boom"}])
     assert failed["status"] == "error"
+    assert outside["cpu_vs_slower"] == {"deepspeed-z1": None}  # no CPU times recorded: no ratio
+
+
+def test_cpu_per_step_tells_work_from_waiting() -> None:
+    from benchmarks.bench import _notes
+
+    # CPU per step = the busiest rank's (rank 0 here), median over the measured steps, then over the repeats
+    ddp = _row("ddp", "ddp", 0, [2.0, 2.4, 2.2], cpu=0.5)
+    assert ddp["cpu_time"] == pytest.approx(0.5 * 2.2)
+    waits = _row("deepshard-z0", "deepshard", 0, [3.0, 3.1, 3.2], cpu=0.3)  # slower, less CPU: it waited
+    works = _row("deepshard-z1", "deepshard", 1, [3.0, 3.1, 3.2], cpu=0.8)
+    ds1 = _row("deepspeed-z1", "deepspeed", 1, [2.5, 2.6, 2.9], cpu=0.5)
+    analysis.add_comparisons([ddp, waits, works, ds1])
+    assert waits["cpu_vs_slower"]["ddp"] == pytest.approx(0.3 * 3.1 / (0.5 * 2.2))
+    assert works["cpu_vs_slower"]["deepspeed-z1"] == pytest.approx(0.8 * 3.1 / (0.5 * 2.6))
+    note = next(n for n in _notes([ddp, waits, works, ds1]) if n.startswith("SLOWER"))
+    assert "deepshard-z0 mlp fp32 N=2 vs ddp (CPU/step 0.85x)" in note
+    assert "deepshard-z1 mlp fp32 N=2 vs deepspeed-z1 (CPU/step 1.91x)" in note
 
 
 def test_merge_takes_only_the_groups_this_run_did_not_measure() -> None:

@@ -64,7 +64,7 @@ def test_ignored_sections_warn_naming_their_keys(warned: list[str]) -> None:
     _load(activation_checkpointing={"partition_activations": True, "number_checkpoints": 2},
           comet={"enabled": True}, checkpoint={"use_node_local_storage": True, "load_universal": True,
                                                "tag_validation": "fail"},
-          data_types={"grad_accum_dtype": "fp32"}, bf16={"enabled": True})
+          data_types={"grad_accum_dtype": "fp32"}, bf16={"enabled": True}, fp16={"auto_cast": True})
     text = "\n".join(warned)
     assert "activation_checkpointing.partition_activations, activation_checkpointing.number_checkpoints" in text
     assert "comet.enabled: ignored" in text
@@ -72,7 +72,8 @@ def test_ignored_sections_warn_naming_their_keys(warned: list[str]) -> None:
     assert "tag_validation" not in text  # acted on: ranks passing different tags to save_checkpoint fail
     assert "checkpoint.load_universal: ignored" in text
     assert "data_types.grad_accum_dtype: ignored" in text and "gradient_accumulation_steps 1" in text
-    assert len(warned) == 5
+    assert "fp16.auto_cast: ignored" in text and "only in fp16 training" in text  # DeepSpeed casts to fp16 anyway
+    assert len(warned) == 6
 
 
 def test_null_batch_key_warns_with_the_derived_value(warned: list[str]) -> None:

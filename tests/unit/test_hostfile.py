@@ -152,7 +152,7 @@ def test_build_rank_command_variants() -> None:
         ["py", "-u", "-m", "pkg.train", "--local_rank=0"]
     assert build_rank_command("./run.sh", ["x"], 1, no_python=True, no_local_rank=True) == ["./run.sh", "x"]
     with pytest.raises(ValueError, match="--module and --no_python"):
-        build_rank_command("m", [], 0, module=True, no_python=True)
+        _plan(["--module", "--no_python", "m"])
 
 
 def test_core_list_split_and_omp_threads() -> None:

@@ -19,8 +19,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from deepshard.launcher.board import JobBoard, JobFailure
-from deepshard.launcher.board import JobLink, format_job_failure
+from deepshard.launcher.board import JobBoard, JobFailure, format_job_failure
+from deepshard.launcher.cli import parse_args, plan_launch
 from deepshard.launcher.local import TORCH_SETS
 from deepshard.launcher.node import NodeJob, node_agent_job
 from deepshard.launcher.options import LaunchError
@@ -248,8 +248,8 @@ def test_node_job_hosts_and_validation() -> None:
     assert (job.host, job.hosts) == ("node-b", HOSTS)
     with pytest.raises(LaunchError, match="--node_rank 3 is out of range.*0..2"):
         _job(3)
-    with pytest.raises(LaunchError, match="--max_restarts -1"):
-        _job(0, max_restarts=-1)
+    with pytest.raises(LaunchError, match="--max_restarts -1 must be >= 0"):
+        plan_launch(parse_args(["--max_restarts", "-1", "t.py"]), {}, None, None, [0], {"localhost"})
     assert _job(0).fingerprint() == _job(2).fingerprint() != _job(0, max_restarts=1).fingerprint()
 
 
@@ -293,16 +293,10 @@ def test_rank_shim_binds_sets_runs_reports_and_refuses_an_unguarded_start(tmp_pa
     assert subprocess.run([python, *unguarded], env=env, timeout=30).returncode == 1
 
 
-def _link(board: JobBoard) -> JobLink:
-    link = JobLink(board, {})
-    link.stopped.set()  # no heartbeat thread left behind
-    return link
-
-
 def test_agent_check_decisions() -> None:
     clock = Clock()
     node0, node1, node2 = _boards(clock=clock)
-    link0 = _link(node0)
+    link0 = node0
     assert link0.check(0, force=True) is None
     node1.beat()
     node2.beat()
@@ -314,7 +308,7 @@ def test_agent_check_decisions() -> None:
     assert "sent no heartbeat for 10 s" in lost.what and node1.abort() == lost and link0.lost == [2]
 
     boards = _boards()
-    link1 = _link(boards[1])
+    link1 = boards[1]
     assert link1.check(0, force=True) is None
     boards[2].publish_failure(0, FAIL)
     assert link1.check(0, force=True) == FAIL
@@ -330,11 +324,11 @@ def test_agent_check_decisions() -> None:
 def test_local_rank_failure_becomes_the_job_failure_first_one_wins() -> None:
     node0, node1, _ = _boards()
     stream = RankStream(3, 1, tail=bytearray(b"bye"), returncode=-9, pid=77)
-    failure = _link(node1).publish_rank_failure(0, stream)
+    failure = node1.publish_rank_failure(0, stream)
     assert failure.headline() == "rank 3 (local rank 1, pid 77) on host node-b (node 1) exited with signal SIGKILL"
     assert (failure.exit_code, failure.rank, failure.tail, failure.restartable) == (1, 3, "bye", True)
     later = RankStream(0, 0, returncode=1, pid=5)
-    assert _link(node0).publish_rank_failure(0, later) == failure
+    assert node0.publish_rank_failure(0, later) == failure
 
 
 

@@ -79,6 +79,10 @@ def ignored(cfg: Any) -> list[tuple[str, str]]:
     if accum is not None and dtype_from_name(accum) != cfg.model_dtype and cfg.gradient_accumulation_steps == 1:
         out.append(("data_types.grad_accum_dtype", "gradients are accumulated in the training dtype, which makes "
                     "no difference with gradient_accumulation_steps 1"))
+    if cfg.fp16.auto_cast and not cfg.fp16.enabled:
+        out.append(("fp16.auto_cast", "it casts the inputs to fp16 only in fp16 training (DeepSpeed would cast them "
+                    f"to fp16 for this {cfg.model_dtype} model too, which then refuses them); cast the inputs "
+                    "yourself or remove the key"))
     if cfg.checkpoint.load_universal:
         out.append(("checkpoint.load_universal", "deepshard checkpoints load on any number of processes as they "
                     "are; DeepSpeed universal-checkpoint folders are not read"))

@@ -1,8 +1,3 @@
 """The ``deepshard`` launcher: DeepSpeed's command line and hostfile, each node's ranks under torch's elastic agent
 (:mod:`.agent`), the nodes meeting in torch's c10d rendezvous (:mod:`.rendezvous`), and the fan-out over ssh, pdsh,
 ``--no_ssh``, MPI and Slurm (:mod:`.multinode`)."""
-from deepshard.launcher.hostfile import (decode_world_info, encode_world_info, parse_hostfile,
-                                         parse_node_spec, read_hostfile, resolve_resources)
-
-__all__ = ["decode_world_info", "encode_world_info", "parse_hostfile", "parse_node_spec",
-           "read_hostfile", "resolve_resources"]

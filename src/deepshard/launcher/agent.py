@@ -17,7 +17,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from deepshard.launcher.board import JobFailure, JobLink, StoreLost
+from deepshard.launcher.board import JobBoard, JobFailure, StoreLost
 from deepshard.launcher.local import AgentJob
 from deepshard.launcher.options import LaunchError
 from deepshard.launcher.output import FALLOUT_HOLD_S, Output, exit_status, signal_group
@@ -47,7 +47,7 @@ class JobWatch:
     (it holds the other ranks' output and stops them at once), the job board of a multi-node job (``link``),
     signals, and the report of every attempt."""
 
-    def __init__(self, job: AgentJob, streams: RankStreams, link: JobLink | None = None,
+    def __init__(self, job: AgentJob, streams: RankStreams, link: JobBoard | None = None,
                  on_started: Callable[[list[int]], None] | None = None) -> None:
         self.job, self.streams, self.link, self.on_started = job, streams, link, on_started
         self.attempt = self.restart_count = -1
@@ -213,14 +213,14 @@ class JobWatch:
             self.first = self.streams.mark_exited(failure.local_rank, failure.exitcode)
 
 
-def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
-              on_started: Callable[[list[int]], None] | None = None, python: str = sys.executable) -> int:
+def run_agent(job: AgentJob, rdzv: JobRendezvous, on_started: Callable[[list[int]], None] | None = None,
+              python: str = sys.executable) -> int:
     """Run this node's part of the job under torch's agent; returns the exit status (0, the failing rank's exit
     code, 1 for a rank killed by a signal or a lost node, 128+N for signal N, 2 for mismatched nodes)."""
     level = logging.DEBUG if logger.isEnabledFor(logging.DEBUG) else logging.CRITICAL
     logging.getLogger("torch.distributed.elastic").setLevel(level)  # deepshard reports starts and stops
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(s.name for s in HANDLED_SIGNALS))  # as torchrun
-    streams = RankStreams(Output(), job.log_dir)
+    streams, link = RankStreams(Output(), job.log_dir), rdzv.board
     watch = JobWatch(job, streams, link, on_started)
     streams.on_attempt, rdzv.hooks = watch.begin, watch
     entrypoint, args = shim_argv(job.argv, os.getpid(), job.cores, job.rank_env, "OMP_NUM_THREADS" in job.user_env,
@@ -256,7 +256,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
             "no rank was running"
         code = say(f"received {exc.sigval.name}; {told}", 128 + exc.sigval)
         if link is not None:
-            link.abort(f"received {exc.sigval.name}", code)
+            link.stop_job(f"received {exc.sigval.name}", code)
         return code
     except JobStopped as exc:
         return exc.failure.exit_code
@@ -275,7 +275,7 @@ def run_agent(job: AgentJob, rdzv: JobRendezvous, link: JobLink | None = None,
         watch.restore_signal_handlers()
 
 
-def _close(rdzv: JobRendezvous, link: JobLink | None, shut: bool) -> None:
+def _close(rdzv: JobRendezvous, link: JobBoard | None, shut: bool) -> None:
     """Close the rendezvous (``shut``) and leave the job board; node 0 last, its store goes with it."""
     if link is not None and link.node_rank == 0:
         link.close()

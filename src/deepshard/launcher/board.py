@@ -2,9 +2,8 @@
 serves it on ``master_port``) that say what torch's agents do not tell one another: which rank failed first in an
 attempt (with its last output), that the job was stopped, and whether every node's agent is still alive while its
 ranks run (torch's rendezvous checks liveness only while the nodes gather, and offers no public way to ask it
-later: so each agent counts a heartbeat here). :class:`JobBoard` is the keys; :class:`JobLink` one agent's use of
-them: it publishes and sees failures, names a silent node, stops the job on a signal or when the ssh launcher goes
-away, and prints the job's report."""
+later: so each agent counts a heartbeat here). Each agent publishes and sees failures there, names a silent node,
+stops the job on a signal or when the ssh launcher goes away, and prints the job's report."""
 from __future__ import annotations
 
 import json
@@ -12,11 +11,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deepshard.launcher.options import env_seconds
 from deepshard.launcher.output import exit_status
 from deepshard.launcher.rank_streams import RankStream
 from deepshard.launcher.report import failure_text
@@ -66,15 +64,44 @@ def format_job_failure(failure: JobFailure, full: bool) -> str:
                         failure.tail, full=full and failure.kind == "rank")
 
 
+def _watch_stdin() -> threading.Event:
+    """The ssh launcher holds the agent's stdin open: the event is set at end-of-file (the launcher went away)."""
+    closed = threading.Event()
+
+    def run() -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        closed.set()
+
+    threading.Thread(target=run, name="deepshard-stdin", daemon=True).start()
+    return closed
+
+
 class JobBoard:
-    """One node agent's view of the board (``store``: any c10d ``Store``; tests pass a ``HashStore``).
-    ``clock`` is injectable so the liveness check can be tested without sleeping."""
+    """One node agent's use of the board (``store``: any c10d ``Store``; tests pass a ``HashStore``, and a ``clock``
+    to test the liveness check without sleeping). ``stdin_close``: stop the job when the ssh launcher goes away;
+    ``report_on_node0``: every node's output reaches one terminal (see :meth:`report`)."""
 
     def __init__(self, store: Any, node_rank: int, hosts: Sequence[str],
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.store, self.node_rank, self.hosts = store, node_rank, list(hosts)
-        self.heartbeat_timeout_s, self._clock = heartbeat_timeout_s, clock
-        self._seen: dict[int, tuple[int, float]] = {}
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, stdin_close: bool = False,
+                 report_on_node0: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.node_rank, self.hosts, self._clock = store, node_rank, list(hosts), clock
+        self.heartbeat_timeout_s, self.report_on_node0 = heartbeat_timeout_s, report_on_node0
+        self.stdin_closed = _watch_stdin() if stdin_close else None
+        self.stopped = threading.Event()  # set: the heartbeat ends
+        self.heartbeat_lost: str | None = None  # the store's error, once it stopped answering a heartbeat
+        self.lost: list[int] = []
+        self.seen: JobFailure | None = None
+        self.mine: JobFailure | None = None  # this node's own rank failure, until reported
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._next_check = 0.0
+
+    @property
+    def host(self) -> str:
+        return self.hosts[self.node_rank]
 
     def _call(self, op: str, *args: Any) -> Any:
         """``store.op(*args)``; the store's errors (``DistError`` and its kin are ``RuntimeError``) as ``StoreLost``."""
@@ -94,7 +121,6 @@ class JobBoard:
         self._call("set", f"node/{self.node_rank}", fingerprint)
 
     def missing(self) -> list[int]:
-        """The node ranks that never registered."""
         return [n for n in range(len(self.hosts)) if not self._call("check", [f"node/{n}"])]
 
     def check_job(self) -> str | None:
@@ -136,17 +162,31 @@ class JobBoard:
     def beat(self) -> None:
         self._call("add", f"alive/{self.node_rank}", 1)
 
+    def start_heartbeat(self) -> None:
+        """Every node but 0 counts a heartbeat every :data:`HEARTBEAT_INTERVAL_S` (node 0 watches them)."""
+        if self.node_rank != 0:
+            threading.Thread(target=self._beat, name="deepshard-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.beat()
+            except StoreLost as exc:
+                self.heartbeat_lost = None if self.stopped.is_set() else str(exc)
+                return
+            self.stopped.wait(HEARTBEAT_INTERVAL_S)
+
     def lost_nodes(self) -> list[int]:
         """Nodes (not this one) whose heartbeat count has not moved for ``heartbeat_timeout_s`` on this agent's
-        clock; a node that never beat is not counted (it has not started its ranks)."""
+        clock; a node that never beat is not counted (it has not started yet)."""
         now, lost = self._clock(), []
         for node in range(len(self.hosts)):
             count = 0 if node == self.node_rank else int(self._call("add", f"alive/{node}", 0))
-            seen = self._seen.get(node)
+            seen = self._beats.get(node)
             if count == 0:
                 continue
             if seen is None or seen[0] != count:
-                self._seen[node] = (count, now)
+                self._beats[node] = (count, now)
             elif now - seen[1] > self.heartbeat_timeout_s:
                 lost.append(node)
         return lost
@@ -165,55 +205,6 @@ class JobBoard:
                 return waiting
             time.sleep(poll_s)
 
-
-def _watch_stdin() -> threading.Event:
-    """The ssh launcher holds the agent's stdin open: the event is set at end-of-file (the launcher went away)."""
-    closed = threading.Event()
-
-    def run() -> None:
-        try:
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        closed.set()
-
-    threading.Thread(target=run, name="deepshard-stdin", daemon=True).start()
-    return closed
-
-
-class JobLink:
-    """One node agent's link to the rest of the job (``board``: the node's view of the job board)."""
-
-    def __init__(self, board: JobBoard, environ: Mapping[str, str], stdin_close: bool = False,
-                 report_on_node0: bool = False) -> None:
-        self.board, self.node_rank, self.hosts = board, board.node_rank, board.hosts
-        board.heartbeat_timeout_s = env_seconds(environ, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
-        self.report_on_node0 = report_on_node0
-        self.stdin_closed = _watch_stdin() if stdin_close else None
-        self.stopped = threading.Event()  # set: the heartbeat ends
-        self.heartbeat_lost: str | None = None  # the store's error, once it stopped answering a heartbeat
-        if self.node_rank != 0:
-            threading.Thread(target=self._beat, name="deepshard-heartbeat", daemon=True).start()
-        self.lost: list[int] = []
-        self.seen: JobFailure | None = None
-        self.mine: JobFailure | None = None  # this node's own rank failure, until reported
-        self._next_check = 0.0
-
-    @property
-    def host(self) -> str:
-        return self.hosts[self.node_rank]
-
-    def _beat(self) -> None:
-        """Every node but 0 counts a heartbeat on the board every :data:`HEARTBEAT_INTERVAL_S` (node 0 watches)."""
-        while not self.stopped.is_set():
-            try:
-                self.board.beat()
-            except StoreLost as exc:
-                self.heartbeat_lost = None if self.stopped.is_set() else str(exc)
-                return
-            self.stopped.wait(HEARTBEAT_INTERVAL_S)
-
     def new_attempt(self) -> None:
         """What an ended attempt saw does not stop the next one."""
         self.seen, self.mine = None, None
@@ -224,14 +215,14 @@ class JobLink:
 
     def _abort_with(self, failure: JobFailure) -> JobFailure:
         try:
-            return self.board.publish_abort(failure)
+            return self.publish_abort(failure)
         except StoreLost:
             return failure
 
     def _lost_node(self, node: int, extra: str = "") -> JobFailure:
         return self._abort_with(JobFailure(
             "lost", node, self.hosts[node], "the node agent",
-            f"sent no heartbeat for {self.board.heartbeat_timeout_s:.0f} s (killed, or its machine is unreachable)"
+            f"sent no heartbeat for {self.heartbeat_timeout_s:.0f} s (killed, or its machine is unreachable)"
             + extra, 1, restartable=False))
 
     def check(self, attempt: int, force: bool = False) -> JobFailure | None:
@@ -247,9 +238,9 @@ class JobLink:
             self.seen = self.store_lost(self.heartbeat_lost)
         else:
             try:
-                self.seen = self.board.abort() or self.board.failure(attempt)
+                self.seen = self.abort() or self.failure(attempt)
                 if self.seen is None and self.node_rank == 0:
-                    self.lost = self.board.lost_nodes()
+                    self.lost = self.lost_nodes()
                     self.seen = self._lost_node(self.lost[0]) if self.lost else None
             except StoreLost as exc:
                 self.seen = self.store_lost(str(exc))
@@ -260,7 +251,7 @@ class JobLink:
         mine = JobFailure("rank", self.node_rank, self.host, stream.who, f"exited with {stream.exit}",
                           exit_status(stream.returncode), rank=stream.rank, tail=stream.text())
         try:
-            self.seen, self.mine = self.board.publish_failure(attempt, mine), mine
+            self.seen, self.mine = self.publish_failure(attempt, mine), mine
         except StoreLost as exc:
             self.seen = self.store_lost(str(exc))
         return self.seen
@@ -269,10 +260,10 @@ class JobLink:
         """Node 0: a rank that only lost its connection to a node that vanished is not the cause; that node is."""
         if self.node_rank != 0 or failure.kind != "rank" or not any(m in failure.tail.lower() for m in _PEER_GONE):
             return failure
-        deadline = time.monotonic() + self.board.heartbeat_timeout_s + 2 * CHECK_INTERVAL_S + 1.0
+        deadline = time.monotonic() + self.heartbeat_timeout_s + 2 * CHECK_INTERVAL_S + 1.0
         try:
             while time.monotonic() < deadline:
-                self.lost = self.board.lost_nodes()
+                self.lost = self.lost_nodes()
                 if self.lost:
                     return self._lost_node(self.lost[0], f"; {failure.who} on host {failure.host} then lost its "
                                                          "connection to that node's ranks")
@@ -281,7 +272,7 @@ class JobLink:
             pass
         return failure
 
-    def abort(self, what: str, code: int) -> None:
+    def stop_job(self, what: str, code: int) -> None:
         """This agent was signalled: stop the other nodes too."""
         self._abort_with(JobFailure("abort", self.node_rank, self.host, "the node agent", what, code,
                                     restartable=False))
@@ -304,8 +295,8 @@ class JobLink:
         """This node's ranks all succeeded: wait until every node's did (None), or a failure elsewhere ends the
         job (a node whose ranks are done takes no part in a restart)."""
         try:
-            self.board.mark_finished(attempt)
-            while not self.board.all_finished(attempt):
+            self.mark_finished(attempt)
+            while not self.all_finished(attempt):
                 found = self.check(attempt, force=True)
                 if found is not None:
                     return found
@@ -319,8 +310,8 @@ class JobLink:
         self.stopped.set()
         try:
             if self.node_rank == 0:
-                self.board.wait_exited(EXIT_WAIT_S, skip=self.lost)
+                self.wait_exited(EXIT_WAIT_S, skip=self.lost)
             else:
-                self.board.mark_exited()
+                self.mark_exited()
         except StoreLost:
             pass

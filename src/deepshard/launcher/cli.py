@@ -41,7 +41,6 @@ __all__ = ["DEFAULT_HOSTFILE", "DEFAULT_MASTER_PORT", "LaunchError", "build_pars
 
 
 def build_parser() -> LauncherParser:
-    """The launcher's argument parser (DeepSpeed's flags; the user's script and its arguments last)."""
     from deepshard import __version__
 
     parser = LauncherParser(

@@ -52,7 +52,6 @@ def env_file_paths(environ: Mapping[str, str], home: str, cwd: str) -> list[str]
 
 
 def read_env_files(paths: Sequence[str]) -> dict[str, str]:
-    """Merge the env files among ``paths`` that exist (later ones win)."""
     merged: dict[str, str] = {}
     for path in paths:
         if os.path.isfile(path):

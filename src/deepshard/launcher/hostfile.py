@@ -43,7 +43,6 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
 
 
 def read_hostfile(path: str) -> dict[str, int] | None:
-    """Read and parse the hostfile at ``path``; ``None`` when no such file exists."""
     if not os.path.isfile(path):
         return None
     try:
@@ -157,7 +156,6 @@ def encode_world_info(active: dict[str, list[int]]) -> str:
 
 
 def decode_world_info(token: str) -> dict[str, list[int]]:
-    """Inverse of :func:`encode_world_info`; a corrupt token raises ``ValueError``."""
     try:
         items = json.loads(base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8"))
         world = {str(host): [int(slot) for slot in slots] for host, slots in items}

@@ -37,9 +37,6 @@ def build_rank_command(user_script: str, user_args: Sequence[str], local_rank: i
                        python: str = sys.executable) -> list[str]:
     """One rank's argv, ``python -u script --local_rank=N args`` (``-m``, bare with ``no_python``), with
     ``--local_rank`` right after the script, where DeepSpeed puts it."""
-    if module and no_python:
-        raise LaunchError("--module and --no_python cannot be combined: --module runs "
-                          "'python -m <module>', --no_python runs the program without python; pick one")
     cmd = [user_script] if no_python else [python, "-u", *(["-m"] if module else []), user_script]
     return [*cmd, *([] if no_local_rank else [f"--local_rank={local_rank}"]), *user_args]
 
@@ -109,8 +106,6 @@ class NodeJob:
             raise LaunchError(f"--node_rank {self.node_rank} is out of range: the selection has "
                               f"{len(self.world)} nodes ({', '.join(self.world)}), so node ranks run "
                               f"0..{len(self.world) - 1}")
-        if self.max_restarts < 0:
-            raise LaunchError(f"--max_restarts {self.max_restarts} must be >= 0")
 
     @property
     def hosts(self) -> list[str]:

@@ -69,7 +69,6 @@ that runs it on the node. ``-S``: pdsh exits with the largest remote code; MPI a
 
 def runner_command(launcher: str, hosts: Sequence[str], agent: Sequence[str] = (), *, extra: Sequence[str] = (),
                    exports: Sequence[str] = (), port: int | None = None, remote: str = "") -> list[str]:
-    """``launcher``'s command line (:data:`RUNNERS`) for ``hosts``."""
     words = {"EXTRA": list(extra), "PORT": [] if port is None else ["-p", str(port)], "AGENT": list(agent),
              "REMOTE": [remote], "-x=EXPORTS": [w for name in exports for w in ("-x", name)],
              "-genvlist=EXPORTS": ["-genvlist", ",".join(exports)] if exports else []}
@@ -79,7 +78,6 @@ def runner_command(launcher: str, hosts: Sequence[str], agent: Sequence[str] = (
 
 
 def process_flags(args: argparse.Namespace) -> list[str]:
-    """The launcher flags that tell a node agent how to run each rank."""
     flags = [f"--{name}" for name in ("module", "no_python", "no_local_rank", "bind_cores_to_rank", "quiet",
                                       "elastic_training") if getattr(args, name, False)]
     for name in ("min_elastic_nodes", "max_elastic_nodes"):
@@ -210,10 +208,7 @@ def _stop(children: Sequence[Child], sig: int, grace_s: float = GRACE_S) -> None
     left after ``grace_s``; reap all and drain their output."""
     for child in children:
         if child.proc.stdin is not None:
-            try:
-                child.proc.stdin.close()
-            except OSError:
-                pass
+            child.proc.stdin.close()  # unbuffered and never written to: nothing to flush, cannot fail
         if child.proc.poll() is None:
             signal_group(child.proc.pid, sig)
     deadline = time.monotonic() + grace_s

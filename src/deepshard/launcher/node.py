@@ -21,7 +21,7 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
     on ``master_addr:master_port``; returns the exit status."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # the agent's store errors are reported by us
     from deepshard.launcher.agent import run_agent
-    from deepshard.launcher.board import JobLink
+    from deepshard.launcher.board import HEARTBEAT_TIMEOUT_S
     from deepshard.launcher.rendezvous import RendezvousFailed, open_rendezvous
 
     ajob = node_agent_job(job, base_env, available_cores)
@@ -37,8 +37,10 @@ def run_node(job: NodeJob, base_env: Mapping[str, str], available_cores: Sequenc
         where = f"node {job.node_rank} ({job.host}): " if nodes > 1 else ""
         print(f"deepshard: {where}{exc}", file=sys.stderr, flush=True)
         return 1
-    link = None if rdzv.board is None else JobLink(rdzv.board, base_env, job.exit_on_stdin_close, job.report_on_node0)
-    return run_agent(ajob, rdzv, link, on_started)
+    if rdzv.board is not None:
+        rdzv.board.heartbeat_timeout_s = env_seconds(base_env, "DEEPSHARD_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
+        rdzv.board.start_heartbeat()
+    return run_agent(ajob, rdzv, on_started)
 
 
 # Where an agent started by ``mpirun`` / ``srun`` (one task per node) finds its node rank.
@@ -67,7 +69,6 @@ def elastic_range(args: argparse.Namespace, num_nodes: int) -> tuple[int, int] |
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The agent's own command line (written by the launcher; see :mod:`.multinode`)."""
     parser = argparse.ArgumentParser(prog="python -m deepshard.launcher.node", allow_abbrev=False,
                                      description="deepshard's per-node agent (started by the launcher)")
     parser.add_argument("--world_info", required=True, help="the selected hosts and slots (base64 JSON)")
@@ -99,7 +100,6 @@ def job_from_args(args: argparse.Namespace, world: dict[str, list[int]], devices
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m deepshard.launcher.node``."""
     args = build_parser().parse_args(argv)
     if args.quiet or args.log_level:
         logger.setLevel(logging.WARNING if args.quiet else args.log_level.upper())

@@ -8,7 +8,7 @@ import argparse
 import errno
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import NoReturn
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -24,7 +24,6 @@ LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 
 
 def add_resource_args(parser: argparse.ArgumentParser) -> None:
-    """Hostfile and selection flags, rendezvous address."""
     parser.add_argument("-H", "--hostfile", default=DEFAULT_HOSTFILE,
                         help="hostfile of '<host> slots=<n>' lines; missing means this machine only")
     parser.add_argument("-i", "--include", default="", help="NODE_SPEC[@NODE_SPEC...], e.g. 'worker-0@worker-1:0,2'")
@@ -43,7 +42,6 @@ def add_resource_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_multi_node_args(parser: argparse.ArgumentParser) -> None:
-    """How remote processes start, and restarts."""
     parser.add_argument("--launcher", default="pdsh", choices=LAUNCHERS,
                         help="multi-node runner: pdsh (ssh when pdsh is missing), ssh, openmpi, mpich, "
                              "impi, mvapich, slurm")
@@ -76,7 +74,6 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_process_args(parser: argparse.ArgumentParser) -> None:
-    """How each rank runs on its machine."""
     parser.add_argument("--module", action="store_true", help="run user_script as 'python -m <module>'")
     parser.add_argument("--no_python", action="store_true", help="run user_script directly, not via python")
     parser.add_argument("--no_local_rank", action="store_true", help="do not append --local_rank=N")
@@ -101,7 +98,6 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
 
 
 def port_number(text: str) -> int:
-    """argparse type of ``--master_port``: an integer in 1..65535, or 0 for a free port."""
     try:
         port = int(text)
     except ValueError:
@@ -125,7 +121,6 @@ def env_seconds(environ: Mapping[str, str], key: str, default: float) -> float:
 
 
 def add_script_args(parser: argparse.ArgumentParser) -> None:
-    """The user's script and everything after it (the script's own, whatever it looks like)."""
     parser.add_argument("user_script", help="the training script (a module name with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
@@ -159,16 +154,11 @@ def check_port_free(addr: str, port: int, flag: str = "--master_port") -> None:
             if err.errno not in (errno.EADDRINUSE, errno.EACCES):
                 return  # not ours to judge (e.g. an address of another machine): the ranks will tell
             why = "is already in use" if err.errno == errno.EADDRINUSE else "needs privileges to bind"
-            try:
-                suggestion = f", e.g. {flag} {free_port(addr)}"
-            except OSError:
-                suggestion = ""
             raise LaunchError(f"{flag} {port} {why} on {addr} (another job or process holds it); pass a free "
-                              f"port{suggestion}") from err
+                              f"port, e.g. {flag} {free_port(addr)}") from err
 
 
 def prepare_log_dir(path: str) -> None:
-    """Create ``--enable_each_rank_log``'s directory and check it is writable."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".deepshard-write-test-{os.getpid()}")

@@ -48,7 +48,6 @@ class Output:
             self._emit(chunk)
 
     def flush_stale(self, children: Sequence[Any], after_s: float) -> None:
-        """Forward output held longer than ``after_s`` while no rank has failed."""
         with self._lock:
             if self._holding:
                 return
@@ -88,10 +87,7 @@ def pump(stream: BinaryIO, child: Any, out: Output, log: BinaryIO | None, hold: 
                 out.write(pending, holder)
                 pending = b""
                 continue
-            try:
-                chunk = stream.read(65536)
-            except OSError:
-                break
+            chunk = stream.read(65536)
             if not chunk:
                 break
             if log is not None:

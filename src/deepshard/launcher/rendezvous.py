@@ -169,7 +169,8 @@ def open_rendezvous(job: NodeJob, join_timeout_s: float, is_host: bool | None) -
     rdzv.job, rdzv.join_timeout_s = job, join_timeout_s
     if job.elastic is None and len(job.hosts) > 1:
         store = PrefixStore(f"deepshard/{RUN_ID}", client or _reach(job.endpoint, join_timeout_s))
-        rdzv.board = JobBoard(store, job.node_rank, job.hosts)
+        rdzv.board = JobBoard(store, job.node_rank, job.hosts, stdin_close=job.exit_on_stdin_close,
+                              report_on_node0=job.report_on_node0)
         rdzv.board.register(job.fingerprint())
     return rdzv
 

@@ -47,22 +47,15 @@ def error_dir(environ: MutableMapping[str, str]) -> Iterator[str]:
 
 
 def collect(directory: str | None) -> dict[str, list[int]]:
-    """``{message: [ranks that reported it]}`` from ``directory`` (empty when unset or missing)."""
     found: dict[str, list[int]] = {}
     if not directory or not os.path.isdir(directory):
         return found
-    for path in sorted(Path(directory).glob("rank*.txt")):
-        try:
-            rank = int(path.stem[len("rank"):])
-            message = path.read_text(encoding="utf-8").strip()
-        except (ValueError, OSError):
-            continue
-        found.setdefault(message, []).append(rank)
+    for path in sorted(Path(directory).glob("rank*.txt")):  # written by report() below, named by torch's RANK
+        found.setdefault(path.read_text(encoding="utf-8").strip(), []).append(int(path.stem[len("rank"):]))
     return {message: sorted(ranks) for message, ranks in found.items()}
 
 
 def format_errors(errors: dict[str, list[int]]) -> str:
-    """One ``deepshard: error`` paragraph per distinct message, naming its ranks."""
     lines = []
     for message, ranks in errors.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -276,16 +276,18 @@ class PipelineEngine(EngineCore):
         if unit.first or unit.last:  # a rank reads each micro-batch once: at its first or last chunk
             inputs, labels = self._next_item(run, a.micro_batch)
             if unit.first:
-                inputs = _to_device(self.precision.cast_inputs(inputs), self.device)
+                inputs = _to_device(inputs, self.device)
                 unit.inputs, unit.input_tuple = _as_list(inputs)
         fed = unit.inputs if unit.first else [_fresh(t) for t in unit.inputs]
-        x = tuple(fed) if unit.input_tuple else fed[0]
-        if run.split_backward:
-            unit.store = WeightGradStore(self.grad_sums.add if self.grad_sums is not None else None)
-            with DeferWeightGrads(unit.store):
+        # DeepSpeed's rule at every stage's input (its cast is a hook on the PipelineModule): fp16.auto_cast only
+        x = self.precision.cast_inputs(tuple(fed) if unit.input_tuple else fed[0])
+        with self.precision.forward_errors(x):
+            if run.split_backward:
+                unit.store = WeightGradStore(self.grad_sums.add if self.grad_sums is not None else None)
+                with DeferWeightGrads(unit.store):
+                    out = self.module(x, chunk=a.chunk)
+            else:
                 out = self.module(x, chunk=a.chunk)
-        else:
-            out = self.module(x, chunk=a.chunk)
         unit.outputs = out
         unit.out_tensors = _as_list(out)[0]
         if unit.last:

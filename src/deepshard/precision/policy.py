@@ -1,10 +1,13 @@
 """Which dtype the model computes in and whether fp32 master weights are kept."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from deepshard.precision.inputs import cast_floating, explain_input_dtype_errors
 
 
 @dataclass(frozen=True)
@@ -13,12 +16,14 @@ class PrecisionPolicy:
     ``master_dtype``: the dtype the optimizer updates in (fp32 whenever params are 16-bit);
     ``comm_dtype``: the dtype gradients are reduced in (``communication_data_type``);
     ``buffer_dtype``: the dtype floating-point buffers are cast to (``data_types.buffer_dtype``; None
-    keeps each buffer's own dtype, see ``precision/cast.py``)."""
+    keeps each buffer's own dtype, see ``precision/cast.py``);
+    ``auto_cast``: ``fp16.auto_cast`` with fp16 enabled (positional inputs cast to fp16, see ``cast_inputs``)."""
 
     param_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
     comm_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    auto_cast: bool = False
 
     @property
     def keeps_master_weights(self) -> bool:
@@ -28,17 +33,17 @@ class PrecisionPolicy:
     def fp16(self) -> bool:
         return self.param_dtype == torch.float16
 
-    def cast_inputs(self, value: Any) -> Any:
-        """Cast floating-point tensors (nested in tuples/lists/dicts) to ``param_dtype``."""
-        if self.param_dtype == torch.float32:
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.to(self.param_dtype) if value.is_floating_point() else value
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.cast_inputs(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self.cast_inputs(v) for k, v in value.items()}
-        return value
+    def cast_inputs(self, inputs: Any) -> Any:
+        """The positional inputs as the engine hands them to the model, by DeepSpeed's rule: floating-point
+        tensors (nested in tuples/lists/dicts) cast to fp16 with ``fp16.auto_cast`` under fp16 training,
+        otherwise unchanged (``precision/inputs.py`` says why; keyword inputs are never cast)."""
+        return cast_floating(inputs, torch.float16) if self.auto_cast else inputs
+
+    def forward_errors(self, inputs: Any) -> contextlib.AbstractContextManager[None]:
+        """Around the model's call: torch's dtype-mismatch error re-raised with the dtypes and the fix when
+        ``inputs`` (positional and keyword) hold floating tensors of another dtype than the parameters'."""
+        return explain_input_dtype_errors(inputs, self.param_dtype,
+                                          fp16_without_auto_cast=self.fp16 and not self.auto_cast)
 
 
 class ParamDtypeConflict(ValueError, AssertionError):

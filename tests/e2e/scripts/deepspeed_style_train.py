@@ -24,10 +24,11 @@ g = torch.Generator().manual_seed(engine.global_rank)
 x = torch.randn(64, 16, generator=g)
 y = x.sum(dim=1, keepdim=True)
 micro = engine.train_micro_batch_size_per_gpu()
+model_dtype = engine.get_data_types()[0]  # the engine feeds inputs to the model as given: cast them
 losses = []
 for step in range(args.steps * engine.gradient_accumulation_steps()):
     i = (step * micro) % 64
-    loss = torch.nn.functional.mse_loss(engine(x[i:i + micro]).float(), y[i:i + micro])
+    loss = torch.nn.functional.mse_loss(engine(x[i:i + micro].to(model_dtype)).float(), y[i:i + micro])
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())

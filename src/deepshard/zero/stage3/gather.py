@@ -77,6 +77,6 @@ class GatheredParameters:
                 strategy.after_external_update(g)
             g.users -= 1
             if g.users == 0 and not in_backward():
-                g.reshard()
+                g.reshard(hand_over=True)  # what the user took from the parameters inside keeps its values
         self._groups.clear()
         self._init_gathers.clear()

@@ -12,7 +12,9 @@ buffer, acquires the chunk and all-gathers the chunks into the buffer with one c
 hierarchical, quantized, or from hpZ's secondary shard: ``param_gather.ParamGather``); the parameters
 then become views of that buffer, and the chunk is released once the gather is done. ``reshard`` frees
 the buffer's storage (``untyped_storage().resize_(0)``), which also frees it for any view autograd saved
-during forward; backward gathers it again into the same storage before those views are read.
+during forward; backward gathers it again into the same storage before those views are read. A release
+outside forward and backward hands the buffer over instead (``reshard(hand_over=True)``), so tensors a user
+took from the gathered parameters keep their values, as in DeepSpeed.
 """
 from __future__ import annotations
 
@@ -77,7 +79,10 @@ class ShardedGroup:
         """Start gathering the full values (no-op when gathered or on the way)."""
         if self.state is not GroupState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self._full_bytes)
+        if self.full.numel() != self.padded:  # the last release handed the buffer over: a fresh one
+            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        else:
+            self.full.untyped_storage().resize_(self._full_bytes)
         advise_huge_pages(self.full)  # written whole by the gather: 2 MiB faults instead of 4 KiB ones
         self._work, self._from_primary = self.gather.start(self, key=2 * self.index + 1)
         self.state = GroupState.GATHERING
@@ -105,8 +110,16 @@ class ShardedGroup:
             self.state = GroupState.GATHERED
             set_status(self.params, ZeroParamStatus.AVAILABLE)
 
-    def reshard(self, force: bool = False) -> None:
-        """Drop the full values (kept for persistent groups unless ``force``)."""
+    def reshard(self, force: bool = False, hand_over: bool = False) -> None:
+        """Drop the full values (kept for persistent groups unless ``force``).
+
+        By default the buffer's storage is freed in place, which also frees it for the views autograd saved
+        in forward (backward gathers into the same storage again before reading them). With ``hand_over``
+        (a release outside forward and backward: ``GatheredParameters``' exit, ``param.partition()``) the group
+        lets go of the buffer instead, as DeepSpeed's ``free_param`` swaps ``param.data`` for an empty tensor:
+        a tensor taken from a parameter while it was gathered (``param.detach().cpu()`` on a CPU device is
+        the same storage, so is a ``state_dict()`` entry) keeps its values, and the memory goes with the last
+        such tensor (at once when there is none); the next ``unshard`` allocates a new buffer."""
         if self.persistent and not force:
             return
         if self.state is GroupState.GATHERING:
@@ -114,7 +127,10 @@ class ShardedGroup:
         if self.state is GroupState.GATHERED:
             for p in self.params:
                 p.data = _placeholder(self.dtype, self.device)
-            self.full.untyped_storage().resize_(0)
+            if hand_over:
+                self.full = _placeholder(self.dtype, self.device)
+            else:
+                self.full.untyped_storage().resize_(0)
             self.state = GroupState.SHARDED
             set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 from deepshard.comm.watchdog import CollectiveTimeout
+from deepshard.precision.inputs import is_dtype_mismatch
 
 SHAPE_WORDS = ("must be a matrix", "1-D", "shape", "size", "dimension", "mat1", "mat2", "elements", "numel")
 
@@ -27,10 +28,12 @@ def explain_sharded_parameter_errors(partitioned: bool) -> Iterator[None]:
     """When parameters are partitioned (ZeRO stage 3: the strategy's ``capabilities``), re-raise a shape
     error of the forward as a RuntimeError that adds :data:`HINT` (the original error is chained); anything
     else passes through unchanged, a collective's failure (:class:`CollectiveTimeout`, which names sizes
-    too) included."""
+    too) and a dtype mismatch (``precision/inputs.py`` explains those) included."""
     try:
         yield
     except RuntimeError as exc:
         if not partitioned or isinstance(exc, CollectiveTimeout) or not any(word in str(exc) for word in SHAPE_WORDS):
+            raise
+        if is_dtype_mismatch(exc):  # "mat1 and mat2 must have the same dtype": the inputs' dtype, not a placeholder
             raise
         raise RuntimeError(f"{exc}\n(deepshard) {HINT}") from exc

@@ -9,7 +9,8 @@ Libraries written for DeepSpeed read them (TRL, OpenRLHF, PEFT, LLaVA-style ``ma
                            gather and release
 ``param.ds_shape``         the full shape (``param.shape`` is ``[0]`` while partitioned)
 ``param.ds_numel``         the full number of elements
-``param.ds_tensor``        this rank's part of the values: a view into the shard (writes go to the model). deepshard
+``param.ds_tensor``        this rank's part of the values: a view into the shard (writes, and ``.data = t``, go to
+                           the model: :class:`ShardView`). deepshard
                            partitions a module's parameters as one flat group, so a rank holds a contiguous
                            stretch of that group and a parameter's part may be of any length, 0 included (in
                            DeepSpeed every part has ``ceil(numel / world)`` elements); the parts of all ranks,
@@ -104,7 +105,7 @@ def partition(params: Iterable[torch.nn.Parameter]) -> None:
     """Release the groups of ``params`` that nothing is using (a forward, ``GatheredParameters``)."""
     for g in groups_of(params):
         if g.users == 0:
-            g.reshard()
+            g.reshard(hand_over=True)
 
 
 class ParamCall:
@@ -136,6 +137,34 @@ def fragments(group: ShardedGroup) -> list[tuple[int, int]]:
     return out
 
 
+_TENSOR_DATA = torch.Tensor.data
+
+
+class ShardView(torch.Tensor):
+    """``param.ds_tensor``: this rank's part of a parameter, a view of the engine's shard. Assigning ``.data``
+    writes the values into the shard (in DeepSpeed ``ds_tensor`` is the partition itself, so
+    ``p.ds_tensor.data = t`` changes what the next gather sees; a rebound view would change nothing). Every
+    other operation on it returns a plain tensor."""
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self).as_subclass(torch.Tensor)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"ds_tensor.data = a tensor of shape {tuple(value.shape)}: this rank's part of the "
+                             f"parameter has shape {tuple(self.shape)}; the values are written into the ZeRO-3 "
+                             "shard in place, so give a tensor of that shape")
+        with torch.no_grad():
+            _TENSOR_DATA.__get__(self).copy_(value)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        return result.as_subclass(torch.Tensor) if isinstance(result, ShardView) else result
+
+
 def attach(module: torch.nn.Module, groups: list[ShardedGroup],
            chunk_view: Callable[[ShardedGroup], torch.Tensor | None]) -> None:
     """Put DeepSpeed's attributes (see the module docstring) on ``module``'s parameters and modules.
@@ -152,7 +181,7 @@ def attach(module: torch.nn.Module, groups: list[ShardedGroup],
             view = torch.empty(0, dtype=g.dtype, device=g.device)
         for p, (lo, hi) in zip(g.params, fragments(g)):
             attrs = p.__dict__
-            attrs["ds_tensor"] = view[lo:hi]
+            attrs["ds_tensor"] = view[lo:hi].as_subclass(ShardView)
             attrs["ds_active_sub_modules"] = set()
             attrs["is_external_param"] = id(p) in external
             attrs["ds_process_group"] = g.comm.group
