@@ -357,3 +357,13 @@ def test_resolve_config_source(log_records: list[logging.LogRecord], tmp_path: p
     assert any("deprecated" in r.getMessage() for r in log_records if r.levelno == logging.WARNING)
     with pytest.raises(ConfigError, match="pass only one"):
         resolve_config_source(SimpleNamespace(deepspeed_config="a.json"), {"train_batch_size": 1})
+
+
+def test_elastic_checkpoint_at_stage_3_warns_it_is_deprecated(log_records: list[logging.LogRecord]) -> None:
+    """DeepSpeed 0.19.8 warns "ZeRO-3 elastic checkpointing is deprecated"; deepshard says so too (and that
+    its checkpoints load on any data-parallel size), once, and not at stage 2 where the key is used."""
+    load_config({**SEED, "zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, 1)
+    assert not [r for r in log_records if "elastic" in r.getMessage()]
+    load_config({**SEED, "zero_optimization": {"stage": 3, "elastic_checkpoint": True}}, 1)
+    lines = [r.getMessage() for r in log_records if "elastic" in r.getMessage()]
+    assert len(lines) == 1 and "elastic checkpointing is deprecated" in lines[0].lower(), lines

@@ -234,8 +234,9 @@ class ZeroConfig(Section):
             logger.warning("zero_optimization.offload_param is only used by ZeRO stage 3; it is "
                            "ignored at stage %d", self.stage)
         if self.stage == 3 and self.elastic_checkpoint:
-            logger.warning("zero_optimization.elastic_checkpoint has no effect at stage 3: deepshard "
-                           "checkpoints load on any data-parallel size")
+            logger.warning("zero_optimization.elastic_checkpoint at stage 3: elastic checkpointing is deprecated "
+                           "(DeepSpeed no longer supports it at ZeRO-3) and has no effect: deepshard checkpoints "
+                           "load on any data-parallel size; drop the key")
         self._warn_unimplemented()
         if self.zeropp_loco_param is not None:
             raise exact_error(
