@@ -32,7 +32,7 @@ engine, *_ = deepshard.initialize(model=build(), config=CONFIG)
 g = torch.Generator().manual_seed(engine.global_rank)
 for _ in range(4):
     x = torch.randn(4, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(engine(x).float(), x.sum(dim=1, keepdim=True))
+    loss = torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), x.sum(dim=1, keepdim=True))
     engine.backward(loss)
     engine.step()
 ckpt = Path(args.out) / "ckpt"
