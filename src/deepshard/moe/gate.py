@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DROP_POLICIES", "NOISY_GATE_POLICIES", "Routing", "TopKGate", "capacity_for", "top1_routing", "top2_routing",
-           "topk_routing"]
+__all__ = ["DROP_POLICIES", "NOISY_GATE_POLICIES", "Routing", "TopKGate", "capacity_for", "top1_routing",
+           "top2_routing", "topk_routing"]
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 """The values ``noisy_gate_policy`` accepts (DeepSpeed's)."""
