@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from deepshard.checkpoint.deepspeed_format.megatron_meta import (  # noqa: F401 - deepspeed.runtime.engine's name
+    checkpoint_parallel_metadata as _checkpoint_parallel_metadata,
+)
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
