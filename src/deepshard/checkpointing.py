@@ -4,7 +4,8 @@
 memory (``torch.autograd.graph.save_on_cpu``).
 
 The pipeline engine builds its checkpoint function from the config's ``activation_checkpointing``
-section (``options_from_config``). ``partition_activations`` splits saved activations across
+section (``options_from_config``): ``checkpoint``, or ``non_reentrant_checkpoint`` with
+``pipeline.use_reentrant: false``. ``partition_activations`` splits saved activations across
 tensor-parallel ranks; with no tensor parallelism there is nothing to split and it has no effect.
 ``configure(...)`` (DeepSpeed's module-level setup) sets the options of the ``checkpoint`` calls that pass
 none, for this process.
@@ -44,6 +45,15 @@ def checkpoint(function: Callable[..., Any], *args: Any, options: CheckpointOpti
             else contextlib.nullcontext())
     with keep:
         return torch_checkpoint(function, *args, use_reentrant=False)
+
+
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any,
+                             options: CheckpointOptions | None = None) -> Any:
+    """DeepSpeed's non-reentrant variant of ``checkpoint`` (what ``pipeline.use_reentrant: false`` picks for
+    a ``PipelineModule``): the inputs need not require grad. deepshard's ``checkpoint`` is non-reentrant
+    already, so the two recompute alike; the name tells the pipeline engine that the first stage's inputs
+    need no gradient."""
+    return checkpoint(function, *args, options=options)
 
 
 def options_from_config(section: Any) -> CheckpointOptions:

@@ -1,8 +1,8 @@
 """DeepSpeed engine calls that clients make besides training and config reads.
 
 ``set_data_post_process_func``, ``empty_partition_cache`` and ``get_compile_time`` do what DeepSpeed does in the
-configurations deepshard supports; ``offload_states`` / ``reload_states`` and ``allreduce_gradients`` are refused
-with an error that says what to use instead.
+configurations deepshard supports; ``allreduce_gradients`` finishes the gradient reduction of the last backward;
+``offload_states`` / ``reload_states`` are refused with an error that says what to use instead.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from deepshard.utils.logging import logger
 
 
 class EngineClientCalls:
-    """Mixed into the engine, which sets ``accelerator``, ``topology``, ``_config`` and ``training_dataloader``."""
+    """Mixed into the engine, which sets ``accelerator``, ``topology``, ``_config``, ``training_dataloader`` and
+    ``strategy``."""
 
     accelerator: Any
     topology: Any
     training_dataloader: Any
     _config: Any
+    strategy: Any
 
     def set_data_post_process_func(self, post_process_func: Optional[Callable[..., Any]]) -> None:
         """Keep ``post_process_func`` on the training dataloader, as DeepSpeed does. DeepSpeed calls it only on
@@ -58,8 +60,13 @@ class EngineClientCalls:
             "use zero_optimization.offload_optimizer / offload_param in the config instead")
 
     def allreduce_gradients(self, bucket_size: int = 500_000_000) -> None:
-        """Refused: gradients are reduced inside ``engine.backward()`` / ``engine.step()``."""
-        raise NotImplementedError(
-            "engine.allreduce_gradients() is not available in deepshard: the engine reduces gradients itself "
-            "at the accumulation boundary; use engine.backward(loss) then engine.step() instead (the pipeline "
-            "engine: train_batch())")
+        """Finish reducing the gradients of the backward that just ran: what has not been reduced yet is
+        reduced now, and the reductions in flight are waited for (a collective: every data-parallel rank calls
+        it). DeepSpeed's engine calls this inside ``backward``; deepshard's ``engine.backward`` has already
+        reduced at its end, so after it this only confirms that the gradients are reduced, and calling it
+        again reduces nothing twice. It matters after a backward the engine did not run (``loss.backward()`` on
+        ``engine.scale(loss)``): the gradients are reduced here instead of in ``engine.step()``. As in
+        ``engine.backward``, gradients are reduced at the accumulation boundary only (ZeRO-2/3: at every
+        backward), and not inside ``no_sync()`` or ``coalesce_grad_reduction()``. ``bucket_size`` is accepted
+        and not used: the buckets are the config's ``zero_optimization.reduce_bucket_size``."""
+        self.strategy.end_backward()

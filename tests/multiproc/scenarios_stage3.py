@@ -270,6 +270,56 @@ def leaf_routed_world(rank: int, world: int) -> dict[str, Any]:
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+class ScaledLinear(torch.nn.Module):
+    """A Linear (weight and bias share a ZeRO-3 group, split across ranks unlike DeepSpeed's per-parameter
+    split) times a bare parameter alone in its group (split as DeepSpeed splits it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(5, 7)
+        self.scale = torch.nn.Module()
+        self.scale.weight = torch.nn.Parameter(torch.randn(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * self.scale.weight).pow(2).mean()
+
+
+def grad_partitions_batch(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(2, 5, generator=torch.Generator().manual_seed(10 * micro + rank))
+
+
+def grad_partitions_world(rank: int, world: int) -> dict[str, Any]:
+    """DeepSpeed's views of the reduced gradients (``averaged_gradients``, ``get_fp32_grad_partitions``) after
+    one backward, after ``allreduce_gradients()`` (must not reduce twice) and after a second backward without
+    zero_grad (accumulated); whether the part of the parameter alone in its group is a view of the store."""
+    model = ScaledLinear()
+    cfg = {**z3_config(2, 1, stage3_min_gather_size=0), "gradient_clipping": 0.0}
+    engine, *_ = deepshard.initialize(model=model, config=cfg)
+    s = engine.strategy
+
+    def snapshot() -> dict[int, dict[int, torch.Tensor]]:  # the parts are views of the live gradient store
+        return {gi: {i: t.clone() for i, t in parts.items()} for gi, parts in s.fp32_grad_partitions().items()}
+
+    out: dict[str, Any] = {}
+    engine.backward(engine(grad_partitions_batch(rank, 0)))
+    out["first"] = snapshot()
+    engine.allreduce_gradients()
+    out["after_allreduce"] = snapshot()
+    engine.backward(engine(grad_partitions_batch(rank, 1)))
+    out["second"] = snapshot()
+    averaged = s.averaged_gradients()
+    store = s.grads.tensor
+    alone = averaged[0][2]
+    out["alone_is_view"] = (alone.untyped_storage().data_ptr() == store.untyped_storage().data_ptr())
+    out["averaged"] = {gi: [t.clone() for t in ts] for gi, ts in averaged.items()}
+    engine.step()
+    out["after_step"] = snapshot()
+    return out
+
+
 def gathered_and_leaf_world(rank: int, world: int) -> dict[str, Any]:
-    """One world for GatheredParameters and the leaf-module case (each spawned world costs seconds)."""
-    return {"gathered": gathered_parameters(rank, world), "leaf": leaf_routed_world(rank, world)}
+    """One world for GatheredParameters, the leaf-module case and the gradient partitions (each spawned world
+    costs seconds)."""
+    return {"gathered": gathered_parameters(rank, world), "leaf": leaf_routed_world(rank, world),
+            "grads": grad_partitions_world(rank, world)}

@@ -87,6 +87,41 @@ def gathered_and_leaf() -> list[dict[str, Any]]:
     return run_world(gathered_and_leaf_world, 2)
 
 
+def _deepspeed_part(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """DeepSpeed's per-parameter split, written out: ceil(numel / world) elements a rank, zero-padded."""
+    flat = full.reshape(-1)
+    chunk = -(-flat.numel() // world)
+    padded = torch.cat([flat, flat.new_zeros(chunk * world - flat.numel())])
+    return padded[rank * chunk:(rank + 1) * chunk]
+
+
+def test_gradient_partitions_in_deepspeeds_layout(gathered_and_leaf: list[dict[str, Any]]) -> None:
+    """``get_fp32_grad_partitions`` / ``averaged_gradients`` hold each rank's DeepSpeed part of the averaged
+    gradient single-process PyTorch computes, accumulated over backward passes, zeroed by the step."""
+    from tests.multiproc.scenarios_stage3 import ScaledLinear, grad_partitions_batch
+
+    world = len(gathered_and_leaf)
+    ref = ScaledLinear()
+    names = [n for n, _ in ref.named_parameters()]
+    grads = []
+    for micro in range(2):
+        for rank in range(world):
+            ref(grad_partitions_batch(rank, micro)).backward()
+        grads.append({n: p.grad.detach().clone() / world for n, p in ref.named_parameters()})  # sum so far
+    for rank, out in enumerate(o["grads"] for o in gathered_and_leaf):
+        for key, expected in (("first", grads[0]), ("after_allreduce", grads[0]), ("second", grads[1])):
+            parts = out[key]
+            assert set(parts) == {0} and set(parts[0]) == {0, 1, 2}, (key, parts)
+            for i, name in enumerate(names):
+                want = _deepspeed_part(expected[name], world, rank)
+                assert parts[0][i].dtype == torch.float32
+                assert torch.allclose(parts[0][i], want, rtol=1e-6, atol=1e-7), (rank, key, name, parts[0][i], want)
+        for i, name in enumerate(names):
+            assert torch.equal(out["averaged"][0][i], out["second"][0][i]), (rank, name)  # fp32 training: the same
+            assert not out["after_step"][0][i].any(), (rank, name)
+        assert out["alone_is_view"] is True
+
+
 def test_gathered_parameters_with_modifier_rank(gathered_and_leaf: list[dict[str, Any]]) -> None:
     for out in (o["gathered"] for o in gathered_and_leaf):
         assert out["outside_shape"] == (0,) and out["inside_shape"] == (16, 16)

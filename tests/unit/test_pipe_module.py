@@ -1,6 +1,8 @@
 """PipelineModule, LayerSpec, TiedLayerSpec and partitioning, with no process group (``stage_id=``)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -203,3 +205,55 @@ def test_process_topology_maps_named_axes_row_major_as_deepspeed_documents() -> 
 def test_module_without_a_process_group_describes_its_grid_and_has_no_mpu() -> None:
     module = PipelineModule(_specs(4), num_stages=2, stage_id=1, partition_method="uniform")
     assert module.mpu() is None and module.topology().get_dim("pipe") == 2
+
+
+def test_checkpoint_interval_setter_rebuilds_the_block_decisions() -> None:
+    """Blocks qualify by holding parameters; the setter recomputes the cached decisions for the new interval
+    (what forward zips the blocks against), and refuses a negative interval."""
+    layers = [nn.ReLU() for _ in range(4)] + [nn.Linear(4, 4) for _ in range(4)]
+    module = PipelineModule(layers, num_stages=1, activation_checkpoint_interval=4)
+    module._precompute_checkpointable_values()
+    assert module.is_checkpointable_results == [False, True]
+    module.set_checkpoint_interval(3)  # blocks [0:3] [3:6] [6:8]
+    assert module.activation_checkpoint_interval == 3
+    assert module.is_checkpointable_results == [False, True, True]
+    module.set_checkpoint_interval(0)
+    assert module.is_checkpointable_results == []
+    with pytest.raises(ValueError, match="block size >= 1, or 0"):
+        module.set_checkpoint_interval(-1)
+
+
+def _reentrant(fn, *args):  # a user's own recompute function (DeepSpeed assumes such a one is reentrant)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=True)
+
+
+def test_use_reentrant_picks_the_function_and_whether_inputs_need_grad() -> None:
+    """``pipeline.use_reentrant: false`` installs ``non_reentrant_checkpoint`` even with checkpointing off
+    (a later ``set_checkpoint_interval`` uses it); a reentrant function of the user's own makes the first
+    stage's inputs require grad, so the first block's parameters get the gradients plain PyTorch gives."""
+    from deepshard.checkpointing import non_reentrant_checkpoint
+
+    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0,
+           "pipeline": {"use_reentrant": False}}
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)]
+    reference = copy.deepcopy(nn.Sequential(*layers))
+    engine, *_ = deepspeed.initialize(model=PipelineModule(list(layers), num_stages=1, loss_fn=nn.MSELoss()),
+                                      config=cfg)
+    assert engine.module.activation_checkpoint_func is non_reentrant_checkpoint
+    engine.module.set_checkpoint_interval(1)
+    assert not engine._reentrant_activation_checkpointing()
+    engine.module.activation_checkpoint_func = _reentrant
+    assert engine._reentrant_activation_checkpointing()
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    engine.train_batch(iter([(x, y)]))
+    nn.MSELoss()(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), msg=lambda m: f"{name}: {m}")
+    assert not x.requires_grad  # the engine marked its own copy, not the caller's tensor

@@ -75,14 +75,22 @@ def configure_pipeline(module: PipelineModule, cfg: Any) -> None:
 
 
 def configure_recompute(module: PipelineModule, cfg: Any) -> None:
-    """The recompute function of the module's checkpointed blocks: the config's ``activation_checkpointing``
-    section acts unless the module was given its own ``activation_checkpoint_func``."""
+    """The recompute function of the module's checkpointed blocks, unless the module was given its own
+    ``activation_checkpoint_func``: ``checkpoint``, or ``non_reentrant_checkpoint`` with
+    ``pipeline.use_reentrant: false`` (both non-reentrant on deepshard), with the options of the config's
+    ``activation_checkpointing`` section. Set whatever the interval, as ``set_checkpoint_interval`` may
+    turn checkpointing on later."""
     if module.activation_checkpoint_func is None:
         from functools import partial
 
-        from deepshard.checkpointing import checkpoint, options_from_config
+        from deepshard.checkpointing import CheckpointOptions, checkpoint, non_reentrant_checkpoint, options_from_config
 
-        module.activation_checkpoint_func = partial(checkpoint, options=options_from_config(cfg.activation_checkpointing))
+        options = options_from_config(cfg.activation_checkpointing)
+        if cfg.pipeline.use_reentrant is False:
+            module.activation_checkpoint_func = (non_reentrant_checkpoint if options == CheckpointOptions()
+                                                 else partial(non_reentrant_checkpoint, options=options))
+        else:
+            module.activation_checkpoint_func = partial(checkpoint, options=options)
 
 
 class PipelineEngine(EngineCore):
@@ -135,6 +143,11 @@ class PipelineEngine(EngineCore):
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         """Post-process every item pulled from the data iterator."""
         self._batch_fn = fn
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's name of ``module.checkpoints_reentrant()``: whether the first stage's inputs are made
+        to require grad."""
+        return self.module.checkpoints_reentrant()
 
     def reset_activation_shape(self) -> None:
         """Shapes travel with every message here: nothing is cached, nothing to reset."""
@@ -278,6 +291,9 @@ class PipelineEngine(EngineCore):
             if unit.first:
                 inputs = _to_device(inputs, self.device)
                 unit.inputs, unit.input_tuple = _as_list(inputs)
+                if run.train and self.module.checkpoints_reentrant():  # a reentrant recompute needs them
+                    unit.inputs = [t.detach().clone().requires_grad_(True) if t.is_floating_point() else t
+                                   for t in unit.inputs]
         fed = unit.inputs if unit.first else [_fresh(t) for t in unit.inputs]
         # DeepSpeed's rule at every stage's input (its cast is a hook on the PipelineModule): fp16.auto_cast only
         x = self.precision.cast_inputs(tuple(fed) if unit.input_tuple else fed[0])

@@ -95,6 +95,8 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
+        self._checkpointable: tuple[Any, list[list[bool]]] = (None, [])
+        """(the interval and layer filter they were computed for, each chunk's per-block decisions)."""
         self.dynamic_shape = dynamic_shape
         self.partition_method = partition_method
         grid_dims = None if topology is None else dims_of(topology)
@@ -186,19 +188,52 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval <= 0 or not self.training:
             return _run(funcs, x)
-        for start in range(0, len(funcs), interval):
+        decisions = self.checkpointable_blocks()[chunk]
+        for start, checkpointed in zip(range(0, len(funcs), interval), decisions):
             block = funcs[start:start + interval]
-            if self._checkpointable(block):
+            if checkpointed:
                 fn = self.activation_checkpoint_func or _default_checkpoint
                 x = fn(lambda *a, b=block: _run(b, a[0] if len(a) == 1 else a), *_as_tuple(x))
             else:
                 x = _run(block, x)
         return x
 
-    def _checkpointable(self, block: list[Callable]) -> bool:
+    def checkpointable_blocks(self) -> list[list[bool]]:
+        """For each chunk, whether each block of ``activation_checkpoint_interval`` layers is recomputed in
+        backward (a block qualifies when it holds parameters, or, with ``checkpointable_layers``, when every
+        layer's class is listed). Computed once per interval and cached: ``forward`` reads it on every call;
+        empty lists while the interval is 0."""
+        key = (self.activation_checkpoint_interval, tuple(self.checkpointable_layers or ()) or None)
+        if self._checkpointable[0] != key:
+            interval = key[0]
+            blocks = [[self._checkpointable_block(funcs[i:i + interval]) for i in range(0, len(funcs), interval)]
+                      if interval > 0 else [] for funcs in self.chunk_funcs]
+            self._checkpointable = (key, blocks)
+        return self._checkpointable[1]
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """DeepSpeed's name: ``checkpointable_blocks()`` of this stage's layers, chunk after chunk."""
+        return [decision for chunk in self.checkpointable_blocks() for decision in chunk]
+
+    def _precompute_checkpointable_values(self) -> None:
+        """DeepSpeed's name of ``checkpointable_blocks()`` computed ahead of ``forward``."""
+        self.checkpointable_blocks()
+
+    def _checkpointable_block(self, block: list[Callable]) -> bool:
         if self.checkpointable_layers is not None:
             return all(type(f).__name__ in self.checkpointable_layers for f in block)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in block)
+
+    def checkpoints_reentrant(self) -> bool:
+        """Whether this module's blocks are recomputed by a reentrant function, which needs the first stage's
+        inputs to require grad (else the first block is cut off from autograd and its parameters get no
+        gradient). False while the interval is 0 and for deepshard's own functions (non-reentrant); a
+        function of your own is assumed reentrant, as DeepSpeed assumes, so the pipeline engine marks the
+        first stage's inputs as needing a gradient."""
+        if self.activation_checkpoint_interval <= 0:
+            return False
+        return not _is_non_reentrant(self.activation_checkpoint_func)
 
     # ------------------------------------------------------------------------- DeepSpeed methods
     def partitions(self) -> list[int]:
@@ -248,7 +283,12 @@ class PipelineModule(nn.Module):
         return self._grid_given
 
     def set_checkpoint_interval(self, interval: int) -> None:
+        """Recompute blocks of ``interval`` layers in backward from the next ``forward`` on (0: none)."""
+        if int(interval) < 0:
+            raise ValueError(f"set_checkpoint_interval({interval}): give a block size >= 1, or 0 for no "
+                             "activation checkpointing")
         self.activation_checkpoint_interval = int(interval)
+        self.checkpointable_blocks()
 
     def get_additional_losses(self) -> Any:
         return None
@@ -314,6 +354,18 @@ def _default_checkpoint(fn: Callable, *args: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _is_non_reentrant(func: Callable | None) -> bool:
+    """Whether ``func`` (or the function a ``functools.partial`` wraps) is one of deepshard's recompute
+    functions, all non-reentrant; None is the module's default (non-reentrant too)."""
+    from functools import partial
+
+    from deepshard.checkpointing import checkpoint, non_reentrant_checkpoint
+
+    while isinstance(func, partial):
+        func = func.func
+    return func is None or func in (_default_checkpoint, checkpoint, non_reentrant_checkpoint)
 
 
 def _distributed() -> bool:

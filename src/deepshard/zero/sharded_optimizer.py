@@ -55,6 +55,9 @@ class ShardedOptimizer:
         self.fragments = states.pieces
         self.frag_params: list[torch.nn.Parameter] = states.params
         self.grad_src: list[torch.Tensor] = []
+        self.user_groups: list[list[torch.nn.Parameter]] = [list(params)]
+        """The trainable parameters of each of the optimizer's parameter groups, as the user gave them (``bind``
+        replaces them in the optimizer by the pieces); all in one group without an optimizer."""
         self.pieces_of_param: dict[int, list[int]] = {}
         for i, f in enumerate(self.fragments):
             self.pieces_of_param.setdefault(id(params[layout.slots[f.slot].param_index]), []).append(i)
@@ -70,6 +73,7 @@ class ShardedOptimizer:
         if optimizer.state:
             raise ValueError(f"the optimizer already holds state; ZeRO stage {stage} partitions a fresh "
                              "optimizer: create it before training, or load its state with engine.load_checkpoint")
+        self.user_groups = [[p for p in group["params"] if self.owns(p)] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["params"] = [self.frag_params[i] for p in group["params"]
                                for i in self.pieces_of_param.get(id(p), [])]
