@@ -15,6 +15,7 @@ import torch
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
+from deepshard.engine_ckpt_names import EngineCheckpointNames
 from deepshard.engine_client_calls import EngineClientCalls
 from deepshard.engine_coalesce import EngineCoalescing, GradContextMisuse
 from deepshard.engine_ds_names import EngineDeepSpeedNames
@@ -47,7 +48,7 @@ class _StateField:
         setattr(engine.state, self.name, int(value))
 
 
-class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, torch.nn.Module):
+class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, EngineCheckpointNames, torch.nn.Module):
     """What every engine ``deepshard.initialize`` returns shares (DeepSpeed's ``DeepSpeedEngine`` contract
     minus the training calls): the module, the config accessors (``deepshard.engine_accessors``), the counters, the one step path
     (``self.runner``, ``deepshard.step.StepRunner``), reporting, checkpoints, ``destroy``. The two engines

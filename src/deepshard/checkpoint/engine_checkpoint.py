@@ -59,6 +59,10 @@ class CheckpointedEngine(Protocol):
 
     def checkpoint_tag_validation_mode(self) -> str: ...
 
+    def _get_optimizer_ckpt_name(self, checkpoints_path: Any, tag: Any, expp_rank: int = 0) -> str: ...
+
+    def _change_recovery_script_permissions(self, dst: Any) -> None: ...
+
 
 def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: str | None,
                            client_state: dict[str, Any], save_latest: bool,
@@ -78,7 +82,7 @@ def save_engine_checkpoint(engine: "CheckpointedEngine", save_dir: Path, tag: st
                           lambda: _write_rank_files(engine, staging, client_state, tag, exclude_frozen_parameters))
         records = _gather_records(engine, files or {})
         run_phase(comm, f"publishing {save_dir / tag}",
-                  lambda: _publish(staging, save_dir, tag, records, save_latest) if rank == 0 else None)
+                  lambda: _publish(engine, staging, save_dir, tag, records, save_latest) if rank == 0 else None)
     except CheckpointSaveError:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -115,16 +119,20 @@ def _write_shard(engine: "CheckpointedEngine", staging: Path, exclude_frozen: bo
     if shard is None:
         return []
     meta = {**shard.meta, "frozen_params": frozen_param_names(module)}
+    # the file holding this rank's optimizer state is the one the engine names (staged under .tmp-<tag>)
+    tensor_file = Path(engine._get_optimizer_ckpt_name(staging.parent, staging.name)).name
     return save_rank_fragments(staging, engine.topology.rank, shard.records, module_shapes(module), shard.param_groups,
-                               param_aliases(module), shard.module_extra, meta, splits=module_splits(module))
+                               param_aliases(module), shard.module_extra, meta, splits=module_splits(module),
+                               tensor_file=tensor_file)
 
 
-def _publish(staging: Path, save_dir: Path, tag: str, records: dict[str, dict[str, Any]], save_latest: bool) -> None:
+def _publish(engine: "CheckpointedEngine", staging: Path, save_dir: Path, tag: str,
+             records: dict[str, dict[str, Any]], save_latest: bool) -> None:
     ckpt_io.write_manifest(staging, sorted(records), known=records)
     ckpt_io.commit_staging(staging, save_dir / tag)
     if save_latest:
         ckpt_io.write_latest(save_dir, tag)
-    _write_zero_to_fp32_script(save_dir)
+    engine._change_recovery_script_permissions(_write_zero_to_fp32_script(save_dir))
     logger.info("saved checkpoint %s", save_dir / tag)
 
 
@@ -142,13 +150,15 @@ if __name__ == "__main__":
 '''
 
 
-def _write_zero_to_fp32_script(save_dir: Path) -> None:
-    """DeepSpeed leaves a ``zero_to_fp32.py`` beside its checkpoints; so do we (a two-line launcher)."""
+def _write_zero_to_fp32_script(save_dir: Path) -> Path:
+    """DeepSpeed leaves a ``zero_to_fp32.py`` beside its checkpoints; so do we (a two-line launcher, made
+    executable by the engine's ``_change_recovery_script_permissions``). Returns its path."""
     target = save_dir / "zero_to_fp32.py"
     if not target.exists():
         tmp = target.with_name(".zero_to_fp32.py.tmp")
         tmp.write_text(_ZERO_TO_FP32_SCRIPT)
         tmp.replace(target)
+    return target
 
 
 def _gather_records(engine: "CheckpointedEngine", records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

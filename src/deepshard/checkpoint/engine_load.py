@@ -37,7 +37,8 @@ def load_engine_checkpoint(engine: CheckpointedEngine, load_dir: Path, tag: str 
     reader = _open_for_load(engine, load_dir, tag)
     if reader is None:
         return _nothing_to_load(engine.topology.rank, load_dir, tag)
-    resume = _read_agreed(engine, reader, strict, load_optimizer_states and not load_module_only)
+    with_optimizer = load_optimizer_states and not load_module_only
+    resume = _read_agreed(engine, reader, strict, with_optimizer)
     if not load_module_only:
         _apply_resume(engine, resume, load_lr_scheduler_states)
         engine.topology.world.barrier()
@@ -48,16 +49,23 @@ def _read_part(engine: CheckpointedEngine, reader: TagReader, strict: bool,
                with_optimizer: bool) -> tuple[Resume, FullState]:
     """This rank's part of a load, read and checked, nothing of the engine changed yet: the engine record
     and the weights (and optimizer state), their names checked against the model."""
-    full = reader.full_state(engine.module, with_optimizer, _share(engine))
+    full = reader.full_state(engine.module, with_optimizer, _share(engine, reader, with_optimizer))
     resume = reader.resume(engine.topology.rank, engine.topology.dims)  # after: from the files the share read
     check_model_names(engine.module, full, strict, reader.path)
     return resume, full
 
 
-def _share(engine: CheckpointedEngine) -> Optional[LoadShare]:
-    """What this rank's strategy loads of each tensor (None: everything), for the reader to read only that."""
+def _share(engine: CheckpointedEngine, reader: TagReader, with_optimizer: bool) -> Optional[LoadShare]:
+    """What this rank's strategy loads of each tensor (None: everything), for the reader to read only that.
+    Restoring optimizer state, the file the engine names as this rank's optimizer-state file is read first
+    (a module-only load does not ask the engine for it)."""
     ranges = engine.strategy.load_share()
-    return None if ranges is None else LoadShare(ranges, module_splits(engine.module), engine.topology.rank)
+    if ranges is None:
+        return None
+    first = None
+    if with_optimizer and isinstance(reader, DeepShardTag):
+        first = Path(engine._get_optimizer_ckpt_name(reader.path.parent, reader.path.name)).name
+    return LoadShare(ranges, module_splits(engine.module), engine.topology.rank, first_file=first)
 
 
 def _read_agreed(engine: CheckpointedEngine, reader: TagReader, strict: bool, with_optimizer: bool) -> Resume:

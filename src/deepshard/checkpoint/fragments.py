@@ -27,6 +27,7 @@ from deepshard.shard_state import FragmentRecord, FullState
 
 MODULE_EXTRA = "module_extra.safetensors"
 _RANK_JSON = re.compile(r"^zero_rank(\d+)\.json$")
+_TENSOR_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
 _EXTRA = re.compile(r"^module_extra(_rank\d+)?\.safetensors$")
 FORMAT_VERSION = 2
 """1: fragments of whole tensors. 2: a fragment may be of a tensor-parallel part: the rank file's
@@ -48,9 +49,11 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
                         shapes: dict[str, tuple[int, ...]], param_groups: list[dict[str, Any]] | None,
                         aliases: dict[str, str], module_extra: dict[str, torch.Tensor] | None,
                         meta: dict[str, Any], splits: dict[str, list[int]] | None = None,
-                        coord: dict[str, int] | None = None) -> list[str]:
+                        coord: dict[str, int] | None = None, tensor_file: str | None = None) -> list[str]:
     """Write this rank's fragments (``rank``: the global rank, the file name); returns the file names.
-    ``splits``: the tensor-parallel parts among them, ``name -> [dim, index, parts]``."""
+    ``splits``: the tensor-parallel parts among them, ``name -> [dim, index, parts]``. ``tensor_file``: the
+    name of the tensors file (weights and optimizer state; default ``zero_rank<rank>.safetensors``), recorded
+    in the rank's JSON for the reader."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for rec in records:
@@ -70,9 +73,11 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
                     f"optimizer state '{key}' of parameter '{rec.name}' has shape {tuple(value.shape)}, which is "
                     f"not elementwise (the fragment has {rec.numel} elements); optimizers with factored or "
                     "per-layer state cannot be partitioned by ZeRO stages 1-3: use stage 0")
-    tensor_file, json_file = rank_files(rank)
+    default_tensors, json_file = rank_files(rank)
+    tensor_file = _plain_file_name(tensor_file or default_tensors)
     ckpt_io.save_tensors(directory / tensor_file, tensors)
-    info = {"rank": rank, "version": FORMAT_VERSION, "fragments": [[r.name, r.start, r.numel] for r in records],
+    info = {"rank": rank, "version": FORMAT_VERSION, "tensors": tensor_file,
+            "fragments": [[r.name, r.start, r.numel] for r in records],
             "scalars": scalars, "shapes": {k: list(v) for k, v in shapes.items()},
             "order": list(shapes), "aliases": aliases,
             "meta": meta, "splits": splits or {}, "coord": coord or {}}
@@ -86,6 +91,23 @@ def save_rank_fragments(directory: Path, rank: int, records: list[FragmentRecord
         ckpt_io.save_tensors(directory / extra_file(rank), module_extra)
         files.append(extra_file(rank))
     return files
+
+
+def _plain_file_name(name: str) -> str:
+    """``name`` if it is a file name inside the tag directory (no directory part, a ``.safetensors`` file)."""
+    if not _TENSOR_FILE.match(name):
+        raise ValueError(f"rank tensors file name {name!r} is not a plain '<name>.safetensors' file name inside "
+                         "the tag directory; name it with letters, digits, '_', '-' and '.' only")
+    return name
+
+
+def tensor_file_of(info: dict[str, Any], rank: int) -> str:
+    """The tensors file a rank's JSON names (files written before it was recorded: the default name)."""
+    name = str(info.get("tensors") or rank_files(rank)[0])
+    if not _TENSOR_FILE.match(name):
+        raise ckpt_io.CheckpointError(f"{rank_files(rank)[1]} names its tensors file {name!r}, which is not a file "
+                                      "name inside the tag directory: the checkpoint was edited; load another tag")
+    return name
 
 
 def _numel(shape: tuple[int, ...] | list[int]) -> int:
@@ -120,7 +142,7 @@ def read_fragments(directory: Path, with_optimizer: bool = True, module: torch.n
     wanted = wanted_names(module) if module is not None else None
     trainable = set(share.ranges) if share is not None and wanted is None else _trainable_wanted(module, wanted)
     reading = _Reading(directory, with_optimizer, wanted, trainable, share)
-    for rank in _reading_order(ranks, module, share.rank if share is not None else None):
+    for rank in _reading_order(ranks, module, _first_rank(ranks, share)):
         if reading.done():
             break
         reading.read_json(rank)
@@ -158,6 +180,14 @@ def _trainable_wanted(module: torch.nn.Module | None, wanted: set[str] | None) -
     if module is None or wanted is None:
         return None
     return {n for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _first_rank(ranks: list[int], share: LoadShare | None) -> int | None:
+    """The rank whose file a share reads first: the one named ``share.first_file``, else the loading rank."""
+    if share is None:
+        return None
+    named = [r for r in ranks if rank_files(r)[0] == share.first_file]
+    return named[0] if named else share.rank
 
 
 def _reading_order(ranks: list[int], module: torch.nn.Module | None, first: int | None = None) -> list[int]:
@@ -218,7 +248,7 @@ class _Reading:
         if self._foreign_only(info, wanted):
             self.skipped.append(rank)  # another stage's tensors: its tensor file is not opened
         elif self.parts.needs(info, wanted) and self._in_share(info, wanted):
-            self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
+            self.parts.add(info, ckpt_io.load_tensors(self.directory / tensor_file_of(info, rank)), wanted)
 
     def _in_share(self, info: dict[str, Any], wanted: set[str] | None) -> bool:
         """Whether the file holds a fragment of this rank's share (always, without a share)."""
@@ -257,7 +287,7 @@ class _Reading:
             wanted = self.wanted()
             self.parts.declare(info, wanted)
             if not self._foreign_only(info, wanted) and self.parts.needs(info, wanted) and self._in_share(info, wanted):
-                self.parts.add(info, ckpt_io.load_tensors(self.directory / rank_files(rank)[0]), wanted)
+                self.parts.add(info, ckpt_io.load_tensors(self.directory / tensor_file_of(info, rank)), wanted)
 
     def done(self) -> bool:
         """A pipeline stage's tensors are whole: every trainable parameter declared and covered, every

@@ -88,7 +88,7 @@ ENGINE = {"format": str, "global_steps": int, "global_samples": int, "micro_step
           "grid": Optional({"pp": int, "dp": int, "tp": int}), "state": object}
 """``engine.json``: counters, loss scaler and the skeleton of the engine's tensors file."""
 
-RANK = {"rank": int, "fragments": list, "scalars": Optional(dict), "shapes": dict,
+RANK = {"rank": int, "tensors": Optional(str), "fragments": list, "scalars": Optional(dict), "shapes": dict,
         "aliases": Optional(dict), "meta": Optional(dict), "splits": Optional(dict), "coord": Optional(dict),
         "param_groups": Optional(ListOf(dict)), "extra": Optional({"file": str})}
 """``zero_rank<N>.json``: which slices of which parameters the rank's tensors file holds (and, for the rank

@@ -38,6 +38,9 @@ class LoadShare:
     rank: Optional[int] = None
     """The loading rank (global): its own rank file is read first, since a resume on the same grid finds its
     whole share there."""
+    first_file: Optional[str] = None
+    """The tensors file to read first instead (a load restoring optimizer state: the file the engine names
+    as this rank's optimizer-state file, ``engine._get_optimizer_ckpt_name``)."""
 
     def restricts(self, name: str) -> bool:
         return name in self.ranges
