@@ -30,6 +30,7 @@ from deepshard.utils.logging import logger
 from deepshard.zero.released import ReleasedStrategy
 from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
+from deepshard.zero.zero_optimizer import build as build_zero_optimizer
 
 
 class LossError(ValueError, AssertionError):
@@ -77,7 +78,11 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, Engin
         self.global_rank = topology.rank
         self.local_rank = parts.local_rank
         self.dp_world_size = topology.dp.size
-        self.optimizer = parts.optimizer
+        self.basic_optimizer = parts.optimizer
+        """The torch optimizer (the user's or the config's; DeepSpeed's name)."""
+        self.optimizer = build_zero_optimizer(self, parts.optimizer, parts.strategy.stage)
+        """DeepSpeed's: the torch optimizer at ZeRO stage 0, the engine's ZeRO optimizer over it at stages 1-3
+        (``zero/zero_optimizer.py``; the torch optimizer is its ``.optimizer``)."""
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader: Any = None
         self.strategy: ZeroStrategy = parts.strategy

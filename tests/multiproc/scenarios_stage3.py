@@ -318,8 +318,65 @@ def grad_partitions_world(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class _SkipInitBlock(torch.nn.Module):
+    """A module with submodules of its own that takes ``device=`` (what skip_init needs)."""
+
+    def __init__(self, width: int, device: Any = None) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(x))
+
+
+class SkipInitModel(torch.nn.Module):
+    """Submodules built by ``torch.nn.utils.skip_init`` (on the meta device, then ``to_empty()``), one of
+    them nested, beside an ordinary one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils import skip_init
+
+        self.first = skip_init(torch.nn.Linear, 5, 3)
+        self.block = skip_init(_SkipInitBlock, 3)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.first(x)))
+
+
+def skip_init_values() -> dict[str, torch.Tensor]:
+    """The values the skip_init test writes into the model (skip_init leaves memory uninitialized)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"first.weight": (3, 5), "first.bias": (3,), "block.inner.weight": (3, 3), "block.inner.bias": (3,),
+              "head.weight": (1, 3), "head.bias": (1,)}
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def skip_init_world(rank: int, world: int) -> dict[str, Any]:
+    """A model with skip_init submodules built under zero.Init: each parameter's shard size, then one
+    ZeRO-3 SGD step from known values (written through GatheredParameters from rank 0)."""
+    with deepshard.zero.Init():
+        model = SkipInitModel()
+    out: dict[str, Any] = {"shards": {n: (getattr(p, "ds_tensor", p).numel(), p.numel())
+                                      for n, p in model.named_parameters()}}
+    params = dict(model.named_parameters())
+    with deepshard.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            for name, value in skip_init_values().items():
+                params[name].copy_(value)
+    cfg = {**z3_config(2, 1), "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepshard.initialize(model=model, config=cfg)
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    with deepshard.zero.GatheredParameters(list(engine.module.parameters())):
+        out["after"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return out
+
+
 def gathered_and_leaf_world(rank: int, world: int) -> dict[str, Any]:
-    """One world for GatheredParameters, the leaf-module case and the gradient partitions (each spawned world
-    costs seconds)."""
+    """One world for GatheredParameters, the leaf-module case, the gradient partitions and skip_init under
+    zero.Init (each spawned world costs seconds)."""
     return {"gathered": gathered_parameters(rank, world), "leaf": leaf_routed_world(rank, world),
-            "grads": grad_partitions_world(rank, world)}
+            "grads": grad_partitions_world(rank, world), "skip_init": skip_init_world(rank, world)}

@@ -10,8 +10,9 @@ import torch
 
 from tests.multiproc.harness import run_world
 from tests.multiproc.models import make_token_batches, reference_transformer, rel_err
-from tests.multiproc.scenarios_stage3 import (RankRoutedBlock, accounting, gathered_and_leaf_world, init_memory,
-                                              save_models, transformer_oracle, watchdog)
+from tests.multiproc.scenarios_stage3 import (RankRoutedBlock, SkipInitModel, accounting, gathered_and_leaf_world,
+                                              init_memory, save_models, skip_init_values, transformer_oracle,
+                                              watchdog)
 
 FP32_RTOL = 1e-6
 
@@ -250,3 +251,21 @@ def test_leaf_module_whose_children_run_on_some_ranks_only(gathered_and_leaf: li
     for rank_out in out:
         for name, value in model.named_parameters():
             assert torch.allclose(rank_out[name], value.detach(), rtol=1e-5, atol=1e-7), name
+
+
+def test_skip_init_modules_under_zero_init_are_partitioned(gathered_and_leaf: list[dict[str, Any]]) -> None:
+    """Modules built by torch.nn.utils.skip_init inside zero.Init (meta device, then to_empty()) hold only
+    their shard, ceil(numel / world) elements, like the rest; one ZeRO-3 step from known values equals one
+    process averaging both ranks' losses."""
+    world = len(gathered_and_leaf)
+    model = SkipInitModel()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(skip_init_values()[name])
+    losses = [model(torch.randn(2, 5, generator=torch.Generator().manual_seed(r))).pow(2).mean() for r in range(world)]
+    (sum(losses) / world).backward()
+    for rank_out in (o["skip_init"] for o in gathered_and_leaf):
+        for name, (shard, placeholder) in rank_out["shards"].items():
+            assert (shard, placeholder) == (-(-dict(model.named_parameters())[name].numel() // world), 0), name
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(rank_out["after"][name], p.detach() - 0.1 * p.grad, rtol=1e-5, atol=1e-7)

@@ -13,7 +13,8 @@ would be built by an unwrapped ``__init__`` after its base class's wrapped one h
 and would stay whole on every rank. All of it is undone on exit.
 
 ``Module.apply`` is wrapped inside the context so initialization functions run on gathered parameters
-(DeepSpeed's ``override_module_apply``). Code that changes parameters of already-built submodules in any
+(DeepSpeed's ``override_module_apply``), and ``Module.to_empty`` so that a module built on the ``meta``
+device (``torch.nn.utils.skip_init``) is partitioned when ``to_empty()`` gives it storage. Code that changes parameters of already-built submodules in any
 other way must do so inside ``GatheredParameters(params, modifier_rank=0)``.
 """
 from __future__ import annotations
@@ -155,6 +156,7 @@ class Init:
         self._patched: dict[type, Callable[..., Any]] = {}
         self._orig_apply: Callable[..., Any] | None = None
         self._orig_init_subclass: Any = None  # nn.Module's own __init_subclass__ entry, if it had one
+        self._orig_to_empty: Callable[..., Any] | None = None
         self.comm: CommGroup | None = None
         self._next_id = 0  # ds_id of the next parameter partitioned here
         if module is not None and enabled:  # DeepSpeed also accepts an already-built module
@@ -175,6 +177,8 @@ class Init:
 
     def _partition(self, module: torch.nn.Module) -> None:
         for p in module.parameters(recurse=False):
+            if p.is_meta:  # no values yet: partitioned once to_empty() gives it storage (see _hook_to_empty)
+                continue
             if partition_param(p, self.comm, self.dtype, self._next_id):  # type: ignore[arg-type]
                 self._next_id += 1
 
@@ -215,7 +219,26 @@ class Init:
 
         setattr(torch.nn.Module, "apply", apply)  # patched while the context is open
         del orig_apply
+        self._hook_to_empty()
         return self
+
+    def _hook_to_empty(self) -> None:
+        """Partition what ``to_empty()`` materializes. A module built on the ``meta`` device
+        (``torch.nn.utils.skip_init``, or ``device="meta"`` then ``to_empty``) has no values when its
+        ``__init__`` returns, so it is left whole then; ``to_empty`` replaces its parameters with new ones
+        holding storage, and those are partitioned as it returns (their values broadcast from rank 0, as
+        every partitioned parameter's are, so the uninitialized memory is the same on every rank)."""
+        self._orig_to_empty = torch.nn.Module.__dict__["to_empty"]
+        orig, init_ctx = self._orig_to_empty, self
+
+        @functools.wraps(orig)
+        def to_empty(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            out = orig(module, *args, **kwargs)
+            for sub in module.modules():
+                init_ctx._partition(sub)
+            return out
+
+        setattr(torch.nn.Module, "to_empty", to_empty)
 
     def _wrap_class(self, cls: type, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         if "__init__" in cls.__dict__ and cls not in self._patched:
@@ -252,3 +275,6 @@ class Init:
         if self._orig_apply is not None:
             setattr(torch.nn.Module, "apply", self._orig_apply)
             self._orig_apply = None
+        if self._orig_to_empty is not None:
+            setattr(torch.nn.Module, "to_empty", self._orig_to_empty)
+            self._orig_to_empty = None
