@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from deepshard.checkpoint.deepspeed_format.megatron_meta import (  # noqa: F401 - deepspeed.runtime.engine's name
+    checkpoint_parallel_metadata as _checkpoint_parallel_metadata,
+)
 from deepshard.compile import compile_module, module_is_compiled
 from deepshard.config.view import ConfigView
 from deepshard.engine_accessors import EngineAccessors
@@ -27,6 +30,7 @@ from deepshard.utils.logging import logger
 from deepshard.zero.released import ReleasedStrategy
 from deepshard.zero.stage3.hints import explain_sharded_parameter_errors
 from deepshard.zero.strategy import ZeroStrategy
+from deepshard.zero.zero_optimizer import build as build_zero_optimizer
 
 
 class LossError(ValueError, AssertionError):
@@ -74,7 +78,11 @@ class EngineCore(EngineAccessors, EngineClientCalls, EngineDeepSpeedNames, Engin
         self.global_rank = topology.rank
         self.local_rank = parts.local_rank
         self.dp_world_size = topology.dp.size
-        self.optimizer = parts.optimizer
+        self.basic_optimizer = parts.optimizer
+        """The torch optimizer (the user's or the config's; DeepSpeed's name)."""
+        self.optimizer = build_zero_optimizer(self, parts.optimizer, parts.strategy.stage)
+        """DeepSpeed's: the torch optimizer at ZeRO stage 0, the engine's ZeRO optimizer over it at stages 1-3
+        (``zero/zero_optimizer.py``; the torch optimizer is its ``.optimizer``)."""
         self.lr_scheduler = parts.lr_scheduler
         self.training_dataloader: Any = None
         self.strategy: ZeroStrategy = parts.strategy

@@ -40,7 +40,7 @@ class EngineAccessors(GeneratedAccessors):
         section = self._config.optimizer
         if section is not None:
             return section.type.lower()
-        client = getattr(self, "optimizer", None)
+        client = getattr(self, "basic_optimizer", None)
         return type(client).__name__ if client is not None else None
 
     def optimizer_params(self) -> Optional[dict[str, Any]]:

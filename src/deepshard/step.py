@@ -39,31 +39,40 @@ def clip_multiplier(norm: float, clip: float) -> float:
     return coef if coef < 1.0 else 1.0
 
 
-def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossScaler, clip: float,
-                   lr_scheduler: Any, samples: int, rank: int, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
-    """Run one optimizer step at the accumulation boundary; returns whether the update was applied."""
+def update_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossScaler, clip: float, rank: int) -> bool:
+    """The ZeRO optimizer's step (``engine.optimizer.step()``): the norm (kept as the last step's), on
+    overflow the update skipped and the loss scale backed off, else clip and update; returns whether the
+    update was applied. The LR schedule, the gradients' clearing and the counters are ``optimizer_step``'s."""
     scale = loss_scaler.scale
     norm = strategy.model_grad_norm(scale)
     state.grad_norm = norm
     state.step_applied = False
     finite = math.isfinite(norm)
-    if strategy.optimizer is not None:  # DeepSpeed's optimizers say it; Accelerate reads it (step_was_skipped)
+    if strategy.optimizer is not None:  # DeepSpeed's optimizers say it; code holding the torch optimizer reads it
         setattr(strategy.optimizer, "overflow", not finite)
     if not finite and strategy.steps_in_backward:
         logger.warning("rank %d: step %d: gradient norm is %s; with optimizer_step_in_backward the update "
                        "was already applied during backward and cannot be skipped", rank, state.global_steps, norm)
     if not finite and not strategy.steps_in_backward:
         loss_scaler.update(True)
-        state.skipped_steps += 1
-        logger.warning("rank %d: step %d skipped: gradient overflow (norm %s); loss scale %g -> %g "
-                       "(%d steps skipped so far)", rank, state.global_steps, norm, scale, loss_scaler.scale,
-                       state.skipped_steps)
-    else:
-        strategy.step(clip_multiplier(norm, clip) / scale)
-        loss_scaler.update(False)
-        state.step_applied = True
+        logger.warning("rank %d: step %d skipped: gradient overflow (norm %s); loss scale %g -> %g", rank,
+                       state.global_steps, norm, scale, loss_scaler.scale)
+        return False
+    strategy.step(clip_multiplier(norm, clip) / scale)
+    loss_scaler.update(False)
+    state.step_applied = True
+    return True
+
+
+def optimizer_step(strategy: ZeroStrategy, state: TrainState, loss_scaler: LossScaler, clip: float,
+                   lr_scheduler: Any, samples: int, rank: int, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
+    """Run one optimizer step at the accumulation boundary (``update_step``, then the LR schedule, the
+    gradients cleared, the counters); returns whether the update was applied."""
+    if update_step(strategy, state, loss_scaler, clip, rank):
         if lr_scheduler is not None:
             lr_scheduler.step(**(lr_kwargs or {}))
+    else:
+        state.skipped_steps += 1
     strategy.zero_grad()
     state.global_steps += 1
     state.global_samples += samples
@@ -114,6 +123,11 @@ class StepRunner:
         if self.autotune is not None:  # an autotuning trial: measure, and end the run at its last step
             self.autotune.after_step(engine)
         return applied
+
+    def update(self, engine: Any) -> bool:
+        """The ZeRO optimizer's step alone (``update_step``): ``engine.optimizer.step()``."""
+        return update_step(engine.strategy, self.state, self.loss_scaler, float(self.config.gradient_clipping or 0.0),
+                           self.rank)
 
     def finish(self, engine: Any, micro_steps: int, boundary: bool) -> None:
         """After a step call: count the micro-steps, let the tools see it, report a boundary."""

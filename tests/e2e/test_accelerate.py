@@ -87,7 +87,9 @@ def _check_recipe(out: Path, reference: list[float], x_all: torch.Tensor, weight
     for r, rec in enumerate(ranks):
         assert (rec["num_processes"], rec["process_index"], rec["is_main"]) == (2, r, r == 0), rec
         assert rec["distributed_type"] == "DistributedType.DEEPSPEED" and rec["zero_stage"] == stage
-        assert rec["optimizer_class"] == optimizer
+        # accelerate wraps engine.optimizer: DeepSpeed's ZeRO optimizer class, the torch optimizer inside it
+        assert rec["optimizer_class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+        assert rec["torch_optimizer_class"] == optimizer
         assert rec["deepspeed_module"] == "deepspeed"
         assert torch.equal(torch.tensor(rec["first_x"]), x_all[4 * r:4 * r + 4])  # batch r of 4: sharded
         assert rec["resumed"] == rec["after"]  # load_state restored model and optimizer exactly

@@ -168,8 +168,9 @@ def _strip_to_v1(tag_dir: str) -> None:
 
 
 def engine_seams(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    """The optimizer returned at stage 2 refuses a direct step; two engines in one process keep their own
-    parameters; a version-1 checkpoint still loads."""
+    """The torch optimizer a stage-2 engine took over (initialize returns the ZeRO optimizer over it, its
+    ``.optimizer``) refuses a direct step; two engines in one process keep their own parameters; a version-1
+    checkpoint still loads."""
     out: dict[str, Any] = {}
     batch = make_batches(1, 4 * world)[0]
     a, opt_a, _, _ = deepshard.initialize(model=make_model(), config=_config(2, 4, 1))
@@ -177,7 +178,7 @@ def engine_seams(rank: int, world: int, tmp: str) -> dict[str, Any]:
     x, y = micro_slice(batch, 4, 0, rank, world)
     a.backward(a(x, y))
     try:
-        opt_a.step()
+        opt_a.optimizer.step()
         out["direct_step"] = "no error"
     except RuntimeError as exc:
         out["direct_step"] = str(exc)

@@ -1,43 +1,21 @@
 """DeepSpeed's optimizer wrapper classes by name (``deepspeed.runtime.base_optimizer``, ``.bf16_optimizer``,
 ``.fp16.fused_optimizer``, ``.fp16.unfused_optimizer``, ``.zero.stage_1_and_2``, ``.zero.stage3``).
 
-DeepSpeed wraps the user's optimizer in one of these (``engine.optimizer`` is a ``DeepSpeedZeroOptimizer``
-at ZeRO 1/2, a ``BF16_Optimizer`` for bf16 at ZeRO 0 ...). deepshard does not wrap it: ``engine.optimizer`` is
-the torch optimizer itself, and the engine does the partitioning, mixed precision and loss scaling. So no
-deepshard object is an instance of these classes, which is what code that asks ``isinstance(engine.optimizer,
-DeepSpeedZeroOptimizer)`` learns (DeepSpeed's own checkpoint tests then compare the torch optimizer's
-state), and constructing one is refused, saying where the functionality is.
+At ZeRO stages 1-3 ``engine.optimizer`` is the engine's ZeRO optimizer, an instance of DeepSpeed's classes
+(``ZeROOptimizer``, and ``DeepSpeedZeroOptimizer`` at stages 1/2 or ``DeepSpeedZeroOptimizer_Stage3`` at
+stage 3: ``deepshard.zero.zero_optimizer``), so ``isinstance`` checks and ``engine.optimizer.optimizer`` hold
+as in DeepSpeed. At stage 0 ``engine.optimizer`` is the torch optimizer itself: deepshard does not wrap it in
+DeepSpeed's bf16 / fp16 optimizers (the engine keeps the master weights and scales the loss), so no deepshard
+object is a ``BF16_Optimizer`` or ``FP16_*``. Constructing any of these by hand is refused, saying where the
+functionality is.
 """
 from __future__ import annotations
 
-from typing import Any
+from deepshard.zero.zero_optimizer import (DeepSpeedOptimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3,
+                                           ZeROOptimizer)
 
 __all__ = ["BF16_Optimizer", "DeepSpeedOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
            "FP16_Optimizer", "FP16_UnfusedOptimizer", "ZeROOptimizer"]
-
-
-class DeepSpeedOptimizer:
-    """Base of DeepSpeed's optimizer wrappers; deepshard has none (see the module docstring)."""
-
-    replacement = "deepshard's engine does this for the torch optimizer itself (engine.optimizer is that optimizer)"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"{type(self).__name__} is DeepSpeed's optimizer wrapper; deepshard does not wrap "
-                                  f"optimizers: {self.replacement}. Build the engine with deepshard.initialize instead")
-
-
-class ZeROOptimizer(DeepSpeedOptimizer):
-    """DeepSpeed's ZeRO optimizer base."""
-
-    replacement = "ZeRO partitions the optimizer state inside the engine (zero_optimization.stage)"
-
-
-class DeepSpeedZeroOptimizer(ZeROOptimizer):
-    """DeepSpeed's ZeRO stage 1/2 optimizer."""
-
-
-class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's name
-    """DeepSpeed's ZeRO stage 3 optimizer."""
 
 
 class BF16_Optimizer(ZeROOptimizer):  # noqa: N801 - DeepSpeed's name

@@ -1,9 +1,10 @@
-"""The optimizer ``initialize`` returns at ZeRO stages 1-3 is not a trap.
+"""The torch optimizer a ZeRO stage 1-3 engine took over is not a trap.
 
-Those stages rebind the optimizer's param groups to this rank's shard pieces, so a direct
-``optimizer.step()`` from a training loop written for plain PyTorch would update nothing (the pieces get
-their gradients only inside ``engine.step()``). deepshard makes the mistake loud instead: the returned
-optimizer's ``step()`` raises and says to call ``engine.step()``; its ``zero_grad()`` clears the
+Those stages rebind the optimizer's param groups to this rank's shard pieces, so a direct ``step()`` on the
+torch optimizer (the one passed to ``initialize``, or ``engine.optimizer.optimizer``) from a training loop
+written for plain PyTorch would update nothing (the pieces get their gradients only inside the engine's
+step). deepshard makes the mistake loud instead: that ``step()`` raises and says to call ``engine.step()``
+(or ``engine.optimizer.step()``, the ZeRO optimizer's, ``zero_optimizer.py``); its ``zero_grad()`` clears the
 accumulated gradients, as DeepSpeed's ZeRO optimizers do. The strategy itself steps through
 ``optim/whole_vectors.step_whole_vectors`` (the class's own ``step``, past the guard). At stage 0 the
 optimizer holds the real parameters and is left as it is.
@@ -31,10 +32,11 @@ def guard(optimizer: torch.optim.Optimizer, strategy: _Owner) -> None:
 
     def step(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
-            f"optimizer.step() was called on the optimizer returned by deepshard.initialize; at ZeRO stage {stage} "
+            f"step() was called on the torch optimizer deepshard's engine took over; at ZeRO stage {stage} "
             "its parameters are this process's shards and only the engine can give them their gradients. "
             "Call engine.step() after engine.backward(loss) instead (it unscales, clips, updates and steps "
-            "the LR scheduler at the gradient accumulation boundary)")
+            "the LR scheduler at the gradient accumulation boundary), or engine.optimizer.step() for the ZeRO "
+            "step alone")
 
     def zero_grad(set_to_none: bool = True) -> None:
         live = owner()

@@ -73,7 +73,8 @@ def main() -> None:
               "eval_rows": int(sum(g.shape[0] for g in gathered)),
               "deepspeed_module": sys.modules["deepspeed"].__name__,
               "zero_stage": model.zero_optimization_stage(), "weights": weights,
-              "optimizer_class": type(optimizer.optimizer).__name__}
+              "optimizer_class": type(optimizer.optimizer).__name__,  # engine.optimizer: the ZeRO optimizer
+              "torch_optimizer_class": type(optimizer.optimizer.optimizer).__name__}
     with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as fh:
         json.dump(record, fh)
     accelerator.end_training()

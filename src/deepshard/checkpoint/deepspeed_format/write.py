@@ -22,6 +22,7 @@ from deepshard.checkpoint import io as ckpt_io
 from deepshard.checkpoint.deepspeed_format.allowlist import (DynamicLossScalerRecord, FragmentAddressRecord,
                                                              LossScalerRecord, ZeroStage)
 from deepshard.checkpoint.deepspeed_format.flat import join_zero3, join_zero12, numel_of
+from deepshard.checkpoint.deepspeed_format.megatron_meta import checkpoint_parallel_metadata
 from deepshard.checkpoint.deepspeed_format import write_experts as moe
 from deepshard.checkpoint.deepspeed_format.pickle_names import save_pt
 from deepshard.checkpoint.deepspeed_format.write_experts import FlatView
@@ -272,7 +273,7 @@ def _write_models(src: Source, groups: list[tuple[dict[str, Any], list[str]]], s
         "random_ltd": None, "skipped_steps": int(src.engine.get("skipped_steps", 0)),
         "global_steps": int(src.engine.get("global_steps", 0)),
         "global_samples": int(src.engine.get("global_samples", 0)), "dp_world_size": dp, "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, "ds_config": _ds_config(src, stage),
+        **checkpoint_parallel_metadata(None), "ds_config": _ds_config(src, stage),  # written for pp=1, tp=1
         "ds_version": DS_VERSION}
     frozen_shapes = OrderedDict((n, torch.Size(src.full.module_extra[n].shape)) for n in frozen)
     if stage < 3:

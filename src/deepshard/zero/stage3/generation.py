@@ -16,7 +16,9 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
     """Yield ``model`` (an engine) with every parameter gathered and, under ZeRO-3, its gathering hooks
     removed (``engine.optimizer.parameter_offload.forward_hooks`` is empty inside the block); other stages
     have no hooks to remove. Every rank must enter it (the gather is a collective)."""
-    surface = getattr(getattr(model, "optimizer", None), ATTR, None)
+    surface = getattr(getattr(model, "strategy", None), "hook_surface", None)  # with or without an optimizer
+    if surface is None:
+        surface = getattr(getattr(model, "optimizer", None), ATTR, None)
     with GatheredParameters(list(model.parameters())):
         if surface is None:
             yield model

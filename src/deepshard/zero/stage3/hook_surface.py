@@ -15,8 +15,9 @@ small forwards of ``generate`` do not gather and release each module again; TRL'
 ``forward_hooks`` are its module hook handles (removing them removes deepshard's gathering hooks; the
 backward gathers are registered by the forward hooks, so ``backward_hooks`` is empty), and
 ``_register_deepspeed_module`` (``_register_hooks_recursively`` before DeepSpeed 0.16.4) installs them
-again. Gradient reduction is not a module hook and is never removed. It is attached to the engine's
-optimizer, as DeepSpeed's is to its ZeRO-3 optimizer.
+again. Gradient reduction is not a module hook and is never removed. The stage-3 strategy holds it
+(``strategy.hook_surface``, None once the engine is destroyed) and the engine's ZeRO-3 optimizer answers it
+as ``parameter_offload`` (``zero/zero_optimizer.py``), as DeepSpeed's ZeRO-3 optimizer holds its own.
 """
 from __future__ import annotations
 
@@ -59,15 +60,3 @@ class HookSurface:
     def partition_all_parameters(self) -> None:
         """Release every gathered group nothing is using (persistent ones stay)."""
         self._release_all()
-
-
-def attach(optimizer: Any, surface: HookSurface) -> None:
-    """Make ``surface`` reachable as ``optimizer.parameter_offload`` (no-op without an optimizer)."""
-    if optimizer is not None:
-        setattr(optimizer, ATTR, surface)
-
-
-def detach(optimizer: Any) -> None:
-    """Remove ``optimizer.parameter_offload`` (``engine.destroy()``)."""
-    if optimizer is not None and getattr(optimizer, ATTR, None) is not None:
-        delattr(optimizer, ATTR)

@@ -129,7 +129,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # -------------------------------------------------------------------------------- construction
     def _attach_deepspeed_surface(self) -> None:
-        """DeepSpeed's per-parameter / per-module attributes and ``optimizer.parameter_offload``, which
+        """DeepSpeed's per-parameter / per-module attributes and ``engine.optimizer.parameter_offload``, which
         libraries written for DeepSpeed read (``surface.py``, ``hook_surface.py``)."""
         layouts = [(self.groups, self.layout, self.param_store)]
         if self.frozen_layout is not None:
@@ -139,7 +139,8 @@ class Stage3Strategy(ZeroStrategy):
             for g, bucket in zip(groups, layout.buckets):
                 views[id(g)] = store.host_view(layout.shard_offset(bucket), g.chunk)
         surface.attach(self.module, self.groups + self.frozen_groups, lambda g: views[id(g)])
-        hook_surface.attach(self.optimizer, hook_surface.HookSurface(self.module, self.hooks, self.release_unused))
+        self.hook_surface: hook_surface.HookSurface | None = hook_surface.HookSurface(self.module, self.hooks,
+                                                                                      self.release_unused)
 
     def release_unused(self) -> None:
         """Release every gathered group that no forward or ``GatheredParameters`` is using."""
@@ -523,7 +524,7 @@ class Stage3Strategy(ZeroStrategy):
         """Detach from the module (``engine.destroy``): hooks go, offload files are removed."""
         self.reducer.remove_hooks()
         self.hooks.detach()
-        hook_surface.detach(self.optimizer)
+        self.hook_surface = None
         surface.detach(self.module)
         self.close()
 
