@@ -296,10 +296,10 @@ def grad_partitions_world(rank: int, world: int) -> dict[str, Any]:
     model = ScaledLinear()
     cfg = {**z3_config(2, 1, stage3_min_gather_size=0), "gradient_clipping": 0.0}
     engine, *_ = deepshard.initialize(model=model, config=cfg)
-    s = engine.strategy
+    opt = engine.optimizer  # DeepSpeed's names on the engine's ZeRO optimizer
 
     def snapshot() -> dict[int, dict[int, torch.Tensor]]:  # the parts are views of the live gradient store
-        return {gi: {i: t.clone() for i, t in parts.items()} for gi, parts in s.fp32_grad_partitions().items()}
+        return {gi: {i: t.clone() for i, t in parts.items()} for gi, parts in opt.get_fp32_grad_partitions().items()}
 
     out: dict[str, Any] = {}
     engine.backward(engine(grad_partitions_batch(rank, 0)))
@@ -308,8 +308,8 @@ def grad_partitions_world(rank: int, world: int) -> dict[str, Any]:
     out["after_allreduce"] = snapshot()
     engine.backward(engine(grad_partitions_batch(rank, 1)))
     out["second"] = snapshot()
-    averaged = s.averaged_gradients()
-    store = s.grads.tensor
+    averaged = opt.averaged_gradients
+    store = engine.strategy.grads.tensor
     alone = averaged[0][2]
     out["alone_is_view"] = (alone.untyped_storage().data_ptr() == store.untyped_storage().data_ptr())
     out["averaged"] = {gi: [t.clone() for t in ts] for gi, ts in averaged.items()}

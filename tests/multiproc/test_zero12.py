@@ -112,6 +112,7 @@ def _reference_after_writes(stage: int) -> dict[str, dict[str, torch.Tensor]]:
     opt.zero_grad()
     x, y = make_batches(1, 2 * WORLD, seed=22)[0]
     model(x, y).backward()
+    out["final_grad"] = {n: p.grad.detach().clone() for n, p in params.items()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
     out["final"] = {n: p.detach().clone() for n, p in params.items()}
@@ -134,6 +135,12 @@ def test_safe_set_helpers_write_every_rank_s_part(getters: tuple[int, list[dict[
             for key, by_name in states.items():
                 assert torch.equal(out["states"][key][name], by_name[name]), (key, name)
             assert rel_err(out["final"][name], ref["final"][name]) < 1e-5, name
+            # engine.scale(loss).backward() then allreduce_gradients(): reduced there, once. (Not compared at
+            # stage 3: its local writes above do not refresh the groups kept gathered, persistent ones, until the
+            # next step, so that forward ran on the values from before the doubling.)
+            if stage != 3:
+                assert rel_err(out["scaled_grad"][name], ref["final_grad"][name]) < 1e-5, name
+            assert torch.equal(out["scaled_grad_again"][name], out["scaled_grad"][name]), name
     if stage != 3:
         return
     for name, full in outs[0]["writes"]["stepped"].items():

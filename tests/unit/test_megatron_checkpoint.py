@@ -4,6 +4,7 @@ each saved file, the merged layer and ZeRO states against the whole tensors the 
 from __future__ import annotations
 
 import itertools
+from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,7 +66,8 @@ def _write_folder(tmp_path: Path, pp: int, tp: int, dp: int, layers: int) -> dic
     dims = {"pp_degree": pp, "tp_degree": tp}
     for mp in range(pp * tp):
         torch.save({"checkpoint_parallel_dimensions": dims, "param_shapes": [{"w": torch.Size([5])}],
-                    "iteration": 7, "checkpoint_info": {"mp": mp}, "ds_config": {}},
+                    "iteration": 7, "checkpoint_info": {"mp": mp}, "ds_config": {},
+                    "args": Namespace(num_layers=layers, params_dtype=torch.bfloat16)},
                    tmp_path / f"mp_rank_{mp:02d}_model_states.pt")
     moments = torch.arange(float(dp * 3 * pp * tp)).reshape(pp * tp, dp * 3)  # per model-parallel slot
     for d, mp in itertools.product(range(dp), range(pp * tp)):
@@ -84,6 +86,7 @@ def test_reader_merges_layers_and_zero_states_to_a_smaller_layout(tmp_path: Path
     ckpt = DeepSpeedCheckpoint(str(tmp_path), tp_degree=1, pp_degree=1, dp_degree=1)
     assert (ckpt.original_world_size, ckpt.world_size, ckpt.layer_count) == (8, 1, 6)
     assert ckpt.get_iteration() == 7 and ckpt.get_checkpoint_info() == {"mp": 0}
+    assert ckpt.get_args() == Namespace(num_layers=4, params_dtype=torch.bfloat16)  # Megatron's args, as saved
     full = ref["full"]
     for got, want in zip(ckpt.get_transformer_state(tp_index=0, pp_index=0), full["layers"]):  # type: ignore[index]
         assert got.keys() == want.keys()

@@ -190,6 +190,21 @@ class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's 
         DeepSpeed keeps one flat tensor per sub-group; deepshard one per parameter piece, in group order."""
         return self._partitions
 
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """``{param group: {param index: this rank's fp32 part of the parameter's reduced gradient}}`` in
+        DeepSpeed's per-parameter split (``ceil(numel / world)`` elements, the last rank's zero-padded), as the
+        gradients stand after the last backward (accumulated until a step or ``zero_grad()`` clears them).
+        Views of the engine's gradient store where deepshard's partition of a parameter is DeepSpeed's (a
+        parameter alone in its ZeRO-3 group); assembled across ranks where it is not, so every data-parallel rank
+        calls it together (``zero/stage3/grad_views.py``)."""
+        return self._engine.strategy.fp32_grad_partitions()
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """``{param group: [this rank's part of each parameter's reduced gradient]}``, in the gradients' dtype,
+        in DeepSpeed's per-parameter split (see :meth:`get_fp32_grad_partitions`)."""
+        return self._engine.strategy.averaged_gradients()
+
     @property
     def parameter_offload(self) -> Any:
         """The ZeRO-3 hook object generation code takes off and puts back (``stage3/hook_surface.py``)."""

@@ -2,20 +2,24 @@
 
 Reading: ``torch.load(weights_only=True)`` accepts tensors, storages and plain containers (dict, list,
 tuple, OrderedDict, int, float, str, bool, None, ``torch.Size``) by itself. DeepSpeed adds exactly the
-three classes of ``ALLOWED``; each is rebuilt as a deepshard stand-in that only stores what the file
-says (no DeepSpeed import, no code from the file run). Any other class is refused.
+classes of ``ALLOWED``; each is rebuilt as a deepshard stand-in that only stores what the file says (no
+DeepSpeed import, no code from the file run). ``argparse.Namespace`` (Megatron-DeepSpeed's ``args`` in
+its model-state files) is rebuilt as itself: a plain attribute holder, filled from the file's dict with no
+code run. Any other class is refused.
 
 Writing: the same stand-ins pickle themselves under DeepSpeed's names (``pickle_names.py``), so the
 files deepshard writes load in DeepSpeed as its own objects.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 DYNAMIC_LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 FRAGMENT_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
+MEGATRON_ARGS = "argparse.Namespace"
 
 
 class DeepSpeedRecord:
@@ -83,5 +87,6 @@ ALLOWED: dict[str, type] = {
     DYNAMIC_LOSS_SCALER: DynamicLossScalerRecord,
     ZERO_STAGE_ENUM: ZeroStage,
     FRAGMENT_ADDRESS: FragmentAddressRecord,
+    MEGATRON_ARGS: argparse.Namespace,
 }
 """DeepSpeed class name -> the stand-in rebuilt in its place (documented in docs/checkpoints.md)."""
