@@ -94,6 +94,7 @@ def safe_writers(engine: Any, rank: int, world: int, stage: int) -> dict[str, An
         out["local_after"] = {n: (safe_get_local_fp32_param(p), p.ds_tensor.detach().clone(),
                                   safe_get_local_optimizer_state(p, "exp_avg")) for n, p in params.items()}
     x, y = micro_slice(make_batches(1, 2 * world, seed=22)[0], 2, 0, rank, world)
+    out["persistent"] = sorted(n for n, p in params.items() if getattr(p, "ds_persist", False))
     engine.scale(engine(x, y)).backward()  # PyTorch-style: allreduce_gradients() finishes the reduction
     engine.allreduce_gradients()
     out["scaled_grad"] = {n: safe_get_full_grad(p) for n, p in params.items()}

@@ -135,14 +135,13 @@ def test_safe_set_helpers_write_every_rank_s_part(getters: tuple[int, list[dict[
             for key, by_name in states.items():
                 assert torch.equal(out["states"][key][name], by_name[name]), (key, name)
             assert rel_err(out["final"][name], ref["final"][name]) < 1e-5, name
-            # engine.scale(loss).backward() then allreduce_gradients(): reduced there, once. (Not compared at
-            # stage 3: its local writes above do not refresh the groups kept gathered, persistent ones, until the
-            # next step, so that forward ran on the values from before the doubling.)
-            if stage != 3:
-                assert rel_err(out["scaled_grad"][name], ref["final_grad"][name]) < 1e-5, name
+            # engine.scale(loss).backward() then allreduce_gradients(): reduced there, once; at stage 3 that forward
+            # computes with the values the local writes doubled, in the groups kept gathered (persistent) too
+            assert rel_err(out["scaled_grad"][name], ref["final_grad"][name]) < 1e-5, name
             assert torch.equal(out["scaled_grad_again"][name], out["scaled_grad"][name]), name
     if stage != 3:
         return
+    assert all(o["writes"]["persistent"] for o in outs)  # the forward after the local writes used kept groups
     for name, full in outs[0]["writes"]["stepped"].items():
         local = [o["writes"]["local"][name] for o in outs]
         after = [o["writes"]["local_after"][name] for o in outs]

@@ -12,9 +12,10 @@ communication. A *local* read or write is this rank's part only: at ZeRO-3 the r
 
 A new value also reaches the model's parameters (``publish``): stages 1-2 copy the full value into the
 parameter every rank holds; stage 3 writes the pieces into this rank's parameter shard (``ds_tensor``), and
-a full write also into the gathered values where a group is held gathered (a local write reaches the
-other ranks' gathered copies at the next optimizer step, as every local change does in DeepSpeed, which
-updates the 16-bit parameters only then). Frozen parameters have no pieces: writes to them are ignored and
+a full write also into the gathered values where a group is held gathered; after a local write such a
+group is gathered again at its next forward, so the model computes with the new value there, as it does
+for a parameter gathered on demand (every rank calls the local writer for the same parameters, each with
+its part: that re-gather is a collective). Frozen parameters have no pieces: writes to them are ignored and
 the local readers answer None, as DeepSpeed's do.
 """
 from __future__ import annotations

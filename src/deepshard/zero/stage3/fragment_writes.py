@@ -3,8 +3,9 @@
 A piece's new fp32 value is also this rank's part of the parameter shard (``ds_tensor``, in the model's
 dtype): written there straight away (when the optimizer keeps fp32 masters; otherwise the piece *is* the
 shard). A full write also replaces the gathered values of a group held gathered (persistent groups, or a
-write inside a forward), on every rank, as each rank has the full value; hpZ's secondary copy is marked
-stale. A gradient piece is a range of the gradient shard (in memory, or in the optimizer's swap file).
+write inside a forward), on every rank, as each rank has the full value; a local write marks such a group
+stale instead, and its next forward gathers it again (``ShardedGroup.mark_stale``: a collective then, so
+every rank calls the local writer, each with its own part); hpZ's secondary copy is marked stale. A gradient piece is a range of the gradient shard (in memory, or in the optimizer's swap file).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def stage3_access(strategy: Any) -> FragmentAccess:
         if group is None:
             return
         group.invalidate_secondary()
-        if full is not None and group.state is GroupState.GATHERED:
+        if full is None:  # a local write: the other ranks' parts of the gathered copy are not known here
+            group.mark_stale()
+        elif group.state is GroupState.GATHERED:
             param.data.copy_(full.reshape(param.shape))
 
     def write_grad(i: int, part: torch.Tensor) -> None:

@@ -65,6 +65,9 @@ class ShardedGroup:
         self.secondary: torch.Tensor | None = None
         """hpZ's secondary shard: this rank's part of the last gathered values in its hpZ group."""
         self.secondary_valid = False
+        self.stale = False
+        """The shard changed under a gathered copy this rank cannot rewrite alone (a local write): the next
+        forward of the group's module gathers it again (``refresh_if_stale``)."""
         self.requires_grad = any(p.requires_grad for p in params)
         for p, shape in zip(params, shapes):
             # DeepSpeed's names for the real shape and size (its users read them)
@@ -132,6 +135,7 @@ class ShardedGroup:
             else:
                 self.full.untyped_storage().resize_(0)
             self.state = GroupState.SHARDED
+            self.stale = False
             set_status(self.params, ZeroParamStatus.NOT_AVAILABLE)
 
     def make_persistent(self) -> None:
@@ -149,6 +153,19 @@ class ShardedGroup:
     def invalidate_secondary(self) -> None:
         """The primary shard changed (an update, a load): hpZ's secondary shard no longer matches it."""
         self.secondary_valid = False
+
+    def mark_stale(self) -> None:
+        """This rank's part of the shard was rewritten while the full values are held (a persistent group):
+        they are gathered again at the group's next forward. Not a collective: the re-gather is one, run by
+        every rank where each marked the group, so the local writers must be called on every rank for the
+        same parameters (as DeepSpeed's users do, each rank writing its own part)."""
+        if self.state is not GroupState.SHARDED:
+            self.stale = True
+
+    def refresh_if_stale(self) -> None:
+        """Re-gather a group marked stale (a collective: see ``mark_stale``)."""
+        if self.stale:
+            self.refresh()
 
     def refresh(self) -> None:
         """Re-gather after the shard changed (an optimizer step) if the full values are held."""
@@ -177,6 +194,7 @@ class ShardedGroup:
                 offset += n
             return out
         was = self.state
+        self.refresh_if_stale()
         self.unshard(async_op=False)
         values = [p.detach().clone() for p in self.params]
         if was is GroupState.SHARDED:

@@ -95,6 +95,7 @@ class Stage3Hooks:
                 watch_reads(module)  # modules attached since the last forward
         self.stack.append(module)
         for g in groups:
+            g.refresh_if_stale()  # a local write since the last gather (group.mark_stale)
             g.users += 1
             g.unshard()
         for g in groups:
