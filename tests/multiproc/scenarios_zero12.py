@@ -79,6 +79,9 @@ def safe_writers(engine: Any, rank: int, world: int, stage: int) -> dict[str, An
         safe_set_full_grad(p, grads[n])
     out: dict[str, Any] = {"fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
                            "grad": {n: safe_get_full_grad(p) for n, p in params.items()}}
+    x, y = micro_slice(make_batches(1, 2 * world, seed=22)[0], 2, 0, rank, world)
+    with torch.no_grad():  # the model computes with the written values (stage 3: kept-gathered groups too)
+        out["loss_after_full_write"] = float(engine(x, y))
     engine.step()
     out["stepped"] = {n: safe_get_full_fp32_param(p) for n, p in params.items()}
     states = {"exp_avg": written(params, 3), "exp_avg_sq": written(params, 4)}

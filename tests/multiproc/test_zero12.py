@@ -101,9 +101,11 @@ def _reference_after_writes(stage: int) -> dict[str, dict[str, torch.Tensor]]:
         for n, p in params.items():
             p.copy_(values[n])
             p.grad = grads[n].clone()
+        x, y = make_batches(1, 2 * WORLD, seed=22)[0]
+        out_full = [float(model(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])) for r in range(WORLD)]
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
-    out = {"stepped": {n: p.detach().clone() for n, p in params.items()}}
+    out = {"stepped": {n: p.detach().clone() for n, p in params.items()}, "full_loss": out_full}
     with torch.no_grad():
         for n, p in params.items():
             for key, by_name in states.items():
@@ -127,8 +129,9 @@ def test_safe_set_helpers_write_every_rank_s_part(getters: tuple[int, list[dict[
     names = dict(make_model().named_parameters())
     values, grads = written(names, 1), written(names, 2)
     states = {"exp_avg": written(names, 3), "exp_avg_sq": written(names, 4)}
-    for out in (o["writes"] for o in outs):
+    for rank, out in enumerate(o["writes"] for o in outs):
         assert set(out["fp32"]) == set(values) and len(values) > 0
+        assert out["loss_after_full_write"] == pytest.approx(ref["full_loss"][rank], rel=1e-5)
         for name in values:
             assert torch.equal(out["fp32"][name], values[name]) and torch.equal(out["grad"][name], grads[name]), name
             assert rel_err(out["stepped"][name], ref["stepped"][name]) < 1e-5, name

@@ -119,3 +119,28 @@ def test_needs_scaler_is_deepspeeds_answer(fp16: dict, dynamic: bool) -> None:
         assert engine.loss_scale == 64.0
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_optimizer_state_dict_comes_back_from_a_checkpoint_as_saved(stage: int, tmp_path: object) -> None:
+    """``engine.optimizer.optimizer.state_dict()`` after ``load_checkpoint`` equals the one saved, entry by entry
+    in the same order (DeepSpeed's checkpoint tests zip the two)."""
+    engine, zopt, _ = _engine(stage)
+    fresh, fresh_opt, _ = _engine(stage)
+    try:
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        saved = zopt.optimizer.state_dict()
+        engine.save_checkpoint(str(tmp_path), tag="t")
+        fresh.load_checkpoint(str(tmp_path), tag="t")
+        loaded = fresh_opt.optimizer.state_dict()
+        assert saved["param_groups"] == loaded["param_groups"]
+        assert list(saved["state"]) == list(loaded["state"]) and saved["state"]
+        for (k0, s0), (k1, s1) in zip(saved["state"].items(), loaded["state"].items()):
+            assert k0 == k1 and s0.keys() == s1.keys()
+            assert all(torch.equal(s0[k], s1[k]) for k in s0), k0
+    finally:
+        engine.destroy()
+        fresh.destroy()

@@ -202,8 +202,11 @@ class ResidentStates(ShardStates):
         if states is None or self.optimizer is None:
             return
         self.optimizer.state.clear()
-        for i, fp in enumerate(self.params):
-            state = states(i)
+        index = {id(fp): i for i, fp in enumerate(self.params)}
+        # in the param groups' order, the order a step creates the state in, so that the optimizer's
+        # state_dict() after a load lists its entries as before the save (pieces are in layout order)
+        for fp in (fp for group in self.optimizer.param_groups for fp in group["params"] if id(fp) in index):
+            state = states(index[id(fp)])
             if state:
                 self.optimizer.state[fp] = state
 
