@@ -127,6 +127,7 @@ def _autoep_config(stage: int, micro: int, ep: int, dtype: str = "fp32") -> dict
 def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], steps: int = 3) -> dict[Any, Any]:
     """Each (model kind, stage, ep, dtype): ``steps`` steps of the HF model with AutoEP; its losses and each
     parameter as (offset in the saved tensor, fp32 value)."""
+    from deepshard.moe.autoep_layer import AutoEPMoELayer
     from deepshard.placement import saved_slice
     from tests.multiproc.moe_models import make_hf_moe, token_batches
 
@@ -137,7 +138,9 @@ def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], 
         losses = _hf_steps(engine, batches, rank, world)
         weights = {name: (saved_slice(p)[0], engine.strategy.full_fp32_param(p))
                    for name, p in engine.module.named_parameters()}
-        out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights,
+        layers = [(m.module_path, m.ep_size, m.num_local_experts, m.num_experts, type(m.router).__name__)
+                  for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+        out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights, "layers": layers,
                                          "local_experts": engine.module.model.layers[0].mlp.experts.gate_up_proj.shape[0]}
         engine.destroy()
     return out
