@@ -140,7 +140,11 @@ def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], 
                    for name, p in engine.module.named_parameters()}
         layers = [(m.module_path, m.ep_size, m.num_local_experts, m.num_experts, type(m.router).__name__)
                   for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+        placement = {name: (p.ds_zero_placement_family, p.ds_zero_partition_group_name,
+                            p.ds_zero_partition_world_size, p.ds_zero_partition_rank)
+                     for name, p in engine.module.named_parameters() if hasattr(p, "ds_zero_placement_family")}
         out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights, "layers": layers,
+                                         "placement": placement,
                                          "local_experts": engine.module.model.layers[0].mlp.experts.gate_up_proj.shape[0]}
         engine.destroy()
     return out

@@ -43,6 +43,16 @@ def _check(results: list[dict[Any, Any]], case: tuple[str, int, int, str], world
     # every MoE block is found as DeepSpeed's AutoEPMoELayer, its experts split over ep ranks
     assert [layer[0] for layer in r["layers"]] == ["model.layers.0.mlp", "model.layers.1.mlp"], r["layers"]
     assert all(layer[1:4] == (ep, 4 // ep, 4) for layer in r["layers"]), r["layers"]
+    # ZeRO-3's placement record: experts partitioned over their expert-data-parallel group (world / ep ranks,
+    # DeepSpeed's layout: consecutive ranks share an expert-parallel group), the rest over every rank
+    placement = {rank: results[rank][case]["placement"] for rank in range(world)}
+    assert bool(placement[0]) == (case[1] == 3), placement[0]
+    for rank, record in placement.items():
+        for name, got in record.items():
+            expert = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            want = (("autoep_expert", f"ep_size_{ep}", world // ep, rank // ep) if expert
+                    else ("replicated", None, world, rank))
+            assert got == want, (rank, name, got, want)
     assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= LOSS[dtype], (r["losses"], ref_losses)
     for rank in range(world):
         for name, (offset, value) in results[rank][case]["weights"].items():
