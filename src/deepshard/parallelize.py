@@ -65,7 +65,7 @@ def parallelize(model: torch.nn.Module, cfg: DeepShardConfig, accelerator: Accel
     topology = attach_experts(model, topology, bool(cfg.use_data_before_expert_parallelism))
     autoep = AutoEPConfig(cfg.expert_parallel)
     if autoep.enabled:  # Hugging Face MoE blocks' experts split over expert-parallel ranks
-        topology = apply_autoep(model, topology, autoep.size)
+        topology = apply_autoep(model, topology, autoep.size, autoep.preset_model)
     stage = model if isinstance(model, PipelineModule) else None  # plan.pipeline
     tied = None
     if stage is not None:  # the stage's layers were built by the PipelineModule for this grid position

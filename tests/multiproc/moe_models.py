@@ -135,9 +135,15 @@ def tiny_moe_config(kind: str) -> Any:
 
 
 def make_hf_moe(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny transformers MoE model of ``kind``, or (``"inline"``) a model whose MoE blocks read their fused
+    experts' weights themselves (``tests/multiproc/inline_moe.py``)."""
     import transformers
 
     torch.manual_seed(seed)
+    if kind == "inline":
+        from tests.multiproc.inline_moe import InlineMoELM
+
+        return InlineMoELM()
     config = tiny_moe_config(kind)
     config._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(config)

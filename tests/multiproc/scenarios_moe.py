@@ -127,6 +127,7 @@ def _autoep_config(stage: int, micro: int, ep: int, dtype: str = "fp32") -> dict
 def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], steps: int = 3) -> dict[Any, Any]:
     """Each (model kind, stage, ep, dtype): ``steps`` steps of the HF model with AutoEP; its losses and each
     parameter as (offset in the saved tensor, fp32 value)."""
+    from deepshard.moe.autoep_layer import AutoEPMoELayer
     from deepshard.placement import saved_slice
     from tests.multiproc.moe_models import make_hf_moe, token_batches
 
@@ -137,7 +138,13 @@ def autoep_cases(rank: int, world: int, cases: list[tuple[str, int, int, str]], 
         losses = _hf_steps(engine, batches, rank, world)
         weights = {name: (saved_slice(p)[0], engine.strategy.full_fp32_param(p))
                    for name, p in engine.module.named_parameters()}
-        out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights,
+        layers = [(m.module_path, m.ep_size, m.num_local_experts, m.num_experts, type(m.router).__name__)
+                  for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+        placement = {name: (p.ds_zero_placement_family, p.ds_zero_partition_group_name,
+                            p.ds_zero_partition_world_size, p.ds_zero_partition_rank)
+                     for name, p in engine.module.named_parameters() if hasattr(p, "ds_zero_placement_family")}
+        out[(kind, stage, ep, dtype)] = {"losses": losses, "weights": weights, "layers": layers,
+                                         "placement": placement,
                                          "local_experts": engine.module.model.layers[0].mlp.experts.gate_up_proj.shape[0]}
         engine.destroy()
     return out

@@ -1,5 +1,6 @@
 """AutoEP (the ``expert_parallel`` config section): tiny transformers Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
-models built from a config (no download), their experts split over 2 or 4 expert-parallel ranks without a
+models built from a config (no download), and a model whose MoE blocks read their fused experts themselves
+(``inline``: AutoEP routes for it), their experts split over 2 or 4 expert-parallel ranks without a
 change to the model's code, must train with the dense run's losses and weights (one process, every expert,
 the whole batch) at ZeRO 0-3; their checkpoints and 16-bit weights hold the whole fused expert tensors, so a
 run without AutoEP resumes them and the other way round. (DeepSpeed 0.19.8's own AutoEP fails at initialize
@@ -18,7 +19,7 @@ from tests.multiproc.moe_models import reference_hf, token_batches  # noqa: E402
 from tests.multiproc.scenarios_moe import autoep_cases, autoep_resume, autoep_save  # noqa: E402
 
 WORLD2 = [("mixtral", 2, 2, "fp32"), ("qwen2_moe", 0, 2, "fp32"), ("qwen3_moe", 3, 2, "fp32"), ("olmoe", 1, 2, "fp32"),
-          ("mixtral", 3, 2, "bf16")]
+          ("mixtral", 3, 2, "bf16"), ("inline", 2, 2, "fp32"), ("inline", 3, 2, "fp32")]
 WORLD4 = [("mixtral", 2, 4, "fp32"), ("qwen3_moe", 3, 2, "fp32")]
 LOSS = {"fp32": 1e-5, "bf16": 5e-3}      # measured: 1e-6 (fp32), 6e-4 (bf16 against the fp32 dense run)
 WEIGHTS = {"fp32": 1e-3, "bf16": 0.3}    # measured: 4e-5 (a near-zero Adam update's round-off), bf16 0.16
@@ -39,6 +40,19 @@ def _check(results: list[dict[Any, Any]], case: tuple[str, int, int, str], world
     ref_losses, ref_weights = reference_hf(kind, token_batches(3, 4))
     r = results[0][case]
     assert r["local_experts"] == 4 // ep  # each rank holds its share of the fused experts
+    # every MoE block is found as DeepSpeed's AutoEPMoELayer, its experts split over ep ranks
+    assert [layer[0] for layer in r["layers"]] == ["model.layers.0.mlp", "model.layers.1.mlp"], r["layers"]
+    assert all(layer[1:4] == (ep, 4 // ep, 4) for layer in r["layers"]), r["layers"]
+    # ZeRO-3's placement record: experts partitioned over their expert-data-parallel group (world / ep ranks,
+    # DeepSpeed's layout: consecutive ranks share an expert-parallel group), the rest over every rank
+    placement = {rank: results[rank][case]["placement"] for rank in range(world)}
+    assert bool(placement[0]) == (case[1] == 3), placement[0]
+    for rank, record in placement.items():
+        for name, got in record.items():
+            expert = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            want = (("autoep_expert", f"ep_size_{ep}", world // ep, rank // ep) if expert
+                    else ("replicated", None, world, rank))
+            assert got == want, (rank, name, got, want)
     assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= LOSS[dtype], (r["losses"], ref_losses)
     for rank in range(world):
         for name, (offset, value) in results[rank][case]["weights"].items():

@@ -295,3 +295,19 @@ def test_zero3_linear_wrap_is_linear_with_its_own_backward() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):  # around backward only: the gradients stay fp32's
         plain.sum().backward()
     torch.testing.assert_close(w_plain.grad, x.sum(0).expand(4, 8))
+
+
+def test_module_inject_holds_autoep_layer_only(shim: None) -> None:
+    """``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer`` is deepshard's (the class AutoEP's MoE blocks
+    become); the rest of ``deepspeed.module_inject`` (kernel injection for inference) is refused with why."""
+    import deepspeed.module_inject as module_inject
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    from deepshard.moe.autoep_layer import AutoEPMoELayer as ours
+
+    assert AutoEPMoELayer is ours
+    with pytest.raises(ImportError, match="kernel injection"):
+        from deepspeed.module_inject import replace_transformer_layer  # noqa: F401
+    with pytest.raises(ImportError, match="kernel injection"):
+        import deepspeed.module_inject.auto_tp  # noqa: F401
+    assert not hasattr(module_inject, "GroupQuantizer")

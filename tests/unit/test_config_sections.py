@@ -306,3 +306,21 @@ def test_optimizer_section_rules() -> None:
         load_config({"train_batch_size": 1, "optimizer": {"params": {"lr": 0.1}}}, 1)
     with pytest.raises(ConfigError, match="unknown config key 'scheduler.param'; did you mean 'params'"):
         load_config({"train_batch_size": 1, "scheduler": {"type": "WarmupLR", "param": {}}}, 1)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_expert_parallel_load_balance_coeff_only_null(enabled: bool) -> None:
+    """DeepSpeed's rule: ``load_balance_coeff`` (its expert-bias balancing, not implemented) may only be null or
+    left out, whether or not the section is enabled; the refusal names the value and the fix."""
+    from deepshard.runtime.ds_config import DeepSpeedConfig
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    for section in ({"enabled": enabled, "autoep_size": 1}, {"enabled": enabled, "load_balance_coeff": None}):
+        cfg = DeepSpeedConfig({**base, "expert_parallel": section})
+        assert cfg.expert_parallel_config.load_balance_coeff is None
+        assert cfg.expert_parallel_config.enabled is enabled
+    for value in (0, 0.0, 1e-3, False, True, "1e-3", [1e-3], {"coeff": 1e-3}):
+        with pytest.raises(ValueError) as info:
+            DeepSpeedConfig({**base, "expert_parallel": {"enabled": enabled, "load_balance_coeff": value}})
+        text = str(info.value)
+        assert repr(value) in text and "not supported" in text and "null" in text and "omit" in text, text

@@ -95,3 +95,25 @@ def test_native_bf16_is_read_from_the_cpu_flags() -> None:
     assert cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16\n") is True
     assert cpu_has_native_bf16("flags\t\t: fpu amx_tile amx_bf16\n") is True
     assert cpu_has_native_bf16("Features\t: fp asimd bf16\n") is None  # ARM: not judged
+
+
+def test_set_accelerator_chooses_the_device_get_accelerator_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepshard.accelerator import set_accelerator
+    from deepshard.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setenv("DEEPSHARD_ACCELERATOR", "cpu")
+    set_accelerator(CPU_Accelerator())
+    assert get_accelerator().device_name() == "cpu" and CPU_Accelerator().communication_backend_name() == "gloo"
+
+    class Other:
+        def device_name(self) -> str:
+            return "xpu"
+
+    with pytest.raises(ValueError, match="'xpu'"):
+        set_accelerator(Other())
+    if not torch.cuda.is_available():
+        from deepshard.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        with pytest.raises(RuntimeError, match="is_available"):
+            set_accelerator(CUDA_Accelerator())
+    assert get_accelerator().device_name() == "cpu"  # a refused call changes nothing

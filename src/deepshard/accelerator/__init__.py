@@ -336,3 +336,19 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
     if flags is None:
         return None
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def set_accelerator(accel: Any) -> None:
+    """DeepSpeed's ``set_accelerator``: make ``accel`` (an accelerator object of kind ``"cpu"`` or ``"cuda"``,
+    e.g. ``CPU_Accelerator()``) this process's device. The choice is kept where :func:`get_accelerator` reads
+    it, the process's ``DEEPSHARD_ACCELERATOR`` variable (so processes started from here inherit it too)."""
+    name_of = getattr(accel, "device_name", None)
+    kind = name_of() if callable(name_of) else None
+    if kind not in KINDS:
+        raise ValueError(f"set_accelerator({accel!r}): deepshard runs on {' or '.join(KINDS)}, and this accelerator "
+                         f"names its device {kind!r}; pass deepspeed.accelerator.cpu_accelerator.CPU_Accelerator() "
+                         "or cuda_accelerator.CUDA_Accelerator()")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("set_accelerator(CUDA accelerator) but torch.cuda.is_available() is False; install a "
+                           "CUDA build of torch or pass CPU_Accelerator()")
+    os.environ["DEEPSHARD_ACCELERATOR"] = kind

@@ -44,8 +44,11 @@ RENAMED: dict[str, str] = {
     "deepspeed.sequence.layer": "deepshard.sp.ulysses",
     "deepspeed.moe.sharded_moe": "deepshard.moe.sharded_moe",
     "deepspeed.launcher.multinode_runner": "deepshard.compat.multinode_runner",
+    "deepspeed.module_inject": "deepshard.compat.module_inject",
+    "deepspeed.module_inject.auto_ep_layer": "deepshard.moe.autoep_layer",
 }
-"""DeepSpeed module path -> the deepshard module that implements it (where the paths differ)."""
+"""DeepSpeed module path -> the deepshard module that implements it (where the paths differ). A path listed
+here exactly is provided even under a prefix of :data:`MISSING` (``deepspeed.module_inject.auto_ep_layer``)."""
 
 MISSING: dict[str, str] = {
     "deepspeed.moe.mappings": "the token drop/gather around the all-to-all for experts under Megatron-style tensor "
@@ -116,6 +119,9 @@ def refusal(fullname: str) -> str:
     who = "deepshard" if ds_name != fullname else "this 'deepspeed' (deepshard, via deepshard.compat)"
     if ds_name in REFUSED_NAMES:
         return f"{fullname} is not provided by {who}: it is {REFUSED_NAMES[ds_name]}"
+    feature = next((text for prefix, text in MISSING.items() if ds_name.startswith(prefix + ".")), None)
+    if feature:  # a name inside a package deepshard provides only a part of (deepspeed.module_inject)
+        return f"{fullname} is not provided by {who}: it is {feature}; use the real DeepSpeed for it"
     return f"{fullname} is not provided by {who}; use the real DeepSpeed for it"
 
 
@@ -133,6 +139,8 @@ def target_of(fullname: str, shown: str | None = None) -> str:
     reaches the user through ``from deepspeed.x import y`` too). ``shown`` is the name the user imported
     when it is not ``fullname`` (the ``deepshard.X`` spelling of ``deepspeed.X``)."""
     for prefix, feature in MISSING.items():
+        if fullname in RENAMED:
+            break
         if fullname == prefix or fullname.startswith(prefix + "."):
             who = ("this 'deepspeed' is deepshard (deepshard.compat), which" if shown is None
                    else "deepshard")

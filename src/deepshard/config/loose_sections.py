@@ -1,4 +1,5 @@
-"""Strict checks of the sections the config model keeps as given (``tensor_parallel``, ``autotuning``) and of
+"""Strict checks of the sections the config model keeps as given (``tensor_parallel``, ``autotuning``,
+``expert_parallel``) and of
 values that can only be checked against the machine (``flops_profiler.output_file``).
 
 The config model validates every modelled section key by key; these sections are read elsewhere (automatic
@@ -97,8 +98,22 @@ def check_profiler_output(enabled: bool, output_file: str | None) -> None:
                           f"{existing}); point output_file at a writable place")
 
 
+def check_expert_parallel(section: Any) -> None:
+    """``expert_parallel`` (AutoEP): the values DeepSpeed refuses are refused when the config loads, enabled or
+    not (``deepshard.moe.autoep_config``)."""
+    if section is None:
+        return
+    from deepshard.moe.autoep_config import AutoEPConfig
+
+    try:
+        AutoEPConfig(section)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_loose_sections(cfg: Any) -> None:
     """All of the above, on a loaded config."""
     check_tensor_parallel(cfg.tensor_parallel)
+    check_expert_parallel(cfg.expert_parallel)
     check_autotuning(cfg.autotuning)
     check_profiler_output(cfg.flops_profiler.enabled, cfg.flops_profiler.output_file)

@@ -22,11 +22,13 @@ them over the expert-data-parallel group, checkpoints store the whole tensors un
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from deepshard.moe.autoep_config import AutoEPConfig
+from deepshard.moe.autoep_layer import adopt_block
 from deepshard.moe.dispatch import all_to_all
 from deepshard.placement import mark_expert
 from deepshard.topology import Topology
@@ -35,24 +37,6 @@ __all__ = ["AutoEPConfig", "apply_autoep", "expert_modules"]
 
 FUSED = ("gate_up_proj", "down_proj")
 UNSUPPORTED_LAYOUTS = ("has_bias", "is_transposed", "has_post_expert_norm")
-
-
-class AutoEPConfig:
-    """The ``expert_parallel`` section: ``enabled`` and ``autoep_size`` (the expert-parallel size) act; the
-    routing and kernel keys of DeepSpeed's AutoEP describe models deepshard reads from the model itself."""
-
-    def __init__(self, section: Any) -> None:
-        section = dict(section or {})
-        self.enabled = bool(section.get("enabled", False))
-        self.size = int(section.get("autoep_size", 1) or 1)
-        if self.enabled and self.size < 1:
-            raise ValueError(f"expert_parallel.autoep_size must be >= 1, got {self.size}")
-        if section.get("load_balance_coeff") is not None:
-            raise ValueError("expert_parallel.load_balance_coeff must be null (DeepSpeed's rule): the model's own "
-                             "router loss (output_router_logits) is what trains the balance")
-        if int(section.get("expert_tensor_parallel_size", 1) or 1) != 1:
-            raise ValueError("expert_parallel.expert_tensor_parallel_size must be 1: experts are not split over "
-                             "tensor-parallel ranks")
 
 
 def fused_weight(module: nn.Module, name: str) -> Tensor:
@@ -101,9 +85,10 @@ def _keep_slice(module: nn.Module, prefix: str, group: str, ep_rank: int, size: 
         mark_expert(part, group, name, (name,), offset=ep_rank * part.numel(), global_shape=tuple(whole.shape))
 
 
-def apply_autoep(model: nn.Module, topology: Topology, size: int) -> Topology:
+def apply_autoep(model: nn.Module, topology: Topology, size: int, preset: Optional[str] = None) -> Topology:
     """Split every fused-experts module of ``model`` over ``size`` expert-parallel ranks (collective: every rank
-    calls it); returns the topology with the ``ep_size_<size>`` groups."""
+    calls it) and make each block holding one an ``AutoEPMoELayer`` (:mod:`deepshard.moe.autoep_layer`);
+    returns the topology with the ``ep_size_<size>`` groups. ``preset``: ``expert_parallel.preset_model``."""
     found = expert_modules(model)
     if not found:
         raise ValueError("expert_parallel is enabled but the model has no fused experts module (3-D gate_up_proj "
@@ -113,10 +98,24 @@ def apply_autoep(model: nn.Module, topology: Topology, size: int) -> Topology:
         _check_layout(name, module, size)
     topology = topology.with_experts([size])
     groups = topology.experts[f"ep_size_{size}"]
-    for name, module in found:
+    blocks = {name: _parent(model, name) for name, _ in found}
+    for layer_id, (name, module) in enumerate(found):
+        experts = int(fused_weight(module, "gate_up_proj").shape[0])
+        parent = blocks[name]
+        if parent is not None:  # checked before anything changes: a block it cannot route for raises here
+            adopt_block(parent[1], name.rsplit(".", 1)[-1], module_path=parent[0], moe_layer_id=layer_id,
+                        num_experts=experts, groups=groups, preset=preset)
         _keep_slice(module, name, groups.name, groups.ep_rank, size)
         module.forward = ExpertParallelForward(module, groups.ep, groups.ep_rank, size)  # type: ignore[method-assign]
     return topology
+
+
+def _parent(model: nn.Module, name: str) -> Optional[tuple[str, nn.Module]]:
+    """``(name, module)`` of the module holding the child ``name`` (None for the model itself)."""
+    if "." not in name:
+        return None if not name else ("", model)
+    path = name.rsplit(".", 1)[0]
+    return path, model.get_submodule(path)
 
 
 class ExpertParallelForward:
@@ -183,5 +182,6 @@ class ExpertParallelForward:
 
     def _gate_up(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        act_fn: Callable[[Tensor], Tensor] = getattr(self.module, "act_fn")
+        # the experts' own activation; SiLU (SwiGLU experts) for experts modules without one (DeepSpeed's default)
+        act_fn: Callable[[Tensor], Tensor] = getattr(self.module, "act_fn", None) or nn.functional.silu
         return act_fn(gate) * up

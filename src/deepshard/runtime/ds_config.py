@@ -145,3 +145,11 @@ class DeepSpeedConfig(DeepShardConfig):
     @property
     def scheduler_params(self) -> dict[str, Any] | None:
         return dict(self.scheduler.params) if self.scheduler is not None else None
+
+    @property
+    def expert_parallel_config(self) -> Any:
+        """The ``expert_parallel`` section (AutoEP) as read: :class:`deepshard.moe.autoep_config.AutoEPConfig`
+        (``enabled``, ``autoep_size``, ``preset_model``, ``load_balance_coeff``; ``raw`` the section as given)."""
+        from deepshard.moe.autoep_config import AutoEPConfig
+
+        return AutoEPConfig(self.expert_parallel)

@@ -23,6 +23,12 @@ Libraries written for DeepSpeed read them (TRL, OpenRLHF, PEFT, LLaVA-style ``ma
 ``param.partition()``      release the gathered values (unless a forward or ``GatheredParameters`` uses them)
 ``param.ds_active_sub_modules``  an empty set, kept for code that clears it (TRL); deepshard counts a group's users
                            itself
+``param.ds_zero_placement_family``  ``"autoep_expert"`` for an expert's parameter (AutoEP's, or a ``MoE``
+                           layer's: partitioned over its expert-data-parallel group), ``"replicated"`` for the
+                           others (partitioned over the data-parallel group)
+``param.ds_zero_partition_group_name``  the expert's ``ep_size_<P>`` group name; None for the others
+``param.ds_zero_partition_world_size``, ``_rank``, ``_process_group``  the group it is partitioned over: its
+                           size, this rank's place in it, its torch process group
 ``module.ds_id``           the module's position in ``module.modules()``
 ``module._external_params``  ``{id(param): param}`` registered with ``zero.register_external_parameter``;
 ``module.ds_external_parameters()``  returns its ``items()``, as in DeepSpeed
@@ -38,6 +44,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from deepshard.placement import expert_of
 from deepshard.zero.stage3.group import ShardedGroup
 
 EXTERNAL = "_external_params"
@@ -185,8 +192,19 @@ def attach(module: torch.nn.Module, groups: list[ShardedGroup],
             attrs["ds_active_sub_modules"] = set()
             attrs["is_external_param"] = id(p) in external
             attrs["ds_process_group"] = g.comm.group
+            _placement(attrs, p, g)
             attrs["all_gather"] = ParamCall(p, "all_gather")
             attrs["partition"] = ParamCall(p, "partition")
+
+
+def _placement(attrs: dict[str, Any], param: torch.nn.Parameter, group: ShardedGroup) -> None:
+    """The ``ds_zero_*`` placement record of a partitioned parameter: where its group is sharded."""
+    shard = expert_of(param)
+    attrs["ds_zero_placement_family"] = "replicated" if shard is None else "autoep_expert"
+    attrs["ds_zero_partition_group_name"] = None if shard is None else shard.group
+    attrs["ds_zero_partition_process_group"] = group.comm.group
+    attrs["ds_zero_partition_rank"] = group.comm.rank
+    attrs["ds_zero_partition_world_size"] = group.comm.size
 
 
 def detach(module: torch.nn.Module) -> None:
