@@ -75,11 +75,15 @@ def checkout(tmp_path: Path) -> Path:
     return tmp_path / "ds"
 
 
-def test_runner_records_each_side_and_report_counts_them(checkout: Path, tmp_path: Path) -> None:
+def test_runner_records_each_side_and_report_counts_them(checkout: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     results = tmp_path / "results.json"
+    # the deepshard side's interpreter given relative to the caller's folder (pytest runs in another one)
+    monkeypatch.chdir(Path(sys.executable).parent)
     # the "deepspeed" side here is this venv without the shim: `import deepspeed` fails there
     runner.main(["--checkout", str(checkout), "--files", "sub/test_*.py", "--results", str(results),
-                 "--ds-python", sys.executable, "--timeout", "120"])
+                 "--ds-python", sys.executable, "--deepshard-python", f"./{Path(sys.executable).name}",
+                 "--timeout", "120"])
     data = json.loads(results.read_text())
     sides = data["files"]["sub/test_fake.py"]
     shard = {k.split("::", 1)[1]: v for k, v in sides["deepshard"]["tests"].items()}

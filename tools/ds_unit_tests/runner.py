@@ -135,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ds-python", default=os.environ.get("DEEPSHARD_DEEPSPEED_PYTHON",
                                                               str(REPO / ".venv-deepspeed/bin/python")))
     parser.add_argument("--ds-pythonpath", default="", help="extra PYTHONPATH for DeepSpeed's side (its pytest)")
-    parser.add_argument("--deepshard-python", default=sys.executable)
+    parser.add_argument("--deepshard-python", default=sys.executable,
+                        help="the interpreter of deepshard's side (a relative path is taken from the current "
+                             "folder: pytest runs in a copy of the tests)")
     parser.add_argument("--checkout-label", help="the checkout's commit, where it is not a git repository")
     parser.add_argument("--no-preload", action="store_true",
                         help="workers import torch and deepspeed themselves (slower; for checking the preload)")
     args = parser.parse_args(argv)
+    if os.sep in args.deepshard_python:  # a path (not a name looked up on PATH): pytest runs elsewhere
+        args.deepshard_python = os.path.abspath(args.deepshard_python)
 
     unit_dir = args.checkout / "tests" / "unit"
     if not unit_dir.is_dir():
