@@ -144,3 +144,45 @@ def test_torch_optimizer_state_dict_comes_back_from_a_checkpoint_as_saved(stage:
     finally:
         engine.destroy()
         fresh.destroy()
+
+
+@pytest.mark.parametrize("stage, groups", [(1, 1), (2, 2)])
+def test_bit16_groups_flat_is_the_buffer_the_parameters_view(stage: int, groups: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine.optimizer.bit16_groups_flat`` (DeepSpeed's ZeRO-1/2 flat buffers): deepshard's one flat buffer,
+    which every trainable parameter views, before and after a step; flattening it is logged with DeepSpeed's
+    words ("Flattening param group ... (sufficient memory)")."""
+    from deepshard.utils import logging as ds_logging
+
+    lines: list[str] = []
+    monkeypatch.setattr(ds_logging.logger, "info", lambda msg, *a, **k: lines.append(str(msg)))
+    model = _model()
+    split = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}]
+    opt = torch.optim.AdamW(split if groups == 2 else model.parameters(), lr=0.05)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    engine, zopt, _, _ = deepshard.initialize(model=model, optimizer=opt, config=cfg)
+    which = "param group 0 on cpu" if groups == 1 else "param groups 0-1 on cpu"
+    assert [m for m in lines if m.startswith(f"Flattening {which}") and m.endswith("(sufficient memory)")], lines
+    try:
+        params = list(engine.module.parameters())
+        (flat,) = zopt.bit16_groups_flat  # one buffer for all param groups
+        assert flat.device == engine.device and flat.dtype == params[0].dtype and flat.grad_fn is None
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+        for step in range(2):
+            before = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                flat.add_(1.0)  # written through the buffer: every parameter moves
+            for p, b in zip(params, before):
+                assert torch.equal(p.detach(), b + 1.0)
+            with torch.no_grad():
+                flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype) / flat.numel())
+            seen = torch.cat([p.detach().reshape(-1) for p in params])
+            assert seen.unique().numel() == seen.numel() == sum(p.numel() for p in params)  # no element shared
+            if step == 0:  # the step publishes its update into the same buffer
+                engine.backward(engine(x).pow(2).mean())
+                engine.step()
+                assert zopt.bit16_groups_flat[0] is flat
+    finally:
+        engine.destroy()
+    with pytest.raises(AttributeError, match="destroyed"):
+        zopt.bit16_groups_flat

@@ -16,6 +16,7 @@ import torch
 
 from deepshard.precision.cast import cast_module
 from deepshard.shard_state import FullState, ShardState
+from deepshard.utils.logging import logger
 from deepshard.zero.canonical import contiguous_split
 from deepshard.zero.fragment_access import FragmentAccess, stage12_access
 from deepshard.zero.grad_reducers import Stage1Reducer, Stage2Reducer
@@ -100,10 +101,29 @@ class Stage12Strategy(ZeroStrategy):
             flat32[slot.flat_start:slot.flat_start + slot.numel] = self.params[slot.param_index].reshape(-1)
         cast_module(module, policy.param_dtype, policy.buffer_dtype)
         self.flat_param = flat32 if policy.param_dtype == torch.float32 else flat32.to(policy.param_dtype)
+        self._log_flattening()
         for slot in layout.slots:
             p = self.params[slot.param_index]
             p.data = self.flat_param[slot.flat_start:slot.flat_start + slot.numel].view(slot.shape)
         return flat32
+
+    def _log_flattening(self) -> None:
+        """Say, on every rank, that the parameters are being re-homed into the flat buffer (DeepSpeed's ZeRO-1/2
+        logs "Flattening param group i on <device> (sufficient memory)" when it flattens a group on the device,
+        and code written for it looks for that line). deepshard builds the buffer on the device always; the
+        line comes once that allocation has succeeded, so the memory was sufficient. All param groups share
+        the one buffer, so one line names them all."""
+        groups = len(self.optimizer.param_groups) if self.optimizer is not None else 1
+        which = "param group 0" if groups == 1 else f"param groups 0-{groups - 1}"
+        flat = self.flat_param
+        logger.info(f"Flattening {which} on {flat.device.type} into one {str(flat.dtype).replace('torch.', '')} "
+                    f"buffer of {flat.numel()} elements in {len(self.layout.buckets)} bucket(s) (sufficient memory)")
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat buffer every trainable parameter is a view of (``engine.optimizer.bit16_groups_flat``):
+        one tensor for all param groups, in launch order, each bucket zero-padded to a multiple of the
+        data-parallel size. Writing into it changes the parameters."""
+        return [self.flat_param]
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
         """Where piece ``f``'s reduced gradient is: the full flat gradient (stage 1) or the shard (2)."""

@@ -180,6 +180,15 @@ class DeepSpeedZeroOptimizer(ZeROOptimizer):
         DeepSpeed keeps one flat tensor per param group; deepshard one per parameter piece, in group order."""
         return self._partitions
 
+    @property
+    def bit16_groups_flat(self) -> list[torch.Tensor]:
+        """The flat buffer the module's trainable parameters are views of, in the parameters' dtype (fp32, fp16
+        or bf16) on the engine's device: writing into it changes the parameters. DeepSpeed keeps one such buffer
+        per param group; deepshard keeps one for all param groups (parameters in launch order, each bucket
+        padded to a multiple of the data-parallel size), so the list has one entry: it is DeepSpeed's list
+        exactly when there is one param group."""
+        return self._engine.strategy.flat_buffers()
+
 
 class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's name
     """``engine.optimizer`` at ZeRO stage 3 (DeepSpeed's ``stage3.DeepSpeedZeroOptimizer_Stage3``)."""
