@@ -167,6 +167,8 @@ def test_report_gives_a_second_figure_without_the_implementation_internal_files(
     assert report.is_implementation_internal("v1/moe/test_autoep_autotp_dispatch.py")
     assert report.is_implementation_internal("v1/moe/test_fused_expert_layout.py")
     assert not report.is_implementation_internal("v1/moe/test_moe.py")
+    assert report.is_implementation_internal("v1/moe/test_autoep_checkpoint.py")  # imports autoep_universal helpers
+    assert not report.is_implementation_internal("v1/moe/test_autoep_integration.py")  # public surface only
     text = report.render(results, [])
     assert "**Overall: 3 of the 8 tests that pass on DeepSpeed pass on deepshard (38%).**" in text
     assert "**Without the implementation-internal files: 3 of the 4 tests that pass on DeepSpeed pass on " \

@@ -20,25 +20,33 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 IMPLEMENTATION_INTERNAL: tuple[str, ...] = (
-    "v1/moe/test_autoep_*.py",
+    "v1/moe/test_autoep_unit.py",
+    "v1/moe/test_autoep_autotp_*.py",
+    "v1/moe/test_autoep_checkpoint.py",
     "v1/moe/test_fused_expert_layout.py",
     "checkpoint/test_autotp_uc_checkpoint.py",
 )
 """fnmatch patterns of the DeepSpeed test files that unit-test the private modules of DeepSpeed's own
-implementations rather than the behaviour its users reach: the AutoEP implementation (its layout planners,
-folding tables and preset adapters in ``deepspeed.module_inject.auto_ep_*`` and ``deepspeed.moe.ep_*``, and
-its fused-expert layout detection) and the private helpers of the universal-checkpoint converter
-(``deepspeed.checkpoint.ds_to_universal``). deepshard meets the same contracts with designs of its own
+implementations rather than the behaviour its users reach, judged by what each file imports at its top:
+the AutoEP implementation (its layout planners, routers, repacking and preset adapters in
+``deepspeed.module_inject.auto_ep_*`` / ``deepspeed.moe.ep_*``, the AutoEP x AutoTP folding tables of
+``auto_ep_folding``, its fused-expert layout detection) and the universal-checkpoint converter's private
+helpers (``deepspeed.checkpoint.ds_to_universal``, and ``deepspeed.checkpoint.autoep_universal``'s
+``_zero12_fragment_path`` and folding metadata). deepshard meets the same contracts with designs of its own
 (its AutoEP reads the same ``expert_parallel`` config; its checkpoints load at another layout without a
-conversion step), so the page gives a second figure without these files, under the overall one."""
+conversion step), so the page gives a second figure without these files, under the overall one. The AutoEP
+files that import only DeepSpeed's public surface (``test_autoep_integration.py``,
+``test_autoep_grad_parity.py``) count in both figures."""
 
 IMPLEMENTATION_INTERNAL_WHY = (
-    "they unit-test private modules of DeepSpeed's own implementations (AutoEP's layout planners, folding "
-    "tables and preset adapters in `deepspeed.module_inject.auto_ep_*` / `deepspeed.moe.ep_*`, its fused-expert "
-    "layout detection, and the private helpers of the universal-checkpoint converter "
-    "`deepspeed.checkpoint.ds_to_universal`), where deepshard meets the same contracts with designs of its own "
-    "(its AutoEP reads the same `expert_parallel` config; its checkpoints load at another layout without a "
-    "conversion step)")
+    "they unit-test private modules of DeepSpeed's own implementations, as the imports at the top of each "
+    "file show (AutoEP's layout planners, routers and preset adapters in `deepspeed.module_inject.auto_ep_*` / "
+    "`deepspeed.moe.ep_*`, its AutoTP folding tables in `auto_ep_folding`, its fused-expert layout detection, "
+    "and the private helpers of the universal-checkpoint converter `deepspeed.checkpoint.ds_to_universal` / "
+    "`deepspeed.checkpoint.autoep_universal`), where deepshard meets the same contracts with designs of its "
+    "own (its AutoEP reads the same `expert_parallel` config; its checkpoints load at another layout without a "
+    "conversion step); the AutoEP files that import only DeepSpeed's public surface "
+    "(`v1/moe/test_autoep_integration.py`, `v1/moe/test_autoep_grad_parity.py`) count in both figures")
 """Why the second figure leaves :data:`IMPLEMENTATION_INTERNAL` out (a sentence of the generated page)."""
 
 
