@@ -160,6 +160,9 @@ class ZeROOptimizer(DeepSpeedOptimizer):
 
     # ---------------------------------------------------------------------------------- the rest
     def __getattr__(self, name: str) -> Any:
+        refusal = self.__dict__.pop("_refusal", None)
+        if refusal is not None:  # one of this class's names refused to answer, saying why
+            raise AttributeError(refusal)
         if hasattr(type(self), name):  # one of this class's names could not answer: the engine is gone
             raise AttributeError(f"engine.optimizer.{name}: this engine was destroyed (engine.destroy() released its "
                                  "ZeRO state); build a new engine with deepshard.initialize")
@@ -186,7 +189,17 @@ class DeepSpeedZeroOptimizer(ZeROOptimizer):
         or bf16) on the engine's device: writing into it changes the parameters. DeepSpeed keeps one such buffer
         per param group; deepshard keeps one for all param groups (parameters in launch order, each bucket
         padded to a multiple of the data-parallel size), so the list has one entry: it is DeepSpeed's list
-        exactly when there is one param group."""
+        exactly when there is one param group. With several it is refused (an AttributeError saying why),
+        since code written for DeepSpeed pairs the list with ``param_groups`` and would read every group's
+        parameters as the first group's."""
+        groups = len(self.optimizer.param_groups)
+        if groups != 1:  # an AttributeError from a property goes through __getattr__, which raises this text
+            self.__dict__["_refusal"] = (
+                f"engine.optimizer.bit16_groups_flat is DeepSpeed's one flat buffer per param group; deepshard keeps "
+                f"one buffer for all {groups} param groups, so there is no per-group list to give. Read each "
+                "parameter's values through the parameters (they are views of that buffer), or train with one "
+                "param group")
+            raise AttributeError("bit16_groups_flat")
         return self._engine.strategy.flat_buffers()
 
 
