@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from deepshard.zero.stage3.grad_views import Stage3GradViews
+
 __all__ = ["DeepSpeedOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "ZeROOptimizer",
            "build"]
 
@@ -219,13 +221,14 @@ class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's 
         Views of the engine's gradient store where deepshard's partition of a parameter is DeepSpeed's (a
         parameter alone in its ZeRO-3 group); assembled across ranks where it is not, so every data-parallel rank
         calls it together (``zero/stage3/grad_views.py``)."""
-        return self._engine.strategy.fp32_grad_partitions()
+        parts = Stage3GradViews(self._engine.strategy).partitions(True)
+        return {gi: dict(enumerate(group)) for gi, group in parts.items()}
 
     @property
     def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
         """``{param group: [this rank's part of each parameter's reduced gradient]}``, in the gradients' dtype,
         in DeepSpeed's per-parameter split (see :meth:`get_fp32_grad_partitions`)."""
-        return self._engine.strategy.averaged_gradients()
+        return Stage3GradViews(self._engine.strategy).partitions(False)
 
     @property
     def parameter_offload(self) -> Any:
