@@ -21,15 +21,6 @@ _CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "para
         "zero_optimization": {"stage": 1}}
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _trained(seed: int) -> tuple[deepshard.DeepShardEngine, torch.optim.Adam, nn.Linear]:
     """An engine after one step, and a plain torch Adam (the reference) after the same step."""
     torch.manual_seed(seed)
@@ -78,24 +69,21 @@ def test_save_writes_the_file_under_the_name_the_engine_gives(tmp_path: Path) ->
     torch.testing.assert_close(fresh.module.weight.detach(), reference.weight.detach())
 
 
-def test_recovery_script_is_executable_and_chmod_failures_are_logged(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recovery_script_is_executable_and_chmod_failures_are_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     engine, _, _ = _trained(0)
     engine.save_checkpoint(tmp_path / "a", tag="t1")
     assert os.stat(tmp_path / "a" / "zero_to_fp32.py").st_mode & stat.S_IXUSR
-    handler = _Lines()
-    logging.getLogger("deepshard").addHandler(handler)
-    try:
-        engine._change_recovery_script_permissions(tmp_path / "missing" / "zero_to_fp32.py")
-        assert any("could not make" in line and "zero_to_fp32.py" in line for line in handler.lines), handler.lines
+    caplog.set_level(logging.INFO, logger="deepshard")
+    caplog.clear()
+    engine._change_recovery_script_permissions(tmp_path / "missing" / "zero_to_fp32.py")
+    assert any("could not make" in line and "zero_to_fp32.py" in line for line in caplog.messages), caplog.messages
 
-        def refuse(path: object, mode: int) -> None:
-            raise PermissionError(1, "Operation not permitted", str(path))
+    def refuse(path: object, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
 
-        handler.lines.clear()
-        monkeypatch.setattr(os, "chmod", refuse)
-        assert engine.save_checkpoint(tmp_path / "b", tag="t1")  # a file share refusing chmod: saved anyway
-        assert (tmp_path / "b" / "t1").is_dir() and (tmp_path / "b" / "zero_to_fp32.py").is_file()
-        assert any("Operation not permitted" in line for line in handler.lines), handler.lines
-    finally:
-        logging.getLogger("deepshard").removeHandler(handler)
+    caplog.clear()
+    monkeypatch.setattr(os, "chmod", refuse)
+    assert engine.save_checkpoint(tmp_path / "b", tag="t1")  # a file share refusing chmod: saved anyway
+    assert (tmp_path / "b" / "t1").is_dir() and (tmp_path / "b" / "zero_to_fp32.py").is_file()
+    assert any("Operation not permitted" in line for line in caplog.messages), caplog.messages

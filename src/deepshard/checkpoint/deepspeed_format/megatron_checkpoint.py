@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from deepshard.checkpoint.deepspeed_format.constants import LAYER_FILE_PREFIX, MODEL_FILE_PREFIX, PARAM_SHAPES
+from deepshard.checkpoint.deepspeed_format.constants import (LAYER_FILE_PREFIX, MODEL_FILE_PREFIX, PARAM_SHAPES,
+                                                             UNIVERSAL_CHECKPOINT_INFO)
 from deepshard.checkpoint.deepspeed_format.megatron_folder import (check_folder, get_files, get_files_with_prefix,
                                                                    get_model_3d_descriptor_from_metadata,
                                                                    get_zero_files, load_state, merge_state)
@@ -31,7 +32,7 @@ ARGS_KEY = "args"  # the first model-state file's entries Megatron's tools read 
 CHECKPOINT_INFO_KEY = "checkpoint_info"
 ITERATION_KEY = "iteration"
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_.*")
-_GLOBAL_KEYS = (ARGS_KEY, CHECKPOINT_INFO_KEY, "universal_checkpoint_info")
+_GLOBAL_KEYS = (ARGS_KEY, CHECKPOINT_INFO_KEY, UNIVERSAL_CHECKPOINT_INFO)
 # Megatron's tensor-parallel layers: these are copies on every tensor-parallel rank (take one) ...
 _REPLICATED = {"input_layernorm.weight", "input_layernorm.bias", "self_attention.dense.bias",
                "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_4h_to_h.bias",
