@@ -101,7 +101,8 @@ def test_set_accelerator_chooses_the_device_get_accelerator_returns(monkeypatch:
     from deepshard.accelerator import set_accelerator
     from deepshard.accelerator.cpu_accelerator import CPU_Accelerator
 
-    monkeypatch.setenv("DEEPSHARD_ACCELERATOR", "cpu")
+    # another choice first (restored after the test), so the check below sees set_accelerator's own
+    monkeypatch.setenv("DEEPSHARD_ACCELERATOR", "cuda")
     set_accelerator(CPU_Accelerator())
     assert get_accelerator().device_name() == "cpu" and CPU_Accelerator().communication_backend_name() == "gloo"
 

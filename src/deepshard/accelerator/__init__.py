@@ -305,8 +305,15 @@ def get_accelerator(local_rank: int | None = None) -> DeviceAccelerator:
     else:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        return DeviceAccelerator("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        return DeviceAccelerator("cuda", cuda_index(local_rank))
     return DeviceAccelerator("cpu", 0)
+
+
+def cuda_index(local_rank: int | None = None) -> int:
+    """The CUDA device a rank uses: its local rank (``LOCAL_RANK`` when not given) modulo the visible devices."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank % max(torch.cuda.device_count(), 1)
 
 
 SUPPORTED_ACCELERATOR_LIST: list[str] = list(KINDS)

@@ -2,9 +2,7 @@
 hands it to ``set_accelerator`` (``set_accelerator(CUDA_Accelerator())``)."""
 from __future__ import annotations
 
-import os
-
-from deepshard.accelerator import DeviceAccelerator
+from deepshard.accelerator import DeviceAccelerator, cuda_index
 
 __all__ = ["CUDA_Accelerator"]
 
@@ -14,6 +12,4 @@ class CUDA_Accelerator(DeviceAccelerator):  # noqa: N801 (DeepSpeed's class name
     rank modulo the visible devices, as :func:`deepshard.accelerator.get_accelerator` picks it."""
 
     def __init__(self) -> None:
-        import torch
-
-        super().__init__("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        super().__init__("cuda", cuda_index())

@@ -138,9 +138,7 @@ def target_of(fullname: str, shown: str | None = None) -> str:
     feature deepshard does not implement (an ImportError, not ModuleNotFoundError, so that the message
     reaches the user through ``from deepspeed.x import y`` too). ``shown`` is the name the user imported
     when it is not ``fullname`` (the ``deepshard.X`` spelling of ``deepspeed.X``)."""
-    for prefix, feature in MISSING.items():
-        if fullname in RENAMED:
-            break
+    for prefix, feature in () if fullname in RENAMED else MISSING.items():  # a RENAMED path wins over MISSING
         if fullname == prefix or fullname.startswith(prefix + "."):
             who = ("this 'deepspeed' is deepshard (deepshard.compat), which" if shown is None
                    else "deepshard")

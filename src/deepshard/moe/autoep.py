@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from deepshard.moe.autoep_config import AutoEPConfig
-from deepshard.moe.autoep_layer import adopt_block
+from deepshard.moe.autoep_layer import BlockRouting, adopt_block, block_routing
 from deepshard.moe.dispatch import all_to_all
 from deepshard.placement import mark_expert
 from deepshard.topology import Topology
@@ -94,17 +94,20 @@ def apply_autoep(model: nn.Module, topology: Topology, size: int, preset: Option
         raise ValueError("expert_parallel is enabled but the model has no fused experts module (3-D gate_up_proj "
                          "and down_proj parameters, as transformers 5's Mixtral, Qwen2/3-MoE and OLMoE blocks hold "
                          "them); disable the section for this model")
-    for name, module in found:
+    routings: dict[str, tuple[str, nn.Module, BlockRouting]] = {}
+    for name, module in found:  # every module and block checked before anything changes
         _check_layout(name, module, size)
+        parent = _parent(model, name)
+        if parent is not None:  # a block it cannot route for raises here
+            routings[name] = (*parent, block_routing(parent[1], name.rsplit(".", 1)[-1], module_path=parent[0],
+                                                     ep_size=size, preset=preset))
     topology = topology.with_experts([size])
     groups = topology.experts[f"ep_size_{size}"]
-    blocks = {name: _parent(model, name) for name, _ in found}
     for layer_id, (name, module) in enumerate(found):
-        experts = int(fused_weight(module, "gate_up_proj").shape[0])
-        parent = blocks[name]
-        if parent is not None:  # checked before anything changes: a block it cannot route for raises here
-            adopt_block(parent[1], name.rsplit(".", 1)[-1], module_path=parent[0], moe_layer_id=layer_id,
-                        num_experts=experts, groups=groups, preset=preset)
+        if name in routings:
+            path, block, routing = routings[name]
+            adopt_block(block, routing, module_path=path, moe_layer_id=layer_id,
+                        num_experts=int(fused_weight(module, "gate_up_proj").shape[0]), groups=groups)
         _keep_slice(module, name, groups.name, groups.ep_rank, size)
         module.forward = ExpertParallelForward(module, groups.ep, groups.ep_rank, size)  # type: ignore[method-assign]
     return topology

@@ -35,8 +35,6 @@ class AutoEPConfig:
         """The section as given."""
         self.enabled = bool(section.get("enabled", False))
         self.size = int(section.get("autoep_size", 1) or 1)
-        self.autoep_size = self.size
-        """DeepSpeed's name of :attr:`size`."""
         self.preset_model: str | None = section.get("preset_model")
         if self.enabled and self.size < 1:
             raise ValueError(f"expert_parallel.autoep_size must be >= 1, got {self.size}")
@@ -47,3 +45,8 @@ class AutoEPConfig:
         if int(section.get("expert_tensor_parallel_size", 1) or 1) != 1:
             raise ValueError("expert_parallel.expert_tensor_parallel_size must be 1: experts are not split over "
                              "tensor-parallel ranks")
+
+    @property
+    def autoep_size(self) -> int:
+        """DeepSpeed's name of :attr:`size`."""
+        return self.size

@@ -22,12 +22,14 @@ Its forward is one of two:
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["AutoEPMoELayer", "adopt_block", "INLINE_PRESETS"]
+__all__ = ["AutoEPMoELayer", "BlockRouting", "adopt_block", "block_routing", "INLINE_PRESETS"]
 
 INLINE_PRESETS = (None, "mixtral")
 """``preset_model`` values whose routing the layer computes itself for blocks that do not call their experts
@@ -89,23 +91,34 @@ def _top_k(block: nn.Module, experts: nn.Module) -> Optional[int]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _layer_class(cls: type) -> type:
-    """The class ``AutoEPMoELayer`` + ``cls`` (named after ``cls``)."""
+    """The class ``AutoEPMoELayer`` + ``cls`` (named after ``cls``), one for all the blocks of class ``cls``."""
     if issubclass(cls, AutoEPMoELayer):
         return cls
     return type(f"AutoEP{cls.__name__}", (AutoEPMoELayer, cls), {"__module__": __name__,
                                                                  "__doc__": AutoEPMoELayer.__doc__})
 
 
-def adopt_block(block: nn.Module, experts_name: str, *, module_path: str, moe_layer_id: int, num_experts: int,
-                groups: Any, preset: Optional[str]) -> AutoEPMoELayer:
-    """Re-class the MoE ``block`` (holding the fused experts as its child ``experts_name``) as an
-    :class:`AutoEPMoELayer` of the expert-parallel ``groups`` (``topology.ExpertGroups``); raises where the
-    block reads its experts itself and its routing cannot be known."""
+@dataclass(frozen=True)
+class BlockRouting:
+    """How the layer made of one MoE block routes: ``inline`` (the layer routes, see the module docstring), the
+    name of the block's router child and its top-k (None where the block has none)."""
+
+    inline: bool
+    router_name: Optional[str]
+    top_k: Optional[int]
+
+
+def block_routing(block: nn.Module, experts_name: str, *, module_path: str, ep_size: int,
+                  preset: Optional[str]) -> BlockRouting:
+    """How the MoE ``block`` (holding the fused experts as its child ``experts_name``) is routed at ``ep_size``
+    expert-parallel ranks; raises where the block reads its experts itself and its routing cannot be known.
+    Changes nothing, so every block is checked before any is adopted."""
     experts = getattr(block, experts_name)
     # no forward of its own: the block indexes the fused weights, which at ep_size 1 are whole (its own forward
     # is then exact); past 1 the layer routes
-    inline = type(experts).forward is nn.Module.forward and int(groups.ep_size) > 1
+    inline = type(experts).forward is nn.Module.forward and int(ep_size) > 1
     router_name = _child_name(block, ROUTER_NAMES)
     top_k = _top_k(block, experts)
     if inline:
@@ -121,12 +134,19 @@ def adopt_block(block: nn.Module, experts_name: str, *, module_path: str, moe_la
                              f"weights itself and has no router child ({' / '.join(ROUTER_NAMES)}) or no top-k "
                              f"attribute ({' / '.join(TOP_K_NAMES)}) to route with; add them to the block or "
                              "turn expert_parallel off for this model")
+    return BlockRouting(inline, router_name, top_k)
+
+
+def adopt_block(block: nn.Module, routing: BlockRouting, *, module_path: str, moe_layer_id: int, num_experts: int,
+                groups: Any) -> AutoEPMoELayer:
+    """Re-class the MoE ``block`` as an :class:`AutoEPMoELayer` of the expert-parallel ``groups``
+    (``topology.ExpertGroups``), routing as :func:`block_routing` found."""
     block.__class__ = _layer_class(type(block))
     values = dict(ep_group=groups.ep.group, ep_group_name=groups.name, ep_size=int(groups.ep_size),
                   ep_rank=int(groups.ep_rank), num_experts=int(num_experts),
                   num_local_experts=int(num_experts) // int(groups.ep_size), moe_layer_id=int(moe_layer_id),
-                  module_path=module_path, autoep_router_name=router_name, autoep_top_k=top_k,
-                  autoep_routes_inline=inline)
+                  module_path=module_path, autoep_router_name=routing.router_name, autoep_top_k=routing.top_k,
+                  autoep_routes_inline=routing.inline)
     for key, value in values.items():
         object.__setattr__(block, key, value)  # plain attributes: never registered as children
     return block  # type: ignore[return-value]
