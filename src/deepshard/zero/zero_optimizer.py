@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from deepshard.zero.stage3.grad_views import Stage3GradViews
+
 __all__ = ["DeepSpeedOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "ZeROOptimizer",
            "build"]
 
@@ -159,8 +161,13 @@ class ZeROOptimizer(DeepSpeedOptimizer):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # ---------------------------------------------------------------------------------- the rest
+    def _refusal(self, name: str) -> str | None:
+        """Why one of this class's names refuses to answer now (its property raised AttributeError, which
+        Python hands to ``__getattr__``); None when it does not refuse."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
-        refusal = self.__dict__.pop("_refusal", None)
+        refusal = self._refusal(name)
         if refusal is not None:  # one of this class's names refused to answer, saying why
             raise AttributeError(refusal)
         if hasattr(type(self), name):  # one of this class's names could not answer: the engine is gone
@@ -192,15 +199,20 @@ class DeepSpeedZeroOptimizer(ZeROOptimizer):
         exactly when there is one param group. With several it is refused (an AttributeError saying why),
         since code written for DeepSpeed pairs the list with ``param_groups`` and would read every group's
         parameters as the first group's."""
+        if len(self.optimizer.param_groups) != 1:  # __getattr__ raises with _refusal's text
+            raise AttributeError("bit16_groups_flat")
+        return self._engine.strategy.flat_buffers()
+
+    def _refusal(self, name: str) -> str | None:
+        if name != "bit16_groups_flat":
+            return None
         groups = len(self.optimizer.param_groups)
-        if groups != 1:  # an AttributeError from a property goes through __getattr__, which raises this text
-            self.__dict__["_refusal"] = (
-                f"engine.optimizer.bit16_groups_flat is DeepSpeed's one flat buffer per param group; deepshard keeps "
+        if groups == 1:
+            return None
+        return (f"engine.optimizer.bit16_groups_flat is DeepSpeed's one flat buffer per param group; deepshard keeps "
                 f"one buffer for all {groups} param groups, so there is no per-group list to give. Read each "
                 "parameter's values through the parameters (they are views of that buffer), or train with one "
                 "param group")
-            raise AttributeError("bit16_groups_flat")
-        return self._engine.strategy.flat_buffers()
 
 
 class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's name
@@ -219,13 +231,14 @@ class DeepSpeedZeroOptimizer_Stage3(ZeROOptimizer):  # noqa: N801 - DeepSpeed's 
         Views of the engine's gradient store where deepshard's partition of a parameter is DeepSpeed's (a
         parameter alone in its ZeRO-3 group); assembled across ranks where it is not, so every data-parallel rank
         calls it together (``zero/stage3/grad_views.py``)."""
-        return self._engine.strategy.fp32_grad_partitions()
+        parts = Stage3GradViews(self._engine.strategy).partitions(True)
+        return {gi: dict(enumerate(group)) for gi, group in parts.items()}
 
     @property
     def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
         """``{param group: [this rank's part of each parameter's reduced gradient]}``, in the gradients' dtype,
         in DeepSpeed's per-parameter split (see :meth:`get_fp32_grad_partitions`)."""
-        return self._engine.strategy.averaged_gradients()
+        return Stage3GradViews(self._engine.strategy).partitions(False)
 
     @property
     def parameter_offload(self) -> Any:

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from deepshard.zero.stage3.gather import GatheredParameters
-from deepshard.zero.stage3.hook_surface import ATTR
 
 
 @contextmanager
@@ -16,9 +15,8 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
     """Yield ``model`` (an engine) with every parameter gathered and, under ZeRO-3, its gathering hooks
     removed (``engine.optimizer.parameter_offload.forward_hooks`` is empty inside the block); other stages
     have no hooks to remove. Every rank must enter it (the gather is a collective)."""
-    surface = getattr(getattr(model, "strategy", None), "hook_surface", None)  # with or without an optimizer
-    if surface is None:
-        surface = getattr(getattr(model, "optimizer", None), ATTR, None)
+    # the strategy's, which engine.optimizer.parameter_offload answers: there with or without an optimizer
+    surface = getattr(getattr(model, "strategy", None), "hook_surface", None)
     with GatheredParameters(list(model.parameters())):
         if surface is None:
             yield model

@@ -38,8 +38,8 @@ def deepspeed_part(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 
 
 class Stage3GradViews:
-    """The reduced gradients of a ``Stage3Strategy`` as DeepSpeed's per-parameter partitions (the strategy is
-    not imported here: it imports this module)."""
+    """The reduced gradients of a ``Stage3Strategy`` as DeepSpeed's per-parameter partitions, for the ZeRO-3
+    optimizer's ``get_fp32_grad_partitions()`` / ``averaged_gradients`` (``zero/zero_optimizer.py``)."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -27,8 +27,6 @@ import torch
 
 from deepshard.zero.stage3.hooks import Stage3Hooks
 
-ATTR = "parameter_offload"
-
 
 class HookSurface:
     """DeepSpeed's ``DeepSpeedZeRoOffload`` names over deepshard's ZeRO-3 hooks (see the module docstring)."""

@@ -34,7 +34,6 @@ from deepshard.zero.sharded_optimizer import NORM_CHUNK, ShardedOptimizer, squar
 from deepshard.zero.fragment_access import FragmentAccess
 from deepshard.zero.stage3 import hook_surface, surface
 from deepshard.zero.stage3.fragment_writes import stage3_access
-from deepshard.zero.stage3.grad_views import Stage3GradViews
 from deepshard.zero.stage3.group import GroupState, ShardedGroup
 from deepshard.zero.stage3.hooks import Stage3Hooks
 from deepshard.zero.stage3.init import full_value
@@ -361,18 +360,6 @@ class Stage3Strategy(ZeroStrategy):
         self._fused_sq.zero_()
         for p in self.params:
             p.grad = None
-
-    # ------------------------------------------------------------ DeepSpeed's gradient partitions
-    def fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
-        """DeepSpeed's ``get_fp32_grad_partitions()``: ``{group: {param index: this rank's fp32 part of its reduced
-        gradient}}`` in DeepSpeed's per-parameter split (``grad_views.py``: views of the gradient store where
-        the layouts agree; a collective where a parameter shares its partition group)."""
-        return {gi: dict(enumerate(parts)) for gi, parts in Stage3GradViews(self).partitions(True).items()}
-
-    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
-        """DeepSpeed's ``averaged_gradients``: ``{group: [this rank's part of each parameter's reduced gradient]}``
-        in the gradients' dtype, in DeepSpeed's per-parameter split (see :meth:`fp32_grad_partitions`)."""
-        return Stage3GradViews(self).partitions(False)
 
     # --------------------------------------------------------------------------------- checkpoints
     def gathered_module_extra(self, rank: int, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
