@@ -31,9 +31,16 @@ def _zero(ckpt: Any, pp: int, tp: int, dp: int) -> dict[str, Any]:
             "partition_count": osd["partition_count"], "group_paddings": osd["group_paddings"]}
 
 
+MODULE_NAMES = ("ARGS_KEY", "CHECKPOINT_INFO_KEY", "EMBEDDING_LAYER_INDEX", "FINAL_LAYER_NORM_INDEX",
+                "SEQUENTIAL_LAYERS", "LAYER_CONCAT_DIM")
+"""The names Megatron-DeepSpeed's converters import from ``deepspeed.checkpoint.deepspeed_checkpoint``."""
+
+
 def readout(checkpoint_class: type, folder: str) -> dict[str, Any]:
-    """Every answer of ``checkpoint_class(folder, ...)`` at each of :data:`TARGETS`, keyed ``"pp,tp,dp"``."""
-    out: dict[str, Any] = {}
+    """Every answer of ``checkpoint_class(folder, ...)`` at each of :data:`TARGETS`, keyed ``"pp,tp,dp"``, and
+    the :data:`MODULE_NAMES` of the class's module (``"names"``)."""
+    module = sys.modules[checkpoint_class.__module__]
+    out: dict[str, Any] = {"names": {name: getattr(module, name) for name in MODULE_NAMES}}
     for pp, tp, dp in TARGETS:
         ckpt = checkpoint_class(folder, tp_degree=tp, pp_degree=pp, dp_degree=dp)
         got: dict[str, Any] = {"sizes": [ckpt.original_world_size, ckpt.world_size, ckpt.layer_count],

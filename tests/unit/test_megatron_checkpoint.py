@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepshard.checkpoint import DeepSpeedCheckpoint, ZeROCheckpoint, get_model_3d_descriptor, model_3d_desc
+from deepshard.checkpoint.deepspeed_format import megatron_checkpoint
 from deepshard.checkpoint.deepspeed_format.megatron_meta import (aggregate_zero12_metadata,
                                                                  checkpoint_parallel_metadata)
 from tests.deepspeed_compat.ds_support import run_in_deepspeed
@@ -117,6 +118,19 @@ def test_reader_merges_layers_and_zero_states_to_a_smaller_layout(tmp_path: Path
         DeepSpeedCheckpoint(str(tmp_path), tp_degree=4)
 
 
+def test_a_name_appended_to_sequential_layers_is_kept_from_the_first_part(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-DeepSpeed's converters append their own replicated tensors to ``SEQUENTIAL_LAYERS``; the merge
+    then keeps tensor-parallel rank 0's part of them instead of joining the parts."""
+    ref = _write_folder(tmp_path, pp=1, tp=2, dp=1, layers=2)
+    monkeypatch.setattr(megatron_checkpoint, "SEQUENTIAL_LAYERS", list(megatron_checkpoint.SEQUENTIAL_LAYERS))
+    megatron_checkpoint.SEQUENTIAL_LAYERS.append("mlp.dense_h_to_4h.weight")
+    layer = DeepSpeedCheckpoint(str(tmp_path), tp_degree=1).get_transformer_state(tp_index=0, pp_index=0)[0]
+    whole = ref["full"]["layers"][0]  # type: ignore[index]
+    torch.testing.assert_close(layer["mlp.dense_h_to_4h.weight"], whole["mlp.dense_h_to_4h.weight"].chunk(2)[0])
+    torch.testing.assert_close(layer["self_attention.dense.weight"], whole["self_attention.dense.weight"])
+
+
 def test_metadata_checks_and_recorded_dimensions(tmp_path: Path) -> None:
     good = {"param_shapes": {"w": (2,)}, "ds_autoep_layers": None, "ds_config": {}}
     assert aggregate_zero12_metadata([("a", good), ("b", good)]) == ([{"w": (2,)}, {"w": (2,)}], None, False)
@@ -142,13 +156,14 @@ def test_metadata_checks_and_recorded_dimensions(tmp_path: Path) -> None:
 @needs_deepspeed
 def test_reader_answers_as_deepspeeds(tmp_path: Path) -> None:
     """The same folder read by DeepSpeed 0.19.8's ``DeepSpeedCheckpoint`` and by deepshard's, at five target
-    layouts: the same files per target rank, the same merged layer and ZeRO states. Adam's 0-d ``step`` is left
+    layouts: the same files per target rank, the same merged layer and ZeRO states; and the same module names
+    Megatron-DeepSpeed's converters import beside it. Adam's 0-d ``step`` is left
     out of the files: DeepSpeed's ``merge_state`` cannot join 0-d tensors (it raises), deepshard keeps the
     first (tested above)."""
     _write_folder(tmp_path, pp=2, tp=2, dp=2, layers=4, step=False)
     out = run_in_deepspeed(["-m", "tests.unit.megatron_readout", str(tmp_path)], "DeepSpeedCheckpoint readout")
     theirs = json.loads(out.split("=====\n", 1)[1].splitlines()[0])
     ours = json.loads(json.dumps(readout(DeepSpeedCheckpoint, str(tmp_path)), sort_keys=True))
-    assert set(ours) == set(theirs) and len(ours) == 5
+    assert set(ours) == set(theirs) and len(ours) == 6
     for target in ours:
         assert ours[target] == theirs[target], target

@@ -26,19 +26,23 @@ from deepshard.checkpoint.deepspeed_format.rank_maps import (meg_2d_parallel_map
                                                              reshape_meg_2d_parallel)
 from deepshard.checkpoint.deepspeed_format.zero_files import ZeROCheckpoint
 
-__all__ = ["ARGS_KEY", "CHECKPOINT_INFO_KEY", "ITERATION_KEY", "DeepSpeedCheckpoint"]
+__all__ = ["ARGS_KEY", "CHECKPOINT_INFO_KEY", "EMBEDDING_LAYER_INDEX", "FINAL_LAYER_NORM_INDEX", "ITERATION_KEY",
+           "LAYER_CONCAT_DIM", "SEQUENTIAL_LAYERS", "DeepSpeedCheckpoint"]
 
 ARGS_KEY = "args"  # the first model-state file's entries Megatron's tools read (get_args, ...)
 CHECKPOINT_INFO_KEY = "checkpoint_info"
 ITERATION_KEY = "iteration"
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_.*")
 _GLOBAL_KEYS = (ARGS_KEY, CHECKPOINT_INFO_KEY, UNIVERSAL_CHECKPOINT_INFO)
-# Megatron's tensor-parallel layers: these are copies on every tensor-parallel rank (take one) ...
-_REPLICATED = {"input_layernorm.weight", "input_layernorm.bias", "self_attention.dense.bias",
-               "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_4h_to_h.bias",
-               "position_embeddings.weight"}
+EMBEDDING_LAYER_INDEX = 0  # the embedding is the first layer file, the final norm the last (the default)
+FINAL_LAYER_NORM_INDEX = -1
+# Megatron's tensor-parallel layers (these names are imported by Megatron-DeepSpeed's deepspeed_to_megatron):
+# these are copies on every tensor-parallel rank (take one) ...
+SEQUENTIAL_LAYERS = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.dense.bias",
+                     "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_4h_to_h.bias",
+                     "position_embeddings.weight"]
 # ... these row-parallel weights are split along their input dimension; everything else along dim 0
-_ROW_PARALLEL = {"self_attention.dense.weight": 1, "mlp.dense_4h_to_h.weight": 1}
+LAYER_CONCAT_DIM = {"self_attention.dense.weight": 1, "mlp.dense_4h_to_h.weight": 1}
 
 
 class DeepSpeedCheckpoint:
@@ -46,7 +50,7 @@ class DeepSpeedCheckpoint:
     saved degree; a degree may shrink, not grow)."""
 
     def __init__(self, dir: str, tp_degree: Optional[int] = None, pp_degree: Optional[int] = None,  # noqa: A002
-                 dp_degree: Optional[int] = None, final_layer_norm_idx: int = -1) -> None:
+                 dp_degree: Optional[int] = None, final_layer_norm_idx: int = FINAL_LAYER_NORM_INDEX) -> None:
         check_folder(dir)
         self.dir, self.final_layer_norm_idx = dir, final_layer_norm_idx
         self.file_list = get_files(dir)
@@ -71,7 +75,7 @@ class DeepSpeedCheckpoint:
         self._check_degrees()
         self.pp_to_transformer_map = self._pp_transformer_map()
         self.transformer_file_map = self._transformer_file_map()
-        self.tp_to_embedding_map = self._tp_layer_map(0)
+        self.tp_to_embedding_map = self._tp_layer_map(EMBEDDING_LAYER_INDEX)
         self.tp_to_final_norm_map = self._tp_layer_map(self.final_layer_norm_idx)
 
     # ------------------------------------------------------------------ construction
@@ -157,7 +161,7 @@ class DeepSpeedCheckpoint:
         return self.pp_to_transformer_map[pp_index]
 
     def get_embedding_layer_id(self) -> str:
-        return self.layer_keys[0]
+        return self.layer_keys[EMBEDDING_LAYER_INDEX]
 
     def get_final_norm_layer_id(self) -> str:
         return self.layer_keys[self.final_layer_norm_idx]
@@ -244,7 +248,8 @@ class DeepSpeedCheckpoint:
 def _merge_layer(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One Megatron layer from its tensor-parallel parts: replicated tensors taken once, row-parallel
     weights joined along dim 1, the rest along dim 0."""
-    return {key: parts[0][key] if key in _REPLICATED else torch.cat([p[key] for p in parts], _ROW_PARALLEL.get(key, 0))
+    return {key: parts[0][key] if key in SEQUENTIAL_LAYERS else torch.cat([p[key] for p in parts],
+                                                                            LAYER_CONCAT_DIM.get(key, 0))
             for key in parts[0]}
 
 
