@@ -94,6 +94,11 @@ class StepRunner:
         self.rank = rank
         self.autotune = AutotuneProbe.from_env()  # set only inside a `deepshard --autotuning` trial
 
+    @property
+    def clip(self) -> float:
+        """The config's ``gradient_clipping`` (0: no clipping)."""
+        return float(self.config.gradient_clipping or 0.0)
+
     def for_backward(self, loss: Any, divide: bool = True) -> tuple[Any, Any]:
         """``(loss / accumulation steps, that times the loss scale)``: what backward starts from. In the
         deterministic mode backward starts from the undivided loss (each micro-batch's gradient enters the
@@ -117,8 +122,7 @@ class StepRunner:
 
     def boundary_step(self, engine: Any, lr_kwargs: Optional[dict[str, Any]] = None) -> bool:
         """The optimizer step at an accumulation boundary (clipping, overflow skip, LR schedule)."""
-        applied = optimizer_step(engine.strategy, self.state, self.loss_scaler,
-                                 float(self.config.gradient_clipping or 0.0), engine.lr_scheduler,
+        applied = optimizer_step(engine.strategy, self.state, self.loss_scaler, self.clip, engine.lr_scheduler,
                                  int(self.config.train_batch_size), self.rank, lr_kwargs)
         if self.autotune is not None:  # an autotuning trial: measure, and end the run at its last step
             self.autotune.after_step(engine)
@@ -126,8 +130,7 @@ class StepRunner:
 
     def update(self, engine: Any) -> bool:
         """The ZeRO optimizer's step alone (``update_step``): ``engine.optimizer.step()``."""
-        return update_step(engine.strategy, self.state, self.loss_scaler, float(self.config.gradient_clipping or 0.0),
-                           self.rank)
+        return update_step(engine.strategy, self.state, self.loss_scaler, self.clip, self.rank)
 
     def finish(self, engine: Any, micro_steps: int, boundary: bool) -> None:
         """After a step call: count the micro-steps, let the tools see it, report a boundary."""
